@@ -1,0 +1,222 @@
+"""``dspark-export build``: export the target (verifier) and draft graphs, validate them against
+torch, copy the tokenizer, and write ``<engine_dir>/manifest.json``.
+
+A *recipe* (``engines/<name>.json``, tracked in git) names the models and settings::
+
+    {"name": "qwen2.5-coder-1.5b", "target": "qwen2.5-coder-1.5b-instruct",
+     "draft": "qwen2.5-coder-0.5b-instruct", "precision": "fp32",
+     "target_feature_layers": [1, 13, 25], "draft_length": 5}
+
+Models are fetched names (see ``dspark-export fetch``) or Hugging Face folders. Each graph is
+exported in its own subprocess by default, so only one model is in memory at a time (an fp32
+1.5B takes ~7 GB wherever it lives).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.graphspec import GraphSpec
+from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, GraphEntry, Manifest
+
+PRECISIONS = ("fp32",)  # later: fp16, int8, fp8 (the flag exists now)
+VALIDATION_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@dataclass
+class Recipe:
+    """What to build. ``target``/``draft``: fetched model names or HF folders."""
+
+    name: str
+    target: str
+    draft: str | None = None
+    precision: str = "fp32"
+    target_feature_layers: list = field(default_factory=list)
+    draft_length: int = 5
+
+    @staticmethod
+    def from_file(path: str | Path) -> "Recipe":
+        path = Path(path)
+        if not path.is_file():
+            raise DSparkError(f"recipe {path} not found; see engines/*.json for examples")
+        try:
+            d = json.loads(path.read_text())
+            return Recipe(**d)
+        except (ValueError, TypeError) as e:
+            raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
+                              "target_feature_layers, draft_length") from e
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise DSparkError(f"precision {self.precision!r} is not supported yet; choose one of {PRECISIONS}")
+        if not isinstance(self.draft_length, int) or self.draft_length < 1:
+            raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A fetched model name -> its cache folder; an existing folder -> itself. Raises DSparkError."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    from dspark_export import fetch
+
+    if name_or_path in fetch.MODELS:
+        mp = fetch.model_path(name_or_path)
+        if (mp / "config.json").is_file():
+            return mp
+        raise DSparkError(f"model {name_or_path!r} is not fetched yet; run `dspark-export fetch {name_or_path}`")
+    raise DSparkError(f"{name_or_path!r} is neither a model folder nor a known model "
+                      f"({', '.join(sorted(fetch.MODELS))})")
+
+
+def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids) -> dict:
+    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config"}."""
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, validate_decoder
+
+    model = load_hf_model(model_dir)
+    dims = decoder_dims(model.config, feature_layers)
+    spec = export_decoder(model, dims, out_path)
+    rep = validate_decoder(model, dims, out_path, validation_ids)
+    cfg = model.config.to_dict()
+    keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
+            "tie_word_embeddings", "torch_dtype", "dtype")
+    return {"spec": spec.to_json(), "validation": rep.to_json(), "config": {k: cfg[k] for k in keep if k in cfg}}
+
+
+def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids) -> dict:
+    """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
+    args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
+                       "feature_layers": list(feature_layers), "validation_ids": list(validation_ids)})
+    result_path = out_path.with_suffix(".export.json")
+    proc = subprocess.run([sys.executable, "-m", "dspark_export.build", args, str(result_path)])
+    if proc.returncode != 0 or not result_path.is_file():
+        raise DSparkError(f"exporting {model_dir} failed (exit {proc.returncode}); see the messages above")
+    res = json.loads(result_path.read_text())
+    result_path.unlink()
+    return res
+
+
+def _copy_tokenizer(model_dir: Path, out_dir: Path) -> dict:
+    tok_dir = out_dir / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (model_dir / f).is_file():
+            shutil.copy2(model_dir / f, tok_dir / f)
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise DSparkError(f"{model_dir} has no tokenizer.json; the runtime needs a fast tokenizer")
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text()) if (tok_dir / "tokenizer_config.json").is_file() else {}
+    if not (tok_dir / "chat_template.jinja").is_file() and isinstance(cfg.get("chat_template"), str):
+        (tok_dir / "chat_template.jinja").write_text(cfg["chat_template"])
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eos = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        eos += e if isinstance(e, list) else ([e] if e is not None else [])
+    if isinstance(cfg.get("eos_token"), str) and tok.token_to_id(cfg["eos_token"]) is not None:
+        eos.append(tok.token_to_id(cfg["eos_token"]))
+    eos = sorted(set(int(i) for i in eos))
+    if not eos:
+        raise DSparkError(f"{model_dir}: no EOS token id in generation_config.json or tokenizer_config.json")
+    files = sorted(p.name for p in tok_dir.iterdir() if p.is_file())
+    return {"dir": "tokenizer", "files": [FileEntry.of(out_dir, f"tokenizer/{f}") for f in files],
+            "eos_token_ids": eos,
+            "chat_template": "tokenizer/chat_template.jinja" if (tok_dir / "chat_template.jinja").is_file() else None}
+
+
+def _check_same_vocab(target_dir: Path, draft_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    a = Tokenizer.from_file(str(target_dir / "tokenizer.json")).get_vocab()
+    b = Tokenizer.from_file(str(draft_dir / "tokenizer.json")).get_vocab()
+    if a != b:
+        raise DSparkError(f"the draft {draft_dir} and the target {target_dir} have different vocabularies; "
+                          "a draft LM must share the target's tokenizer")
+
+
+def _tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("dspark", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print) -> Manifest:
+    """Build ``out_dir`` from ``recipe``: graphs, tokenizer, manifest. Returns the Manifest.
+
+    ``isolate``: export each graph in its own process (default; keeps one model in memory).
+    Raises DSparkError on any failure (missing model, export or validation failure).
+    """
+    recipe.validate()
+    out_dir = Path(out_dir)
+    target_dir = resolve_model(recipe.target)
+    draft_dir = resolve_model(recipe.draft) if recipe.draft else None
+    if draft_dir is not None:
+        _check_same_vocab(target_dir, draft_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (out_dir / "manifest.json", out_dir / VERIFIED_NAME):
+        if stale.exists():
+            stale.unlink()  # a half-rebuilt directory must not look valid
+    t0 = time.perf_counter()
+    tokenizer = _copy_tokenizer(target_dir, out_dir)
+    from dspark_runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(out_dir / "tokenizer")
+    val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
+                         if tok.chat_template else VALIDATION_TEXT)
+    graphs = {}
+    jobs = [("target", target_dir, recipe.target_feature_layers)]
+    if draft_dir is not None:
+        jobs.append(("draft", draft_dir, []))
+    for role, mdir, feats in jobs:
+        log(f"[{role}] exporting {mdir} -> {out_dir / (role + '.onnx')}")
+        fn = _export_graph_isolated if isolate else export_graph
+        res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids)
+        v = res["validation"]
+        log(f"[{role}] validated vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
+            f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
+            f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+        log(f"[{role}] hashing files")
+        files = [FileEntry.of(out_dir, f"{role}.onnx"), FileEntry.of(out_dir, f"{role}.onnx.data")]
+        graphs[role] = GraphEntry(role=role, model_id=str(recipe.target if role == "target" else recipe.draft),
+                                  format="onnx", precision=recipe.precision, files=files,
+                                  spec=GraphSpec.from_json(res["spec"]), validation=v, model_config=res["config"])
+    manifest = Manifest(
+        name=recipe.name, graphs=graphs, tokenizer=tokenizer,
+        speculation={"draft_graph": "draft" if draft_dir else None, "draft_length": recipe.draft_length},
+        tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        schema_version=SCHEMA_VERSION)
+    manifest.write(out_dir)
+    # Everything was hashed just now: record size+mtime so the first load need not re-hash 7 GB.
+    seen = {f.path: [(out_dir / f.path).stat().st_size, (out_dir / f.path).stat().st_mtime_ns]
+            for f in manifest.all_files()}
+    (out_dir / VERIFIED_NAME).write_text(json.dumps(seen))
+    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return manifest
+
+
+if __name__ == "__main__":  # worker for _export_graph_isolated
+    a = json.loads(sys.argv[1])
+    try:
+        r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"])
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    Path(sys.argv[2]).write_text(json.dumps(r))

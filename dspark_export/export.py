@@ -1,0 +1,273 @@
+"""Trace a Hugging Face decoder (target/verifier or draft LM) to an ONNX graph with an explicit
+KV cache, then validate the graph against the torch model.
+
+The graph interface is declared once in :mod:`dspark_runtime.graphspec`; input/output names,
+dynamic axes and the validation checks below are all derived from that declaration.
+
+The wrapper runs the model's own modules (embedding, rotary embedding, decoder layers, final
+norm, LM head) with a tiny explicit cache object, so the graph takes past keys/values as plain
+inputs and returns past+new keys/values (the *growing* layout, DESIGN.md section 2) plus the
+hidden states of the requested layers (DeepSpec indexing: -1 = embedding output, i = output of
+decoder layer i), which DSpark drafters consume.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.graphspec import DecoderDims, GraphSpec, causal_lm_spec, past_names
+
+OPSET = 18
+# torch.export specialises axes of size 0 or 1: trace with sizes that are neither.
+TRACE_BATCH, TRACE_Q, TRACE_PAST = 2, 3, 5
+
+
+def load_hf_model(path: str | Path):
+    """Load a Hugging Face causal LM folder in float32 with eager attention, in eval mode.
+
+    Raises DSparkError when the folder is missing or holds no causal LM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise DSparkError(
+            f"no Hugging Face model at {path} (config.json missing); "
+            "fetch it first with `dspark-export fetch <model>` or pass a model folder"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def decoder_dims(config, feature_layers=()) -> DecoderDims:
+    """Read the graph dimensions from a transformers config.
+
+    ``feature_layers`` use DeepSpec indexing (-1 = embeddings, i = output of layer i) and must lie
+    in ``[-1, num_hidden_layers - 1]``; raises DSparkError otherwise.
+    """
+    n = config.num_hidden_layers
+    for i in feature_layers:
+        if not -1 <= i < n:
+            raise DSparkError(f"feature layer {i} out of range: the model has {n} layers (use -1..{n - 1})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return DecoderDims(
+        num_layers=n,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        feature_layers=tuple(int(i) for i in feature_layers),
+    )
+
+
+class _ExplicitCache:
+    """Minimal stand-in for a transformers ``Cache``: concatenates the past given as graph inputs
+    with the new keys/values and keeps the result as the graph's present outputs."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.past = past
+        self.present: list = [None] * len(past)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        pk, pv = self.past[layer_idx]
+        k = torch.cat([pk, key_states], dim=-2)
+        v = torch.cat([pv, value_states], dim=-2)
+        self.present[layer_idx] = (k, v)
+        return k, v
+
+
+class DecoderWrapper(nn.Module):
+    """forward(input_ids, position_ids, attention_mask, *past_flat) -> (logits, [features], *present_flat).
+
+    Shapes and dtypes follow :func:`dspark_runtime.graphspec.causal_lm_spec`. The boolean mask is
+    turned into an additive float mask (0 where True, the dtype's minimum where False).
+    """
+
+    def __init__(self, model, dims: DecoderDims):
+        super().__init__()
+        self.model = model
+        self.dims = dims
+
+    def forward(self, input_ids, position_ids, attention_mask, *past_flat):
+        base = self.model.model
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(self.dims.num_layers)]
+        cache = _ExplicitCache(past)
+        min_val = torch.finfo(torch.float32).min
+        mask = torch.where(attention_mask, torch.zeros((), dtype=torch.float32), torch.full((), min_val))
+        h = base.embed_tokens(input_ids)
+        pos_emb = base.rotary_emb(h, position_ids)
+        feats = {}
+        if -1 in self.dims.feature_layers:
+            feats[-1] = h
+        for i, layer in enumerate(base.layers[: self.dims.num_layers]):
+            h = layer(h, attention_mask=mask, position_ids=position_ids, cache=cache, position_embeddings=pos_emb)
+            if isinstance(h, tuple):  # older layer signatures return tuples
+                h = h[0]
+            if i in self.dims.feature_layers:
+                feats[i] = h
+        logits = self.model.lm_head(base.norm(h))
+        outs = [logits]
+        if self.dims.feature_layers:
+            outs.append(torch.cat([feats[i] for i in self.dims.feature_layers], dim=-1))
+        for k, v in cache.present:
+            outs += [k, v]
+        return tuple(outs)
+
+
+def _example_inputs(dims: DecoderDims, batch: int, q: int, past: int, ids=None):
+    g = torch.Generator().manual_seed(0)
+    if ids is None:
+        ids = torch.randint(0, dims.vocab_size, (batch, q), generator=g)
+    pos = torch.arange(past, past + q).unsqueeze(0).expand(batch, q).contiguous()
+    mask = torch.ones(batch, 1, q, past + q, dtype=torch.bool).tril(diagonal=past)
+    kv = []
+    for _ in range(dims.num_layers):
+        for _ in range(2):
+            kv.append(torch.randn(batch, dims.num_kv_heads, past, dims.head_dim, generator=g) * 0.1)
+    return (ids, pos, mask, *kv)
+
+
+def _rename_dynamic_dims(model_proto: onnx.ModelProto, spec: GraphSpec) -> None:
+    """Give the graph's dynamic axes the names declared in ``spec`` (dynamo names them s0, s1...)."""
+    for values, decls in ((model_proto.graph.input, spec.inputs), (model_proto.graph.output, spec.outputs)):
+        by_name = {t.name: t for t in decls}
+        for vi in values:
+            decl = by_name.get(vi.name)
+            if decl is None:
+                raise DSparkError(f"exported graph has an undeclared tensor {vi.name!r}")
+            dims = vi.type.tensor_type.shape.dim
+            if len(dims) != len(decl.shape):
+                raise DSparkError(f"{vi.name}: exported rank {len(dims)} != declared {len(decl.shape)}")
+            for d, want in zip(dims, decl.shape):
+                if isinstance(want, str):
+                    d.ClearField("dim_value")
+                    d.dim_param = want
+
+
+def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
+    """Export ``model`` as a decoder graph to ``out_path`` (+ ``out_path.data`` external weights).
+
+    Returns the GraphSpec the graph was exported with. Uses ``torch.onnx.export(dynamo=True)``,
+    opset 18, dynamic batch / q_len / past_len axes. Raises DSparkError on a trace failure.
+    """
+    spec = causal_lm_spec(dims)
+    wrapper = DecoderWrapper(model, dims).eval()
+    args = _example_inputs(dims, TRACE_BATCH, TRACE_Q, TRACE_PAST)
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = [{ax: dyn for ax in t.dynamic_axes()} for t in spec.inputs]
+    dynamic_shapes = (*shapes[:3], tuple(shapes[3:]))  # forward(ids, pos, mask, *past)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        try:
+            prog = torch.onnx.export(
+                wrapper,
+                args,
+                dynamo=True,
+                input_names=spec.input_names,
+                output_names=spec.output_names,
+                dynamic_shapes=dynamic_shapes,
+                opset_version=OPSET,
+                optimize=True,
+                verbose=False,
+            )
+        except Exception as e:  # surface the exporter's message, not its stack
+            raise DSparkError(f"ONNX export of {type(model).__name__} failed: {e}") from e
+    proto = prog.model_proto
+    _rename_dynamic_dims(proto, spec)
+    data_name = out_path.name + ".data"
+    for p in (out_path, out_path.with_name(data_name)):
+        if p.exists():
+            p.unlink()
+    onnx.save_model(proto, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name, size_threshold=1024)
+    del prog, proto
+    print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
+    return spec
+
+
+@dataclass
+class ValidationReport:
+    """Graph-vs-torch agreement (logits in float32).
+
+    prefill_*: the prompt fed with an empty past (past_len = 0); verify_*: 5 more tokens fed on
+    top of the prefill's KV cache, compared with torch's full-sequence forward at those positions.
+    """
+
+    prefill_max_abs_logit_diff: float
+    prefill_argmax_agreement: float
+    verify_max_abs_logit_diff: float
+    verify_argmax_agreement: float
+    features_max_abs_diff: float | None
+    tolerance_logits: float
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def validate_decoder(model, dims: DecoderDims, onnx_path: Path, token_ids: list[int],
+                     tolerance: float = 1e-2, n_verify: int = 5) -> ValidationReport:
+    """Run the ONNX graph (ONNX Runtime CPU) and the torch model on real token ids and compare.
+
+    ``token_ids``: a prompt of at least ``n_verify + 2`` tokens. Raises DSparkError when the
+    logits differ by more than ``tolerance`` or any argmax disagrees.
+    """
+    import onnxruntime as ort
+
+    from dspark_runtime.backend import OrtDecoder
+
+    if len(token_ids) < n_verify + 2:
+        raise DSparkError("validation prompt too short")
+    spec = causal_lm_spec(dims)
+    dec = OrtDecoder(onnx_path, spec, threads=2)
+    dec.activate()
+    ids = np.asarray(token_ids, dtype=np.int64)[None]
+    n = ids.shape[1] - n_verify
+    empty = dec.empty_kv(1)
+    out1 = dec.step(ids[:, :n], np.arange(n)[None], _causal_mask(n, 0), empty)
+    out2 = dec.step(ids[:, n:], np.arange(n, n + n_verify)[None], _causal_mask(n_verify, n), out1.kv)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids), output_hidden_states=bool(dims.feature_layers))
+    ref_logits = ref.logits[0].float().numpy()
+    got = np.concatenate([out1.logits[0], out2.logits[0]], axis=0)
+    pre_diff = float(np.abs(got[:n] - ref_logits[:n]).max())
+    ver_diff = float(np.abs(got[n:] - ref_logits[n:]).max())
+    pre_agree = float((got[:n].argmax(-1) == ref_logits[:n].argmax(-1)).mean())
+    ver_agree = float((got[n:].argmax(-1) == ref_logits[n:].argmax(-1)).mean())
+    feat_diff = None
+    if dims.feature_layers:
+        hs = ref.hidden_states  # hs[0] = embeddings, hs[i + 1] = output of layer i (last is post-norm)
+        ref_feats = []
+        for i in dims.feature_layers:
+            if i == dims.num_layers - 1:
+                ref_feats = None  # transformers reports the last layer after the final norm
+                break
+            ref_feats.append(hs[i + 1][0].numpy())
+        if ref_feats is not None:
+            ref_f = np.concatenate(ref_feats, axis=-1)
+            got_f = np.concatenate([out1.features[0], out2.features[0]], axis=0)
+            feat_diff = float(np.abs(got_f - ref_f).max())
+    dec.deactivate()
+    rep = ValidationReport(pre_diff, pre_agree, ver_diff, ver_agree, feat_diff, tolerance)
+    if max(pre_diff, ver_diff) > tolerance or min(pre_agree, ver_agree) < 1.0:
+        raise DSparkError(f"graph {onnx_path.name} failed validation against torch: {rep.to_json()}")
+    del ort
+    return rep
+
+
+def _causal_mask(q: int, past: int) -> np.ndarray:
+    """Boolean mask [1, 1, q, past + q]: query i sees key j iff j <= past + i."""
+    return np.tril(np.ones((q, past + q), dtype=bool), k=past)[None, None]
+
+
+__all__ = ["load_hf_model", "decoder_dims", "export_decoder", "validate_decoder", "ValidationReport",
+           "DecoderWrapper", "past_names"]

@@ -1,0 +1,107 @@
+"""``dspark``: generate with an engine directory; verify it."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from dspark_runtime.errors import DSparkError, InputError
+
+
+def _draft_length(value):
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"--draft-length must be an integer or 'auto', got {value!r}")
+
+
+@click.group()
+@click.version_option(package_name="dspark")
+def cli():
+    """DSpark runtime: speculative decoding from a built engine directory."""
+
+
+@cli.command()
+@click.option("--engine", "engine_dir", required=True, help="Engine directory (with manifest.json).")
+@click.option("--prompt", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed.")
+@click.option("--draft-length", default=None, help="Draft tokens per round, or 'auto' (heuristic schedule).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
+def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, stop, raw,
+             no_speculation, as_json, threads, stream):
+    """Generate a completion for --prompt."""
+    from dspark_runtime.engine import DEFAULT_THREADS, Engine
+
+    eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS)
+    streaming = stream and not as_json
+    res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=seed, draft=None if no_speculation else "auto", draft_length=_draft_length(draft_length),
+                       stop=list(stop) or None, raw=raw,
+                       stream=(lambda t: click.echo(t, nl=False)) if streaming else None)
+    s = res.stats
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+        return
+    if not streaming:
+        click.echo(res.text, nl=False)
+    click.echo()
+    mode = "target-only" if s.drafter == "none" else f"speculative ({s.drafter} draft)"
+    extra = "" if s.drafter == "none" else f" | tau {s.accepted_length_mean:.2f} | acceptance {s.acceptance_rate:.0%}"
+    click.echo(f"--- {mode}: {s.new_tokens} tokens ({res.finish_reason}) | {s.tokens_per_second:.1f} tok/s"
+               f"{extra} | TTFT {s.ttft_ms:.0f} ms | total {s.total_ms / 1e3:.1f} s", err=True)
+
+
+@cli.command()
+@click.option("--engine", "engine_dir", required=True, help="Engine directory.")
+def verify(engine_dir):
+    """Re-hash every file of the engine against its manifest (sha256)."""
+    from dspark_runtime.manifest import load_manifest
+
+    m = load_manifest(engine_dir, verify=True, rehash=True)
+    n = len(m.all_files())
+    click.echo(f"{engine_dir}: manifest v{m.schema_version} '{m.name}', {n} files OK")
+
+
+@cli.command()
+@click.option("--engine", "engine_dir", required=True, help="Engine directory.")
+def info(engine_dir):
+    """Print the manifest summary: graphs, precision, validation figures."""
+    from dspark_runtime.manifest import load_manifest
+
+    m = load_manifest(engine_dir, verify=False)
+    click.echo(f"{m.name} (schema v{m.schema_version}, built {m.created})")
+    for k, g in m.graphs.items():
+        size = sum(f.size for f in g.files) / 2**30
+        click.echo(f"  {k}: {g.model_id} {g.format}/{g.precision} {size:.2f} GiB "
+                   f"layers={g.spec.dims.num_layers} vocab={g.spec.dims.vocab_size} validation={g.validation}")
+    click.echo(f"  speculation: {m.speculation}")
+
+
+def main(argv=None):
+    """Console entry point: user errors print one line and exit 2, no traceback."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except DSparkError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The library entry point: ``Engine.load(dir).generate(prompt, ...)``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from dspark_runtime.backend import OrtDecoder
+from dspark_runtime.errors import InputError
+from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, generate_tokens
+from dspark_runtime.manifest import Manifest, load_manifest
+from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.tokenizer import Tokenizer
+
+DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+class Engine:
+    """A loaded engine directory: tokenizer, target (verifier) graph and optional draft graph.
+
+    Construct with :meth:`load`. Sessions are created on first use (``activate``), so loading
+    is cheap until the first generation.
+    """
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None):
+        self.dir = Path(engine_dir)
+        self.manifest = manifest
+        tok = manifest.tokenizer
+        self.tokenizer = Tokenizer(self.dir / tok["dir"])
+        self.eos_ids = list(tok.get("eos_token_ids", []))
+        self._backends = {
+            key: OrtDecoder(self.dir / g.model_file, g.spec, threads=threads, providers=providers)
+            for key, g in manifest.graphs.items()
+        }
+        self._runners: dict = {}
+        self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
+        self.draft_graph = manifest.speculation.get("draft_graph")
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
+             verify: bool = True, rehash: bool = False) -> "Engine":
+        """Load ``engine_dir`` through its manifest.
+
+        Raises ManifestError for a missing directory or manifest, an unsupported schema version,
+        or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
+        ``rehash``).
+        """
+        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers)
+
+    @property
+    def has_draft(self) -> bool:
+        return bool(self.draft_graph) and self.draft_graph in self._backends
+
+    def runner(self, key: str) -> DecoderRunner:
+        """The DecoderRunner of graph ``key`` ("target" or "draft"), activating its session."""
+        if key not in self._runners:
+            self._runners[key] = DecoderRunner(self._backends[key].activate())
+        return self._runners[key]
+
+    def encode_prompt(self, prompt, raw: bool = False) -> list:
+        """Token ids for a prompt: a string (chat-templated as one user turn unless ``raw``) or a
+        list of chat messages. Raises InputError on an empty prompt."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("the prompt is empty; pass some text")
+            text = prompt if raw else self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InputError("the message list is empty; pass at least one message")
+            text = self.tokenizer.apply_chat_template(list(prompt))
+        else:
+            raise InputError(f"prompt must be a string or a list of messages, not {type(prompt).__name__}")
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise InputError("the prompt encodes to zero tokens; pass some text")
+        return ids
+
+    def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
+                 seed: int | None = None, stop: list | None = None, raw: bool = False,
+                 stream: Callable[[str], None] | None = None) -> GenerationResult:
+        """Generate a completion.
+
+        Args:
+            prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
+            max_new_tokens: > 0.
+            temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
+            draft: "auto" (the engine's draft if it has one), "draft" (require it), or None/"none"
+                for target-only decoding.
+            draft_length: draft tokens per round (gamma >= 1), or "auto" for the heuristic
+                schedule (+2 after a fully accepted block, -1 otherwise). Default: the manifest's.
+            seed: RNG seed for sampling (same seed, same output).
+            stop: strings that end generation (excluded from the text).
+            stream: called with each new piece of text as tokens are committed.
+
+        Returns a GenerationResult (text, token_ids, finish_reason, stats).
+        Raises InputError for out-of-range arguments or an empty prompt.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        params.validate()
+        adaptive = draft_length == "auto"
+        gamma = self.default_draft_length if draft_length in (None, "auto") else draft_length
+        if not isinstance(gamma, int) or gamma < 1:
+            raise InputError(f"draft_length must be a positive integer or 'auto', got {draft_length!r}")
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+            raise InputError("stop must be a list of non-empty strings")
+        ids = self.encode_prompt(prompt, raw=raw)
+
+        drafter = None
+        if draft in ("auto", "draft"):
+            if self.has_draft:
+                drafter = LMDrafter(self.runner(self.draft_graph))
+            elif draft == "draft":
+                raise InputError("this engine has no draft graph; rebuild with a draft or use --no-speculation")
+        elif draft not in (None, "none"):
+            raise InputError(f"unknown draft {draft!r}: use 'auto', 'draft' or 'none'")
+
+        on_tokens = None
+        if stream is not None:
+            state = {"ids": [], "text": ""}
+
+            def on_tokens(new):
+                state["ids"] += new
+                text = self.tokenizer.decode(state["ids"])
+                if len(text) > len(state["text"]) and not text.endswith("\ufffd"):
+                    stream(text[len(state["text"]):])
+                    state["text"] = text
+
+        tokens, reason, stats = generate_tokens(
+            self.runner("target"), ids, max_new_tokens=max_new_tokens, params=params, eos_ids=self.eos_ids,
+            drafter=drafter, draft_length=gamma, adaptive=adaptive, seed=seed, stop=stop,
+            decode=self.tokenizer.decode, on_tokens=on_tokens)
+        text = self.tokenizer.decode(tokens)
+        if reason == "stop":
+            cut = min((text.find(s) for s in stop if s in text), default=len(text))
+            text = text[:cut]
+        return GenerationResult(text=text, token_ids=tokens, finish_reason=reason, stats=stats)

@@ -1,0 +1,295 @@
+"""The generation loop: target-only decoding and speculative decoding with a pluggable drafter.
+
+One speculative round (DESIGN.md section 1, steps 1 and 5; Leviathan et al. 2023, Chen et al.
+2023)::
+
+    drafts, q = drafter.propose(context, gamma)         # draft gamma tokens after the anchor x0
+    logits    = target.step([x0, d_1 .. d_gamma])        # one verify pass, gamma + 1 positions
+    n, next   = accept(drafts, q, p(logits))             # pure function (acceptance.py)
+    target.rollback(to: anchor + n accepted drafts)      # O(1) length pointer
+    commit d_1..d_n, next                                # `next` is the new anchor (bonus token)
+
+Model calls live in ``DecoderRunner`` and the drafters; acceptance and token selection are pure
+functions in :mod:`dspark_runtime.acceptance` and :mod:`dspark_runtime.sampling`.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from dspark_runtime.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.backend import OrtDecoder
+from dspark_runtime.kvcache import KVCache, causal_mask
+from dspark_runtime.sampling import SamplingParams, process_logits, sample
+
+PREFILL_CHUNK = 256
+
+
+class DecoderRunner:
+    """One sequence's view of a decoder graph: the backend plus its KV cache.
+
+    ``step(tokens)`` feeds tokens after the cached ones and returns logits float32 [q, vocab].
+    """
+
+    def __init__(self, backend: OrtDecoder):
+        self.backend = backend
+        self.cache = KVCache(backend.empty_kv(1))
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def step(self, tokens) -> np.ndarray:
+        """Feed ``tokens`` (list of int, q >= 1) at positions length..length+q-1; returns [q, vocab]."""
+        q, past = len(tokens), self.cache.length
+        ids = np.asarray(tokens, dtype=np.int64)[None]
+        pos = np.arange(past, past + q, dtype=np.int64)[None]
+        out = self.backend.step(ids, pos, causal_mask(q, past), self.cache.view())
+        self.cache.update(out.kv)
+        return out.logits[0]
+
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step(tokens[s:s + chunk])
+        return logits[-1]
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+
+class Drafter(Protocol):
+    """A source of draft blocks.
+
+    ``propose(context, gamma, params, rng)`` -> (tokens list[int] of length gamma,
+    probs float32 [gamma, vocab] of the processed draft distributions, or None when greedy).
+    ``context`` is every committed token (prompt + generated), the last one being the anchor.
+    """
+
+    name: str
+
+    def begin(self, prompt: list) -> None: ...
+
+    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple: ...
+
+
+class LMDrafter:
+    """A standalone draft LM of the same tokenizer, run autoregressively with its own KV cache.
+
+    The cache is kept aligned with the committed context: after a round, the positions of the
+    rejected drafts are rolled back (O(1)) and the missing committed tokens (the bonus token, and
+    the last draft if all were accepted) are fed at the start of the next proposal.
+    """
+
+    name = "lm"
+
+    def __init__(self, runner: DecoderRunner):
+        self.runner = runner
+        self._cached: list = []  # the tokens whose KV the draft cache holds
+
+    def begin(self, prompt: list) -> None:
+        self.runner.reset()
+        self._cached = []
+        if len(prompt) > 1:
+            self.runner.prefill(prompt[:-1])
+            self._cached = list(prompt[:-1])
+
+    def _sync(self, context: list) -> list:
+        """Roll the cache back to its longest prefix shared with ``context``; return the rest."""
+        n = 0
+        m = min(len(self._cached), len(context))
+        while n < m and self._cached[n] == context[n]:
+            n += 1
+        self.runner.rollback(n)
+        self._cached = self._cached[:n]
+        return context[n:]
+
+    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
+        pending = self._sync(context)
+        tokens, probs = [], []
+        for k in range(gamma):
+            logits = self.runner.step(pending)[-1]
+            self._cached += pending
+            if params.greedy:
+                t = int(np.argmax(logits))
+            else:
+                q = process_logits(logits, params)
+                t = sample(q, rng)
+                probs.append(q)
+            tokens.append(t)
+            pending = [t]
+        return tokens, (np.stack(probs) if probs else None)
+
+
+@dataclass
+class GenerationStats:
+    """Per-request metrics. Times in milliseconds; rates per second of decode time.
+
+    accepted_length_mean (tau): tokens committed per round, bonus included.
+    acceptance_rate: accepted draft tokens / proposed draft tokens.
+    accepted_by_position[k]: fraction of rounds that proposed position k+1 and accepted it.
+    tokens_per_second: generated tokens / decode time (prefill excluded; the first token, which
+    prefill produces, is not counted).
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    num_rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_length_mean: float = 0.0
+    acceptance_rate: float = 0.0
+    accepted_by_position: list = field(default_factory=list)
+    draft_length_histogram: dict = field(default_factory=dict)
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    drafter: str = "none"
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationResult:
+    """text: decoded new text (stop string excluded); token_ids: generated ids (list[int]);
+    finish_reason: "eos" | "length" | "stop"."""
+
+    text: str
+    token_ids: list
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_json()}
+
+
+class DraftSchedule:
+    """Draft length per round: fixed, or the "heuristic" schedule (+2 after a fully accepted
+    block, -1 otherwise; as transformers' assisted generation), within [1, max_length]."""
+
+    def __init__(self, initial: int, adaptive: bool, max_length: int = 16):
+        self.gamma, self.adaptive, self.max_length = initial, adaptive, max_length
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive:
+            return
+        self.gamma = min(self.gamma + 2, self.max_length) if accepted == proposed else max(1, self.gamma - 1)
+
+
+def _select(logits: np.ndarray, params: SamplingParams, rng) -> int:
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(process_logits(logits, params), rng)
+
+
+class _Stopper:
+    """EOS, max_new_tokens and stop strings. ``check(tokens)`` -> (keep_count, reason or None)."""
+
+    def __init__(self, eos_ids, max_new_tokens: int, stop: list, decode: Callable):
+        self.eos, self.max_new, self.stop, self.decode = set(eos_ids), max_new_tokens, stop, decode
+
+    def check(self, tokens: list, start: int) -> tuple:
+        for i in range(start, len(tokens)):
+            if tokens[i] in self.eos:
+                return i + 1, "eos"
+        if self.stop:
+            text = self.decode(tokens)
+            for s in self.stop:
+                if s in text:
+                    # the shortest token prefix whose text contains the stop string
+                    for j in range(start, len(tokens) + 1):
+                        if s in self.decode(tokens[:j]):
+                            return j, "stop"
+        if len(tokens) >= self.max_new:
+            return self.max_new, "length"
+        return len(tokens), None
+
+
+def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int, params: SamplingParams,
+                    eos_ids, drafter: Drafter | None = None, draft_length: int = 5, adaptive: bool = False,
+                    seed: int | None = None, stop: list | None = None, decode: Callable = None,
+                    on_tokens: Callable | None = None) -> tuple:
+    """Generate up to ``max_new_tokens`` after ``prompt`` (list of token ids).
+
+    With ``drafter=None`` this is target-only decoding (one target step per token); otherwise
+    speculative decoding, lossless: greedy output equals target-only greedy output, and sampled
+    output follows the target's processed distribution (rejection sampling on the processed p
+    and q; Leviathan et al. 2023, Algorithm 1).
+
+    Returns (token_ids list[int], finish_reason str, GenerationStats). ``on_tokens(new_ids)``
+    is called with every batch of committed tokens.
+    """
+    rng = np.random.default_rng(seed)
+    stats = GenerationStats(prompt_tokens=len(prompt), drafter=getattr(drafter, "name", "none"))
+    stopper = _Stopper(eos_ids, max_new_tokens, stop or [], decode)
+    t0 = time.perf_counter()
+    target.reset()
+    last_logits = target.prefill(prompt)
+    x0 = _select(last_logits, params, rng)
+    out = [x0]
+    stats.ttft_ms = (time.perf_counter() - t0) * 1e3
+    t_dec = time.perf_counter()
+    keep, reason = stopper.check(out, 0)
+    if on_tokens:
+        on_tokens(out[:keep])
+    pos_hits: Counter = Counter()
+    pos_tries: Counter = Counter()
+    hist: Counter = Counter()
+    schedule = DraftSchedule(draft_length, adaptive)
+    if drafter is not None and reason is None:
+        drafter.begin(prompt)
+    while reason is None:
+        before = len(out)
+        if drafter is None:
+            logits = target.step([out[-1]])[-1]
+            out.append(_select(logits, params, rng))
+            stats.num_rounds += 1
+        else:
+            gamma = max(1, min(schedule.gamma, max_new_tokens - len(out)))
+            context = prompt + out
+            drafts, q = drafter.propose(context, gamma, params, rng)
+            base = target.length
+            logits = target.step([out[-1]] + drafts)
+            if params.greedy:
+                n, nxt = greedy_accept(np.asarray(drafts, dtype=np.int64), logits)
+            else:
+                p = process_logits(logits, params)
+                n, nxt = rejection_accept(np.asarray(drafts, dtype=np.int64), q, p, rng)
+            target.rollback(base + 1 + n)
+            out += drafts[:n] + [nxt]
+            stats.num_rounds += 1
+            stats.proposed += gamma
+            stats.accepted += n
+            hist[gamma] += 1
+            for k in range(gamma):
+                pos_tries[k] += 1
+                pos_hits[k] += k < n
+            schedule.update(gamma, n)
+        keep, reason = stopper.check(out, before)
+        if on_tokens:
+            on_tokens(out[before:keep])
+    out = out[:keep]
+    now = time.perf_counter()
+    stats.new_tokens = len(out)
+    stats.decode_ms = (now - t_dec) * 1e3
+    stats.total_ms = (now - t0) * 1e3
+    if stats.num_rounds:
+        stats.accepted_length_mean = (len(out) - 1) / stats.num_rounds
+    if stats.proposed:
+        stats.acceptance_rate = stats.accepted / stats.proposed
+    stats.accepted_by_position = [pos_hits[k] / pos_tries[k] for k in sorted(pos_tries)]
+    stats.draft_length_histogram = {str(k): v for k, v in sorted(hist.items())}
+    if stats.decode_ms > 0:
+        stats.tokens_per_second = (len(out) - 1) / (stats.decode_ms / 1e3)
+    return out, reason, stats

@@ -1,0 +1,146 @@
+"""One declaration of the graph interfaces: inputs, outputs, dtypes and dynamic axes.
+
+The exporter (``dspark_export.export``) derives the ONNX input/output names and the dynamic
+shapes from these declarations, the validator derives its checks from them, and the manifest
+records them; the runtime compares what it loads against them. Nothing here imports torch.
+
+Decoder graph ("causal_lm", DESIGN.md section 2, *growing* KV layout)
+----------------------------------------------------------------------
+inputs
+  input_ids       int64   [batch, q_len]
+  position_ids    int64   [batch, q_len]
+  attention_mask  bool    [batch, 1, q_len, past_len + q_len]   True = may attend
+  past.{i}.key    float32 [batch, kv_heads, past_len, head_dim]  for each layer i
+  past.{i}.value  float32 [batch, kv_heads, past_len, head_dim]
+outputs
+  logits          float32 [batch, q_len, vocab]
+  features        float32 [batch, q_len, m * hidden]  (only if feature layers are requested)
+  present.{i}.key   float32 [batch, kv_heads, past_len + q_len, head_dim]
+  present.{i}.value float32 [batch, kv_heads, past_len + q_len, head_dim]
+
+``q_len`` is the candidate-length axis: prefill chunks and ``1 + verify length`` tokens use the
+same graph.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+KV_LAYOUT_GROWING = "growing"
+
+BATCH, Q_LEN, PAST_LEN, TOTAL_LEN = "batch", "q_len", "past_len", "total_len"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output.
+
+    ``shape`` entries are either ints (fixed) or axis names (dynamic); ``total_len`` is
+    ``past_len + q_len``.
+    """
+
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", "bool"
+    shape: tuple
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @staticmethod
+    def from_json(d: dict) -> "TensorSpec":
+        return TensorSpec(d["name"], d["dtype"], tuple(d["shape"]))
+
+    def dynamic_axes(self) -> dict[int, str]:
+        """Map axis index -> axis name for the dynamic axes of this tensor."""
+        return {i: s for i, s in enumerate(self.shape) if isinstance(s, str)}
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """Model dimensions that fix the static parts of a decoder graph's shapes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    feature_layers: tuple = ()  # DeepSpec indexing: -1 = embedding output, i = output of layer i
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "DecoderDims":
+        d = dict(d)
+        d["feature_layers"] = tuple(d.get("feature_layers", ()))
+        return DecoderDims(**d)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """The full interface of one graph: ordered inputs and outputs."""
+
+    kind: str
+    kv_layout: str
+    inputs: tuple
+    outputs: tuple
+    dims: DecoderDims = field(default=None)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "kv_layout": self.kv_layout,
+            "dims": self.dims.to_json(),
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "GraphSpec":
+        return GraphSpec(
+            kind=d["kind"],
+            kv_layout=d["kv_layout"],
+            inputs=tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+            outputs=tuple(TensorSpec.from_json(t) for t in d["outputs"]),
+            dims=DecoderDims.from_json(d["dims"]),
+        )
+
+
+def past_names(num_layers: int) -> list[tuple[str, str]]:
+    """Names of the past KV inputs, ``[(past.0.key, past.0.value), ...]``."""
+    return [(f"past.{i}.key", f"past.{i}.value") for i in range(num_layers)]
+
+
+def present_names(num_layers: int) -> list[tuple[str, str]]:
+    """Names of the present KV outputs, ``[(present.0.key, present.0.value), ...]``."""
+    return [(f"present.{i}.key", f"present.{i}.value") for i in range(num_layers)]
+
+
+def causal_lm_spec(dims: DecoderDims) -> GraphSpec:
+    """Declare the decoder graph (verifier or draft LM) for ``dims`` (growing KV layout)."""
+    kv_past = (BATCH, dims.num_kv_heads, PAST_LEN, dims.head_dim)
+    kv_total = (BATCH, dims.num_kv_heads, TOTAL_LEN, dims.head_dim)
+    inputs = [
+        TensorSpec("input_ids", "int64", (BATCH, Q_LEN)),
+        TensorSpec("position_ids", "int64", (BATCH, Q_LEN)),
+        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, TOTAL_LEN)),
+    ]
+    for k, v in past_names(dims.num_layers):
+        inputs += [TensorSpec(k, "float32", kv_past), TensorSpec(v, "float32", kv_past)]
+    outputs = [TensorSpec("logits", "float32", (BATCH, Q_LEN, dims.vocab_size))]
+    if dims.feature_layers:
+        outputs.append(
+            TensorSpec("features", "float32", (BATCH, Q_LEN, len(dims.feature_layers) * dims.hidden_size))
+        )
+    for k, v in present_names(dims.num_layers):
+        outputs += [TensorSpec(k, "float32", kv_total), TensorSpec(v, "float32", kv_total)]
+    return GraphSpec("causal_lm", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)

@@ -1,0 +1,221 @@
+"""The engine manifest (``engines/<name>/manifest.json``): the only way the runtime loads an
+engine directory. Pure data + file checks; no engine I/O.
+
+Schema version 1::
+
+    {
+      "schema_version": 1,
+      "name": "qwen2.5-coder-1.5b",
+      "created": "2026-11-30T16:00:00Z",
+      "tool_versions": {"dspark": "0.1.0", "torch": "...", "onnx": "...", ...},
+      "tokenizer": {"dir": "tokenizer", "files": [FileEntry...], "eos_token_ids": [...],
+                    "chat_template": "tokenizer/chat_template.jinja" | null, "bos_token": str | null},
+      "graphs": {
+        "target": {"role": "target", "model_id": "...", "format": "onnx", "precision": "fp32",
+                   "files": [FileEntry...], "spec": GraphSpec, "validation": {...},
+                   "model_config": {...}},
+        "draft": {... same, "role": "draft"}          # optional
+      },
+      "speculation": {"draft_graph": "draft", "draft_length": 5}
+    }
+
+A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_runtime.errors import ManifestError
+from dspark_runtime.graphspec import GraphSpec
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+# Sidecar written after a full hash: path -> [size, mtime_ns]. Lets load skip re-hashing 7 GB.
+VERIFIED_NAME = ".dspark-verified.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+@dataclass
+class FileEntry:
+    """A file of the engine directory with its size (bytes) and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+    @staticmethod
+    def of(root: Path, rel: str) -> "FileEntry":
+        p = root / rel
+        return FileEntry(rel, p.stat().st_size, sha256_file(p))
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass
+class GraphEntry:
+    """One graph of the engine: its files, interface, precision and validation figures."""
+
+    role: str
+    model_id: str
+    format: str
+    precision: str
+    files: list
+    spec: GraphSpec
+    validation: dict = field(default_factory=dict)
+    model_config: dict = field(default_factory=dict)
+
+    @property
+    def model_file(self) -> str:
+        return self.files[0].path
+
+    def to_json(self) -> dict:
+        return {
+            "role": self.role, "model_id": self.model_id, "format": self.format,
+            "precision": self.precision, "files": [f.to_json() for f in self.files],
+            "spec": self.spec.to_json(), "validation": self.validation, "model_config": self.model_config,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "GraphEntry":
+        return GraphEntry(
+            role=d["role"], model_id=d["model_id"], format=d["format"], precision=d["precision"],
+            files=[FileEntry(**f) for f in d["files"]], spec=GraphSpec.from_json(d["spec"]),
+            validation=d.get("validation", {}), model_config=d.get("model_config", {}),
+        )
+
+
+@dataclass
+class Manifest:
+    """Parsed ``manifest.json``. Use :func:`load_manifest` to read and check one."""
+
+    name: str
+    graphs: dict
+    tokenizer: dict
+    speculation: dict = field(default_factory=dict)
+    tool_versions: dict = field(default_factory=dict)
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def all_files(self) -> list:
+        files = list(self.tokenizer.get("files", []))
+        for g in self.graphs.values():
+            files += g.files
+        return files
+
+    def to_json(self) -> dict:
+        return {
+            "schema_version": self.schema_version, "name": self.name, "created": self.created,
+            "tool_versions": self.tool_versions,
+            "tokenizer": {**self.tokenizer, "files": [f.to_json() for f in self.tokenizer.get("files", [])]},
+            "graphs": {k: g.to_json() for k, g in self.graphs.items()},
+            "speculation": self.speculation,
+        }
+
+    def write(self, engine_dir: Path) -> Path:
+        p = Path(engine_dir) / MANIFEST_NAME
+        p.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return p
+
+
+def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
+    """Build a Manifest from its JSON dict; raise ManifestError on a wrong version or shape."""
+    if not isinstance(d, dict) or "schema_version" not in d:
+        raise ManifestError(f"{where} has no schema_version: it is not a DSpark manifest")
+    v = d["schema_version"]
+    if v != SCHEMA_VERSION:
+        raise ManifestError(
+            f"{where} has schema_version {v!r} but this runtime reads version {SCHEMA_VERSION}; "
+            "rebuild the engine with the matching `dspark-export build`, or install the matching dspark"
+        )
+    try:
+        graphs = {k: GraphEntry.from_json(g) for k, g in d["graphs"].items()}
+        tok = dict(d["tokenizer"])
+        tok["files"] = [FileEntry(**f) for f in tok.get("files", [])]
+        m = Manifest(name=d["name"], graphs=graphs, tokenizer=tok, speculation=d.get("speculation", {}),
+                     tool_versions=d.get("tool_versions", {}), created=d.get("created", ""), schema_version=v)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where} is malformed ({type(e).__name__}: {e}); rebuild the engine") from e
+    if "target" not in m.graphs:
+        raise ManifestError(f"{where} declares no 'target' graph; rebuild the engine")
+    for key, g in m.graphs.items():
+        if g.spec.kind != "causal_lm" or g.spec.kv_layout != "growing":
+            raise ManifestError(f"{where}: graph {key!r} is {g.spec.kind}/{g.spec.kv_layout}; "
+                                "this runtime runs causal_lm graphs with the growing KV layout")
+    return m
+
+
+def verify_files(engine_dir: Path, manifest: Manifest, rehash: bool = False) -> None:
+    """Check every file the manifest lists: present, right size and right sha256.
+
+    A file whose size and mtime match the sidecar written after its last full hash is trusted
+    unless ``rehash``. Raises ManifestError naming the file and the fix.
+    """
+    engine_dir = Path(engine_dir)
+    side_path = engine_dir / VERIFIED_NAME
+    try:
+        seen = json.loads(side_path.read_text()) if side_path.exists() and not rehash else {}
+    except (OSError, ValueError):
+        seen = {}
+    updated = dict(seen)
+    for f in manifest.all_files():
+        p = engine_dir / f.path
+        if not p.is_file():
+            raise ManifestError(f"{p} is missing (listed in the manifest); rebuild or re-unpack the engine")
+        st = p.stat()
+        if st.st_size != f.size:
+            raise ManifestError(f"{p} has {st.st_size} bytes but the manifest says {f.size}: the file is "
+                                "truncated or corrupted; rebuild or re-unpack the engine")
+        if seen.get(f.path) == [st.st_size, st.st_mtime_ns] and not rehash:
+            continue
+        digest = sha256_file(p)
+        if digest != f.sha256:
+            raise ManifestError(f"{p} is corrupted: sha256 {digest[:16]}… does not match the manifest's "
+                                f"{f.sha256[:16]}…; rebuild or re-unpack the engine")
+        updated[f.path] = [st.st_size, st.st_mtime_ns]
+    if updated != seen:
+        try:
+            tmp = side_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(updated))
+            os.replace(tmp, side_path)
+        except OSError:
+            pass  # read-only engine dir: we just hash again next time
+
+
+def load_manifest(engine_dir: str | Path, verify: bool = True, rehash: bool = False) -> Manifest:
+    """Read and check ``<engine_dir>/manifest.json``.
+
+    Raises ManifestError when the directory or manifest is missing, unreadable, of another schema
+    version, or when a listed file is missing or corrupted (``verify``).
+    """
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise ManifestError(f"engine directory {engine_dir} does not exist; build one with "
+                            "`dspark-export build` or pass the right --engine path")
+    mp = engine_dir / MANIFEST_NAME
+    if not mp.is_file():
+        raise ManifestError(f"{engine_dir} has no {MANIFEST_NAME}: not a DSpark engine directory; "
+                            "build one with `dspark-export build`")
+    try:
+        d = json.loads(mp.read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{mp} is not valid JSON ({e}); rebuild the engine") from e
+    m = parse_manifest(d, str(mp))
+    if verify:
+        verify_files(engine_dir, m, rehash=rehash)
+    return m

