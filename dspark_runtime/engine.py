@@ -7,12 +7,24 @@ from typing import Callable
 
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.errors import InputError
-from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, generate_tokens
+from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.tokenizer import Tokenizer
 
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+def _streamable_length(text: str, stop) -> int:
+    """How much of ``text`` may be streamed: everything before the first stop string, and never a
+    tail that could still grow into one."""
+    if not stop:
+        return len(text)
+    hits = [text.find(s) for s in stop if s in text]
+    if hits:
+        return min(hits)
+    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return len(text) - hold
 
 
 class Engine:
@@ -57,6 +69,21 @@ class Engine:
             self._runners[key] = DecoderRunner(self._backends[key].activate())
         return self._runners[key]
 
+    def _drafter(self, draft):
+        """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only."""
+        if draft in (None, "none"):
+            return None
+        if draft == "auto":
+            draft = "lm" if self.has_draft else "ngram"
+        if draft in ("lm", "draft"):
+            if not self.has_draft:
+                raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
+                                 "or decode target-only (--no-speculation)")
+            return LMDrafter(self.runner(self.draft_graph))
+        if draft == "ngram":
+            return NgramDrafter()
+        raise InputError(f"unknown draft {draft!r}: use 'auto', 'lm', 'ngram' or 'none'")
+
     def encode_prompt(self, prompt, raw: bool = False) -> list:
         """Token ids for a prompt: a string (chat-templated as one user turn unless ``raw``) or a
         list of chat messages. Raises InputError on an empty prompt."""
@@ -85,8 +112,9 @@ class Engine:
             prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
-            draft: "auto" (the engine's draft if it has one), "draft" (require it), or None/"none"
-                for target-only decoding.
+            draft: "auto" (the engine's draft LM if it has one, else n-gram lookup), "lm" (the
+                draft LM; alias "draft"), "ngram" (prompt lookup, no weights), or None/"none" for
+                target-only decoding.
             draft_length: draft tokens per round (gamma >= 1), or "auto" for the heuristic
                 schedule (+2 after a fully accepted block, -1 otherwise). Default: the manifest's.
             seed: RNG seed for sampling (same seed, same output).
@@ -108,14 +136,7 @@ class Engine:
             raise InputError("stop must be a list of non-empty strings")
         ids = self.encode_prompt(prompt, raw=raw)
 
-        drafter = None
-        if draft in ("auto", "draft"):
-            if self.has_draft:
-                drafter = LMDrafter(self.runner(self.draft_graph))
-            elif draft == "draft":
-                raise InputError("this engine has no draft graph; rebuild with a draft or use --no-speculation")
-        elif draft not in (None, "none"):
-            raise InputError(f"unknown draft {draft!r}: use 'auto', 'draft' or 'none'")
+        drafter = self._drafter(draft)
 
         on_tokens = None
         if stream is not None:
@@ -124,6 +145,7 @@ class Engine:
             def on_tokens(new):
                 state["ids"] += new
                 text = self.tokenizer.decode(state["ids"])
+                text = text[:_streamable_length(text, stop)]
                 if len(text) > len(state["text"]) and not text.endswith("\ufffd"):
                     stream(text[len(state["text"]):])
                     state["text"] = text
@@ -136,4 +158,6 @@ class Engine:
         if reason == "stop":
             cut = min((text.find(s) for s in stop if s in text), default=len(text))
             text = text[:cut]
+        if stream is not None and len(text) > len(state["text"]):
+            stream(text[len(state["text"]):])  # the tail held back while a character was incomplete
         return GenerationResult(text=text, token_ids=tokens, finish_reason=reason, stats=stats)

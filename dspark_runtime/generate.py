@@ -69,8 +69,9 @@ class DecoderRunner:
 class Drafter(Protocol):
     """A source of draft blocks.
 
-    ``propose(context, gamma, params, rng)`` -> (tokens list[int] of length gamma,
-    probs float32 [gamma, vocab] of the processed draft distributions, or None when greedy).
+    ``propose(context, gamma, params, rng)`` -> (tokens list[int] of length l <= gamma,
+    probs float [l, vocab] of the processed draft distributions the tokens were drawn from, or
+    None when greedy or when the proposal is deterministic (a point mass on each token)).
     ``context`` is every committed token (prompt + generated), the last one being the anchor.
     """
 
@@ -127,6 +128,47 @@ class LMDrafter:
             tokens.append(t)
             pending = [t]
         return tokens, (np.stack(probs) if probs else None)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting (no weights): find the most recent earlier occurrence of the last
+    ``n`` committed tokens (n = max_ngram .. min_ngram) in the context and propose the tokens that
+    followed it. Proposals are deterministic (point masses), which keeps rejection sampling exact.
+    A miss proposes nothing and the round is a plain target step.
+    (Saxena 2023, "Prompt Lookup Decoding"; transformers' ``prompt_lookup_num_tokens``.)
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def begin(self, prompt: list) -> None:
+        pass
+
+    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
+        return ngram_lookup(np.asarray(context, dtype=np.int64), gamma, self.max_ngram, self.min_ngram), None
+
+
+def ngram_lookup(context: np.ndarray, gamma: int, max_ngram: int = 3, min_ngram: int = 1) -> list:
+    """Continuation of the most recent earlier match of the context's last n tokens.
+
+    context: int64 [L]. Tries n = max_ngram down to min_ngram; returns up to ``gamma`` tokens
+    (list[int], possibly empty). Pure function.
+    """
+    L = len(context)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        if n <= 0:
+            break
+        tail = context[L - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the token after the most recent match
+            return context[start:start + gamma].tolist()
+    return []
 
 
 @dataclass
@@ -200,20 +242,23 @@ class _Stopper:
         self.eos, self.max_new, self.stop, self.decode = set(eos_ids), max_new_tokens, stop, decode
 
     def check(self, tokens: list, start: int) -> tuple:
-        for i in range(start, len(tokens)):
+        """tokens: all generated ids; start: index of the first id committed this round.
+        A round may overshoot max_new_tokens: only the first max_new_tokens ids count."""
+        limit = min(len(tokens), self.max_new)
+        for i in range(start, limit):
             if tokens[i] in self.eos:
                 return i + 1, "eos"
-        if self.stop:
-            text = self.decode(tokens)
+        if self.stop and start < limit:
+            text = self.decode(tokens[:limit])
             for s in self.stop:
                 if s in text:
                     # the shortest token prefix whose text contains the stop string
-                    for j in range(start, len(tokens) + 1):
+                    for j in range(start + 1, limit + 1):
                         if s in self.decode(tokens[:j]):
                             return j, "stop"
-        if len(tokens) >= self.max_new:
-            return self.max_new, "length"
-        return len(tokens), None
+        if limit >= self.max_new:
+            return limit, "length"
+        return limit, None
 
 
 def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int, params: SamplingParams,
@@ -259,23 +304,29 @@ def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int,
             gamma = max(1, min(schedule.gamma, max_new_tokens - len(out)))
             context = prompt + out
             drafts, q = drafter.propose(context, gamma, params, rng)
+            ell = len(drafts)  # verify length: a drafter may propose fewer than gamma (n-gram miss)
             base = target.length
             logits = target.step([out[-1]] + drafts)
+            d = np.asarray(drafts, dtype=np.int64)
             if params.greedy:
-                n, nxt = greedy_accept(np.asarray(drafts, dtype=np.int64), logits)
+                n, nxt = greedy_accept(d, logits)
             else:
                 p = process_logits(logits, params)
-                n, nxt = rejection_accept(np.asarray(drafts, dtype=np.int64), q, p, rng)
+                if q is None:  # deterministic proposal: point masses
+                    q = np.zeros((ell, p.shape[-1]), dtype=p.dtype)
+                    q[np.arange(ell), d] = 1.0
+                n, nxt = rejection_accept(d, q, p, rng)
             target.rollback(base + 1 + n)
             out += drafts[:n] + [nxt]
             stats.num_rounds += 1
-            stats.proposed += gamma
+            stats.proposed += ell
             stats.accepted += n
-            hist[gamma] += 1
-            for k in range(gamma):
+            hist[ell] += 1
+            for k in range(ell):
                 pos_tries[k] += 1
                 pos_hits[k] += k < n
-            schedule.update(gamma, n)
+            if ell:
+                schedule.update(ell, n)
         keep, reason = stopper.check(out, before)
         if on_tokens:
             on_tokens(out[before:keep])

@@ -38,15 +38,14 @@ MANIFEST_NAME = "manifest.json"
 VERIFIED_NAME = ".dspark-verified.json"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks."""
+def sha256_file(path: Path, on_progress=None, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks; ``on_progress(nbytes)`` after each chunk."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
+        while b := f.read(chunk):
             h.update(b)
+            if on_progress is not None:
+                on_progress(len(b))
     return h.hexdigest()
 
 

@@ -102,7 +102,16 @@ def test_stop_string_and_streaming(engine):
     assert r.finish_reason == "stop"
     assert r.text == ref.text[: ref.text.find(stop)]
     assert ref.token_ids[: len(r.token_ids)] == r.token_ids
-    assert "".join(pieces).startswith(r.text)
+    assert "".join(pieces) == r.text  # streamed text never includes the stop string
+
+
+def test_streamable_length_holds_back_possible_stop_prefixes():
+    from dspark_runtime.engine import _streamable_length
+
+    assert _streamable_length("abc</s", ["</stop>"]) == 3  # "</s" may become "</stop>"
+    assert _streamable_length("abc</stop> more", ["</stop>"]) == 3
+    assert _streamable_length("abcdef", ["xyz"]) == 6
+    assert _streamable_length("abcdef", None) == 6
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -110,10 +119,24 @@ def test_stop_string_and_streaming(engine):
     ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
     ({"prompt": "hi", "temperature": -1.0}, "temperature"),
     ({"prompt": "hi", "draft_length": 0}, "draft_length must be a positive integer"),
-    ({"prompt": "hi", "draft": "medusa"}, "unknown draft"),
+    ({"prompt": "hi", "draft": "medusa"}, "unknown draft 'medusa'"),
     ({"prompt": [], }, "message list is empty"),
 ])
 def test_bad_generation_arguments(engine, kwargs, message):
     prompt = kwargs.pop("prompt")
     with pytest.raises(InputError, match=message):
         engine.generate(prompt, **kwargs)
+
+
+def test_stopper_ignores_tokens_past_max_new_tokens():
+    """A speculative round can commit more tokens than max_new_tokens allows: an EOS or a stop
+    string in the overshoot must not count."""
+    from dspark_runtime.generate import _Stopper
+
+    dec = lambda ids: "".join(chr(97 + i) for i in ids)  # 0 -> "a", 1 -> "b", ...
+    st = _Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
+    assert st.check([0, 1, 2, 3, 9], 0) == (3, "length")  # "cd" and EOS lie past token 3
+    assert st.check([0, 9, 2], 0) == (2, "eos")
+    st2 = _Stopper(eos_ids=[], max_new_tokens=10, stop=["cd"], decode=dec)
+    assert st2.check([0, 1], 0) == (2, None)
+    assert st2.check([0, 1, 2, 3, 4], 2) == (4, "stop")

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 def test_export_matches_torch_with_dynamic_axes(family, tmp_path):
     from tiny_models import make_pair
 
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, validate_decoder
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, torch_reference, validate_decoder
     from dspark_runtime.backend import OrtDecoder
     from dspark_runtime.kvcache import causal_mask
 
@@ -24,7 +24,7 @@ def test_export_matches_torch_with_dynamic_axes(family, tmp_path):
     assert [o.name for o in proto.graph.output] == spec.output_names
     mask_dims = [d.dim_param or d.dim_value for d in proto.graph.input[2].type.tensor_type.shape.dim]
     assert mask_dims == ["batch", 1, "q_len", "total_len"]
-    rep = validate_decoder(model, dims, tmp_path / "g.onnx", list(range(5, 25)))
+    rep = validate_decoder(torch_reference(model, dims, list(range(5, 25))), dims, tmp_path / "g.onnx")
     assert rep.prefill_max_abs_logit_diff < 1e-4 and rep.verify_max_abs_logit_diff < 1e-4
     assert rep.prefill_argmax_agreement == 1.0 and rep.verify_argmax_agreement == 1.0
     assert rep.features_max_abs_diff is not None and rep.features_max_abs_diff < 1e-4
