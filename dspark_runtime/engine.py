@@ -69,7 +69,7 @@ class Engine:
             self._runners[key] = DecoderRunner(self._backends[key].activate())
         return self._runners[key]
 
-    def _drafter(self, draft):
+    def _drafter(self, draft, confidence_threshold=None):
         """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only."""
         if draft in (None, "none"):
             return None
@@ -79,7 +79,7 @@ class Engine:
             if not self.has_draft:
                 raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
                                  "or decode target-only (--no-speculation)")
-            return LMDrafter(self.runner(self.draft_graph))
+            return LMDrafter(self.runner(self.draft_graph), confidence_threshold)
         if draft == "ngram":
             return NgramDrafter()
         raise InputError(f"unknown draft {draft!r}: use 'auto', 'lm', 'ngram' or 'none'")
@@ -104,7 +104,8 @@ class Engine:
 
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
-                 seed: int | None = None, stop: list | None = None, raw: bool = False,
+                 draft_confidence: float | None = None, seed: int | None = None, stop: list | None = None,
+                 raw: bool = False,
                  stream: Callable[[str], None] | None = None) -> GenerationResult:
         """Generate a completion.
 
@@ -117,6 +118,8 @@ class Engine:
                 target-only decoding.
             draft_length: draft tokens per round (gamma >= 1), or "auto" for the heuristic
                 schedule (+2 after a fully accepted block, -1 otherwise). Default: the manifest's.
+            draft_confidence: with the draft LM, end a block early after the first draft token
+                whose draft probability is below this (0..1); None = always draft the full block.
             seed: RNG seed for sampling (same seed, same output).
             stop: strings that end generation (excluded from the text).
             stream: called with each new piece of text as tokens are committed.
@@ -136,7 +139,10 @@ class Engine:
             raise InputError("stop must be a list of non-empty strings")
         ids = self.encode_prompt(prompt, raw=raw)
 
-        drafter = self._drafter(draft)
+        if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
+                                                 and 0.0 <= draft_confidence <= 1.0):
+            raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
+        drafter = self._drafter(draft, draft_confidence)
 
         on_tokens = None
         if stream is not None:

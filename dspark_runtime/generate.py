@@ -88,12 +88,18 @@ class LMDrafter:
     The cache is kept aligned with the committed context: after a round, the positions of the
     rejected drafts are rolled back (O(1)) and the missing committed tokens (the bonus token, and
     the last draft if all were accepted) are fed at the start of the next proposal.
+
+    ``confidence_threshold`` (static-threshold baseline, DESIGN.md section 1 step 4; the same rule
+    as transformers' ``assistant_confidence_threshold``): stop drafting after the first token whose
+    draft probability (softmax of the draft logits, max over the vocabulary) is below it. The
+    decision uses the draft's own distribution only, never the target's, so sampling stays exact.
     """
 
     name = "lm"
 
-    def __init__(self, runner: DecoderRunner):
+    def __init__(self, runner: DecoderRunner, confidence_threshold: float | None = None):
         self.runner = runner
+        self.confidence_threshold = confidence_threshold
         self._cached: list = []  # the tokens whose KV the draft cache holds
 
     def begin(self, prompt: list) -> None:
@@ -127,6 +133,11 @@ class LMDrafter:
                 probs.append(q)
             tokens.append(t)
             pending = [t]
+            if self.confidence_threshold is not None and k + 1 < gamma:
+                z = logits - logits.max()
+                top = 1.0 / np.exp(z, dtype=np.float64).sum()  # max softmax probability
+                if top < self.confidence_threshold:
+                    break
         return tokens, (np.stack(probs) if probs else None)
 
 

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mbpp", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-length", default=None, help="gamma, or 'auto'")
+    ap.add_argument("--draft-confidence", type=float, default=None,
+                    help="end a draft block after the first draft token below this probability")
+    ap.add_argument("--draft", default="lm", choices=["lm", "ngram"], help="drafter for the speculative mode")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
@@ -75,7 +78,8 @@ def main(argv=None) -> int:
           f"{'acc':>5} same")
     for i, (ds, prompt) in enumerate(jobs):
         base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
-        spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft="draft", draft_length=dl)
+        spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=a.draft, draft_length=dl,
+                            draft_confidence=a.draft_confidence)
         same = base.token_ids == spec.token_ids
         first_diff = None
         if not same:
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
 
     summary = {
         "engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
-        "max_new_tokens": a.max_new_tokens, "draft_length": dl or eng.default_draft_length,
+        "max_new_tokens": a.max_new_tokens, "draft_length": dl or eng.default_draft_length, "drafter": a.draft,
+        "draft_confidence": a.draft_confidence,
         "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                          ("mbpp", a.mbpp)) if n},
         "split": "evaluation (data/prompts/README.md)",

@@ -140,3 +140,18 @@ def test_stopper_ignores_tokens_past_max_new_tokens():
     st2 = _Stopper(eos_ids=[], max_new_tokens=10, stop=["cd"], decode=dec)
     assert st2.check([0, 1], 0) == (2, None)
     assert st2.check([0, 1, 2, 3, 4], 2) == (4, "stop")
+
+
+def test_draft_confidence_threshold_shortens_blocks_and_stays_exact(engine):
+    ref = engine.generate(PROMPTS[1], max_new_tokens=48, draft=None)
+    full = engine.generate(PROMPTS[1], max_new_tokens=48, draft="lm", draft_length=6)
+    short = engine.generate(PROMPTS[1], max_new_tokens=48, draft="lm", draft_length=6, draft_confidence=0.999)
+    assert short.token_ids == ref.token_ids == full.token_ids
+    # a threshold near 1 stops most blocks after their first token
+    assert short.stats.proposed / short.stats.num_rounds < full.stats.proposed / full.stats.num_rounds
+    assert set(full.stats.draft_length_histogram) <= {"1", "2", "3", "4", "5", "6"}
+    sampled = engine.generate(PROMPTS[1], max_new_tokens=24, temperature=1.0, seed=1, draft_confidence=0.5)
+    assert sampled.token_ids == engine.generate(PROMPTS[1], max_new_tokens=24, temperature=1.0, seed=1,
+                                                draft_confidence=0.5).token_ids
+    with pytest.raises(InputError, match="draft_confidence must be a probability"):
+        engine.generate("hi", draft_confidence=1.5)

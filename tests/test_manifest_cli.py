@@ -107,6 +107,19 @@ def test_export_cli_errors(tmp_path):
     assert r.returncode == 2 and "recipe" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_fetch_cli_unknown_model_and_list(tmp_path):
+    import os
+
+    env = {**os.environ, "DSPARK_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "dspark_export.cli", "fetch", "--force", "no-such-model"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "no-such-model" in r.stderr and "qwen2.5-coder-1.5b-instruct" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "dspark_export.cli", "list-models"], capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 0 and "smollm2-135m-instruct" in r.stdout and "fetched" not in r.stdout
+
+
 def test_runtime_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import dspark_runtime, dspark_runtime.engine, dspark_runtime.cli\n"
