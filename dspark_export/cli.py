@@ -44,7 +44,8 @@ def list_models():
 @click.option("--draft", help="Draft LM (same tokenizer): a fetched name or a folder.")
 @click.option("--name", help="Engine name (default: the recipe's or the target's).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Engine directory (default engines/<name>).")
-@click.option("--precision", default=None, help="Graph precision (fp32 for now).")
+@click.option("--precision", default=None,
+              help="fp32 | int8-dynamic, for all graphs or per graph: 'target=fp32,draft=int8-dynamic'.")
 @click.option("--feature-layers", default=None, help="Target layers whose hidden states the graph outputs, e.g. 1,13,25.")
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")

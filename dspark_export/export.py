@@ -241,12 +241,13 @@ def torch_reference(model, dims: DecoderDims, token_ids: list[int]) -> TorchRefe
 
 
 def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, tolerance: float = 1e-2,
-                     n_verify: int = 5) -> ValidationReport:
+                     n_verify: int = 5, strict: bool = True) -> ValidationReport:
     """Run the ONNX graph (ONNX Runtime CPU) on the reference's token ids and compare.
 
     The prompt is fed with an empty past (past_len = 0), then its last ``n_verify`` tokens as a
-    verify step on top of that KV cache. Raises DSparkError when the logits differ by more than
-    ``tolerance`` or any argmax disagrees.
+    verify step on top of that KV cache. With ``strict`` (fp32 graphs) raises DSparkError when the
+    logits differ by more than ``tolerance`` or any argmax disagrees; quantized graphs pass
+    ``strict=False`` and only report their agreement.
     """
     from dspark_runtime.backend import OrtDecoder
 
@@ -269,7 +270,7 @@ def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, to
         got_f = np.concatenate([out1.features[0], out2.features[0]], axis=0)
         feat_diff = float(np.abs(got_f - ref.features).max())
     rep = ValidationReport(pre_diff, pre_agree, ver_diff, ver_agree, feat_diff, tolerance)
-    if max(pre_diff, ver_diff) > tolerance or min(pre_agree, ver_agree) < 1.0:
+    if strict and (max(pre_diff, ver_diff) > tolerance or min(pre_agree, ver_agree) < 1.0):
         raise DSparkError(f"graph {onnx_path.name} failed validation against torch: {rep.to_json()}")
     return rep
 

@@ -58,3 +58,41 @@ def test_feature_layer_out_of_range_is_a_clear_error(tiny_pair):
     model = load_hf_model(tiny_pair[0])
     with pytest.raises(DSparkError, match="feature layer 5 out of range"):
         decoder_dims(model.config, (5,))
+
+
+def test_precision_spec_parsing():
+    from dspark_export.build import Recipe
+    from dspark_runtime.errors import DSparkError
+
+    r = Recipe(name="x", target="t", precision="target=fp32,draft=int8-dynamic")
+    assert r.precision_for("target") == "fp32" and r.precision_for("draft") == "int8-dynamic"
+    assert Recipe(name="x", target="t", precision="int8-dynamic").precision_for("target") == "int8-dynamic"
+    assert Recipe(name="x", target="t", precision="draft=int8-dynamic").precision_for("target") == "fp32"
+    with pytest.raises(DSparkError, match="not supported; choose one of fp32, int8-dynamic"):
+        Recipe(name="x", target="t", precision="fp8").validate()
+    with pytest.raises(DSparkError, match="role=precision pairs"):
+        Recipe(name="x", target="t", precision="verifier=fp32").validate()
+
+
+def test_int8_dynamic_draft_engine_is_exact(tiny_pair, tmp_path):
+    """A quantized draft changes only the speed and acceptance, never the output."""
+    from dspark_export.build import Recipe, build_engine
+    from dspark_runtime import Engine
+
+    tdir, ddir = tiny_pair
+    m = build_engine(Recipe(name="q", target=str(tdir), draft=str(ddir), precision="draft=int8-dynamic"),
+                     tmp_path / "q", isolate=False, log=lambda *a: None)
+    d = m.graphs["draft"]
+    assert d.precision == "int8-dynamic" and set(d.validation) == {"fp32", "int8-dynamic"}
+    assert d.validation["fp32"]["verify_argmax_agreement"] == 1.0
+    assert 0.0 < d.validation["int8-dynamic"]["prefill_max_abs_logit_diff"]  # quantization changed the logits
+    assert sorted(p.name for p in (tmp_path / "q").iterdir() if p.name.startswith("draft")) == [
+        "draft.onnx", "draft.onnx.data"]  # the fp32 intermediate is gone
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "q" / "draft.onnx"), load_external_data=False).graph.node}
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+    eng = Engine.load(tmp_path / "q", threads=1)
+    ref = eng.generate("def add(a, b):", max_new_tokens=32, draft=None)
+    spec = eng.generate("def add(a, b):", max_new_tokens=32, draft="lm", draft_length=4)
+    assert spec.token_ids == ref.token_ids and spec.stats.accepted > 0
