@@ -12,7 +12,9 @@ decoder layer i), which DSpark drafters consume.
 """
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +169,10 @@ def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    # torch.onnx notes every torchvision op it cannot register; irrelevant to decoders
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:
             prog = torch.onnx.export(
                 wrapper,

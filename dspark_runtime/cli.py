@@ -48,7 +48,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
-    eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS)
+    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads)
     streaming = stream and not as_json
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
@@ -89,9 +89,17 @@ def info(engine_dir):
     click.echo(f"{m.name} (schema v{m.schema_version}, built {m.created})")
     for k, g in m.graphs.items():
         size = sum(f.size for f in g.files) / 2**30
-        click.echo(f"  {k}: {g.model_id} {g.format}/{g.precision} {size:.2f} GiB "
-                   f"layers={g.spec.dims.num_layers} vocab={g.spec.dims.vocab_size} validation={g.validation}")
-    click.echo(f"  speculation: {m.speculation}")
+        d = g.spec.dims
+        click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB  layers={d.num_layers} "
+                   f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
+                   f"feature_layers={list(d.feature_layers)}")
+        for prec, v in g.validation.items():
+            click.echo(f"    validation {prec}: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e} "
+                       f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
+                       f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+    sp = m.speculation
+    click.echo(f"  speculation: draft graph {sp.get('draft_graph') or 'none (n-gram lookup only)'}, "
+               f"default draft length {sp.get('draft_length')}")
 
 
 def run_cli(group: click.Group, argv=None) -> None:

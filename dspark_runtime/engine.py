@@ -57,6 +57,8 @@ class Engine:
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
         ``rehash``).
         """
+        if not isinstance(threads, int) or threads < 1:
+            raise InputError(f"threads must be a positive integer, got {threads!r}")
         return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers)
 
     @property

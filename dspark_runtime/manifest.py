@@ -203,6 +203,9 @@ def load_manifest(engine_dir: str | Path, verify: bool = True, rehash: bool = Fa
     version, or when a listed file is missing or corrupted (``verify``).
     """
     engine_dir = Path(engine_dir)
+    if engine_dir.is_file() and engine_dir.suffix == ".json":
+        raise ManifestError(f"{engine_dir} is a file (a build recipe?), not an engine directory; build it with "
+                            f"`dspark-export build {engine_dir}` and pass the directory it writes")
     if not engine_dir.is_dir():
         raise ManifestError(f"engine directory {engine_dir} does not exist; build one with "
                             "`dspark-export build` or pass the right --engine path")

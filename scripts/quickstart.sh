@@ -7,9 +7,10 @@ export HF_HUB_OFFLINE=1
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e ".[export,test]"
-.venv/bin/dspark-export fetch qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+# smollm2 (98 MB) is for the slow tests (`pytest -m slow`)
+.venv/bin/dspark-export fetch qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct smollm2-135m-instruct
 if [ ! -f engines/qwen2.5-coder-1.5b/manifest.json ]; then
   .venv/bin/dspark-export build engines/qwen2.5-coder-1.5b.json
 fi
 .venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
-  --out scripts/results/quickstart.json
+  --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json

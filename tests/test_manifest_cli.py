@@ -80,6 +80,21 @@ def test_cli_bad_arguments(tiny_engine_dir, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_recipe_instead_of_engine_and_bad_threads(tiny_engine_dir, tmp_path):
+    recipe = tmp_path / "r.json"
+    recipe.write_text("{}")
+    r = run_cli("dspark_runtime.cli", "generate", "--engine", str(recipe), "--prompt", "hi")
+    assert r.returncode == 2 and "a build recipe?" in r.stderr and "dspark-export build" in r.stderr
+    r = run_cli("dspark_runtime.cli", "generate", "--engine", str(tiny_engine_dir), "--prompt", "hi", "--threads", "0")
+    assert r.returncode == 2 and "threads must be a positive integer" in r.stderr
+
+
+def test_cli_info_is_readable(tiny_engine_dir):
+    r = run_cli("dspark_runtime.cli", "info", "--engine", str(tiny_engine_dir))
+    assert r.returncode == 0
+    assert "validation fp32: max |dlogits| prefill" in r.stdout and "default draft length 4" in r.stdout
+
+
 def test_cli_missing_engine_dir(tmp_path):
     r = run_cli("dspark_runtime.cli", "generate", "--engine", str(tmp_path / "nope"), "--prompt", "hi")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
