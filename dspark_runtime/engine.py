@@ -150,13 +150,15 @@ class Engine:
         if stream is not None:
             state = {"ids": [], "text": ""}
 
-            def on_tokens(new):
+            def _on_tokens(new):
                 state["ids"] += new
                 text = self.tokenizer.decode(state["ids"])
                 text = text[:_streamable_length(text, stop)]
                 if len(text) > len(state["text"]) and not text.endswith("\ufffd"):
                     stream(text[len(state["text"]):])
                     state["text"] = text
+
+            on_tokens = _on_tokens
 
         tokens, reason, stats = generate_tokens(
             self.runner("target"), ids, max_new_tokens=max_new_tokens, params=params, eos_ids=self.eos_ids,

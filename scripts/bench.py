@@ -12,36 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "data" / "prompts"
-# Evaluation split (data/prompts/README.md): all of humaneval and mt-bench; gsm8k 1001-1319; mbpp 201-257.
-EVAL_START = {"humaneval": 0, "mt-bench": 0, "gsm8k": 1000, "mbpp": 200}
-
-
-def load_prompts(dataset: str, n: int) -> list[str]:
-    lines = (PROMPTS / f"{dataset}.jsonl").read_text().splitlines()
-    start = EVAL_START[dataset]
-    return [json.loads(l)["turns"][0] for l in lines[start:start + n]]
-
-
-def machine() -> str:
-    import os
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evalsets import ROOT, load_prompts, machine  # noqa: E402
 
 
 def main(argv=None) -> int:

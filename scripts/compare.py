@@ -1,0 +1,820 @@
+#!/usr/bin/env python
+"""Head-to-head comparison on one target: Hugging Face transformers (plain, assisted, prompt lookup)
+versus the DSpark runtime (target-only, draft LM, n-gram lookup), same held-out prompts, same
+max_new_tokens, greedy (or --temperature 1.0), in one run.
+
+Prompts: the first N of the evaluation split (data/prompts/README.md) of each --datasets entry,
+first turn, each system's own rendering of the model's chat template (HF:
+``tokenizer.apply_chat_template(add_generation_prompt=True)``; DSpark: ``Engine.encode_prompt``).
+A preflight step checks that both give identical prompt token ids (it stops if the first prompt
+differs, and reports any other prompt that does).
+
+Process / memory design: every (chunk, system) pair runs in a fresh worker subprocess that loads
+its model(s) once, warms up, processes the chunk's prompts and exits; workers run strictly ONE AT
+A TIME (an fp32 1.5B target is ~7 GB in torch, target + draft ~10 GB in ONNX Runtime), so the peak
+memory of the whole run is that of the biggest single system, and each worker's peak RSS
+(getrusage ru_maxrss) is that system's alone. Interleaving: the prompt list alternates datasets and
+is cut into chunks of --chunk prompts; for chunk c the systems run in the order rotated by c, so
+slow machine drift hits every system and dataset about equally. A worker's model load and warm-up
+are timed separately and never enter tokens/s.
+
+Metrics (per system, per prompt): new tokens; TTFT (request start -> first committed token);
+decode tokens/s = tokens committed after the first commit / time after it (prefill excluded, as
+``GenerationStats.tokens_per_second``); tau (tokens committed per verify round) and acceptance rate
+(accepted / proposed draft tokens) where the system speculates; acceptance by draft position; peak
+RSS of the worker. HF times come from a timestamping streamer in the same ``generate`` call (no
+second run). Greedy outputs are compared token for token with ``hf`` and with ``dspark-target``;
+any divergence is reported with its first differing position.
+
+    python scripts/compare.py --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --engine engines/qwen2.5-coder-1.5b --datasets humaneval,mbpp,gsm8k,mt-bench --n 3 \\
+        --max-new-tokens 128 --systems hf,hf-assisted,hf-pld,dspark-target,dspark-lm,dspark-ngram
+
+Writes --out-dir (default scripts/results/compare/): compare.json (raw rows, summary, machine,
+settings, command line), REPORT.md and PNG plots. ``--report-only`` rebuilds REPORT.md and the plots
+from an existing compare.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evalsets import EVAL_START, ROOT, load_prompts, machine  # noqa: E402
+WARMUP_PROMPT = "Write a one-line Python function that adds two numbers."
+DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+# --------------------------------------------------------------------------------------------
+# systems (the extension point)
+
+
+@dataclass(frozen=True)
+class System:
+    """One compared system.
+
+    backend: "hf" (transformers ``generate`` on the --target folder) or "dspark" (``Engine`` on
+    --engine). options, per backend:
+      hf:     assistant (bool: --draft as ``assistant_model``), prompt_lookup_num_tokens (int),
+              generate_kwargs (dict, passed to ``generate`` as is).
+      dspark: draft (None | "lm" | "ngram" | any name ``Engine.generate(draft=)`` accepts),
+              draft_length (int | "auto"), engine (a directory overriding --engine).
+    """
+
+    name: str
+    backend: str
+    options: dict = field(default_factory=dict)
+    description: str = ""
+
+
+SYSTEMS = {s.name: s for s in [
+    System("hf", "hf", {}, "transformers generate, fp32 torch CPU, plain decoding"),
+    System("hf-assisted", "hf", {"assistant": True},
+           "transformers assisted generation, --draft as assistant_model, transformers' default schedule"),
+    System("hf-pld", "hf", {"prompt_lookup_num_tokens": 10},
+           "transformers prompt lookup decoding (prompt_lookup_num_tokens=10, max_matching_ngram_size default 2)"),
+    System("dspark-target", "dspark", {"draft": None}, "DSpark runtime, target only"),
+    System("dspark-lm", "dspark", {"draft": "lm", "draft_length": 3}, "DSpark runtime, draft LM, gamma 3"),
+    System("dspark-ngram", "dspark", {"draft": "ngram", "draft_length": 4},
+           "DSpark runtime, n-gram prompt lookup, gamma 4"),
+    # Extension point -- the DSpark block drafter: once Engine.generate accepts it (e.g.
+    # draft="dspark" on an engine built with the drafter graph), register it here and add its name
+    # to --systems; everything downstream (rows, summary, tables, plots) is generic:
+    # System("dspark-drafter", "dspark", {"draft": "dspark", "draft_length": "auto",
+    #                                     "engine": "engines/qwen2.5-coder-1.5b-dspark"}, "DSpark drafter"),
+]}
+REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
+
+
+# --------------------------------------------------------------------------------------------
+# pure helpers (unit-tested in tests/test_compare_report.py)
+
+
+def first_divergence(a, b) -> int | None:
+    """None when the token lists are identical, else the first index where they differ (the
+    shorter length when one is a proper prefix of the other)."""
+    a, b = list(a), list(b)
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def interleave(per_dataset: dict) -> list:
+    """Round-robin over datasets: [(dataset, index_in_split, text), ...] alternating datasets."""
+    out, k = [], 0
+    while any(k < len(v) for v in per_dataset.values()):
+        for ds, prompts in per_dataset.items():
+            if k < len(prompts):
+                out.append((ds, k, prompts[k]))
+        k += 1
+    return out
+
+
+def rotate(seq: list, c: int) -> list:
+    """``seq`` rotated left by c (the system order of chunk c)."""
+    if not seq:
+        return []
+    c %= len(seq)
+    return list(seq[c:]) + list(seq[:c])
+
+
+def position_counts_from_dspark(accepted_by_position, draft_length_histogram) -> tuple:
+    """(tries, hits) per draft position from DSpark stats: a round with verify length ell tried
+    positions 0..ell-1, so tries[k] = rounds with ell > k; hits[k] = fraction[k] * tries[k]."""
+    hist = {int(k): int(v) for k, v in (draft_length_histogram or {}).items()}
+    n = len(accepted_by_position or [])
+    tries = [sum(v for ell, v in hist.items() if ell > k) for k in range(n)]
+    hits = [int(round(f * t)) for f, t in zip(accepted_by_position, tries)]
+    return tries, hits
+
+
+def round_stats(rounds) -> dict:
+    """Speculation stats from per-round (candidates proposed, candidates accepted) pairs (HF's
+    assisted loop: one pair per target verify call, the first one fused with prefill)."""
+    rounds = [(int(p), int(a)) for p, a in rounds]
+    if not rounds:
+        return {"rounds": 0, "proposed": 0, "accepted": 0, "tau": None, "acceptance_rate": None,
+                "pos_tries": [], "pos_hits": []}
+    proposed = sum(p for p, _ in rounds)
+    accepted = sum(a for _, a in rounds)
+    m = max(p for p, _ in rounds)
+    return {"rounds": len(rounds), "proposed": proposed, "accepted": accepted,
+            "tau": (accepted + len(rounds)) / len(rounds),
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "pos_tries": [sum(p > k for p, _ in rounds) for k in range(m)],
+            "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}
+
+
+def add_correctness(rows: list, greedy: bool) -> None:
+    """Set ``vs_<ref>`` on every row: None (identical), the first differing position, or absent
+    when the reference has no row for that prompt. Only meaningful greedy; sampled rows get
+    nothing."""
+    if not greedy:
+        return
+    ref = {(r["system"], r["key"]): r["token_ids"] for r in rows if r.get("token_ids") is not None}
+    for r in rows:
+        if r.get("token_ids") is None:
+            continue
+        for name in REFERENCES:
+            other = ref.get((name, r["key"]))
+            if other is not None:
+                r[f"vs_{name}"] = first_divergence(r["token_ids"], other)
+
+
+def _sum(rows, k):
+    return sum(r[k] for r in rows if r.get(k) is not None)
+
+
+def aggregate(rows: list) -> dict:
+    """Summary of one system's rows (one dataset or all): tokens/s as total decode tokens / total
+    decode time (not a mean of rates); tau weighted by rounds; acceptance as accepted / proposed."""
+    ok = [r for r in rows if not r.get("error")]
+    out = {"n": len(ok), "errors": len(rows) - len(ok)}
+    if not ok:
+        return out
+    dt, ds = _sum(ok, "decode_tokens"), _sum(ok, "decode_s")
+    out["new_tokens_mean"] = statistics.mean(r["new_tokens"] for r in ok)
+    out["tokens_per_second"] = dt / ds if ds > 0 and dt > 0 else None
+    total_s = sum(r["ttft_ms"] / 1e3 + r["decode_s"] for r in ok)
+    out["e2e_tokens_per_second"] = sum(r["new_tokens"] for r in ok) / total_s if total_s > 0 else None
+    out["ttft_ms_median"] = statistics.median(r["ttft_ms"] for r in ok)
+    spec = [r for r in ok if r.get("rounds")]
+    if spec:
+        rounds = _sum(spec, "rounds")
+        out["tau"] = sum(r["tau"] * r["rounds"] for r in spec) / rounds
+        prop = _sum(spec, "proposed")
+        out["acceptance_rate"] = _sum(spec, "accepted") / prop if prop else None
+        m = max(len(r.get("pos_tries") or []) for r in spec)
+        tries = [sum((r.get("pos_tries") or [])[k] for r in spec if k < len(r.get("pos_tries") or [])) for k in range(m)]
+        hits = [sum((r.get("pos_hits") or [])[k] for r in spec if k < len(r.get("pos_hits") or [])) for k in range(m)]
+        out["acceptance_by_position"] = [h / t if t else None for h, t in zip(hits, tries)]
+        out["position_tries"] = tries
+    for name in REFERENCES:
+        cmp = [r for r in ok if f"vs_{name}" in r]
+        if cmp:
+            out[f"identical_to_{name}"] = sum(r[f"vs_{name}"] is None for r in cmp)
+            out[f"compared_to_{name}"] = len(cmp)
+    rss = [r["peak_rss_mb"] for r in ok if r.get("peak_rss_mb") is not None]
+    if rss:
+        out["peak_rss_mb"] = max(rss)
+    return out
+
+
+def summarize(rows: list, systems: list, datasets: list) -> dict:
+    """{"by_dataset": {ds: {system: agg}}, "all": {system: agg}} with ratios to hf and
+    dspark-target (same dataset) added as ``ratio_to_<ref>``."""
+    def block(sel):
+        res = {s: aggregate([r for r in sel if r["system"] == s]) for s in systems}
+        for s, a in res.items():
+            for ref in REFERENCES:
+                for key, name in (("tokens_per_second", "ratio"), ("e2e_tokens_per_second", "e2e_ratio")):
+                    base = res.get(ref, {}).get(key)
+                    if base and a.get(key):
+                        a[f"{name}_to_{ref}"] = a[key] / base
+        return res
+
+    return {"by_dataset": {ds: block([r for r in rows if r["dataset"] == ds]) for ds in datasets},
+            "all": block(rows)}
+
+
+def _f(x, fmt="{:.2f}", none="–"):
+    return none if x is None else fmt.format(x)
+
+
+def _la(v):
+    return "?" if not v else "/".join(f"{x:.2f}" for x in v)
+
+
+def _ident(a, ref):
+    if f"compared_to_{ref}" not in a:
+        return "–"
+    return f"{a[f'identical_to_{ref}']}/{a[f'compared_to_{ref}']}"
+
+
+def table(block: dict, systems: list, with_memory: bool = False, loads: dict | None = None) -> str:
+    """A markdown table of one summary block ({system: agg})."""
+    head = ["system", "n", "new tok (mean)", "decode tok/s", "× hf", "× dspark-target", "e2e tok/s", "e2e × hf",
+            "tau", "acceptance", "TTFT ms (median)", "= hf", "= dspark-target"]
+    if with_memory:
+        head += ["peak RSS GB", "load s (median)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    for s in systems:
+        a = block.get(s, {})
+        if not a.get("n"):
+            lines.append("| " + " | ".join([s, "0"] + ["–"] * (len(head) - 2)) + " |")
+            continue
+        cells = [s, str(a["n"]) + (f" ({a['errors']} failed)" if a.get("errors") else ""),
+                 _f(a.get("new_tokens_mean"), "{:.1f}"), _f(a.get("tokens_per_second")),
+                 _f(a.get("ratio_to_hf"), "{:.2f}×"), _f(a.get("ratio_to_dspark-target"), "{:.2f}×"),
+                 _f(a.get("e2e_tokens_per_second")), _f(a.get("e2e_ratio_to_hf"), "{:.2f}×"),
+                 _f(a.get("tau")), _f(a.get("acceptance_rate"), "{:.0%}"), _f(a.get("ttft_ms_median"), "{:.0f}"),
+                 _ident(a, "hf"), _ident(a, "dspark-target")]
+        if with_memory:
+            load = (loads or {}).get(s)
+            cells += [_f(a.get("peak_rss_mb") / 1024 if a.get("peak_rss_mb") else None), _f(load, "{:.1f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def worker_loads(result: dict) -> dict:
+    """{system: median model-load seconds over its workers}."""
+    loads = {}
+    for s in result["settings"]["systems"]:
+        v = [w["load_s"] for w in result.get("workers", []) if w.get("system") == s and w.get("load_s") is not None]
+        if v:
+            loads[s] = statistics.median(v)
+    return loads
+
+
+def render_report(result: dict, plots: list | None = None) -> str:
+    """REPORT.md text from a compare.json object (settings, summary, rows, workers)."""
+    st, summ, rows = result["settings"], result["summary"], result["rows"]
+    systems, datasets = st["systems"], st["datasets"]
+    loads = worker_loads(result)
+    mode = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']} (seed {st['seed']} + prompt number)"
+    out = [f"# DSpark vs transformers on {st['target_name']}", "",
+           f"Run {result.get('date', '?')} on {result.get('machine', '?')}; {st['threads']} threads "
+           f"(torch.set_num_threads / ORT intra-op); load average at start {_la(result.get('loadavg_start'))}, "
+           f"at end {_la(result.get('loadavg_end'))}; {_f(result.get('wall_s'), '{:.0f}')} s in all.", "",
+           f"- target: `{st['target_name']}`, draft: `{st['draft_name']}`, engine: `{st['engine']}`",
+           f"- prompts: first {st['n']} of the evaluation split of each of {', '.join(datasets)} "
+           f"(data/prompts/README.md), first turn, chat template; {len({r['key'] for r in rows})} prompts",
+           f"- {st['max_new_tokens']} new tokens max, {mode}; one worker process per (chunk of {st['chunk']} "
+           "prompts, system), one at a time, system order rotated per chunk",
+           f"- transformers {st.get('versions', {}).get('transformers', '?')}, torch "
+           f"{st.get('versions', {}).get('torch', '?')} (fp32, eager, attention "
+           f"`{st.get('hf_attn_implementation', '?')}`), onnxruntime {st.get('versions', {}).get('onnxruntime', '?')}",
+           f"- command: `{result.get('command', '')}`", ""]
+    pc = result.get("prompt_check", {})
+    if pc:
+        if pc.get("all_identical"):
+            out.append(f"Prompt token ids: HF chat template and DSpark give identical ids for all "
+                       f"{pc['n']} prompts.")
+        else:
+            out.append(f"**Prompt token ids differ** between HF and DSpark for: {', '.join(pc.get('mismatched', []))}.")
+        out.append("")
+    out += ["## All prompts", "", table(summ["all"], systems, with_memory=True, loads=loads), ""]
+    for ds in datasets:
+        out += [f"## {ds}", "", table(summ["by_dataset"].get(ds, {}), systems), ""]
+    divs = [r for r in rows if any(r.get(f"vs_{ref}") is not None for ref in REFERENCES if f"vs_{ref}" in r)]
+    out += ["## Output identity", ""]
+    if st["temperature"] != 0:
+        out.append("Sampled run: outputs are not expected to match; no identity check.")
+    elif not divs:
+        out.append("Every system's output is token-for-token identical to `hf` and `dspark-target` on every prompt.")
+    else:
+        out.append("| prompt | system | first diff vs hf | first diff vs dspark-target | new tokens |")
+        out.append("|---|---|---:|---:|---:|")
+        for r in divs:
+            out.append(f"| {r['key']} | {r['system']} | {_f(r.get('vs_hf'), '{}', 'same')} | "
+                       f"{_f(r.get('vs_dspark-target'), '{}', 'same')} | {r['new_tokens']} |")
+    errs = [r for r in rows if r.get("error")]
+    if errs:
+        out += ["", "## Failures", ""] + [f"- {r['system']} {r['key']}: {r['error']}" for r in errs]
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    out += ["", "## How to read it", "",
+            "- decode tok/s: tokens committed after the first one / wall time after the first commit, summed over "
+            "prompts (total tokens / total time). DSpark: `stats.tokens_per_second`. HF: a streamer timestamps "
+            "every commit inside the same `generate` call. HF assisted fuses prefill with the first verify round, "
+            "so its first commit may hold several tokens; those are excluded from its decode count.",
+            "- e2e tok/s: all new tokens / (TTFT + decode time), summed over prompts: the rate a user sees for "
+            "the whole request, prefill included; immune to where a system puts its first commit.",
+            "- TTFT: request start (tokenized prompt in hand) -> first committed token. HF: from the `generate` "
+            "call (its setup included); DSpark: `stats.ttft_ms` (prefill + first token).",
+            "- tau: tokens committed per target verify round, bonus included, weighted by rounds (DSpark: prefill "
+            "not a round; HF assisted/PLD: the prefill+first-verify call is a round). acceptance: accepted / "
+            "proposed draft tokens; rounds where the n-gram lookup found nothing propose 0 and count as rounds.",
+            "- HF tau/acceptance are recorded by wrapping the candidate generator's `update_candidate_strategy`, "
+            "which transformers calls once per round with the number of candidates and matches.",
+            "- peak RSS: max `ru_maxrss` of the system's worker processes (model load included; mmapped weights "
+            "count). load s: model load + session creation per worker, excluded from every rate.",
+            f"- hf-assisted schedule as resolved: {json.dumps(st.get('hf_assisted_config', {}))}"]
+    return "\n".join(out) + "\n"
+
+
+def make_plots(result: dict, out_dir: Path) -> list:
+    """PNG plots (matplotlib Agg); returns the file names written ([] without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return []
+    st, summ, rows = result["settings"], result["summary"], result["rows"]
+    systems, datasets = st["systems"], st["datasets"]
+    names = []
+    # 1. tokens/s per system per dataset (decode, and end to end)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    w = 0.8 / max(1, len(systems))
+    groups = datasets + ["all"]
+    for ax, key, title in zip(axes, ("tokens_per_second", "e2e_tokens_per_second"), ("decode", "end to end")):
+        for i, s in enumerate(systems):
+            vals = [(summ["by_dataset"].get(g, {}) if g != "all" else summ["all"]).get(s, {}).get(key) or 0
+                    for g in groups]
+            ax.bar([j + (i - (len(systems) - 1) / 2) * w for j in range(len(groups))], vals, w, label=s)
+        ax.set_xticks(range(len(groups)), groups, fontsize=8)
+        ax.set_title(f"{title} tokens/s", fontsize=10)
+    axes[0].set_ylabel("tokens/s")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{st['target_name']}, {st['max_new_tokens']} new tokens max", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "tokens_per_second.png", dpi=90)
+    plt.close(fig)
+    names.append("tokens_per_second.png")
+    # 2. acceptance by draft position
+    have = [s for s in systems if summ["all"].get(s, {}).get("acceptance_by_position")]
+    if have:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for s in have:
+            acc = summ["all"][s]["acceptance_by_position"]
+            ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=s)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("fraction of rounds accepted")
+        ax.set_ylim(0, 1)
+        ax.set_title("acceptance by draft position (all prompts)", fontsize=10)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "acceptance_by_position.png", dpi=90)
+        plt.close(fig)
+        names.append("acceptance_by_position.png")
+    # 3. tau distribution over prompts
+    taus = {s: [r["tau"] for r in rows if r["system"] == s and r.get("tau") is not None] for s in systems}
+    taus = {s: v for s, v in taus.items() if v}
+    if taus:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        ax.boxplot(list(taus.values()), showmeans=True)
+        ax.set_xticks(range(1, len(taus) + 1), list(taus), fontsize=8)
+        ax.set_ylabel("tau per prompt")
+        ax.set_title("tau (tokens per verify round) across prompts", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out_dir / "tau_distribution.png", dpi=90)
+        plt.close(fig)
+        names.append("tau_distribution.png")
+    return names
+
+
+def loadavg() -> list | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def ids_digest(ids) -> str:
+    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# workers (run in their own process: ``compare.py --worker job.json``)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class _TimingStreamer:
+    """transformers streamer that timestamps every commit; the first put() is the prompt."""
+
+    def __init__(self):
+        self.prompt_seen = False
+        self.commits = []  # (perf_counter, tokens)
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.commits.append((time.perf_counter(), int(value.numel())))
+
+    def end(self):
+        pass
+
+
+def _hf_worker(job: dict, emit) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(job["threads"])
+    opts = job["options"]
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(job["target"])
+    model = AutoModelForCausalLM.from_pretrained(job["target"], dtype=torch.float32).eval()
+    assistant = None
+    if opts.get("assistant"):
+        assistant = AutoModelForCausalLM.from_pretrained(job["draft"], dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+
+    rounds: list = []
+    orig = model._get_candidate_generator
+
+    def recording_generator(*a, **k):  # one per generate call; record (proposed, accepted) per round
+        cg = orig(*a, **k)
+        upd = cg.update_candidate_strategy
+
+        def update(input_ids, scores, num_matches):
+            rounds.append((int(scores.shape[1]) - 1, int(num_matches)))
+            return upd(input_ids, scores, num_matches)
+
+        cg.update_candidate_strategy = update
+        return cg
+
+    model._get_candidate_generator = recording_generator
+    gc = model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else tok.pad_token_id
+
+    def encode(text):
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+
+    def run(ids, max_new, seed):
+        kw = dict(max_new_tokens=max_new, pad_token_id=pad)
+        if job["temperature"] > 0:
+            kw.update(do_sample=True, temperature=job["temperature"], top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kw.update(do_sample=False)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        if opts.get("prompt_lookup_num_tokens"):
+            kw["prompt_lookup_num_tokens"] = opts["prompt_lookup_num_tokens"]
+        kw.update(opts.get("generate_kwargs", {}))
+        x = torch.tensor([ids], dtype=torch.long)
+        streamer = _TimingStreamer()
+        rounds.clear()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), streamer=streamer, **kw)
+        t_end = time.perf_counter()
+        return out[0, len(ids):].tolist(), t, t_end, streamer.commits, list(rounds)
+
+    t1 = time.perf_counter()
+    run(encode(WARMUP_PROMPT), 8, 0)
+    warmup_s = time.perf_counter() - t1
+    meta = {"load_s": load_s, "warmup_s": warmup_s,
+            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    if assistant is not None:  # the schedule transformers resolves for the assistant (its defaults)
+        ag = assistant.generation_config
+        d = ag._get_default_generation_params()
+        meta["hf_assisted_config"] = {k: getattr(ag, k, None) if getattr(ag, k, None) is not None else d.get(k)
+                                      for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                                "assistant_confidence_threshold")}
+        try:
+            import sklearn  # noqa: F401  (transformers adapts the confidence threshold only with it)
+
+            meta["hf_assisted_config"]["threshold_adaptation"] = True
+        except ImportError:
+            meta["hf_assisted_config"]["threshold_adaptation"] = False
+    for p in job["prompts"]:
+        ids = encode(p["text"])
+        new, t, t_end, commits, rnds = run(ids, job["max_new_tokens"], p["seed"])
+        row = {"prompt_tokens": len(ids), "prompt_digest": ids_digest(ids), "token_ids": new,
+               "new_tokens": len(new)}
+        if commits:
+            t_first, n_first = commits[0]
+            row["ttft_ms"] = (t_first - t) * 1e3
+            row["decode_tokens"] = len(new) - n_first
+            row["decode_s"] = t_end - t_first
+        else:
+            row.update(ttft_ms=(t_end - t) * 1e3, decode_tokens=0, decode_s=0.0)
+        ok = row["decode_tokens"] > 0 and row["decode_s"] > 0
+        row["tokens_per_second"] = row["decode_tokens"] / row["decode_s"] if ok else None
+        if opts.get("assistant") or opts.get("prompt_lookup_num_tokens"):
+            row.update(round_stats(rnds))
+        emit(p, row)
+    return meta
+
+
+def _dspark_worker(job: dict, emit) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from dspark_runtime import Engine
+
+    opts = job["options"]
+    t0 = time.perf_counter()
+    eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"])
+    draft = opts.get("draft")
+    eng.runner("target")
+    if draft is not None:
+        eng._drafter(draft)  # activates the draft session now, so its creation counts as load time
+    load_s = time.perf_counter() - t0
+    kw = dict(temperature=job["temperature"], draft=draft, draft_length=opts.get("draft_length"))
+    t1 = time.perf_counter()
+    eng.generate(WARMUP_PROMPT, max_new_tokens=8, seed=0, **kw)
+    warmup_s = time.perf_counter() - t1
+    for p in job["prompts"]:
+        ids = eng.encode_prompt(p["text"])
+        r = eng.generate(p["text"], max_new_tokens=job["max_new_tokens"], seed=p["seed"], **kw)
+        s = r.stats
+        row = {"prompt_tokens": len(ids), "prompt_digest": ids_digest(ids), "token_ids": list(r.token_ids),
+               "new_tokens": len(r.token_ids), "ttft_ms": s.ttft_ms, "decode_tokens": max(0, len(r.token_ids) - 1),
+               "decode_s": s.decode_ms / 1e3, "tokens_per_second": s.tokens_per_second if len(r.token_ids) > 1 else None}
+        if draft is not None:
+            tries, hits = position_counts_from_dspark(s.accepted_by_position, s.draft_length_histogram)
+            row.update(rounds=s.num_rounds, proposed=s.proposed, accepted=s.accepted, tau=s.accepted_length_mean,
+                       acceptance_rate=s.acceptance_rate if s.proposed else None, pos_tries=tries, pos_hits=hits)
+        emit(p, row)
+    return {"load_s": load_s, "warmup_s": warmup_s}
+
+
+def _tokenize_worker(job: dict, emit) -> dict:
+    """Preflight: prompt ids from the HF tokenizer's chat template and from the DSpark engine."""
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from dspark_runtime import Engine
+
+    tok = AutoTokenizer.from_pretrained(job["target"])
+    eng = Engine.load(job["engine"], threads=1)
+    for p in job["prompts"]:
+        hf = list(tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+        ds = eng.encode_prompt(p["text"])
+        row = {"hf_ids": hf, "dspark_ids": ds, "first_diff": first_divergence(hf, ds)}
+        emit(p, row)
+    versions = {}
+    for mod in ("transformers", "torch", "onnxruntime", "numpy"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    manifest = {k: getattr(g, "model_id", None) for k, g in eng.manifest.graphs.items()}
+    return {"versions": versions, "engine_models": manifest}
+
+
+def worker_main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    out = open(job["out"], "w")
+
+    def emit(p, row):
+        row = {"system": job["system"], "dataset": p["dataset"], "index": p["index"], "key": p["key"], **row}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        if job["backend"] != "tokenize":
+            tps = row.get("tokens_per_second")
+            tau = row.get("tau")
+            print(f"  {job['system']:14} {p['key']:14} {row['new_tokens']:4d} tok  "
+                  f"{tps if tps is not None else float('nan'):7.2f} tok/s  ttft {row['ttft_ms']:7.0f} ms"
+                  + (f"  tau {tau:.2f}" if tau is not None else ""), flush=True)
+
+    fn = {"hf": _hf_worker, "dspark": _dspark_worker, "tokenize": _tokenize_worker}[job["backend"]]
+    meta = fn(job, emit)
+    meta["peak_rss_mb"] = _peak_rss_mb()
+    meta["loadavg"] = loadavg()  # ~threads when the worker had the machine to itself
+    out.write(json.dumps({"meta": meta}) + "\n")
+    out.close()
+    return 0
+
+
+def run_worker(job: dict, tmp: Path, tag: str) -> tuple:
+    """Run one worker subprocess to completion; returns (rows, meta, error or None)."""
+    jp = tmp / f"{tag}.json"
+    job["out"] = str(tmp / f"{tag}.out.jsonl")
+    jp.write_text(json.dumps(job))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    t = time.perf_counter()
+    err_log = tmp / f"{tag}.stderr.txt"  # library warnings; its tail is shown when the worker fails
+    with open(err_log, "w") as ef:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(jp)], env=env,
+                              stdout=sys.stderr, stderr=ef)
+    rows, meta = [], {}
+    if Path(job["out"]).is_file():
+        for line in Path(job["out"]).read_text().splitlines():
+            obj = json.loads(line)
+            if "meta" in obj:
+                meta = obj["meta"]
+            else:
+                rows.append(obj)
+    meta["wall_s"] = time.perf_counter() - t
+    err = None
+    if proc.returncode != 0:
+        tail = err_log.read_text(errors="replace").strip().splitlines()[-15:]
+        err = f"worker exited {proc.returncode}: " + (tail[-1] if tail else "")
+        print("\n".join(tail), file=sys.stderr)
+    return rows, meta, err
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+
+
+def resolve_model(arg: str) -> Path:
+    p = Path(arg)
+    if p.is_dir():
+        return p.resolve()
+    sys.path.insert(0, str(ROOT))
+    from dspark_export.fetch import model_path
+
+    try:
+        q = model_path(arg)
+    except Exception as e:  # FetchError: unknown name
+        raise SystemExit(f"error: {arg!r} is neither a folder nor a known model name ({e})")
+    if not q.is_dir():
+        raise SystemExit(f"error: model {arg!r} is not fetched ({q} missing); run `dspark-export fetch {arg}`")
+    return q
+
+
+def write_outputs(result: dict, out_dir: Path, final: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    head = {k: v for k, v in result.items() if k != "rows"}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(
+        "  " + json.dumps(r, separators=(",", ":")) for r in rows) + "\n ]\n}\n"
+    (out_dir / "compare.json").write_text(text)
+    if final:
+        plots = make_plots(result, out_dir)
+        (out_dir / "REPORT.md").write_text(render_report(result, plots))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="fetched model name or HF folder")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="fetched model name or HF folder (hf-assisted)")
+    ap.add_argument("--engine", default="engines/qwen2.5-coder-1.5b", help="DSpark engine directory of the same target")
+    ap.add_argument("--datasets", default="humaneval,mbpp,gsm8k,mt-bench")
+    ap.add_argument("--n", type=int, default=3, help="prompts per dataset (first N of its evaluation split)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of: {', '.join(SYSTEMS)}")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 1.0 to sample")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed base (prompt number added)")
+    ap.add_argument("--chunk", type=int, default=4, help="prompts per worker process (interleaving granularity)")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    ap.add_argument("--lm-draft-length", type=int, default=None, help="override dspark-lm gamma (3)")
+    ap.add_argument("--ngram-draft-length", type=int, default=None, help="override dspark-ngram gamma (4)")
+    ap.add_argument("--pld-tokens", type=int, default=None, help="override hf-pld prompt_lookup_num_tokens (10)")
+    ap.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "compare"))
+    ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md + plots from --out-dir/compare.json")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker_main(a.worker)
+    out_dir = Path(a.out_dir)
+    if a.report_only:
+        result = json.loads((out_dir / "compare.json").read_text())
+        st = result["settings"]
+        add_correctness(result["rows"], greedy=st["temperature"] == 0)
+        result["summary"] = summarize(result["rows"], st["systems"], st["datasets"])
+        write_outputs(result, out_dir, final=True)
+        print(f"wrote {out_dir / 'REPORT.md'}")
+        return 0
+
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        ap.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
+    bad = [d for d in datasets if d not in EVAL_START]
+    if bad:
+        ap.error(f"unknown dataset(s) {bad}; choose from {', '.join(EVAL_START)}")
+    if a.n < 1 or a.max_new_tokens < 1 or a.chunk < 1:
+        ap.error("--n, --max-new-tokens and --chunk must be >= 1")
+    target = resolve_model(a.target)
+    draft = resolve_model(a.draft) if "hf-assisted" in systems else None
+    engine = Path(a.engine).resolve()
+    if not (engine / "manifest.json").is_file():
+        raise SystemExit(f"error: {engine} is not an engine directory (no manifest.json); build it first")
+    specs = {s: dict(SYSTEMS[s].options) for s in systems}
+    if a.lm_draft_length and "dspark-lm" in specs:
+        specs["dspark-lm"]["draft_length"] = a.lm_draft_length
+    if a.ngram_draft_length and "dspark-ngram" in specs:
+        specs["dspark-ngram"]["draft_length"] = a.ngram_draft_length
+    if a.pld_tokens and "hf-pld" in specs:
+        specs["hf-pld"]["prompt_lookup_num_tokens"] = a.pld_tokens
+
+    jobs = interleave({ds: load_prompts(ds, a.n) for ds in datasets})
+    prompts = [{"dataset": ds, "index": i, "key": f"{ds}[{i}]", "text": text, "seed": a.seed + k}
+               for k, (ds, i, text) in enumerate(jobs)]
+    settings = {"target": str(target), "target_name": target.name, "draft": str(draft) if draft else None,
+                "draft_name": draft.name if draft else Path(a.draft).name, "engine": str(a.engine),
+                "datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+                "seed": a.seed, "chunk": a.chunk, "threads": a.threads, "systems": systems,
+                "system_options": specs, "split": "evaluation (data/prompts/README.md)",
+                "descriptions": {s: SYSTEMS[s].description for s in systems}}
+    result = {"command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
+              else shlex.join(["compare.py", *argv]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(), "settings": settings,
+              "loadavg_start": loadavg(), "summary": {}, "rows": [], "workers": []}
+    la = result["loadavg_start"]
+    if la and la[0] > 0.5:
+        print(f"WARNING: load average {la[0]:.2f} at start: other processes compete for the CPU. torch's OpenMP "
+              "threads slow down badly under contention (HF numbers become meaningless); run on an idle machine.",
+              file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-compare-"))
+    base = {"target": str(target), "draft": str(draft) if draft else None, "engine": str(engine),
+            "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "threads": a.threads}
+
+    # preflight: identical prompt ids from both chat-template implementations
+    print(f"{len(prompts)} prompts x {len(systems)} systems; preflight: prompt token ids (HF vs DSpark)", file=sys.stderr)
+    rows, meta, err = run_worker({**base, "system": "tokenize", "backend": "tokenize", "options": {},
+                                  "prompts": prompts}, tmp, "tokenize")
+    if err:
+        raise SystemExit(f"error: preflight failed: {err}")
+    settings["versions"] = meta.get("versions", {})
+    settings["engine_models"] = meta.get("engine_models", {})
+    mism = [r["key"] for r in rows if r["first_diff"] is not None]
+    result["prompt_check"] = {"n": len(rows), "all_identical": not mism, "mismatched": mism}
+    if rows and rows[0]["first_diff"] is not None:
+        r0 = rows[0]
+        result["prompt_check"]["first_prompt"] = {"hf_ids": r0["hf_ids"], "dspark_ids": r0["dspark_ids"]}
+        write_outputs(result, out_dir, final=False)
+        raise SystemExit(f"error: HF and DSpark chat templates give different prompt ids for {r0['key']} "
+                         f"(first difference at {r0['first_diff']}); see {out_dir / 'compare.json'}")
+    if mism:
+        print(f"WARNING: prompt token ids differ for {mism}", file=sys.stderr)
+    em = settings["engine_models"].get("target")
+    if em and em != target.name:
+        print(f"WARNING: engine target is {em!r}, HF target is {target.name!r}", file=sys.stderr)
+
+    chunks = [prompts[i:i + a.chunk] for i in range(0, len(prompts), a.chunk)]
+    t_start = time.perf_counter()
+    for c, chunk in enumerate(chunks):
+        for s in rotate(systems, c):
+            sysdef = SYSTEMS[s]
+            print(f"[chunk {c + 1}/{len(chunks)}] {s}: {len(chunk)} prompts "
+                  f"({time.perf_counter() - t_start:.0f} s elapsed)", file=sys.stderr, flush=True)
+            rows, meta, err = run_worker({**base, "system": s, "backend": sysdef.backend, "options": specs[s],
+                                          "prompts": chunk}, tmp, f"c{c}-{s}")
+            for r in rows:
+                r["peak_rss_mb"] = meta.get("peak_rss_mb")
+            done = {r["key"] for r in rows}
+            rows += [{"system": s, "dataset": p["dataset"], "index": p["index"], "key": p["key"], "error": err
+                      or "no result"} for p in chunk if p["key"] not in done]
+            result["rows"] += rows
+            result["workers"].append({"system": s, "chunk": c, **meta, "error": err})
+            if "hf_assisted_config" in meta:
+                settings["hf_assisted_config"] = meta["hf_assisted_config"]
+            if meta.get("attn_implementation"):
+                settings["hf_attn_implementation"] = meta["attn_implementation"]
+            write_outputs(result, out_dir, final=False)  # partial results survive a crash
+    result["wall_s"] = time.perf_counter() - t_start
+
+    add_correctness(result["rows"], greedy=a.temperature == 0)
+    result["summary"] = summarize(result["rows"], systems, datasets)
+    result["loadavg_end"] = loadavg()
+    write_outputs(result, out_dir, final=True)
+    print(table(result["summary"]["all"], systems, with_memory=True, loads=worker_loads(result)))
+    print(f"\nwrote {out_dir / 'compare.json'} and {out_dir / 'REPORT.md'} ({result['wall_s']:.0f} s)")
+    errors = sum(1 for r in result["rows"] if r.get("error"))
+    if errors:
+        print(f"{errors} prompt runs failed; worker logs kept in {tmp}", file=sys.stderr)
+        return 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""scripts/compare.py: the pure parts (divergence, interleaving, speculation counters, aggregation,
+markdown) on hand-made rows; no model, no subprocess."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cmp():
+    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compare_script"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_first_divergence(cmp):
+    assert cmp.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert cmp.first_divergence([], []) is None
+    assert cmp.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert cmp.first_divergence([5], [6]) == 0
+    assert cmp.first_divergence([1, 2], [1, 2, 3]) == 2  # proper prefix: the shorter length
+    assert cmp.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert cmp.first_divergence((1, 2), [1, 2]) is None  # tuples and lists compare by value
+
+
+def test_interleave_and_rotate(cmp):
+    jobs = cmp.interleave({"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]})
+    assert [t for _, _, t in jobs] == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert jobs[3] == ("a", 1, "a1")
+    assert cmp.rotate(["x", "y", "z"], 0) == ["x", "y", "z"]
+    assert cmp.rotate(["x", "y", "z"], 1) == ["y", "z", "x"]
+    assert cmp.rotate(["x", "y", "z"], 4) == ["y", "z", "x"]
+    assert cmp.rotate([], 3) == []
+
+
+def test_position_counts_from_dspark(cmp):
+    # rounds with verify lengths 3,3,1 (histogram); per-position acceptance fractions of those rounds
+    tries, hits = cmp.position_counts_from_dspark([2 / 3, 1 / 2, 0.0], {"3": 2, "1": 1})
+    assert tries == [3, 2, 2]
+    assert hits == [2, 1, 0]
+    assert cmp.position_counts_from_dspark([], {}) == ([], [])
+
+
+def test_round_stats(cmp):
+    st = cmp.round_stats([(4, 4), (4, 1), (0, 0), (2, 0)])
+    assert st["rounds"] == 4 and st["proposed"] == 10 and st["accepted"] == 5
+    assert st["tau"] == pytest.approx((5 + 4) / 4)
+    assert st["acceptance_rate"] == pytest.approx(0.5)
+    assert st["pos_tries"] == [3, 3, 2, 2]
+    assert st["pos_hits"] == [2, 1, 1, 1]
+    empty = cmp.round_stats([])
+    assert empty["rounds"] == 0 and empty["tau"] is None and empty["acceptance_rate"] is None
+    assert cmp.round_stats([(0, 0)])["acceptance_rate"] is None  # nothing proposed
+
+
+def _row(system, ds, i, ids, tps, *, ttft=100.0, tau=None, rounds=None, proposed=None, accepted=None,
+         tries=None, hits=None, rss=1000.0):
+    n = len(ids)
+    r = {"system": system, "dataset": ds, "index": i, "key": f"{ds}[{i}]", "token_ids": ids, "new_tokens": n,
+         "ttft_ms": ttft, "decode_tokens": n - 1, "decode_s": (n - 1) / tps, "tokens_per_second": tps,
+         "peak_rss_mb": rss}
+    if rounds is not None:
+        r.update(tau=tau, rounds=rounds, proposed=proposed, accepted=accepted, pos_tries=tries, pos_hits=hits)
+    return r
+
+
+@pytest.fixture()
+def rows():
+    a, b = [1, 2, 3, 4, 5], [7, 7, 7, 7, 7]
+    return [
+        _row("hf", "humaneval", 0, a, 2.0),
+        _row("hf", "gsm8k", 0, b, 4.0),
+        _row("dspark-target", "humaneval", 0, a, 4.0),
+        _row("dspark-target", "gsm8k", 0, b, 4.0),
+        _row("dspark-lm", "humaneval", 0, a, 8.0, tau=2.0, rounds=2, proposed=6, accepted=2,
+             tries=[2, 2, 2], hits=[1, 1, 0], rss=3000.0),
+        _row("dspark-lm", "gsm8k", 0, [7, 7, 9, 7, 7], 6.0, tau=4.0, rounds=1, proposed=3, accepted=3,
+             tries=[1, 1, 1], hits=[1, 1, 1], rss=3500.0),
+        {"system": "dspark-ngram", "dataset": "gsm8k", "index": 0, "key": "gsm8k[0]", "error": "worker exited 1: boom"},
+    ]
+
+
+SYSTEMS = ["hf", "dspark-target", "dspark-lm", "dspark-ngram"]
+
+
+def test_correctness_and_aggregation(cmp, rows):
+    cmp.add_correctness(rows, greedy=True)
+    lm_gsm = next(r for r in rows if r["system"] == "dspark-lm" and r["dataset"] == "gsm8k")
+    assert lm_gsm["vs_hf"] == 2 and lm_gsm["vs_dspark-target"] == 2
+    assert all(r["vs_hf"] is None for r in rows if r["system"] == "dspark-target")
+    assert "vs_hf" not in rows[-1]  # failed rows are not compared
+
+    summ = cmp.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
+    he = summ["by_dataset"]["humaneval"]
+    assert he["hf"]["tokens_per_second"] == pytest.approx(2.0)
+    assert he["dspark-lm"]["ratio_to_hf"] == pytest.approx(4.0)
+    assert he["dspark-lm"]["ratio_to_dspark-target"] == pytest.approx(2.0)
+    allb = summ["all"]
+    # total tokens / total time, not a mean of rates: hf 8 tokens in 2 + 1 s
+    assert allb["hf"]["tokens_per_second"] == pytest.approx(8 / 3)
+    assert allb["hf"]["e2e_tokens_per_second"] == pytest.approx(10 / (3 + 0.2))
+    lm = allb["dspark-lm"]
+    assert lm["tau"] == pytest.approx((2.0 * 2 + 4.0 * 1) / 3)  # weighted by rounds
+    assert lm["acceptance_rate"] == pytest.approx(5 / 9)
+    assert lm["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert lm["identical_to_hf"] == 1 and lm["compared_to_hf"] == 2
+    assert lm["peak_rss_mb"] == 3500.0
+    assert "tau" not in allb["hf"]
+    assert allb["dspark-ngram"] == {"n": 0, "errors": 1}
+
+
+def test_no_identity_check_when_sampling(cmp, rows):
+    cmp.add_correctness(rows, greedy=False)
+    assert not any("vs_hf" in r for r in rows)
+
+
+def test_markdown_tables(cmp, rows):
+    cmp.add_correctness(rows, greedy=True)
+    summ = cmp.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
+    md = cmp.table(summ["all"], SYSTEMS, with_memory=True, loads={"hf": 12.34})
+    lines = md.splitlines()
+    assert lines[0].startswith("| system | n |") and "peak RSS GB" in lines[0]
+    assert len(lines) == 2 + len(SYSTEMS)
+    assert all(l.count("|") == lines[0].count("|") for l in lines)
+    hf = next(l for l in lines if l.startswith("| hf |"))
+    assert "2.67" in hf and "1.00×" in hf and "12.3" in hf and "2/2" in hf
+    lm = next(l for l in lines if l.startswith("| dspark-lm |"))
+    assert "56%" in lm and "1/2" in lm and "3.42" in lm  # 3500 MB -> 3.42 GB
+    assert next(l for l in lines if l.startswith("| dspark-ngram |")).startswith("| dspark-ngram | 0 |")
+
+    result = {"settings": {"systems": SYSTEMS, "datasets": ["humaneval", "gsm8k"], "target_name": "tgt",
+                           "draft_name": "drf", "engine": "engines/x", "n": 1, "max_new_tokens": 5,
+                           "temperature": 0.0, "seed": 0, "chunk": 4, "threads": 2},
+              "summary": summ, "rows": rows, "workers": [{"system": "hf", "load_s": 3.0}],
+              "prompt_check": {"n": 2, "all_identical": True, "mismatched": []}}
+    rep = cmp.render_report(result, plots=["tokens_per_second.png"])
+    assert rep.startswith("# DSpark vs transformers on tgt")
+    assert "## humaneval" in rep and "## gsm8k" in rep and "## All prompts" in rep
+    assert "| gsm8k[0] | dspark-lm | 2 | 2 | 5 |" in rep  # divergence with its first differing position
+    assert "dspark-ngram gsm8k[0]: worker exited 1: boom" in rep
+    assert "![tokens_per_second.png](tokens_per_second.png)" in rep
+    assert "identical ids for all 2 prompts" in rep
