@@ -88,6 +88,9 @@ SYSTEMS = {s.name: s for s in [
     System("dspark-lm", "dspark", {"draft": "lm", "draft_length": 3}, "DSpark runtime, draft LM, gamma 3"),
     System("dspark-ngram", "dspark", {"draft": "ngram", "draft_length": 4},
            "DSpark runtime, n-gram prompt lookup, gamma 4"),
+    System("dspark-lm-int8", "dspark", {"draft": "lm", "draft_length": 3,
+                                        "engine": "engines/qwen2.5-coder-1.5b-int8draft"},
+           "DSpark runtime, dynamic-INT8 draft LM (fp32 target), gamma 3"),
     # Extension point -- the DSpark block drafter: once Engine.generate accepts it (e.g.
     # draft="dspark" on an engine built with the drafter graph), register it here and add its name
     # to --systems; everything downstream (rows, summary, tables, plots) is generic:
