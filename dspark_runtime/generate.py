@@ -101,18 +101,23 @@ class LMDrafter:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         self._cached: list = []  # the tokens whose KV the draft cache holds
+        self._known = 0  # a prefix length of _cached known to equal the committed context
 
     def begin(self, prompt: list) -> None:
         self.runner.reset()
         self._cached = []
+        self._known = 0
         if len(prompt) > 1:
             self.runner.prefill(prompt[:-1])
             self._cached = list(prompt[:-1])
 
     def _sync(self, context: list) -> list:
-        """Roll the cache back to its longest prefix shared with ``context``; return the rest."""
-        n = 0
+        """Roll the cache back to its longest prefix shared with ``context``; return the rest.
+
+        Committed context only grows, so the prefix up to the previous proposal's context is
+        known to match: compare only past it (O(gamma) per round, not O(context))."""
         m = min(len(self._cached), len(context))
+        n = min(self._known, m)
         while n < m and self._cached[n] == context[n]:
             n += 1
         self.runner.rollback(n)
@@ -121,6 +126,7 @@ class LMDrafter:
 
     def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
         pending = self._sync(context)
+        self._known = len(context)
         tokens, probs = [], []
         for k in range(gamma):
             logits = self.runner.step(pending)[-1]
