@@ -257,9 +257,18 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
     recipe.validate()
     out_dir = Path(out_dir)
     target_dir = resolve_model(recipe.target)
-    draft_dir = resolve_model(recipe.draft) if recipe.draft else None
+    dspark_ckpt = dspark_checkpoint(recipe.draft)
+    draft_dir = resolve_model(recipe.draft) if recipe.draft and dspark_ckpt is None else None
     if draft_dir is not None:
         _check_same_vocab(target_dir, draft_dir)
+    if dspark_ckpt is not None:
+        from dspark_export.dspark_model import load_config
+
+        ids = load_config(dspark_ckpt).target_layer_ids
+        if recipe.target_feature_layers and list(recipe.target_feature_layers) != list(ids):
+            raise DSparkError(f"target_feature_layers {recipe.target_feature_layers} differ from the DSpark "
+                              f"drafter's target_layer_ids {ids}; drop the field or make them equal")
+        recipe.target_feature_layers = list(ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (out_dir / "manifest.json", out_dir / VERIFIED_NAME):
         if stale.exists():
@@ -295,12 +304,100 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
         speculation={"draft_graph": "draft" if draft_dir else None, "draft_length": recipe.draft_length},
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         schema_version=SCHEMA_VERSION)
+    if dspark_ckpt is not None:
+        _add_dspark(manifest, out_dir, dspark_ckpt, target_dir, recipe.draft, isolate, log)
+    _write_manifest(manifest, out_dir)
+    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return manifest
+
+
+def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
     manifest.write(out_dir)
     # Everything was hashed just now: record size+mtime so the first load need not re-hash 7 GB.
     seen = {f.path: [(out_dir / f.path).stat().st_size, (out_dir / f.path).stat().st_mtime_ns]
             for f in manifest.all_files()}
     (out_dir / VERIFIED_NAME).write_text(json.dumps(seen))
-    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+
+
+def dspark_checkpoint(draft: str | None) -> Path | None:
+    """The checkpoint folder of a ``dspark:<folder>`` draft spec, or None for other drafts.
+
+    Raises DSparkError when the folder holds no DeepSpec-layout config.json.
+    """
+    if not draft or not str(draft).startswith("dspark:"):
+        return None
+    p = Path(str(draft)[len("dspark:"):]).expanduser()
+    if not p.is_absolute() and not p.exists():
+        from dspark_export.paths import repo_root
+
+        p = repo_root() / p
+    if not (p / "config.json").is_file():
+        raise DSparkError(f"DSpark checkpoint {p} not found (no config.json); train one with "
+                          "`dspark-export train-draft` or pass a DeepSpec checkpoint folder")
+    return p
+
+
+def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path, model_id: str,
+                isolate: bool, log) -> None:
+    """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` (role "draft")."""
+    from dspark_runtime.graphspec import GraphSpec as _GS
+
+    feats = manifest.graphs["target"].spec.dims.feature_layers
+    from dspark_export.dspark_model import load_config
+
+    cfg = load_config(ckpt)
+    if list(feats) != list(cfg.target_layer_ids):
+        raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
+                          f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
+    log(f"[draft] exporting DSpark drafter {ckpt} -> {out_dir / 'draft.onnx'}")
+    if isolate:
+        result = out_dir / "draft.export.json"
+        args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir)})
+        proc = subprocess.run([sys.executable, "-m", "dspark_export.draft_graph", args, str(result)])
+        if proc.returncode != 0 or not result.is_file():
+            raise DSparkError(f"exporting the DSpark drafter {ckpt} failed (exit {proc.returncode})")
+        res = json.loads(result.read_text())
+        result.unlink()
+    else:
+        from dspark_export.draft_graph import export_dspark
+
+        res = export_dspark(ckpt, target_dir, out_dir)
+    v = res["validation"]["fp32"]
+    log(f"[draft] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
+        f"{v['argmax_agreement']:.0%}")
+    from dspark_export.draft_graph import HEADS_NAME
+
+    files = [FileEntry.of(out_dir, "draft.onnx"), FileEntry.of(out_dir, "draft.onnx.data"),
+             FileEntry.of(out_dir, HEADS_NAME)]
+    manifest.graphs["draft"] = GraphEntry(role="draft", model_id=str(model_id), format="onnx", precision="fp32",
+                                          files=files, spec=_GS.from_json(res["spec"]),
+                                          validation=res["validation"], model_config=res["config"])
+    sts = None
+    sts_file = ckpt / "sts.json"
+    if sts_file.is_file():
+        sts = json.loads(sts_file.read_text()).get("temperatures")
+    manifest.speculation.update(
+        draft_graph="draft", draft_kind="dspark", draft_length=int(cfg.block_size),
+        dspark={"heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
+                "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+                "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
+
+
+def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
+    """Replace the drafter of a built engine by the DSpark checkpoint ``ckpt`` (the target graph is kept;
+    it must already output the drafter's ``target_layer_ids`` features)."""
+    from dspark_runtime.manifest import load_manifest
+
+    engine_dir = Path(engine_dir)
+    manifest = load_manifest(engine_dir, verify=False)
+    for stale in ("draft.onnx", "draft.onnx.data"):
+        if (engine_dir / stale).exists():
+            (engine_dir / stale).unlink()
+    manifest.graphs.pop("draft", None)
+    manifest.speculation = {k: v for k, v in manifest.speculation.items() if k not in ("dspark", "draft_kind")}
+    (engine_dir / "manifest.json").unlink()
+    _add_dspark(manifest, engine_dir, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log)
+    _write_manifest(manifest, engine_dir)
     return manifest
 
 

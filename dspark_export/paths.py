@@ -14,3 +14,8 @@ def cache_root() -> Path:
 def models_dir() -> Path:
     """Folder holding converted Hugging Face model folders, one per model name."""
     return cache_root() / "models"
+
+
+def repo_root() -> Path:
+    """The source checkout (holds ``data/prompts/`` and ``engines/`` recipes)."""
+    return Path(__file__).resolve().parent.parent

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from dspark_runtime.backend import OrtDecoder
+from dspark_runtime.dspark import DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
 from dspark_runtime.manifest import Manifest, load_manifest
@@ -41,12 +42,15 @@ class Engine:
         self.tokenizer = Tokenizer(self.dir / tok["dir"])
         self.eos_ids = list(tok.get("eos_token_ids", []))
         self._backends = {
-            key: OrtDecoder(self.dir / g.model_file, g.spec, threads=threads, providers=providers)
+            key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
+                self.dir / g.model_file, g.spec, threads=threads, providers=providers)
             for key, g in manifest.graphs.items()
         }
         self._runners: dict = {}
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         self.draft_graph = manifest.speculation.get("draft_graph")
+        self.draft_kind = manifest.speculation.get("draft_kind", "lm") if self.draft_graph else None
+        self._heads = None
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
@@ -76,15 +80,32 @@ class Engine:
         if draft in (None, "none"):
             return None
         if draft == "auto":
-            draft = "lm" if self.has_draft else "ngram"
-        if draft in ("lm", "draft"):
-            if not self.has_draft:
+            draft = self.draft_kind if self.has_draft else "ngram"
+        if draft == "draft":
+            draft = self.draft_kind or "lm"
+        if draft == "dspark":
+            if self.draft_kind != "dspark":
+                raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
+                                 "--draft dspark:<checkpoint>` or use draft='lm'/'ngram'")
+            return DSparkDrafter(self._backends[self.draft_graph].activate(), self.dspark_heads(),
+                                 self.runner("target"), confidence_threshold)
+        if draft == "lm":
+            if not self.has_draft or self.draft_kind != "lm":
                 raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
                                  "or decode target-only (--no-speculation)")
             return LMDrafter(self.runner(self.draft_graph), confidence_threshold)
         if draft == "ngram":
             return NgramDrafter()
-        raise InputError(f"unknown draft {draft!r}: use 'auto', 'lm', 'ngram' or 'none'")
+        raise InputError(f"unknown draft {draft!r}: use 'auto', 'dspark', 'lm', 'ngram' or 'none'")
+
+    def dspark_heads(self) -> DSparkHeads:
+        """The DSpark Markov/confidence heads of this engine (loaded once), with the manifest's STS temperatures."""
+        if self._heads is None:
+            info = self.manifest.speculation.get("dspark", {})
+            vocab = self.manifest.graphs["target"].spec.dims.vocab_size
+            self._heads = DSparkHeads.load(self.dir / info["heads_file"], info, vocab,
+                                           info.get("sts_temperatures"))
+        return self._heads
 
     def encode_prompt(self, prompt, raw: bool = False) -> list:
         """Token ids for a prompt: a string (chat-templated as one user turn unless ``raw``) or a
@@ -115,13 +136,15 @@ class Engine:
             prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
-            draft: "auto" (the engine's draft LM if it has one, else n-gram lookup), "lm" (the
-                draft LM; alias "draft"), "ngram" (prompt lookup, no weights), or None/"none" for
-                target-only decoding.
+            draft: "auto" (the engine's drafter — DSpark or a draft LM — if it has one, else n-gram
+                lookup), "dspark" (the DSpark drafter), "lm" (a standalone draft LM), "draft" (whichever
+                the engine has), "ngram" (prompt lookup, no weights), or None/"none" for target-only
+                decoding.
             draft_length: draft tokens per round (gamma >= 1), or "auto" for the heuristic
                 schedule (+2 after a fully accepted block, -1 otherwise). Default: the manifest's.
-            draft_confidence: with the draft LM, end a block early after the first draft token
-                whose draft probability is below this (0..1); None = always draft the full block.
+            draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first
+                draft token whose draft probability is below it. DSpark: cut the block before the first
+                position whose calibrated prefix survival falls below it. None = the full block.
             seed: RNG seed for sampling (same seed, same output).
             stop: strings that end generation (excluded from the text).
             stream: called with each new piece of text as tokens are committed.

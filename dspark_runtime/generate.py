@@ -38,6 +38,13 @@ class DecoderRunner:
     def __init__(self, backend: OrtDecoder):
         self.backend = backend
         self.cache = KVCache(backend.empty_kv(1))
+        self._feats = None  # float32 [capacity, m * hidden]: target features by position (DSpark context)
+
+    @property
+    def features(self) -> np.ndarray | None:
+        """Target features of the cached positions, float32 [length, m * hidden] (a view), or None when
+        the graph outputs none. Rolled back with the KV cache (same length pointer)."""
+        return None if self._feats is None else self._feats[: self.cache.length]
 
     @property
     def length(self) -> int:
@@ -53,6 +60,14 @@ class DecoderRunner:
         pos = np.arange(past, past + q, dtype=np.int64)[None]
         out = self.backend.step(ids, pos, causal_mask(q, past), self.cache.view())
         self.cache.update(out.kv)
+        if out.features is not None:
+            f = out.features[0]
+            if self._feats is None or self._feats.shape[0] < past + q:
+                grown = np.empty((max(1024, 2 * (past + q)), f.shape[-1]), dtype=np.float32)
+                if self._feats is not None:
+                    grown[:past] = self._feats[:past]
+                self._feats = grown
+            self._feats[past:past + q] = f
         return out.logits[0]
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:

@@ -144,3 +144,44 @@ def causal_lm_spec(dims: DecoderDims) -> GraphSpec:
     for k, v in present_names(dims.num_layers):
         outputs += [TensorSpec(k, "float32", kv_total), TensorSpec(v, "float32", kv_total)]
     return GraphSpec("causal_lm", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)
+
+
+NEW_LEN, CTX_LEN, MASK_LEN = "new_len", "ctx_len", "mask_len"
+
+
+def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> GraphSpec:
+    """Declare the DSpark drafter graph ("dspark_draft", growing context-KV layout).
+
+    One call per round does both drafter stages that need weights (DESIGN.md section 1 step 1):
+
+    inputs
+      features          float32 [batch, new_len, m * hidden_target]  target features of newly committed positions
+      feature_positions int64   [batch, new_len]                     their positions
+      anchor_ids        int64   [batch, 1]                           the anchor (last committed) token
+      block_positions   int64   [batch, block]                       anchor_pos .. anchor_pos + block - 1
+      attention_mask    bool    [batch, 1, block, mask_len]          mask_len = past_len + new_len + block
+      past.{i}.key/value float32 [batch, kv_heads, past_len, head_dim]  projected context K/V per draft layer
+    outputs
+      hidden            float32 [batch, block, hidden]   normed block hidden states h_1..h_γ
+      base_logits       float32 [batch, block, vocab]    U_k = lm_head(h_k) over the draft vocabulary
+      present.{i}.key/value float32 [batch, kv_heads, ctx_len, head_dim]  ctx_len = past_len + new_len
+
+    ``dims.vocab_size`` is the drafter's output vocabulary (reduced or the target's); the Markov and
+    confidence heads run outside the graph (numpy, ``dspark_runtime.dspark``).
+    """
+    kv_past = (BATCH, dims.num_kv_heads, PAST_LEN, dims.head_dim)
+    kv_ctx = (BATCH, dims.num_kv_heads, CTX_LEN, dims.head_dim)
+    inputs = [
+        TensorSpec("features", "float32", (BATCH, NEW_LEN, feature_size)),
+        TensorSpec("feature_positions", "int64", (BATCH, NEW_LEN)),
+        TensorSpec("anchor_ids", "int64", (BATCH, 1)),
+        TensorSpec("block_positions", "int64", (BATCH, block_size)),
+        TensorSpec("attention_mask", "bool", (BATCH, 1, block_size, MASK_LEN)),
+    ]
+    for k, v in past_names(dims.num_layers):
+        inputs += [TensorSpec(k, "float32", kv_past), TensorSpec(v, "float32", kv_past)]
+    outputs = [TensorSpec("hidden", "float32", (BATCH, block_size, dims.hidden_size)),
+               TensorSpec("base_logits", "float32", (BATCH, block_size, dims.vocab_size))]
+    for k, v in present_names(dims.num_layers):
+        outputs += [TensorSpec(k, "float32", kv_ctx), TensorSpec(v, "float32", kv_ctx)]
+    return GraphSpec("dspark_draft", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)

@@ -153,9 +153,9 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
     if "target" not in m.graphs:
         raise ManifestError(f"{where} declares no 'target' graph; rebuild the engine")
     for key, g in m.graphs.items():
-        if g.spec.kind != "causal_lm" or g.spec.kv_layout != "growing":
+        if g.spec.kind not in ("causal_lm", "dspark_draft") or g.spec.kv_layout != "growing":
             raise ManifestError(f"{where}: graph {key!r} is {g.spec.kind}/{g.spec.kv_layout}; "
-                                "this runtime runs causal_lm graphs with the growing KV layout")
+                                "this runtime runs causal_lm and dspark_draft graphs with the growing KV layout")
     return m
 
 

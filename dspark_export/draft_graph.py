@@ -1,0 +1,213 @@
+"""Export a DSpark drafter checkpoint to the ``dspark_draft`` ONNX graph plus a heads file, and validate.
+
+The graph (declared in :func:`dspark_runtime.graphspec.dspark_draft_spec`) appends the projected K/V of
+newly committed target features to the drafter's context cache and runs the block forward, returning
+normed hidden states and base logits. The Markov and confidence heads are small (r×V_d and d+r) and
+sequential, so they ship as ``dspark_heads.npz`` and run in numpy (``dspark_runtime.dspark``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.graphspec import DecoderDims, GraphSpec, dspark_draft_spec
+
+from .dspark_model import DSparkDrafter, load_checkpoint
+from .export import OPSET, _rename_dynamic_dims
+
+HEADS_NAME = "dspark_heads.npz"
+TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
+
+
+class DraftGraphWrapper(nn.Module):
+    """forward(features, feature_positions, anchor_ids, block_positions, attention_mask, *past) ->
+    (hidden, base_logits, *present) — see ``dspark_draft_spec``."""
+
+    def __init__(self, model: DSparkDrafter):
+        super().__init__()
+        self.model = model
+
+    def forward(self, features, feature_positions, anchor_ids, block_positions, attention_mask, *past_flat):
+        m = self.model
+        c = m.config
+        new = m.context_kv(features, feature_positions)
+        present = [(torch.cat([past_flat[2 * i], k], dim=2), torch.cat([past_flat[2 * i + 1], v], dim=2))
+                   for i, (k, v) in enumerate(new)]
+        masks = anchor_ids.expand(-1, c.block_size - 1) * 0 + c.mask_token_id
+        block_ids = torch.cat([anchor_ids, masks], dim=1)
+        h = m.block_hidden(block_ids, block_positions, present, attention_mask)
+        outs = [h, m.lm_head(h)]
+        for k, v in present:
+            outs += [k, v]
+        return tuple(outs)
+
+
+def draft_dims(model: DSparkDrafter) -> DecoderDims:
+    c = model.config
+    return DecoderDims(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                       hidden_size=c.hidden_size, vocab_size=c.out_vocab)
+
+
+def _example(model: DSparkDrafter, batch: int, new: int, past: int, seed: int = 0):
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(batch, new, c.feature_size, generator=g)
+    fpos = torch.arange(past, past + new).expand(batch, new).contiguous()
+    anchor = torch.randint(0, c.vocab_size, (batch, 1), generator=g)
+    bpos = torch.arange(past + new, past + new + c.block_size).expand(batch, c.block_size).contiguous()
+    mask = torch.ones(batch, 1, c.block_size, past + new + c.block_size, dtype=torch.bool)
+    kv = []
+    for _ in range(c.num_hidden_layers):
+        kv += [torch.randn(batch, c.num_key_value_heads, past, c.head_dim, generator=g) for _ in range(2)]
+    return (feats, fpos, anchor, bpos, mask, *kv)
+
+
+def export_draft_graph(model: DSparkDrafter, out_path: Path) -> GraphSpec:
+    """Trace the drafter to ``out_path`` (dynamo, opset 18; weights inline when small, else external)."""
+    c = model.config
+    spec = dspark_draft_spec(draft_dims(model), c.feature_size, c.block_size)
+    wrapper = DraftGraphWrapper(model).eval()
+    args = _example(model, TRACE_BATCH, TRACE_NEW, TRACE_PAST)
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = [{ax: dyn for ax in t.dynamic_axes()} for t in spec.inputs]
+    dynamic_shapes = (*shapes[:5], tuple(shapes[5:]))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            prog = torch.onnx.export(wrapper, args, dynamo=True, input_names=spec.input_names,
+                                     output_names=spec.output_names, dynamic_shapes=dynamic_shapes,
+                                     opset_version=OPSET, optimize=True, verbose=False)
+        except Exception as e:
+            raise DSparkError(f"ONNX export of the DSpark drafter failed: {e}") from e
+    proto = prog.model_proto
+    _rename_dynamic_dims(proto, spec)
+    data_name = out_path.name + ".data"
+    for p in (out_path, out_path.with_name(data_name)):
+        if p.exists():
+            p.unlink()
+    onnx.save_model(proto, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name, size_threshold=1024)
+    print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
+    return spec
+
+
+def validate_draft_graph(model: DSparkDrafter, path: Path, tol: float = 1e-3) -> dict:
+    """Run the graph with ONNX Runtime and torch on random inputs (two chained calls: a context step with
+    no past, then one on top of its cache); returns max |Δ| of logits and hidden states.
+
+    Raises:
+        DSparkError: a difference above ``tol`` (relative to the logits' scale) or argmax disagreement.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    wrapper = DraftGraphWrapper(model).eval()
+    rep = {"max_abs_logit_diff": 0.0, "max_abs_hidden_diff": 0.0, "argmax_agreement": 1.0}
+    c = model.config
+    first = _example(model, 1, 6, 0, seed=3)
+    with torch.no_grad():
+        ref1 = wrapper(*first)
+    got1 = sess.run(None, {n: t.numpy() for n, t in zip(names, first)})
+    present = [t.numpy() for t in ref1[2:]]
+    second = list(_example(model, 1, 2, 6, seed=4))
+    second[5:] = [torch.as_tensor(p) for p in present]
+    with torch.no_grad():
+        ref2 = wrapper(*second)
+    got2 = sess.run(None, {n: t.numpy() if isinstance(t, torch.Tensor) else t for n, t in zip(names, second)})
+    agree = []
+    for ref, got in ((ref1, got1), (ref2, got2)):
+        rep["max_abs_hidden_diff"] = max(rep["max_abs_hidden_diff"], float(np.abs(ref[0].numpy() - got[0]).max()))
+        rep["max_abs_logit_diff"] = max(rep["max_abs_logit_diff"], float(np.abs(ref[1].numpy() - got[1]).max()))
+        agree.append(float((ref[1].numpy().argmax(-1) == got[1].argmax(-1)).mean()))
+    rep["argmax_agreement"] = float(np.mean(agree))
+    scale = float(np.abs(ref2[1].numpy()).max()) or 1.0
+    rep["tolerance"] = tol * max(1.0, scale)
+    if rep["max_abs_logit_diff"] > rep["tolerance"] or rep["argmax_agreement"] < 1.0:
+        raise DSparkError(f"drafter graph {path} disagrees with torch: {rep}")
+    del c
+    return rep
+
+
+def write_heads(model: DSparkDrafter, path: Path) -> dict:
+    """Save the Markov/confidence heads and the draft-vocabulary map as float32/int64 numpy arrays."""
+    c = model.config
+    arrays = {}
+    mh = model.markov_head
+    if mh is not None:
+        arrays["markov_w1"] = mh.markov_w1.weight.detach().float().numpy()
+        arrays["markov_w2"] = mh.markov_w2.weight.detach().float().numpy()
+        if c.markov_head_type == "gated":
+            arrays["gate_w"] = mh.gate_proj.weight.detach().float().numpy()
+            arrays["gate_b"] = mh.gate_proj.bias.detach().float().numpy()
+        elif c.markov_head_type == "rnn":
+            arrays["joint_w"] = mh.joint_proj.weight.detach().float().numpy()
+            arrays["joint_b"] = mh.joint_proj.bias.detach().float().numpy()
+    if model.confidence_head is not None:
+        arrays["conf_w"] = model.confidence_head.proj.weight.detach().float().numpy()[0]
+        arrays["conf_b"] = model.confidence_head.proj.bias.detach().float().numpy()
+    if model.draft_vocab_ids is not None:
+        arrays["draft_vocab_ids"] = model.draft_vocab_ids.numpy().astype(np.int64)
+    np.savez(path, **arrays)
+    return {"markov_rank": c.markov_rank, "markov_head_type": c.markov_head_type,
+            "confidence_head": model.confidence_head is not None,
+            "confidence_head_with_markov": c.confidence_head_with_markov}
+
+
+def target_frozen_weights(target_dir: Path):
+    """The target's embedding and LM head [V, d] read straight from its safetensors (no full model load)."""
+    from safetensors import safe_open
+
+    emb = head = None
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            keys = set(s.keys())
+            if "model.embed_tokens.weight" in keys:
+                emb = s.get_tensor("model.embed_tokens.weight").float()
+            if "lm_head.weight" in keys:
+                head = s.get_tensor("lm_head.weight").float()
+    if emb is None:
+        raise DSparkError(f"{target_dir}: no model.embed_tokens.weight in its safetensors")
+    return emb, head if head is not None else emb
+
+
+def export_dspark(checkpoint: Path, target_dir: Path, out_dir: Path, role: str = "draft") -> dict:
+    """Checkpoint -> ``{role}.onnx`` (+ .data) and ``dspark_heads.npz`` in ``out_dir``; returns manifest parts.
+
+    Returns {"spec", "validation", "config" (the DeepSpec config dict), "heads"}.
+    """
+    emb, head = target_frozen_weights(target_dir)
+    model = load_checkpoint(checkpoint, target_embed=emb, target_lm_head=head).eval()
+    del emb, head
+    path = Path(out_dir) / f"{role}.onnx"
+    spec = export_draft_graph(model, path)
+    val = validate_draft_graph(model, path)
+    heads = write_heads(model, Path(out_dir) / HEADS_NAME)
+    return {"spec": spec.to_json(), "validation": {"fp32": val}, "config": model.config.to_dict(), "heads": heads}
+
+
+if __name__ == "__main__":  # subprocess worker: python -m dspark_export.draft_graph ARGS_JSON RESULT_PATH
+    import sys
+
+    a = json.loads(sys.argv[1])
+    try:
+        r = export_dspark(Path(a["checkpoint"]), Path(a["target_dir"]), Path(a["out_dir"]))
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    Path(sys.argv[2]).write_text(json.dumps(r))

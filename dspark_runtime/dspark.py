@@ -1,0 +1,234 @@
+"""The DSpark drafter at run time: the ``dspark_draft`` graph (ONNX Runtime) plus numpy Markov and
+confidence heads, driven by the target's own features (no second target pass).
+
+One round (DESIGN.md section 1 steps 1-3; DSpark paper section 3):
+1. Append the target features of the positions committed since the last round (the verify pass
+   produced them; :attr:`DecoderRunner.features`) to the drafter's context K/V cache, and run the block
+   [anchor, mask, ..., mask] at positions anchor_pos..anchor_pos+γ-1: one graph call gives the normed
+   hidden states h_1..h_γ and base logits U_k. The context cache only ever holds committed positions,
+   so it is never rolled back.
+2. Left to right, logits_k = U_k + W2·latent(W1[x_{k-1}], h_k) (x_0 = anchor) and x_k is the argmax
+   (greedy) or a sample from the processed distribution (its probabilities are kept for rejection
+   sampling).
+3. Confidence c_k = σ((wᵀ[h_k; W1[x_{k-1}]] + b) / T_k) with the STS temperatures T_k from the manifest;
+   prefix survival a_j = Π_{k≤j} c_k. With a static threshold the block is cut before the first position
+   whose survival falls below it; the decision uses the draft's own quantities only, so sampling stays
+   lossless.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.graphspec import GraphSpec, past_names
+from dspark_runtime.sampling import SamplingParams, process_logits, sample
+
+
+class OrtDSparkGraph:
+    """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``)."""
+
+    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None):
+        if spec.kind != "dspark_draft":
+            raise DSparkError(f"{path}: graph kind {spec.kind!r} is not a DSpark drafter (dspark_draft)")
+        self.path = Path(path)
+        self.spec = spec
+        self.threads = threads
+        self.providers = list(providers or ["CPUExecutionProvider"])
+        self.session = None
+        self._past = past_names(spec.dims.num_layers)
+        self._out = spec.output_names
+        self.block_size = next(t for t in spec.inputs if t.name == "block_positions").shape[1]
+
+    def activate(self) -> "OrtDSparkGraph":
+        if self.session is None:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = self.threads
+            so.inter_op_num_threads = 1
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            try:
+                self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)
+            except Exception as e:
+                raise DSparkError(f"ONNX Runtime could not load {self.path}: {e}") from e
+        return self
+
+    def deactivate(self) -> None:
+        self.session = None
+
+    def empty_kv(self, batch: int) -> list:
+        d = self.spec.dims
+        z = np.zeros((batch, d.num_kv_heads, 0, d.head_dim), dtype=np.float32)
+        return [(z, z) for _ in range(d.num_layers)]
+
+    def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):
+        """One call. features float32 [b, n, F]; feature_positions int64 [b, n]; anchor_ids int64 [b, 1];
+        block_positions int64 [b, γ]; attention_mask bool [b, 1, γ, past + n + γ]; kv per layer
+        (key, value) [b, kvh, past, hd]. Returns (hidden [b, γ, d], base_logits [b, γ, V_d], present kv)."""
+        if self.session is None:
+            self.activate()
+        feeds = {"features": features, "feature_positions": feature_positions, "anchor_ids": anchor_ids,
+                 "block_positions": block_positions, "attention_mask": attention_mask}
+        for (kn, vn), (k, v) in zip(self._past, kv):
+            feeds[kn] = np.ascontiguousarray(k)
+            feeds[vn] = np.ascontiguousarray(v)
+        outs = self.session.run(self._out, feeds)
+        n = self.spec.dims.num_layers
+        return outs[0], outs[1], [(outs[2 + 2 * i], outs[3 + 2 * i]) for i in range(n)]
+
+
+class DSparkHeads:
+    """Markov head, confidence head and draft-vocabulary map, as numpy arrays (``dspark_heads.npz``).
+
+    Arrays: markov_w1 [V_in, r], markov_w2 [V_out, r] (+ gate_w [r, d+r], gate_b [r] | joint_w [3r, 2r+d],
+    joint_b [3r]), conf_w [d (+r)], conf_b [1], draft_vocab_ids int64 [V_d] (reduced vocabulary only).
+    """
+
+    def __init__(self, arrays: dict, kind: str | None, with_markov: bool, vocab_size: int,
+                 temperatures=None):
+        self.kind = kind
+        self.w1 = arrays.get("markov_w1")
+        self.w2 = arrays.get("markov_w2")
+        self.gate_w, self.gate_b = arrays.get("gate_w"), arrays.get("gate_b")
+        self.joint_w, self.joint_b = arrays.get("joint_w"), arrays.get("joint_b")
+        self.conf_w, self.conf_b = arrays.get("conf_w"), arrays.get("conf_b")
+        self.with_markov = with_markov
+        self.vocab_size = vocab_size
+        self.d2t = arrays.get("draft_vocab_ids")
+        if self.d2t is not None:
+            self.t2d = np.full(vocab_size, len(self.d2t), dtype=np.int64)
+            self.t2d[self.d2t] = np.arange(len(self.d2t))
+        else:
+            self.t2d = None
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+
+    @classmethod
+    def load(cls, path: Path, info: dict, vocab_size: int, temperatures=None) -> "DSparkHeads":
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        return cls(arrays, info.get("markov_head_type") if info.get("markov_rank") else None,
+                   bool(info.get("confidence_head_with_markov")), vocab_size, temperatures)
+
+    def w1_row(self, target_id: int) -> int:
+        return int(target_id) if self.t2d is None else int(self.t2d[target_id])
+
+    def to_target(self, draft_idx: int) -> int:
+        return int(draft_idx) if self.d2t is None else int(self.d2t[draft_idx])
+
+    def step(self, base: np.ndarray, h: np.ndarray, prev_target: int, state):
+        """Position logits [V_out] = base + Markov bias, and the confidence pre-sigmoid score.
+
+        Returns (logits float32 [V_out], conf_logit float | None, new_state).
+        """
+        if self.w1 is None:
+            lat, e = None, None
+        else:
+            e = self.w1[self.w1_row(prev_target)]
+            if self.kind == "vanilla":
+                lat = e
+            elif self.kind == "gated":
+                lat = _sigmoid(self.gate_w @ np.concatenate([h, e]) + self.gate_b) * e
+            else:
+                s = np.zeros_like(e) if state is None else state
+                z = self.joint_w @ np.concatenate([s, e, h]) + self.joint_b
+                g, cand, o = np.split(z, 3)
+                g = _sigmoid(g)
+                state = g * s + (1 - g) * np.tanh(cand)
+                lat = np.tanh(o)
+        logits = base if lat is None else base + self.w2 @ lat
+        conf = None
+        if self.conf_w is not None:
+            x = np.concatenate([h, e]) if self.with_markov else h
+            conf = float(self.conf_w @ x + self.conf_b[0])
+        return logits, conf, state
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class DSparkDrafter:
+    """Drafter (``generate.Drafter`` protocol) for a DSpark checkpoint compiled to ``dspark_draft``.
+
+    Args:
+        graph: the drafter graph backend.
+        heads: Markov/confidence heads.
+        target: the target's ``DecoderRunner`` (its ``features`` feed the context).
+        confidence_threshold: static survival threshold (cut the block before the first position whose
+            prefix survival a_j falls below it); None = always the full length asked for.
+
+    After each ``propose``, ``last_survival`` holds a_1..a_γ (float64 [γ]) for schedulers and metrics.
+    """
+
+    name = "dspark"
+
+    def __init__(self, graph: OrtDSparkGraph, heads: DSparkHeads, target, confidence_threshold: float | None = None):
+        self.graph = graph
+        self.heads = heads
+        self.target = target
+        self.block_size = graph.block_size
+        self.confidence_threshold = confidence_threshold
+        self._kv = graph.empty_kv(1)
+        self._ctx = 0  # committed positions already in the context cache
+        self.last_survival = np.zeros(0)
+
+    def begin(self, prompt: list) -> None:
+        self._kv = self.graph.empty_kv(1)
+        self._ctx = 0
+
+    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
+        """Draft up to min(gamma, block size) tokens after ``context`` (its last token is the anchor).
+
+        Returns (tokens list[int], q float64 [l, vocab] processed draft distributions or None if greedy).
+        Raises DSparkError if the target holds no features for the committed positions (a target graph
+        built without the drafter's ``target_layer_ids``).
+        """
+        feats = self.target.features
+        anchor_pos = len(context) - 1
+        if feats is None:
+            raise DSparkError("the target graph outputs no features; rebuild the engine with the drafter's "
+                              "target_layer_ids as target feature layers")
+        if self.target.length != anchor_pos or self._ctx > anchor_pos:
+            raise DSparkError(f"DSpark drafter out of sync: target holds {self.target.length} positions, "
+                              f"anchor at {anchor_pos}, drafter context {self._ctx}")
+        g = self.block_size
+        new = feats[self._ctx:anchor_pos][None]
+        fpos = np.arange(self._ctx, anchor_pos, dtype=np.int64)[None]
+        bpos = np.arange(anchor_pos, anchor_pos + g, dtype=np.int64)[None]
+        mask = np.ones((1, 1, g, anchor_pos + g), dtype=bool)
+        hidden, base, self._kv = self.graph.run(new, fpos, np.asarray([[context[-1]]], dtype=np.int64), bpos,
+                                                mask, self._kv)
+        self._ctx = anchor_pos
+        n = max(0, min(gamma, g))
+        tokens, qs, surv = [], [], []
+        prev, state, a = context[-1], None, 1.0
+        temps = self.heads.temperatures
+        for k in range(n):
+            logits, conf, state = self.heads.step(base[0, k], hidden[0, k], prev, state)
+            if conf is not None:
+                t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
+                a *= float(_sigmoid(conf / t))
+            surv.append(a)
+            if self.confidence_threshold is not None and a < self.confidence_threshold:
+                break
+            full = self._full_vocab(logits)
+            if params.greedy:
+                tok = int(np.argmax(full))
+            else:
+                q = process_logits(full, params)
+                tok = int(sample(q, rng))
+                qs.append(q)
+            tokens.append(tok)
+            prev = tok
+        self.last_survival = np.asarray(surv)
+        return tokens, (np.stack(qs) if qs else None) if not params.greedy else None
+
+    def _full_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits [V_out] -> target-vocabulary logits [V] (-inf outside a reduced draft vocabulary)."""
+        if self.heads.d2t is None:
+            return logits
+        full = np.full(self.heads.vocab_size, -np.inf, dtype=np.float32)
+        full[self.heads.d2t] = logits
+        return full

@@ -1,0 +1,130 @@
+"""End to end on tiny models: train a DSpark drafter on target features, compile it with the target,
+and decode with it — greedy output must equal target-only greedy output."""
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_dspark(tiny_pair, tmp_path_factory):
+    """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
+    from dspark_export.build import Recipe, build_engine
+    from dspark_export.draft_train import (FeatureStore, TrainSettings, choose_draft_vocab, extract_features,
+                                           train)
+    from dspark_export.dspark_model import DSparkDrafter, qwen2_draft_config
+    from dspark_export.draft_graph import target_frozen_weights
+    from transformers import AutoModelForCausalLM
+
+    tdir, _ = tiny_pair
+    root = tmp_path_factory.mktemp("dspark")
+    # training text: the tiny target's own greedy continuations of random prompts
+    target = AutoModelForCausalLM.from_pretrained(tdir).eval()
+    rng = np.random.default_rng(0)
+    seqs = []
+    with torch.no_grad():
+        for _ in range(48):
+            p = torch.as_tensor(rng.integers(3, 300, size=(1, 8)))
+            out = target.generate(p, max_new_tokens=56, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ids = out[0].numpy().astype(np.int32)
+            m = np.zeros(len(ids), np.uint8)
+            m[8:] = 1
+            seqs.append((ids, m))
+    del target
+    extract_features(tdir, seqs, root / "features", [-1, 0], shard_tokens=1024, dtype="float32")
+    store = FeatureStore(root / "features")
+    cfg = json.loads((tdir / "config.json").read_text())
+    vocab = choose_draft_vocab(store.token_counts(cfg["vocab_size"]), 200, always=[2])
+    c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,
+                           block_size=4, target_layer_ids=(-1, 0), markov_rank=16, draft_vocab_size=len(vocab))
+    torch.manual_seed(0)
+    model = DSparkDrafter(c)
+    model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
+    emb, head = target_frozen_weights(tdir)
+    model.init_from_target(emb, head)
+    ckpt = root / "ckpt"
+    rep = train(store, model, head[model.draft_vocab_ids], ckpt,
+                TrainSettings(lr=3e-3, time_budget_s=600, max_steps=250, eval_every=1000, eval_seqs=6,
+                              anchors_per_seq=16, warmup_steps=10),
+                gamma=c.block_size, mask_token=c.mask_token_id, log=lambda *a: None)
+    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.0, 1.0, 1.0]}))
+    out = root / "engine"
+    build_engine(Recipe(name="tiny-dspark", target=str(tdir), draft=f"dspark:{ckpt}"), out, isolate=False,
+                 log=lambda *a: None)
+    return out, ckpt, rep
+
+
+@pytest.fixture(scope="module")
+def dspark_engine(tiny_dspark):
+    from dspark_runtime.engine import Engine
+
+    return Engine.load(tiny_dspark[0], threads=1)
+
+
+def test_training_learns_something(tiny_dspark):
+    rep = tiny_dspark[2]
+    # the held-out teacher-forced greedy acceptance at position 1 is far above chance (1/200)
+    assert rep["heldout_acc_pos"][0] > 0.15, rep  # chance is 1/200
+    assert rep["heldout_tau_greedy"] > 1.2, rep
+
+
+def test_manifest_records_the_drafter(tiny_dspark):
+    m = json.loads((tiny_dspark[0] / "manifest.json").read_text())
+    spec = m["speculation"]
+    assert spec["draft_kind"] == "dspark" and spec["draft_length"] == 4
+    assert spec["dspark"]["target_layer_ids"] == [-1, 0] and spec["dspark"]["draft_vocab_size"] == 200
+    assert m["graphs"]["draft"]["spec"]["kind"] == "dspark_draft"
+    assert m["graphs"]["target"]["spec"]["dims"]["feature_layers"] == [-1, 0]
+    assert {f["path"] for f in m["graphs"]["draft"]["files"]} >= {"draft.onnx", "dspark_heads.npz"}
+    assert m["graphs"]["draft"]["validation"]["fp32"]["argmax_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("prompt", ["hello world", "def f(x):\n    return", "the the the the"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_dspark_greedy_equals_target_only(dspark_engine, prompt, gamma):
+    ref = dspark_engine.generate(prompt, max_new_tokens=40, draft="none")
+    got = dspark_engine.generate(prompt, max_new_tokens=40, draft="dspark", draft_length=gamma)
+    assert got.token_ids == ref.token_ids
+    assert got.stats.drafter == "dspark"
+    assert got.stats.num_rounds < len(got.token_ids) or got.stats.accepted == 0
+
+
+def test_dspark_accepts_drafts(dspark_engine):
+    """The trained drafter's tokens are accepted often enough to shorten decoding (τ > 1)."""
+    res = [dspark_engine.generate(p, max_new_tokens=48, draft="auto") for p in ("abc def", "xyz 123", "hello")]
+    assert all(r.stats.drafter == "dspark" for r in res)
+    acc = sum(r.stats.accepted for r in res)
+    assert acc > 0
+    assert np.mean([r.stats.accepted_length_mean for r in res]) > 1.2
+
+
+def test_dspark_sampling_is_seeded(dspark_engine):
+    a = dspark_engine.generate("hello", max_new_tokens=30, temperature=1.0, seed=7, draft="dspark")
+    b = dspark_engine.generate("hello", max_new_tokens=30, temperature=1.0, seed=7, draft="dspark")
+    assert a.token_ids == b.token_ids
+
+
+def test_confidence_threshold_cuts_blocks_and_stays_exact(dspark_engine):
+    ref = dspark_engine.generate("hello world", max_new_tokens=40, draft="none")
+    full = dspark_engine.generate("hello world", max_new_tokens=40, draft="dspark")
+    cut = dspark_engine.generate("hello world", max_new_tokens=40, draft="dspark", draft_confidence=0.999)
+    assert cut.token_ids == ref.token_ids == full.token_ids
+    assert cut.stats.proposed < full.stats.proposed
+
+
+def test_bad_dspark_checkpoint_path_is_named(tiny_pair, tmp_path):
+    from dspark_export.build import Recipe, build_engine
+    from dspark_runtime.errors import DSparkError
+
+    with pytest.raises(DSparkError, match="DSpark checkpoint .* not found"):
+        build_engine(Recipe(name="x", target=str(tiny_pair[0]), draft=f"dspark:{tmp_path / 'nope'}"),
+                     tmp_path / "e", isolate=False, log=lambda *a: None)
+
+
+def test_lm_draft_on_a_dspark_engine_is_refused(dspark_engine):
+    from dspark_runtime.errors import InputError
+
+    with pytest.raises(InputError, match="no draft LM|has no"):
+        dspark_engine.generate("hi", max_new_tokens=4, draft="lm")
