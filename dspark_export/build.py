@@ -338,8 +338,9 @@ def dspark_checkpoint(draft: str | None) -> Path | None:
 
 
 def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path, model_id: str,
-                isolate: bool, log) -> None:
-    """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` (role "draft")."""
+                isolate: bool, log, role: str = "draft") -> None:
+    """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` as graph ``role``
+    ("draft" when it is the engine's only drafter, "dspark" when added beside a draft LM)."""
     from dspark_runtime.graphspec import GraphSpec as _GS
 
     feats = manifest.graphs["target"].spec.dims.feature_layers
@@ -349,10 +350,11 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     if list(feats) != list(cfg.target_layer_ids):
         raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
                           f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
-    log(f"[draft] exporting DSpark drafter {ckpt} -> {out_dir / 'draft.onnx'}")
+    log(f"[{role}] exporting DSpark drafter {ckpt} -> {out_dir / (role + '.onnx')}")
     if isolate:
-        result = out_dir / "draft.export.json"
-        args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir)})
+        result = out_dir / f"{role}.export.json"
+        args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir),
+                           "role": role})
         proc = subprocess.run([sys.executable, "-m", "dspark_export.draft_graph", args, str(result)])
         if proc.returncode != 0 or not result.is_file():
             raise DSparkError(f"exporting the DSpark drafter {ckpt} failed (exit {proc.returncode})")
@@ -361,42 +363,48 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     else:
         from dspark_export.draft_graph import export_dspark
 
-        res = export_dspark(ckpt, target_dir, out_dir)
+        res = export_dspark(ckpt, target_dir, out_dir, role)
     v = res["validation"]["fp32"]
-    log(f"[draft] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
+    log(f"[{role}] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
         f"{v['argmax_agreement']:.0%}")
     from dspark_export.draft_graph import HEADS_NAME
 
-    files = [FileEntry.of(out_dir, "draft.onnx"), FileEntry.of(out_dir, "draft.onnx.data"),
+    files = [FileEntry.of(out_dir, f"{role}.onnx"), FileEntry.of(out_dir, f"{role}.onnx.data"),
              FileEntry.of(out_dir, HEADS_NAME)]
-    manifest.graphs["draft"] = GraphEntry(role="draft", model_id=str(model_id), format="onnx", precision="fp32",
-                                          files=files, spec=_GS.from_json(res["spec"]),
-                                          validation=res["validation"], model_config=res["config"])
+    manifest.graphs[role] = GraphEntry(role=role, model_id=str(model_id), format="onnx", precision="fp32",
+                                       files=files, spec=_GS.from_json(res["spec"]),
+                                       validation=res["validation"], model_config=res["config"])
     sts = None
     sts_file = ckpt / "sts.json"
     if sts_file.is_file():
         sts = json.loads(sts_file.read_text()).get("temperatures")
+    if role == "draft":
+        manifest.speculation.update(draft_graph="draft", draft_kind="dspark", draft_length=int(cfg.block_size))
     manifest.speculation.update(
-        draft_graph="draft", draft_kind="dspark", draft_length=int(cfg.block_size),
-        dspark={"heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
+        dspark={"graph": role, "heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
                 "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
                 "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
 
 
 def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
-    """Replace the drafter of a built engine by the DSpark checkpoint ``ckpt`` (the target graph is kept;
-    it must already output the drafter's ``target_layer_ids`` features)."""
+    """Add (or replace) the DSpark drafter of a built engine: graph ``dspark`` beside any draft LM, so one
+    engine serves ``draft="dspark"``, ``"lm"`` and ``"ngram"``. The target graph is kept and must already
+    output the drafter's ``target_layer_ids`` features."""
     from dspark_runtime.manifest import load_manifest
 
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir, verify=False)
-    for stale in ("draft.onnx", "draft.onnx.data"):
+    old = manifest.speculation.get("dspark", {}).get("graph")
+    if old == "draft":  # the engine's only drafter was a DSpark one: replace it in place
+        role = "draft"
+    else:
+        role = "dspark"
+    for stale in (f"{role}.onnx", f"{role}.onnx.data"):
         if (engine_dir / stale).exists():
             (engine_dir / stale).unlink()
-    manifest.graphs.pop("draft", None)
-    manifest.speculation = {k: v for k, v in manifest.speculation.items() if k not in ("dspark", "draft_kind")}
+    manifest.graphs.pop(role, None)
     (engine_dir / "manifest.json").unlink()
-    _add_dspark(manifest, engine_dir, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log)
+    _add_dspark(manifest, engine_dir, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)
     _write_manifest(manifest, engine_dir)
     return manifest
 

@@ -146,6 +146,42 @@ def train_draft(target, out_dir, work_dir, answers_minutes, features_minutes, tr
                f"acceptance by position {rep['heldout_acc_pos']}, tau {rep['heldout_tau_greedy']:.2f}")
 
 
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", "n_prompts", type=int, default=12, show_default=True,
+              help="Calibration-split prompts to decode (never evaluation prompts).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+def calibrate(engine_dir, n_prompts, max_new_tokens):
+    """Fit the DSpark confidence head's per-position STS temperatures on the calibration split and write
+    them to ENGINE_DIR's manifest; prints the survival ECE per position before and after."""
+    from dspark_export.calibrate import calibrate_engine
+
+    res = calibrate_engine(engine_dir, n_prompts, max_new_tokens, log=click.echo)
+    click.echo(f"{res['rounds']} rounds; temperatures {[round(t, 3) for t in res['temperatures']]}")
+    click.echo(f"{'pos':>3} {'ECE before':>10} {'ECE after':>9} {'mean pred':>9} {'mean true':>9} {'n':>5}")
+    for r in res["report"]:
+        click.echo(f"{r['position']:>3} {r['ece_before']:>10.4f} {r['ece_after']:>9.4f} {r['mean_pred']:>9.3f} "
+                   f"{r['mean_true']:>9.3f} {r['n']:>5}")
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--max-tokens", type=int, default=8, show_default=True, help="Largest verify batch B profiled.")
+@click.option("--context", type=int, default=256, show_default=True, help="Cached positions during the timing.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--threads", type=int, default=None)
+def profile(engine_dir, max_tokens, context, repeats, threads):
+    """Measure the round cost table (t_draft + t_verify(B), B = 1..max) of ENGINE_DIR on this machine and
+    store it in the manifest for `--draft-length scheduled`."""
+    from dspark_export.profile import profile_engine
+
+    t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads)
+    click.echo(f"drafter {t['drafter']}: t_draft {t['t_draft'] * 1e3:.1f} ms; context {t['context']}; "
+               f"{t['machine']}, {t['threads']} threads")
+    for b, tv, s in zip(t["tokens"], t["t_verify"], t["seconds"]):
+        click.echo(f"  B={b:2d}  t_verify {tv * 1e3:7.1f} ms  round {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
+
+
 def main(argv=None):
     """Console entry point of ``dspark-export``: user errors print one line and exit 2."""
     run_cli(cli, argv)

@@ -206,7 +206,7 @@ if __name__ == "__main__":  # subprocess worker: python -m dspark_export.draft_g
 
     a = json.loads(sys.argv[1])
     try:
-        r = export_dspark(Path(a["checkpoint"]), Path(a["target_dir"]), Path(a["out_dir"]))
+        r = export_dspark(Path(a["checkpoint"]), Path(a["target_dir"]), Path(a["out_dir"]), a.get("role", "draft"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,12 +10,12 @@ from dspark_runtime.errors import DSparkError, InputError
 
 
 def _draft_length(value):
-    if value is None or value == "auto":
+    if value is None or value in ("auto", "scheduled"):
         return value
     try:
         return int(value)
     except ValueError:
-        raise InputError(f"--draft-length must be an integer or 'auto', got {value!r}")
+        raise InputError(f"--draft-length must be an integer, 'auto' or 'scheduled', got {value!r}")
 
 
 @click.group()
@@ -32,13 +32,17 @@ def cli():
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed.")
-@click.option("--draft-length", default=None, help="Draft tokens per round, or 'auto' (heuristic schedule).")
+@click.option("--draft-length", default=None,
+              help="Draft tokens per round, 'auto' (heuristic schedule) or 'scheduled' (DSpark: confidence-"
+                   "scheduled verify length from the engine's cost table).")
 @click.option("--draft-confidence", type=float, default=None,
-              help="End a draft block after the first draft token below this probability (LM draft).")
+              help="Static threshold: LM draft - end a block after the first draft token below this "
+                   "probability; DSpark - cut before the first position whose prefix survival is below it.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--draft", type=click.Choice(["auto", "lm", "ngram"]), default="auto", show_default=True,
-              help="Drafter: the engine's draft LM, n-gram prompt lookup, or auto (LM if present).")
+@click.option("--draft", type=click.Choice(["auto", "dspark", "lm", "ngram"]), default="auto", show_default=True,
+              help="Drafter: the engine's DSpark drafter, its draft LM, n-gram prompt lookup, or auto "
+                   "(DSpark, else the LM, else n-gram).")
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
@@ -94,12 +98,22 @@ def info(engine_dir):
                    f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
                    f"feature_layers={list(d.feature_layers)}")
         for prec, v in g.validation.items():
-            click.echo(f"    validation {prec}: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e} "
-                       f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
-                       f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+            if "prefill_max_abs_logit_diff" in v:
+                click.echo(f"    validation {prec}: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e} "
+                           f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
+                           f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+            else:
+                click.echo(f"    validation {prec}: max |dlogits| {v.get('max_abs_logit_diff', float('nan')):.2e}; "
+                           f"argmax agreement {v.get('argmax_agreement', float('nan')):.0%}")
     sp = m.speculation
     click.echo(f"  speculation: draft graph {sp.get('draft_graph') or 'none (n-gram lookup only)'}, "
                f"default draft length {sp.get('draft_length')}")
+    if sp.get("dspark"):
+        d = sp["dspark"]
+        click.echo(f"  DSpark drafter: graph {d.get('graph')}, block {d.get('block_size')}, Markov "
+                   f"{d.get('markov_head_type') or 'none'} rank {d.get('markov_rank')}, draft vocabulary "
+                   f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
+                   f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
 
 
 def run_cli(group: click.Group, argv=None) -> None:

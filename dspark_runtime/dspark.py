@@ -173,6 +173,9 @@ class DSparkDrafter:
         self._kv = graph.empty_kv(1)
         self._ctx = 0  # committed positions already in the context cache
         self.last_survival = np.zeros(0)
+        self.last_conf_logits = np.zeros(0)
+        self.record: list | None = None  # set to [] to record (confidence logits [l], accepted n) per round
+        self.cost = None  # a scheduler.CostTable: pick the verify length by the paper's Algorithm 1
 
     def begin(self, prompt: list) -> None:
         self._kv = self.graph.empty_kv(1)
@@ -202,28 +205,40 @@ class DSparkDrafter:
                                                 mask, self._kv)
         self._ctx = anchor_pos
         n = max(0, min(gamma, g))
-        tokens, qs, surv = [], [], []
+        tokens, qs, surv, confs = [], [], [], []
         prev, state, a = context[-1], None, 1.0
         temps = self.heads.temperatures
         for k in range(n):
             logits, conf, state = self.heads.step(base[0, k], hidden[0, k], prev, state)
             if conf is not None:
+                confs.append(conf)
                 t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
                 a *= float(_sigmoid(conf / t))
             surv.append(a)
             if self.confidence_threshold is not None and a < self.confidence_threshold:
                 break
-            full = self._full_vocab(logits)
             if params.greedy:
-                tok = int(np.argmax(full))
+                tok = self.heads.to_target(int(np.argmax(logits)))
             else:
-                q = process_logits(full, params)
+                q = process_logits(self._full_vocab(logits), params)
                 tok = int(sample(q, rng))
                 qs.append(q)
             tokens.append(tok)
             prev = tok
         self.last_survival = np.asarray(surv)
+        self.last_conf_logits = np.asarray(confs[:len(tokens)])
+        if self.cost is not None and len(surv) == len(tokens) and tokens:
+            from dspark_runtime.scheduler import schedule_greedy
+
+            ell = schedule_greedy([self.last_survival], self.cost)[0]
+            tokens, qs = tokens[:ell], qs[:ell]
+            self.last_conf_logits = self.last_conf_logits[:ell]
         return tokens, (np.stack(qs) if qs else None) if not params.greedy else None
+
+    def observe(self, n_accepted: int) -> None:
+        """Called after verification with the number of this round's drafts the target accepted."""
+        if self.record is not None and len(self.last_conf_logits):
+            self.record.append((self.last_conf_logits.copy(), int(n_accepted)))
 
     def _full_vocab(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits [V_out] -> target-vocabulary logits [V] (-inf outside a reduced draft vocabulary)."""

@@ -48,8 +48,13 @@ class Engine:
         }
         self._runners: dict = {}
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
-        self.draft_graph = manifest.speculation.get("draft_graph")
-        self.draft_kind = manifest.speculation.get("draft_kind", "lm") if self.draft_graph else None
+        spec = manifest.speculation
+        dg = spec.get("draft_graph")
+        # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
+        self.lm_graph = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
+        self.dspark_graph = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
+        self.draft_graph = self.dspark_graph or self.lm_graph
+        self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
         self._heads = None
 
     @classmethod
@@ -84,16 +89,17 @@ class Engine:
         if draft == "draft":
             draft = self.draft_kind or "lm"
         if draft == "dspark":
-            if self.draft_kind != "dspark":
+            if self.dspark_graph is None:
                 raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
-                                 "--draft dspark:<checkpoint>` or use draft='lm'/'ngram'")
-            return DSparkDrafter(self._backends[self.draft_graph].activate(), self.dspark_heads(),
+                                 "--draft dspark:<checkpoint>` (or `dspark-export add-draft`), or use "
+                                 "draft='lm'/'ngram'")
+            return DSparkDrafter(self._backends[self.dspark_graph].activate(), self.dspark_heads(),
                                  self.runner("target"), confidence_threshold)
         if draft == "lm":
-            if not self.has_draft or self.draft_kind != "lm":
+            if self.lm_graph is None:
                 raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
                                  "or decode target-only (--no-speculation)")
-            return LMDrafter(self.runner(self.draft_graph), confidence_threshold)
+            return LMDrafter(self.runner(self.lm_graph), confidence_threshold)
         if draft == "ngram":
             return NgramDrafter()
         raise InputError(f"unknown draft {draft!r}: use 'auto', 'dspark', 'lm', 'ngram' or 'none'")
@@ -140,8 +146,11 @@ class Engine:
                 lookup), "dspark" (the DSpark drafter), "lm" (a standalone draft LM), "draft" (whichever
                 the engine has), "ngram" (prompt lookup, no weights), or None/"none" for target-only
                 decoding.
-            draft_length: draft tokens per round (gamma >= 1), or "auto" for the heuristic
-                schedule (+2 after a fully accepted block, -1 otherwise). Default: the manifest's.
+            draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2
+                after a fully accepted block, -1 otherwise), or "scheduled" (DSpark only): per round, the
+                verify length that maximises expected tokens/s from the calibrated prefix survivals and
+                the engine's profiled cost table (paper Algorithm 1). Default: the manifest's (DSpark:
+                its block size).
             draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first
                 draft token whose draft probability is below it. DSpark: cut the block before the first
                 position whose calibrated prefix survival falls below it. None = the full block.
@@ -157,9 +166,10 @@ class Engine:
         params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         params.validate()
         adaptive = draft_length == "auto"
-        gamma = self.default_draft_length if draft_length in (None, "auto") else draft_length
+        scheduled = draft_length == "scheduled"
+        gamma = self.default_draft_length if draft_length in (None, "auto", "scheduled") else draft_length
         if not isinstance(gamma, int) or gamma < 1:
-            raise InputError(f"draft_length must be a positive integer or 'auto', got {draft_length!r}")
+            raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
         if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
             raise InputError("stop must be a list of non-empty strings")
         ids = self.encode_prompt(prompt, raw=raw)
@@ -168,7 +178,19 @@ class Engine:
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
         drafter = self._drafter(draft, draft_confidence)
+        if isinstance(drafter, DSparkDrafter) and draft_length in (None, "scheduled"):
+            gamma = drafter.block_size  # a DSpark block drafts block_size tokens in one pass
+        if scheduled:
+            if not isinstance(drafter, DSparkDrafter):
+                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head); "
+                                 "use draft='dspark' or an integer draft_length")
+            table = self.manifest.speculation.get("cost_table")
+            if not table:
+                raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
+                                 f"{self.dir}` on this machine first")
+            from dspark_runtime.scheduler import CostTable
 
+            drafter.cost = CostTable.from_dict(table)
         on_tokens = None
         if stream is not None:
             state = {"ids": [], "text": ""}

@@ -349,6 +349,9 @@ def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int,
                     q[np.arange(ell), d] = 1.0
                 n, nxt = rejection_accept(d, q, p, rng)
             target.rollback(base + 1 + n)
+            observe = getattr(drafter, "observe", None)
+            if observe is not None:
+                observe(n)
             out += drafts[:n] + [nxt]
             stats.num_rounds += 1
             stats.proposed += ell

@@ -32,7 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-length", default=None, help="gamma, or 'auto'")
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="end a draft block after the first draft token below this probability")
-    ap.add_argument("--draft", default="lm", choices=["lm", "ngram"], help="drafter for the speculative mode")
+    ap.add_argument("--draft", default="lm",
+                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram "
+                         "(each runs on every prompt next to the same target-only run)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
@@ -50,60 +52,95 @@ def main(argv=None) -> int:
     dl = a.draft_length if a.draft_length in (None, "auto") else int(a.draft_length)
     jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                   ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
+    drafters = [d.strip() for d in a.draft.split(",") if d.strip()]
+    bad = [d for d in drafters if d not in ("dspark", "lm", "ngram")]
+    if bad or not drafters:
+        print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram", file=sys.stderr)
+        return 2
     rows = []
-    print(f"{'#':>3} {'dataset':10} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} {'tau':>5} "
-          f"{'acc':>5} same")
+    print(f"{'#':>3} {'dataset':10} {'drafter':7} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'tau':>5} {'acc':>5} same")
     for i, (ds, prompt) in enumerate(jobs):
         base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
-        spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=a.draft, draft_length=dl,
-                            draft_confidence=a.draft_confidence)
-        same = base.token_ids == spec.token_ids
-        first_diff = None
-        if not same:
-            first_diff = next((k for k, (x, y) in enumerate(zip(base.token_ids, spec.token_ids)) if x != y),
-                              min(len(base.token_ids), len(spec.token_ids)))
-        r = {"dataset": ds, "prompt_index": i, "prompt_tokens": base.stats.prompt_tokens,
-             "new_tokens": len(spec.token_ids), "target_only_tps": base.stats.tokens_per_second,
-             "speculative_tps": spec.stats.tokens_per_second,
-             "ratio": spec.stats.tokens_per_second / base.stats.tokens_per_second,
-             "tau": spec.stats.accepted_length_mean, "acceptance_rate": spec.stats.acceptance_rate,
-             "accepted_by_position": spec.stats.accepted_by_position,
-             "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
-             "identical": same, "first_diff": first_diff}
-        rows.append(r)
-        print(f"{i:3d} {ds:10} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} {r['speculative_tps']:10.2f} "
-              f"{r['ratio']:6.2f} {r['tau']:5.2f} {r['acceptance_rate']:5.0%} {'yes' if same else f'NO@{first_diff}'}")
-        if a.show_text:
-            print(spec.text)
-        sys.stdout.flush()
+        for drafter in drafters:
+            try:
+                spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=drafter, draft_length=dl,
+                                    draft_confidence=a.draft_confidence)
+            except DSparkError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            same = base.token_ids == spec.token_ids
+            first_diff = None
+            if not same:
+                first_diff = next((k for k, (x, y) in enumerate(zip(base.token_ids, spec.token_ids)) if x != y),
+                                  min(len(base.token_ids), len(spec.token_ids)))
+            r = {"dataset": ds, "prompt_index": i, "drafter": drafter, "prompt_tokens": base.stats.prompt_tokens,
+                 "new_tokens": len(spec.token_ids), "target_only_tps": base.stats.tokens_per_second,
+                 "speculative_tps": spec.stats.tokens_per_second,
+                 "ratio": spec.stats.tokens_per_second / base.stats.tokens_per_second,
+                 "tau": spec.stats.accepted_length_mean, "acceptance_rate": spec.stats.acceptance_rate,
+                 "accepted_by_position": spec.stats.accepted_by_position,
+                 "draft_length_histogram": spec.stats.draft_length_histogram,
+                 "proposed": spec.stats.proposed, "accepted": spec.stats.accepted, "rounds": spec.stats.num_rounds,
+                 "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
+                 "identical": same, "first_diff": first_diff}
+            rows.append(r)
+            print(f"{i:3d} {ds:10} {drafter:7} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} "
+                  f"{r['speculative_tps']:10.2f} {r['ratio']:6.2f} {r['tau']:5.2f} {r['acceptance_rate']:5.0%} "
+                  f"{'yes' if same else f'NO@{first_diff}'}")
+            if a.show_text:
+                print(spec.text)
+            sys.stdout.flush()
     if not rows:
         print("no prompts selected")
         return 2
-    # aggregate: total tokens / total decode time per mode (not a mean of ratios)
-    def agg(key_tps):
-        toks = sum(r["new_tokens"] - 1 for r in rows)
-        secs = sum((r["new_tokens"] - 1) / r[key_tps] for r in rows if r[key_tps] > 0)
-        return toks / secs
 
+    # aggregate: total tokens / total decode time per mode (not a mean of ratios)
+    def agg(rs, key_tps):
+        toks = sum(r["new_tokens"] - 1 for r in rs)
+        secs = sum((r["new_tokens"] - 1) / r[key_tps] for r in rs if r[key_tps] > 0)
+        return toks / secs if secs else float("nan")
+
+    def by_position(rs):
+        hits, tries = {}, {}
+        for r in rs:  # weight each prompt's per-position rate by its rounds
+            for k, v in enumerate(r["accepted_by_position"]):
+                hits[k] = hits.get(k, 0.0) + v * r["rounds"]
+                tries[k] = tries.get(k, 0) + r["rounds"]
+        return [round(hits[k] / tries[k], 3) for k in sorted(tries)]
+
+    base_rows = [r for r in rows if r["drafter"] == drafters[0]]
+    per = {}
+    for d in drafters:
+        rs = [r for r in rows if r["drafter"] == d]
+        per[d] = {"speculative_tps": agg(rs, "speculative_tps"),
+                  "ratio": agg(rs, "speculative_tps") / agg(base_rows, "target_only_tps"),
+                  "tau_mean": statistics.mean(r["tau"] for r in rs),
+                  "tau_by_dataset": {ds: statistics.mean(r["tau"] for r in rs if r["dataset"] == ds)
+                                     for ds in dict.fromkeys(r["dataset"] for r in rs)},
+                  "acceptance_rate_mean": statistics.mean(r["acceptance_rate"] for r in rs),
+                  "accepted_by_position": by_position(rs),
+                  "identical": sum(r["identical"] for r in rs), "n": len(rs)}
+    first = per[drafters[0]]
     summary = {
         "engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
-        "max_new_tokens": a.max_new_tokens, "draft_length": dl or eng.default_draft_length, "drafter": a.draft,
+        "max_new_tokens": a.max_new_tokens, "draft_length": dl or "engine default", "drafter": a.draft,
         "draft_confidence": a.draft_confidence,
         "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                          ("mbpp", a.mbpp)) if n},
         "split": "evaluation (data/prompts/README.md)",
-        "target_only_tps": agg("target_only_tps"), "speculative_tps": agg("speculative_tps"),
-        "tau_mean": statistics.mean(r["tau"] for r in rows),
-        "acceptance_rate_mean": statistics.mean(r["acceptance_rate"] for r in rows),
-        "identical": sum(r["identical"] for r in rows), "n": len(rows),
+        "target_only_tps": agg(base_rows, "target_only_tps"), "speculative_tps": first["speculative_tps"],
+        "ratio": first["ratio"], "tau_mean": first["tau_mean"], "acceptance_rate_mean": first["acceptance_rate_mean"],
+        "identical": first["identical"], "n": first["n"], "drafters": per,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    summary["ratio"] = summary["speculative_tps"] / summary["target_only_tps"]
-    print(f"\n{summary['n']} prompts, {a.max_new_tokens} new tokens max, greedy, on {summary['machine']}, "
-          f"{summary['threads']} threads")
-    print(f"target-only {summary['target_only_tps']:.2f} tok/s | speculative {summary['speculative_tps']:.2f} tok/s"
-          f" | ratio {summary['ratio']:.2f}x | tau {summary['tau_mean']:.2f} | acceptance "
-          f"{summary['acceptance_rate_mean']:.0%} | identical outputs {summary['identical']}/{summary['n']}")
+    print(f"\n{len(base_rows)} prompts, {a.max_new_tokens} new tokens max, greedy, on {summary['machine']}, "
+          f"{summary['threads']} threads; target-only {summary['target_only_tps']:.2f} tok/s")
+    for d, v in per.items():
+        print(f"{d:7}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
+              f"{ {k: round(t, 2) for k, t in v['tau_by_dataset'].items()} } | acceptance "
+              f"{v['acceptance_rate_mean']:.0%} | by position {v['accepted_by_position']} | identical "
+              f"{v['identical']}/{v['n']}")
     out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"bench-{Path(a.engine).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,21 +13,9 @@ EVAL_END = {"humaneval": None, "mt-bench": None, "gsm8k": 1319, "mbpp": 257, "ai
 
 def machine() -> str:
     """CPU model, cores, RAM and OS of this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+    from dspark_runtime.sysinfo import machine_description
+
+    return machine_description()
 
 
 def load_prompts(dataset: str, n: int) -> list:

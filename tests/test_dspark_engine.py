@@ -128,3 +128,42 @@ def test_lm_draft_on_a_dspark_engine_is_refused(dspark_engine):
 
     with pytest.raises(InputError, match="no draft LM|has no"):
         dspark_engine.generate("hi", max_new_tokens=4, draft="lm")
+
+
+def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
+    """profile -> cost table in the manifest; 'scheduled' verify lengths stay exact; calibrate writes STS
+    temperatures fitted on recorded rounds."""
+    import shutil
+
+    from dspark_export.calibrate import calibrate_engine
+    from dspark_export.profile import profile_engine
+    from dspark_runtime.engine import Engine
+
+    eng_dir = tmp_path / "eng"
+    shutil.copytree(tiny_dspark[0], eng_dir)
+    table = profile_engine(eng_dir, max_tokens=5, context=32, repeats=2, threads=1)
+    assert table["tokens"] == [1, 2, 3, 4, 5] and table["drafter"] == "dspark"
+    assert all(s >= table["t_draft"] > 0 for s in table["seconds"])
+    m = json.loads((eng_dir / "manifest.json").read_text())
+    assert m["speculation"]["cost_table"]["tokens"] == [1, 2, 3, 4, 5]
+
+    eng = Engine.load(eng_dir, threads=1)
+    ref = eng.generate("hello world", max_new_tokens=40, draft="none")
+    got = eng.generate("hello world", max_new_tokens=40, draft="dspark", draft_length="scheduled")
+    assert got.token_ids == ref.token_ids
+    assert set(int(k) for k in got.stats.draft_length_histogram) <= set(range(0, 5))
+
+    res = calibrate_engine(eng_dir, n_prompts=3, max_new_tokens=24, log=lambda *a: None)
+    assert len(res["temperatures"]) == 4 and all(t > 0 for t in res["temperatures"])
+    assert res["rounds"] > 0 and [r["position"] for r in res["report"]] == [1, 2, 3, 4]
+    m = json.loads((eng_dir / "manifest.json").read_text())
+    assert m["speculation"]["dspark"]["sts_temperatures"] == res["temperatures"]
+
+
+def test_scheduled_needs_a_cost_table(dspark_engine):
+    from dspark_runtime.errors import InputError
+
+    with pytest.raises(InputError, match="dspark-export profile"):
+        dspark_engine.generate("hi", max_new_tokens=4, draft="dspark", draft_length="scheduled")
+    with pytest.raises(InputError, match="needs the DSpark drafter"):
+        dspark_engine.generate("hi", max_new_tokens=4, draft="ngram", draft_length="scheduled")
