@@ -88,6 +88,7 @@ class Drafter(Protocol):
     probs float [l, vocab] of the processed draft distributions the tokens were drawn from, or
     None when greedy or when the proposal is deterministic (a point mass on each token)).
     ``context`` is every committed token (prompt + generated), the last one being the anchor.
+    Optionally ``observe(n_accepted)`` is called after each verification (calibration, metrics).
     """
 
     name: str
