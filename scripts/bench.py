@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="end a draft block after the first draft token below this probability")
     ap.add_argument("--draft", default="lm",
-                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram "
-                         "(each runs on every prompt next to the same target-only run)")
+                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram, each "
+                         "optionally with its own draft length (dspark:scheduled, lm:3); each runs on every "
+                         "prompt next to the same target-only run")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
@@ -53,19 +54,24 @@ def main(argv=None) -> int:
     jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                   ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
     drafters = [d.strip() for d in a.draft.split(",") if d.strip()]
-    bad = [d for d in drafters if d not in ("dspark", "lm", "ngram")]
+    # an entry may carry its own draft length: "dspark:scheduled", "lm:3"
+    lengths = {}
+    for d in drafters:
+        name, _, ln = d.partition(":")
+        lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
+    bad = [d for d in drafters if lengths[d][0] not in ("dspark", "lm", "ngram")]
     if bad or not drafters:
         print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram", file=sys.stderr)
         return 2
     rows = []
-    print(f"{'#':>3} {'dataset':10} {'drafter':7} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
+    print(f"{'#':>3} {'dataset':10} {'drafter':16} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
           f"{'tau':>5} {'acc':>5} same")
     for i, (ds, prompt) in enumerate(jobs):
         base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
         for drafter in drafters:
             try:
-                spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=drafter, draft_length=dl,
-                                    draft_confidence=a.draft_confidence)
+                spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=lengths[drafter][0],
+                                    draft_length=lengths[drafter][1], draft_confidence=a.draft_confidence)
             except DSparkError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
@@ -85,7 +91,7 @@ def main(argv=None) -> int:
                  "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
                  "identical": same, "first_diff": first_diff}
             rows.append(r)
-            print(f"{i:3d} {ds:10} {drafter:7} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} "
+            print(f"{i:3d} {ds:10} {drafter:16} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} "
                   f"{r['speculative_tps']:10.2f} {r['ratio']:6.2f} {r['tau']:5.2f} {r['acceptance_rate']:5.0%} "
                   f"{'yes' if same else f'NO@{first_diff}'}")
             if a.show_text:
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
     print(f"\n{len(base_rows)} prompts, {a.max_new_tokens} new tokens max, greedy, on {summary['machine']}, "
           f"{summary['threads']} threads; target-only {summary['target_only_tps']:.2f} tok/s")
     for d, v in per.items():
-        print(f"{d:7}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
+        print(f"{d:16}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
               f"{ {k: round(t, 2) for k, t in v['tau_by_dataset'].items()} } | acceptance "
               f"{v['acceptance_rate_mean']:.0%} | by position {v['accepted_by_position']} | identical "
               f"{v['identical']}/{v['n']}")

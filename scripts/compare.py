@@ -91,11 +91,9 @@ SYSTEMS = {s.name: s for s in [
     System("dspark-lm-int8", "dspark", {"draft": "lm", "draft_length": 3,
                                         "engine": "engines/qwen2.5-coder-1.5b-int8draft"},
            "DSpark runtime, dynamic-INT8 draft LM (fp32 target), gamma 3"),
-    # Extension point -- the DSpark block drafter: once Engine.generate accepts it (e.g.
-    # draft="dspark" on an engine built with the drafter graph), register it here and add its name
-    # to --systems; everything downstream (rows, summary, tables, plots) is generic:
-    # System("dspark-drafter", "dspark", {"draft": "dspark", "draft_length": "auto",
-    #                                     "engine": "engines/qwen2.5-coder-1.5b-dspark"}, "DSpark drafter"),
+    # the DSpark block drafter compiled beside the 0.5B draft (dspark-export add-draft; scripts/quickstart.sh)
+    System("dspark-drafter", "dspark", {"draft": "dspark", "draft_length": 7},
+           "DSpark runtime, DSpark drafter trained on this CPU, block 7"),
 ]}
 REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
 

@@ -12,5 +12,10 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 if [ ! -f engines/qwen2.5-coder-1.5b/manifest.json ]; then
   .venv/bin/dspark-export build engines/qwen2.5-coder-1.5b.json
 fi
+# the DSpark drafter trained on this CPU ships in git (engines/drafters/, 58 MB fp16): compile it beside the 0.5B draft
+if ! grep -q '"dspark_draft"' engines/qwen2.5-coder-1.5b/manifest.json; then
+  .venv/bin/dspark-export add-draft engines/qwen2.5-coder-1.5b engines/drafters/qwen2.5-coder-1.5b-dspark \
+    --target qwen2.5-coder-1.5b-instruct
+fi
 .venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
-  --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json
+  --draft lm,dspark --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json

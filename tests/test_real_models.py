@@ -61,6 +61,10 @@ def test_qwen_pair_speculative_equals_target_only():
     eng = Engine.load(QWEN_ENGINE)
     for prompt in _humaneval(2):
         ref = eng.generate(prompt, max_new_tokens=48, draft=None)
-        spec = eng.generate(prompt, max_new_tokens=48)
+        spec = eng.generate(prompt, max_new_tokens=48, draft="lm")
         assert spec.token_ids == ref.token_ids
         assert spec.stats.accepted_length_mean > 1.5  # the 0.5B draft agrees often with the 1.5B
+        if eng.dspark_graph is not None:  # the DSpark drafter compiled beside it (scripts/quickstart.sh)
+            ds = eng.generate(prompt, max_new_tokens=48, draft="dspark")
+            assert ds.token_ids == ref.token_ids
+            assert ds.stats.accepted > 0
