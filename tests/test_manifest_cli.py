@@ -72,7 +72,7 @@ def test_unknown_manifest_version(engine_copy):
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
-    (["--prompt", "hi", "--draft-length", "many"], "--draft-length must be an integer or 'auto'"),
+    (["--prompt", "hi", "--draft-length", "many"], "--draft-length must be an integer, 'auto' or 'scheduled'"),
 ])
 def test_cli_bad_arguments(tiny_engine_dir, args, message):
     r = run_cli("dspark_runtime.cli", "generate", "--engine", str(tiny_engine_dir), *args)
