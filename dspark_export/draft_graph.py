@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import onnx
 import torch
 from torch import nn
 
@@ -22,7 +21,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import DecoderDims, GraphSpec, dspark_draft_spec
 
 from .dspark_model import DSparkDrafter, load_checkpoint
-from .export import OPSET, _rename_dynamic_dims
+from .export import OPSET, save_graph
 
 HEADS_NAME = "dspark_heads.npz"
 TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
@@ -92,14 +91,7 @@ def export_draft_graph(model: DSparkDrafter, out_path: Path) -> GraphSpec:
                                      opset_version=OPSET, optimize=True, verbose=False)
         except Exception as e:
             raise DSparkError(f"ONNX export of the DSpark drafter failed: {e}") from e
-    proto = prog.model_proto
-    _rename_dynamic_dims(proto, spec)
-    data_name = out_path.name + ".data"
-    for p in (out_path, out_path.with_name(data_name)):
-        if p.exists():
-            p.unlink()
-    onnx.save_model(proto, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_name, size_threshold=1024)
+    save_graph(prog.model_proto, spec, out_path)
     print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
     return spec
 

@@ -111,6 +111,33 @@ def sharegpt_sequences(tokenizer, budget_tokens: int, max_len: int, skip: int = 
 # 2. feature cache
 # ---------------------------------------------------------------------------------------------
 
+def _group_shards(sequences: list, shard_tokens: int) -> list:
+    """Split ``sequences`` deterministically into shards of about ``shard_tokens`` tokens."""
+    shards, cur, n = [], [], 0
+    for s in sequences:
+        cur.append(s)
+        n += len(s[0])
+        if n >= shard_tokens:
+            shards.append(cur)
+            cur, n = [], 0
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _write_shard(out_dir: Path, k: int, shard: list, feats: list, aux_name: str, aux: list) -> int:
+    """Write shard k atomically (temp folder renamed when complete); returns its token count."""
+    tmp = out_dir / f".tmp_shard_{k:04d}"
+    tmp.mkdir(exist_ok=True)
+    np.save(tmp / "ids.npy", np.concatenate([s[0] for s in shard]).astype(np.int32))
+    np.save(tmp / "mask.npy", np.concatenate([s[1] for s in shard]).astype(np.uint8))
+    np.save(tmp / "starts.npy", np.cumsum([0] + [len(s[0]) for s in shard]).astype(np.int64))
+    np.save(tmp / "feats.npy", np.concatenate(feats))
+    np.save(tmp / f"{aux_name}.npy", np.concatenate(aux))
+    tmp.rename(out_dir / f"shard_{k:04d}")
+    return sum(len(s[0]) for s in shard)
+
+
 def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids, *, shard_tokens: int = 32768,
                      dtype: str = "bfloat16", threads: int = 2, time_budget_s: float | None = None) -> dict:
     """Teacher-forced target features for ``sequences``, written as resumable fp16 shards.
@@ -127,16 +154,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
     torch.set_num_threads(threads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # group sequences into shards deterministically
-    shards, cur, n = [], [], 0
-    for s in sequences:
-        cur.append(s)
-        n += len(s[0])
-        if n >= shard_tokens:
-            shards.append(cur)
-            cur, n = [], 0
-    if cur:
-        shards.append(cur)
+    shards = _group_shards(sequences, shard_tokens)
     model = None
     t0, done_tokens = time.perf_counter(), 0
     for k, shard in enumerate(shards):
@@ -156,15 +174,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
             hs = o.hidden_states
             feats.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).to(torch.float16).numpy())
             lasts.append(o.last_hidden_state[0].to(torch.float16).numpy())
-        tmp = out_dir / f".tmp_shard_{k:04d}"
-        tmp.mkdir(exist_ok=True)
-        np.save(tmp / "ids.npy", np.concatenate([s[0] for s in shard]).astype(np.int32))
-        np.save(tmp / "mask.npy", np.concatenate([s[1] for s in shard]).astype(np.uint8))
-        np.save(tmp / "starts.npy", np.cumsum([0] + [len(s[0]) for s in shard]).astype(np.int64))
-        np.save(tmp / "feats.npy", np.concatenate(feats))
-        np.save(tmp / "last.npy", np.concatenate(lasts))
-        tmp.rename(final)
-        nt = sum(len(s[0]) for s in shard)
+        nt = _write_shard(out_dir, k, shard, feats, "last", lasts)
         done_tokens += nt
         dt = time.perf_counter() - ts
         print(f"[features] shard {k + 1}/{len(shards)}: {nt} tokens in {dt:.0f} s ({nt / dt:.0f} tok/s)", flush=True)
@@ -190,15 +200,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     np.save(out_dir / "draft_vocab.npy", np.asarray(draft_vocab, np.int64))
-    shards, cur, n = [], [], 0
-    for s in sequences:
-        cur.append(s)
-        n += len(s[0])
-        if n >= shard_tokens:
-            shards.append(cur)
-            cur, n = [], 0
-    if cur:
-        shards.append(cur)
+    shards = _group_shards(sequences, shard_tokens)
     t0, done_tokens = time.perf_counter(), 0
     vocab = np.asarray(draft_vocab, np.int64)
     for k, shard in enumerate(shards):
@@ -216,15 +218,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
                                causal_mask(L, 0), backend.empty_kv(1))
             feats.append(out.features[0].astype(np.float16))
             logits.append(out.logits[0][:, vocab].astype(np.float16))
-        tmp = out_dir / f".tmp_shard_{k:04d}"
-        tmp.mkdir(exist_ok=True)
-        np.save(tmp / "ids.npy", np.concatenate([s[0] for s in shard]).astype(np.int32))
-        np.save(tmp / "mask.npy", np.concatenate([s[1] for s in shard]).astype(np.uint8))
-        np.save(tmp / "starts.npy", np.cumsum([0] + [len(s[0]) for s in shard]).astype(np.int64))
-        np.save(tmp / "feats.npy", np.concatenate(feats))
-        np.save(tmp / "tlogits.npy", np.concatenate(logits))
-        tmp.rename(final)
-        nt = sum(len(s[0]) for s in shard)
+        nt = _write_shard(out_dir, k, shard, feats, "tlogits", logits)
         done_tokens += nt
         dt = time.perf_counter() - ts
         print(f"[features] shard {k + 1}/{len(shards)}: {nt} tokens in {dt:.0f} s ({nt / dt:.0f} tok/s)", flush=True)

@@ -187,7 +187,15 @@ def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
             )
         except Exception as e:  # surface the exporter's message, not its stack
             raise DSparkError(f"ONNX export of {type(model).__name__} failed: {e}") from e
-    proto = prog.model_proto
+    save_graph(prog.model_proto, spec, out_path)
+    del prog
+    print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
+    return spec
+
+
+def save_graph(proto: onnx.ModelProto, spec: GraphSpec, out_path: Path) -> None:
+    """Name the dynamic axes as ``spec`` declares and save ``out_path`` + ``out_path.data`` (external
+    weights, one file), replacing any previous pair."""
     _rename_dynamic_dims(proto, spec)
     data_name = out_path.name + ".data"
     for p in (out_path, out_path.with_name(data_name)):
@@ -195,9 +203,6 @@ def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
             p.unlink()
     onnx.save_model(proto, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
-    del prog, proto
-    print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
-    return spec
 
 
 @dataclass

@@ -21,47 +21,21 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import GraphSpec, past_names
+from dspark_runtime.graphspec import GraphSpec
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 
-class OrtDSparkGraph:
-    """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``)."""
+class OrtDSparkGraph(OrtDecoder):
+    """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``; the
+    session setup, providers check and ``empty_kv`` are :class:`OrtDecoder`'s)."""
 
     def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None):
         if spec.kind != "dspark_draft":
             raise DSparkError(f"{path}: graph kind {spec.kind!r} is not a DSpark drafter (dspark_draft)")
-        self.path = Path(path)
-        self.spec = spec
-        self.threads = threads
-        self.providers = list(providers or ["CPUExecutionProvider"])
-        self.session = None
-        self._past = past_names(spec.dims.num_layers)
-        self._out = spec.output_names
+        super().__init__(path, spec, threads=threads, providers=providers)
         self.block_size = next(t for t in spec.inputs if t.name == "block_positions").shape[1]
-
-    def activate(self) -> "OrtDSparkGraph":
-        if self.session is None:
-            import onnxruntime as ort
-
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = self.threads
-            so.inter_op_num_threads = 1
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            try:
-                self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)
-            except Exception as e:
-                raise DSparkError(f"ONNX Runtime could not load {self.path}: {e}") from e
-        return self
-
-    def deactivate(self) -> None:
-        self.session = None
-
-    def empty_kv(self, batch: int) -> list:
-        d = self.spec.dims
-        z = np.zeros((batch, d.num_kv_heads, 0, d.head_dim), dtype=np.float32)
-        return [(z, z) for _ in range(d.num_layers)]
 
     def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):
         """One call. features float32 [b, n, F]; feature_positions int64 [b, n]; anchor_ids int64 [b, 1];
@@ -74,7 +48,7 @@ class OrtDSparkGraph:
         for (kn, vn), (k, v) in zip(self._past, kv):
             feeds[kn] = np.ascontiguousarray(k)
             feeds[vn] = np.ascontiguousarray(v)
-        outs = self.session.run(self._out, feeds)
+        outs = self.session.run(self._out_names, feeds)
         n = self.spec.dims.num_layers
         return outs[0], outs[1], [(outs[2 + 2 * i], outs[3 + 2 * i]) for i in range(n)]
 
