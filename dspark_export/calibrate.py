@@ -17,6 +17,8 @@ import numpy as np
 
 from dspark_runtime.calibration import fit_sts, survival_ece_report
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.generate import generate_tokens
+from dspark_runtime.sampling import SamplingParams
 
 from .draft_data import CALIB_SPLIT, split_prompts
 
@@ -47,9 +49,6 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print) -> tupl
     for i, p in enumerate(prompts):
         drafter.record = []
         ids = engine.encode_prompt(p)
-        from dspark_runtime.generate import generate_tokens
-        from dspark_runtime.sampling import SamplingParams
-
         t0 = time.perf_counter()
         out, _, stats = generate_tokens(engine.runner("target"), ids, max_new_tokens=max_new_tokens,
                                         params=SamplingParams(), eos_ids=engine.eos_ids, drafter=drafter,

@@ -199,10 +199,10 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     backend = OrtDecoder(Path(engine_dir) / g.model_file, g.spec, threads=threads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    np.save(out_dir / "draft_vocab.npy", np.asarray(draft_vocab, np.int64))
+    vocab = np.asarray(draft_vocab, np.int64)
+    np.save(out_dir / "draft_vocab.npy", vocab)
     shards = _group_shards(sequences, shard_tokens)
     t0, done_tokens = time.perf_counter(), 0
-    vocab = np.asarray(draft_vocab, np.int64)
     for k, shard in enumerate(shards):
         final = out_dir / f"shard_{k:04d}"
         if (final / "tlogits.npy").exists():
