@@ -166,18 +166,30 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
 
 @cli.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.option("--max-tokens", type=int, default=8, show_default=True, help="Largest verify batch B profiled.")
+@click.option("--max-tokens", type=int, default=8, show_default=True,
+              help="Largest verify batch B profiled (batched serving: max batch x (gamma + 1), e.g. 64).")
+@click.option("--draft-rows", default="1", show_default=True,
+              help="Comma-separated request counts at which to time one batched DSpark drafting pass (e.g. 1,2,4,8).")
 @click.option("--context", type=int, default=256, show_default=True, help="Cached positions during the timing.")
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("--threads", type=int, default=None)
-def profile(engine_dir, max_tokens, context, repeats, threads):
+def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads):
     """Measure the round cost table (t_draft + t_verify(B), B = 1..max) of ENGINE_DIR on this machine and
     store it in the manifest for `--draft-length scheduled`."""
     from dspark_export.profile import profile_engine
 
-    t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads)
+    try:
+        rows = tuple(int(x) for x in draft_rows.split(",") if x.strip())
+        assert rows and min(rows) >= 1
+    except (ValueError, AssertionError):
+        raise click.BadParameter(f"expected positive integers separated by commas, got {draft_rows!r}",
+                                 param_hint="--draft-rows")
+    t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads,
+                       draft_rows=rows)
     click.echo(f"drafter {t['drafter']}: t_draft {t['t_draft'] * 1e3:.1f} ms; context {t['context']}; "
                f"{t['machine']}, {t['threads']} threads")
+    for r, td in zip(t["draft_rows"], t["t_draft_rows"]):
+        click.echo(f"  batched draft pass, {r} request(s): {td * 1e3:.1f} ms")
     for b, tv, s in zip(t["tokens"], t["t_verify"], t["seconds"]):
         click.echo(f"  B={b:2d}  t_verify {tv * 1e3:7.1f} ms  round {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
 

@@ -40,19 +40,28 @@ def cli():
                    "probability; DSpark - cut before the first position whose prefix survival is below it.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--draft", type=click.Choice(["auto", "dspark", "lm", "ngram"]), default="auto", show_default=True,
-              help="Drafter: the engine's DSpark drafter, its draft LM, n-gram prompt lookup, or auto "
-                   "(DSpark, else the LM, else n-gram).")
+@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram"]), default="auto",
+              show_default=True,
+              help="Drafter: router (per round, n-gram prompt lookup or the engine's DSpark/LM drafter, whichever "
+                   "is expected to commit more), the engine's DSpark drafter, its draft LM, n-gram prompt lookup, "
+                   "or auto (the router if the engine has a DSpark drafter, else the LM, else n-gram).")
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
+@click.option("--profile-on-load", is_flag=True,
+              help="Re-measure the engine's cost table on this machine before generating (for --draft-length "
+                   "scheduled; about a minute for a 1.5B target); the manifest is not changed.")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             stop, raw, draft, no_speculation, as_json, threads, stream):
+             stop, raw, draft, no_speculation, as_json, threads, stream, profile_on_load):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads)
+    if profile_on_load:
+        t = eng.profile()
+        click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"
+                   f" .. B={t['tokens'][-1]} {t['t_verify'][-1] * 1e3:.0f} ms", err=True)
     streaming = stream and not as_json
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
@@ -68,6 +77,8 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     click.echo()
     mode = "target-only" if s.drafter == "none" else f"speculative ({s.drafter} draft)"
     extra = "" if s.drafter == "none" else f" | tau {s.accepted_length_mean:.2f} | acceptance {s.acceptance_rate:.0%}"
+    if s.draft_sources:  # the router: rounds per proposal source
+        extra += " | rounds " + ", ".join(f"{k} {v['rounds']}" for k, v in s.draft_sources.items())
     click.echo(f"--- {mode}: {s.new_tokens} tokens ({res.finish_reason}) | {s.tokens_per_second:.1f} tok/s"
                f"{extra} | TTFT {s.ttft_ms:.0f} ms | total {s.total_ms / 1e3:.1f} s", err=True)
 

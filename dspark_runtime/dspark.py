@@ -118,6 +118,50 @@ class DSparkHeads:
             conf = float(self.conf_w @ x + self.conf_b[0])
         return logits, conf, state
 
+    def full_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits [V_out] -> target-vocabulary logits [V] (-inf outside a reduced draft vocabulary)."""
+        if self.d2t is None:
+            return logits
+        full = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        full[self.d2t] = logits
+        return full
+
+    def draft(self, base: np.ndarray, hidden: np.ndarray, anchor: int, n: int, params: SamplingParams, rng,
+              threshold: float | None = None) -> tuple:
+        """Draft ``n`` tokens of one block, left to right (DESIGN.md section 1 steps 2-3).
+
+        Args:
+            base: float32 [γ, V_out] base logits U_k of the block; hidden: float32 [γ, d] normed h_k.
+            anchor: the anchor token (x_0); n: tokens to draft (<= γ).
+            params, rng: sampling (greedy = argmax; else a sample from the processed distribution).
+            threshold: cut the block before the first position whose prefix survival falls below it.
+        Returns:
+            (tokens list[int] target ids, qs list of float [V] processed draft distributions (sampling only),
+            survival list[float] a_1.. (one per position scored, possibly one past the last token when the
+            threshold cut), confidence logits list[float]).
+        """
+        tokens, qs, surv, confs = [], [], [], []
+        prev, state, a = anchor, None, 1.0
+        temps = self.temperatures
+        for k in range(n):
+            logits, conf, state = self.step(base[k], hidden[k], prev, state)
+            if conf is not None:
+                confs.append(conf)
+                t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
+                a *= float(_sigmoid(conf / t))
+            surv.append(a)
+            if threshold is not None and a < threshold:
+                break
+            if params.greedy:
+                tok = self.to_target(int(np.argmax(logits)))
+            else:
+                q = process_logits(self.full_vocab(logits), params)
+                tok = int(sample(q, rng))
+                qs.append(q)
+            tokens.append(tok)
+            prev = tok
+        return tokens, qs, surv, confs
+
 
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
@@ -178,27 +222,8 @@ class DSparkDrafter:
         hidden, base, self._kv = self.graph.run(new, fpos, np.asarray([[context[-1]]], dtype=np.int64), bpos,
                                                 mask, self._kv)
         self._ctx = anchor_pos
-        n = max(0, min(gamma, g))
-        tokens, qs, surv, confs = [], [], [], []
-        prev, state, a = context[-1], None, 1.0
-        temps = self.heads.temperatures
-        for k in range(n):
-            logits, conf, state = self.heads.step(base[0, k], hidden[0, k], prev, state)
-            if conf is not None:
-                confs.append(conf)
-                t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
-                a *= float(_sigmoid(conf / t))
-            surv.append(a)
-            if self.confidence_threshold is not None and a < self.confidence_threshold:
-                break
-            if params.greedy:
-                tok = self.heads.to_target(int(np.argmax(logits)))
-            else:
-                q = process_logits(self._full_vocab(logits), params)
-                tok = int(sample(q, rng))
-                qs.append(q)
-            tokens.append(tok)
-            prev = tok
+        tokens, qs, surv, confs = self.heads.draft(base[0], hidden[0], context[-1], max(0, min(gamma, g)),
+                                                   params, rng, self.confidence_threshold)
         self.last_survival = np.asarray(surv)
         self.last_conf_logits = np.asarray(confs[:len(tokens)])
         if self.cost is not None and len(surv) == len(tokens) and tokens:
@@ -213,11 +238,3 @@ class DSparkDrafter:
         """Called after verification with the number of this round's drafts the target accepted."""
         if self.record is not None and len(self.last_conf_logits):
             self.record.append((self.last_conf_logits.copy(), int(n_accepted)))
-
-    def _full_vocab(self, logits: np.ndarray) -> np.ndarray:
-        """Draft logits [V_out] -> target-vocabulary logits [V] (-inf outside a reduced draft vocabulary)."""
-        if self.heads.d2t is None:
-            return logits
-        full = np.full(self.heads.vocab_size, -np.inf, dtype=np.float32)
-        full[self.heads.d2t] = logits
-        return full

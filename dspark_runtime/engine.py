@@ -10,6 +10,7 @@ from dspark_runtime.dspark import DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
 from dspark_runtime.manifest import Manifest, load_manifest
+from dspark_runtime.router import RouterDrafter
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.tokenizer import Tokenizer
 
@@ -56,6 +57,7 @@ class Engine:
         self.draft_graph = self.dspark_graph or self.lm_graph
         self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
         self._heads = None
+        self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
@@ -84,10 +86,15 @@ class Engine:
         """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only."""
         if draft in (None, "none"):
             return None
-        if draft == "auto":
-            draft = self.draft_kind if self.has_draft else "ngram"
+        if draft == "auto":  # the router (DSpark + n-gram lookup) when the engine has a DSpark drafter
+            draft = ("router" if self.draft_kind == "dspark" else self.draft_kind) if self.has_draft else "ngram"
         if draft == "draft":
             draft = self.draft_kind or "lm"
+        if draft == "router":  # issue 9: per round, n-gram lookup or the engine's model drafter
+            if not self.has_draft:
+                raise InputError("draft='router' needs a DSpark drafter or a draft LM in the engine; use "
+                                 "draft='ngram' or rebuild with a draft")
+            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold))
         if draft == "dspark":
             if self.dspark_graph is None:
                 raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
@@ -102,7 +109,7 @@ class Engine:
             return LMDrafter(self.runner(self.lm_graph), confidence_threshold)
         if draft == "ngram":
             return NgramDrafter()
-        raise InputError(f"unknown draft {draft!r}: use 'auto', 'dspark', 'lm', 'ngram' or 'none'")
+        raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
 
     def dspark_heads(self) -> DSparkHeads:
         """The DSpark Markov/confidence heads of this engine (loaded once), with the manifest's STS temperatures."""
@@ -131,6 +138,116 @@ class Engine:
             raise InputError("the prompt encodes to zero tokens; pass some text")
         return ids
 
+    def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,
+                draft_rows=(1, 2, 4, 8)) -> dict:
+        """Re-measure the round cost table on this machine (``--profile-on-load``) and use it from now on
+        (in memory; ``dspark-export profile`` writes it to the manifest). ``max_tokens`` defaults to
+        8 x (block size + 1) so batched rounds of 8 requests are covered. Returns the table
+        (see :func:`dspark_runtime.profile.profile_runtime`)."""
+        from dspark_runtime.profile import profile_runtime
+
+        if max_tokens is None:
+            max_tokens = 8 * (int(self.manifest.speculation.get("dspark", {}).get("block_size",
+                                                                                   self.default_draft_length)) + 1)
+        table = profile_runtime(self, max_tokens=max_tokens, context=context, repeats=repeats, draft_rows=draft_rows)
+        self.manifest.speculation["cost_table"] = table
+        return table
+
+    def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,
+              draft_confidence: float | None = None, max_batch: int = 8):
+        """A :class:`~dspark_runtime.batch.BatchedGenerator` over this engine: several requests decode
+        together, one verifier pass per round for all of them (requests join and leave between rounds).
+
+        Args:
+            draft: as :meth:`generate` ("auto", "dspark", "lm", "ngram", None/"none").
+            draft_length: γ (int), or "scheduled" (DSpark: the paper's Algorithm 1 over all requests'
+                calibrated prefix survivals and the manifest's cost table), or None for the default.
+            draft_confidence: static threshold (DSpark: prefix survival; draft LM: draft probability).
+            max_batch: most requests decoding at once.
+        Returns the generator; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``.
+        Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
+        """
+        from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram
+        from dspark_runtime.packed import PackedRunner
+
+        if draft_length not in (None, "scheduled") and (isinstance(draft_length, bool)
+                                                        or not isinstance(draft_length, int) or draft_length < 1):
+            raise InputError(f"draft_length must be a positive integer or 'scheduled', got {draft_length!r}")
+        if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
+                                                 and 0.0 <= draft_confidence <= 1.0):
+            raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
+        if draft == "auto":
+            draft = self.draft_kind if self.has_draft else "ngram"
+        if draft == "draft":
+            draft = self.draft_kind or "lm"
+        target = PackedRunner(self._backends["target"].activate())
+        if draft in (None, "none"):
+            drafter = None
+        elif draft == "dspark":
+            if self.dspark_graph is None:
+                raise InputError("this engine has no DSpark drafter; build one with `dspark-export add-draft`, "
+                                 "or use draft='lm'/'ngram'")
+            drafter = BatchedDSpark(self._backends[self.dspark_graph].activate(), self.dspark_heads(), target,
+                                    draft_confidence)
+        elif draft == "lm":
+            if self.lm_graph is None:
+                raise InputError("this engine has no draft LM graph; use draft='ngram' or 'dspark'")
+            drafter = BatchedLM(PackedRunner(self._backends[self.lm_graph].activate()), draft_confidence)
+        elif draft == "ngram":
+            drafter = BatchedNgram()
+        else:
+            raise InputError(f"unknown draft {draft!r}: use 'auto', 'dspark', 'lm', 'ngram' or 'none'")
+        mode, table = "fixed", None
+        if draft_length == "scheduled":
+            if not isinstance(drafter, BatchedDSpark):
+                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head); "
+                                 "use draft='dspark' or an integer draft_length")
+            table = self.manifest.speculation.get("cost_table")
+            if not table:
+                raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
+                                 f"{self.dir}` on this machine first")
+            mode = "scheduled"
+        gen = BatchedGenerator(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
+                               cost_table=table, max_batch=max_batch)
+        if isinstance(drafter, BatchedDSpark) and draft_length in (None, "scheduled"):
+            gen.default_gamma = drafter.block_size
+        else:
+            gen.default_gamma = draft_length if isinstance(draft_length, int) else self.default_draft_length
+        return gen
+
+    def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, draft: str | None = "auto",
+                       draft_length: int | str | None = None, draft_confidence: float | None = None,
+                       seed: int | None = None, stop: list | None = None, raw: bool = False,
+                       max_batch: int = 8) -> list:
+        """Generate completions for several prompts together (continuous batching, one verifier pass per
+        round for all active requests). Arguments as :meth:`generate`; request i uses seed ``seed + i``
+        when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
+        request (its tokens/s is its own rate while sharing the batch). The generator's aggregate
+        :class:`~dspark_runtime.batch.BatchStats` is ``self.last_batch_stats``.
+        Raises InputError for bad arguments or an empty prompt list."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError("prompts must be a non-empty list of prompts")
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+            raise InputError("stop must be a list of non-empty strings")
+        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        params.validate()
+        ids = [self.encode_prompt(p, raw=raw) for p in prompts]
+        gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
+                         max_batch=max_batch)
+        reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params, gamma=gen.default_gamma,
+                           seed=None if seed is None else seed + i, stop=stop) for i, x in enumerate(ids)]
+        gen.run()
+        self.last_batch_stats = gen.stats
+        results = []
+        for r in reqs:
+            text = self.tokenizer.decode(r.token_ids)
+            if r.finish_reason == "stop":
+                text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
+            results.append(GenerationResult(text=text, token_ids=r.token_ids, finish_reason=r.finish_reason,
+                                            stats=r.stats))
+        return results
+
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
                  draft_confidence: float | None = None, seed: int | None = None, stop: list | None = None,
@@ -142,15 +259,16 @@ class Engine:
             prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
-            draft: "auto" (the engine's drafter — DSpark or a draft LM — if it has one, else n-gram
-                lookup), "dspark" (the DSpark drafter), "lm" (a standalone draft LM), "draft" (whichever
-                the engine has), "ngram" (prompt lookup, no weights), or None/"none" for target-only
-                decoding.
+            draft: "auto" (the router if the engine has a DSpark drafter, else its draft LM, else n-gram
+                lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
+                expected to commit more; :mod:`dspark_runtime.router`), "dspark" (the DSpark drafter), "lm"
+                (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no
+                weights), or None/"none" for target-only decoding.
             draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2
-                after a fully accepted block, -1 otherwise), or "scheduled" (DSpark only): per round, the
-                verify length that maximises expected tokens/s from the calibrated prefix survivals and
-                the engine's profiled cost table (paper Algorithm 1). Default: the manifest's (DSpark:
-                its block size).
+                after a fully accepted block, -1 otherwise), or "scheduled" (DSpark or the router): per
+                round, the verify length that maximises expected tokens/s from the calibrated prefix survivals
+                (the router: those of the proposal it chose) and the engine's profiled cost table (paper
+                Algorithm 1). Default: the manifest's (DSpark, and the router over DSpark: its block size).
             draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first
                 draft token whose draft probability is below it. DSpark: cut the block before the first
                 position whose calibrated prefix survival falls below it. None = the full block.
@@ -178,12 +296,12 @@ class Engine:
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
         drafter = self._drafter(draft, draft_confidence)
-        if isinstance(drafter, DSparkDrafter) and draft_length in (None, "scheduled"):
-            gamma = drafter.block_size  # a DSpark block drafts block_size tokens in one pass
+        if getattr(drafter, "block_size", None) and draft_length in (None, "scheduled"):
+            gamma = drafter.block_size  # a DSpark block (also inside the router) drafts block_size tokens in one pass
         if scheduled:
-            if not isinstance(drafter, DSparkDrafter):
-                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head); "
-                                 "use draft='dspark' or an integer draft_length")
+            if not isinstance(drafter, (DSparkDrafter, RouterDrafter)):
+                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
+                                 "router; use draft='dspark'/'router' or an integer draft_length")
             table = self.manifest.speculation.get("cost_table")
             if not table:
                 raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "

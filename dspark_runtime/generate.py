@@ -213,6 +213,7 @@ class GenerationStats:
     accepted_by_position[k]: fraction of rounds that proposed position k+1 and accepted it.
     tokens_per_second: generated tokens / decode time (prefill excluded; the first token, which
     prefill produces, is not counted).
+    draft_sources: per proposal source, rounds / proposed / accepted (the router; empty otherwise).
     """
 
     prompt_tokens: int = 0
@@ -229,6 +230,7 @@ class GenerationStats:
     total_ms: float = 0.0
     tokens_per_second: float = 0.0
     drafter: str = "none"
+    draft_sources: dict = field(default_factory=dict)  # router: {source: {rounds, proposed, accepted}}
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -377,6 +379,7 @@ def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int,
         stats.acceptance_rate = stats.accepted / stats.proposed
     stats.accepted_by_position = [pos_hits[k] / pos_tries[k] for k in sorted(pos_tries)]
     stats.draft_length_histogram = {str(k): v for k, v in sorted(hist.items())}
+    stats.draft_sources = dict(getattr(drafter, "source_stats", None) or {})
     if stats.decode_ms > 0:
         stats.tokens_per_second = (len(out) - 1) / (stats.decode_ms / 1e3)
     return out, reason, stats

@@ -33,13 +33,23 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="end a draft block after the first draft token below this probability")
     ap.add_argument("--draft", default="lm",
-                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram, each "
+                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram, router, each "
                          "optionally with its own draft length (dspark:scheduled, lm:3); each runs on every "
                          "prompt next to the same target-only run")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
+    ap.add_argument("--concurrency", default=None,
+                    help="batched mode: comma-separated concurrency levels (e.g. 1,2,4,8); the same prompts run "
+                         "through the batched runtime with at most that many requests at once, for each of "
+                         "--configs, interleaved; writes scripts/results/concurrency-<engine>.json")
+    ap.add_argument("--configs", default="none,dspark:1,dspark:2,dspark:3,dspark:5,dspark:7,dspark:t0.2,dspark:scheduled",
+                    help="batched mode: drafter:verify-length entries; 'none' = target-only, dspark:N = fixed "
+                         "gamma N, dspark:tP = static survival threshold P, dspark:scheduled = Algorithm 1")
+    ap.add_argument("--repeats", type=int, default=1, help="batched mode: runs of every (concurrency, config)")
     a = ap.parse_args(argv)
+    if a.concurrency:
+        return concurrency_main(a)
 
     sys.path.insert(0, str(ROOT))
     from dspark_runtime import DSparkError, Engine
@@ -59,9 +69,9 @@ def main(argv=None) -> int:
     for d in drafters:
         name, _, ln = d.partition(":")
         lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
-    bad = [d for d in drafters if lengths[d][0] not in ("dspark", "lm", "ngram")]
+    bad = [d for d in drafters if lengths[d][0] not in ("dspark", "lm", "ngram", "router")]
     if bad or not drafters:
-        print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram", file=sys.stderr)
+        print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram, router", file=sys.stderr)
         return 2
     rows = []
     print(f"{'#':>3} {'dataset':10} {'drafter':16} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
@@ -150,6 +160,96 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"bench-{Path(a.engine).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _parse_config(c: str):
+    """'none' | 'dspark:7' | 'dspark:t0.2' | 'dspark:scheduled' -> generate_batch keyword arguments."""
+    name, _, ln = c.partition(":")
+    if name == "none":
+        return {"draft": None}
+    if name not in ("dspark", "lm", "ngram"):
+        raise ValueError(f"unknown drafter {name!r} in config {c!r}")
+    if ln == "scheduled":
+        return {"draft": name, "draft_length": "scheduled"}
+    if ln.startswith("t"):
+        return {"draft": name, "draft_confidence": float(ln[1:])}
+    return {"draft": name, "draft_length": int(ln) if ln else None}
+
+
+def concurrency_main(a) -> int:
+    """Aggregate and per-request tokens/s of the batched runtime at several concurrency levels (issue 4)."""
+    sys.path.insert(0, str(ROOT))
+    from dspark_runtime import DSparkError, Engine
+    from dspark_runtime.engine import DEFAULT_THREADS
+
+    levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    try:
+        kws = {c: _parse_config(c) for c in configs}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
+                                     ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
+    texts = [p for _, p in prompts]
+    print(f"{len(texts)} prompts, {a.max_new_tokens} new tokens, concurrency {levels}, configs {configs}, "
+          f"{a.repeats} repeat(s); {machine()}")
+    # reference: each prompt decoded alone, target-only, by the single-request API
+    ref = [eng.generate(p, max_new_tokens=a.max_new_tokens, draft=None).token_ids for p in texts]
+    rows = []
+    print(f"{'conc':>4} {'config':18} {'agg tok/s':>9} {'+prefill':>8} {'req tok/s':>9} {'tau':>5} {'B/round':>7} "
+          f"{'wasted':>6} {'same':>5}")
+    for rep in range(a.repeats):
+        for c in levels:
+            order = configs if rep % 2 == 0 else configs[::-1]
+            for cfg in order:
+                try:
+                    res = eng.generate_batch(texts, max_new_tokens=a.max_new_tokens, max_batch=c, **kws[cfg])
+                except DSparkError as e:
+                    print(f"error: {cfg}: {e}", file=sys.stderr)
+                    return 2
+                st = eng.last_batch_stats
+                same = sum(r.token_ids == x for r, x in zip(res, ref))
+                row = {"concurrency": c, "config": cfg, "repeat": rep,
+                       "aggregate_tps": st.decode_tokens_per_second, "aggregate_tps_with_prefill": st.tokens_per_second,
+                       "per_request_tps": statistics.mean(r.stats.tokens_per_second for r in res),
+                       "tau": st.accepted_length_mean, "rounds": st.rounds, "verify_tokens": st.verify_tokens,
+                       "verify_tokens_per_round": st.verify_tokens / max(1, st.rounds),
+                       "proposed": st.proposed, "accepted": st.accepted, "wasted": st.wasted,
+                       "committed": st.committed, "prefill_s": st.prefill_s, "wall_s": st.wall_s,
+                       "verify_length_histogram": st.verify_length_histogram,
+                       "batch_histogram": st.batch_histogram, "accepted_by_position": st.accepted_by_position,
+                       "ttft_ms": [r.stats.ttft_ms for r in res], "identical": same, "n": len(res)}
+                rows.append(row)
+                print(f"{c:4d} {cfg:18} {row['aggregate_tps']:9.2f} {row['aggregate_tps_with_prefill']:8.2f} "
+                      f"{row['per_request_tps']:9.2f} {row['tau']:5.2f} {row['verify_tokens_per_round']:7.1f} "
+                      f"{row['wasted']:6d} {same:>2}/{len(res)}")
+                sys.stdout.flush()
+    summary = {}
+    for c in levels:
+        summary[str(c)] = {cfg: {k: statistics.mean(r[k] for r in rows if r["concurrency"] == c and r["config"] == cfg)
+                                 for k in ("aggregate_tps", "per_request_tps", "tau", "wasted",
+                                           "verify_tokens_per_round")}
+                           for cfg in configs}
+    print("\naggregate decode tokens/s (mean over repeats):")
+    print(f"{'config':18} " + " ".join(f"{'c=' + str(c):>8}" for c in levels))
+    for cfg in configs:
+        print(f"{cfg:18} " + " ".join(f"{summary[str(c)][cfg]['aggregate_tps']:8.2f}" for c in levels))
+    out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"concurrency-{Path(a.engine).name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
+                               "max_new_tokens": a.max_new_tokens, "prompts": [ds for ds, _ in prompts],
+                               "concurrency": levels, "configs": configs, "repeats": a.repeats,
+                               "cost_table": eng.manifest.speculation.get("cost_table"),
+                               "summary": summary, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                              indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

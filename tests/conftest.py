@@ -25,3 +25,57 @@ def tiny_engine_dir(tiny_pair, tmp_path_factory):
     build_engine(Recipe(name="tiny", target=str(tdir), draft=str(ddir), target_feature_layers=[-1, 0],
                         draft_length=4), out, isolate=False, log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dspark(tiny_pair, tmp_path_factory):
+    """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
+    pytest.importorskip("torch")
+    import json
+
+    import numpy as np
+    import torch
+
+    from dspark_export.build import Recipe, build_engine
+    from dspark_export.draft_train import (FeatureStore, TrainSettings, choose_draft_vocab, extract_features,
+                                           train)
+    from dspark_export.dspark_model import DSparkDrafter, qwen2_draft_config
+    from dspark_export.draft_graph import target_frozen_weights
+    from transformers import AutoModelForCausalLM
+
+    tdir, _ = tiny_pair
+    root = tmp_path_factory.mktemp("dspark")
+    # training text: the tiny target's own greedy continuations of random prompts
+    target = AutoModelForCausalLM.from_pretrained(tdir).eval()
+    rng = np.random.default_rng(0)
+    seqs = []
+    with torch.no_grad():
+        for _ in range(48):
+            p = torch.as_tensor(rng.integers(3, 300, size=(1, 8)))
+            out = target.generate(p, max_new_tokens=56, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ids = out[0].numpy().astype(np.int32)
+            m = np.zeros(len(ids), np.uint8)
+            m[8:] = 1
+            seqs.append((ids, m))
+    del target
+    extract_features(tdir, seqs, root / "features", [-1, 0], shard_tokens=1024, dtype="float32")
+    store = FeatureStore(root / "features")
+    cfg = json.loads((tdir / "config.json").read_text())
+    vocab = choose_draft_vocab(store.token_counts(cfg["vocab_size"]), 200, always=[2])
+    c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,
+                           block_size=4, target_layer_ids=(-1, 0), markov_rank=16, draft_vocab_size=len(vocab))
+    torch.manual_seed(0)
+    model = DSparkDrafter(c)
+    model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
+    emb, head = target_frozen_weights(tdir)
+    model.init_from_target(emb, head)
+    ckpt = root / "ckpt"
+    rep = train(store, model, head[model.draft_vocab_ids], ckpt,
+                TrainSettings(lr=3e-3, time_budget_s=600, max_steps=250, eval_every=1000, eval_seqs=6,
+                              anchors_per_seq=16, warmup_steps=10),
+                gamma=c.block_size, mask_token=c.mask_token_id, log=lambda *a: None)
+    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.0, 1.0, 1.0]}))
+    out = root / "engine"
+    build_engine(Recipe(name="tiny-dspark", target=str(tdir), draft=f"dspark:{ckpt}"), out, isolate=False,
+                 log=lambda *a: None)
+    return out, ckpt, rep

@@ -1,0 +1,114 @@
+"""Profiling the round cost of an engine on the machine at hand: the cost table of the verify-length
+scheduler (DESIGN.md section 1 step 4; DSpark paper section 4, SPS(B) = 1 / (t_draft + t_verify(B))).
+
+Lives in the runtime because the table belongs to the deployment machine: ``Engine.profile()`` and
+``dspark generate --profile-on-load`` re-measure it at load; ``dspark-export profile`` stores it in the
+manifest.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+PROFILE_POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
+
+
+def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats: int = 5,
+                    drafter: str | None = None, draft_rows=(1,)) -> dict:
+    """Measure t_verify(B) at ``context`` cached positions for B in :data:`PROFILE_POINTS` up to
+    ``max_tokens`` (the batched runtime verifies B = sum_r (1 + l_r) tokens of several requests in one packed
+    pass: profile up to max_batch * (γ + 1)), and t_draft of the engine's drafter; for the DSpark drafter
+    also t_draft at each row count of ``draft_rows`` (one graph call drafts a block for every request).
+    Returns the JSON-safe cost table {"tokens", "seconds", "t_draft", "t_verify", "draft_rows",
+    "t_draft_rows", ...}; ``seconds[i]`` = t_draft + t_verify(tokens[i]), wall seconds of a one-request round.
+    """
+    from dspark_runtime.sampling import SamplingParams
+
+    target = engine.runner("target")
+    rng = np.random.default_rng(0)
+    vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
+    hi = min(vocab, 30000)
+    prompt = rng.integers(0, hi, size=context).tolist()
+    target.reset()
+    target.prefill(prompt)
+    t_verify = []
+    points = [b for b in PROFILE_POINTS if b <= max_tokens]
+    for b in points:
+        toks = rng.integers(0, hi, size=b).tolist()
+        times = []
+        for r in range(repeats + 1):  # the first run is a warm-up
+            t0 = time.perf_counter()
+            target.step(toks)
+            dt = time.perf_counter() - t0
+            target.rollback(context)
+            if r:
+                times.append(dt)
+        t_verify.append(statistics.median(times))
+    kind = drafter or engine.draft_kind
+    t_draft = 0.0
+    if kind in ("dspark", "lm"):
+        d = engine._drafter(kind)
+        ctx = prompt + [int(rng.integers(0, hi))]
+        times = []
+        gamma = getattr(d, "block_size", max_tokens)
+        for r in range(repeats + 1):
+            d.begin(prompt)
+            if kind == "dspark":
+                d._ctx = context - 8  # only the last few positions are new, as in steady-state decoding
+                d._kv = _full_ctx(d, context - 8)
+            t0 = time.perf_counter()
+            d.propose(ctx, gamma, SamplingParams(), rng)
+            dt = time.perf_counter() - t0
+            if r:
+                times.append(dt)
+        t_draft = statistics.median(times)
+    rows, t_rows = [], []
+    if kind == "dspark":
+        for r in sorted(set(int(x) for x in draft_rows)):
+            rows.append(r)
+            t_rows.append(_time_dspark_rows(engine, r, context, repeats, rng))
+    target.reset()
+    return {"tokens": points, "seconds": [t_draft + t for t in t_verify],
+            "t_draft": t_draft, "t_verify": t_verify, "draft_rows": rows, "t_draft_rows": t_rows,
+            "drafter": kind, "context": context, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> float:
+    """Median seconds of one batched DSpark drafting pass for ``rows`` requests in steady state: each row adds
+    8 new target-feature positions to a context of ``context - 8`` and drafts a full block (graph call plus
+    the numpy heads of every row)."""
+    from dspark_runtime.sampling import SamplingParams
+
+    graph = engine._backends[engine.dspark_graph].activate()
+    heads = engine.dspark_heads()
+    dims = graph.spec.dims
+    g = graph.block_size
+    fdim = graph.spec.inputs[0].shape[-1]
+    past = context - 8
+    kv = [(np.zeros((rows, dims.num_kv_heads, past, dims.head_dim), np.float32),) * 2 for _ in range(dims.num_layers)]
+    feats = rng.standard_normal((rows, 8, fdim)).astype(np.float32)
+    fpos = np.tile(np.arange(past, context, dtype=np.int64), (rows, 1))
+    bpos = np.tile(np.arange(context, context + g, dtype=np.int64), (rows, 1))
+    anchors = np.full((rows, 1), 1, dtype=np.int64)
+    mask = np.ones((rows, 1, g, context + g), dtype=bool)
+    times = []
+    params = SamplingParams()
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        hidden, base, _ = graph.run(feats, fpos, anchors, bpos, mask, kv)
+        for i in range(rows):
+            heads.draft(base[i], hidden[i], 1, g, params, rng)
+        dt = time.perf_counter() - t0
+        if r:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def _full_ctx(d, n: int) -> list:
+    """A draft context cache of n positions (values irrelevant for timing)."""
+    dims = d.graph.spec.dims
+    z = np.zeros((1, dims.num_kv_heads, n, dims.head_dim), dtype=np.float32)
+    return [(z, z) for _ in range(dims.num_layers)]

@@ -1,0 +1,189 @@
+"""The batched runtime on tiny models: packed KV cache parity, and batched greedy output of every
+request equal to decoding it alone, target-only — with requests joining and leaving between rounds."""
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+PROMPTS = ["hello world", "def f(x):\n    return x + 1\n\ndef g(x):", "the the the the the", "a b c d e f g",
+           "import numpy as np\nimport numpy as np\n", "1 2 3 4 5 6 7 8 9"]
+
+
+@pytest.fixture(scope="module")
+def lm_engine(tiny_engine_dir):
+    from dspark_runtime.engine import Engine
+
+    return Engine.load(tiny_engine_dir, threads=1)
+
+
+@pytest.fixture(scope="module")
+def ds_engine(tiny_dspark, tmp_path_factory):
+    """The tiny DSpark engine, profiled (cost table with a per-row draft time) so 'scheduled' works."""
+    from dspark_export.profile import profile_engine
+    from dspark_runtime.engine import Engine
+
+    d = tmp_path_factory.mktemp("batch") / "eng"
+    shutil.copytree(tiny_dspark[0], d)
+    profile_engine(d, max_tokens=12, context=32, repeats=1, threads=1, draft_rows=(1, 2, 4))
+    return Engine.load(d, threads=1)
+
+
+@pytest.fixture(scope="module")
+def solo(lm_engine):
+    """Target-only greedy tokens of each prompt, decoded alone (the reference)."""
+    return {p: lm_engine.generate(p, max_new_tokens=24, draft=None).token_ids for p in PROMPTS}
+
+
+def test_packed_step_matches_single_sequences(lm_engine):
+    """Two requests packed in one row give the logits each gets alone, also after a rollback, a removal
+    and a compaction."""
+    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.packed import PackedRunner
+
+    be = lm_engine._backends["target"].activate()
+    a, b = [5, 6, 7, 8, 9, 10], [20, 21, 22]
+    pr = PackedRunner(be, compact_ratio=0.0)
+    pr.add("a")
+    pr.add("b")
+    la, lb = pr.step([("a", a), ("b", b)])
+    ra, rb = DecoderRunner(be), DecoderRunner(be)
+    np.testing.assert_allclose(la, ra.step(a), atol=1e-4)
+    np.testing.assert_allclose(lb, rb.step(b), atol=1e-4)
+    # b verifies 3 tokens, keeps 1; a steps on
+    pr.step([("b", [30, 31, 32])])
+    rb.step([30, 31, 32])
+    pr.rollback("b", 4)
+    rb.rollback(4)
+    la, lb = pr.step([("a", [11]), ("b", [40, 41])])
+    np.testing.assert_allclose(la, ra.step([11]), atol=1e-4)
+    np.testing.assert_allclose(lb, rb.step([40, 41]), atol=1e-4)
+    assert pr.length("a") == 7 and pr.length("b") == 6
+    assert pr.slots == 6 + 3 + 3 + 3 and pr.live_slots == 13  # two rolled-back slots are free
+    pr.remove("a")
+    pr.add("c")
+    pr.compact(force=True)
+    assert pr.slots == pr.live_slots == 6
+    lb, lc = pr.step([("b", [50]), ("c", a)])
+    np.testing.assert_allclose(lb, rb.step([50]), atol=1e-4)
+    np.testing.assert_allclose(lc, DecoderRunner(be).step(a), atol=1e-4)
+    with pytest.raises(ValueError, match="cannot roll"):
+        pr.rollback("b", 99)
+
+
+@pytest.mark.parametrize("draft,gamma", [(None, None), ("ngram", 4), ("lm", 3), ("lm", 1)])
+def test_batched_greedy_equals_solo_target_only(lm_engine, solo, draft, gamma):
+    """6 prompts through a batch of at most 4: requests join as others finish; each output equals the prompt
+    decoded alone, target-only."""
+    res = lm_engine.generate_batch(PROMPTS, max_new_tokens=24, draft=draft, draft_length=gamma, max_batch=4)
+    for p, r in zip(PROMPTS, res):
+        assert r.token_ids == solo[p], p
+        assert r.finish_reason in ("length", "eos")
+    st = lm_engine.last_batch_stats
+    assert st.batch_histogram.get("4", 0) > 0  # the batch was really shared
+    assert st.wasted == st.proposed - st.accepted
+    assert st.verify_tokens == sum((1 + int(k)) * v for k, v in st.verify_length_histogram.items())
+    if draft == "lm":
+        assert st.accepted > 0
+
+
+def test_batched_dspark_fixed_threshold_and_scheduled_are_exact(ds_engine):
+    ref = {p: ds_engine.generate(p, max_new_tokens=24, draft=None).token_ids for p in PROMPTS}
+    for kw in (dict(draft_length=4), dict(draft_length=2), dict(draft_confidence=0.3), dict(draft_length="scheduled")):
+        res = ds_engine.generate_batch(PROMPTS, max_new_tokens=24, draft="dspark", max_batch=4, **kw)
+        assert [r.token_ids for r in res] == [ref[p] for p in PROMPTS], kw
+        st = ds_engine.last_batch_stats
+        assert st.accepted > 0, kw
+        assert max(int(k) for k in st.verify_length_histogram) <= (2 if kw.get("draft_length") == 2 else 4)
+
+
+def test_batched_dspark_drafts_what_the_single_drafter_drafts(ds_engine):
+    """The batched DSpark rows (padded context, masked) propose the tokens the single-request drafter proposes:
+    same τ and same per-request verify histogram at fixed γ."""
+    solo = [ds_engine.generate(p, max_new_tokens=24, draft="dspark", draft_length=4) for p in PROMPTS[:4]]
+    res = ds_engine.generate_batch(PROMPTS[:4], max_new_tokens=24, draft="dspark", draft_length=4, max_batch=4)
+    for s, r in zip(solo, res):
+        assert r.stats.num_rounds == s.stats.num_rounds
+        assert r.stats.accepted == s.stats.accepted
+        assert r.stats.accepted_by_position == s.stats.accepted_by_position
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(lm_engine):
+    """Per-request RNG: a seeded sampled request gives the same tokens alone and in a batch, and the same as
+    the single-request API with that seed."""
+    kw = dict(max_new_tokens=20, temperature=1.0, draft="lm", draft_length=3)
+    alone = lm_engine.generate_batch([PROMPTS[1]], seed=7, **kw)[0].token_ids
+    batch = lm_engine.generate_batch([PROMPTS[1], PROMPTS[0], PROMPTS[2]], seed=7, **kw)[0].token_ids
+    single = lm_engine.generate(PROMPTS[1], seed=7, **kw).token_ids
+    assert alone == batch == single
+    other = lm_engine.generate_batch([PROMPTS[1]], seed=8, **kw)[0].token_ids
+    assert other != alone
+
+
+def test_cancel_frees_the_slot_and_others_continue(lm_engine, solo):
+    gen = lm_engine.batch(draft="ngram", draft_length=3, max_batch=2)
+    ids = [lm_engine.encode_prompt(p) for p in PROMPTS[:3]]
+    reqs = [gen.submit(x, max_new_tokens=24, gamma=3) for x in ids]
+    gen.step()
+    gen.step()
+    gen.cancel(reqs[0])
+    assert reqs[0].finish_reason == "cancelled" and reqs[0].rid not in gen.target
+    gen.run()
+    assert reqs[1].token_ids == solo[PROMPTS[1]] and reqs[2].token_ids == solo[PROMPTS[2]]
+    assert gen.target.requests == []
+
+
+def test_batch_bad_arguments(lm_engine, ds_engine):
+    from dspark_runtime.errors import InputError
+
+    with pytest.raises(InputError, match="non-empty list"):
+        lm_engine.generate_batch([])
+    with pytest.raises(InputError, match="max_batch"):
+        lm_engine.batch(max_batch=0)
+    with pytest.raises(InputError, match="draft_length"):
+        lm_engine.batch(draft_length=0)
+    with pytest.raises(InputError, match="needs the DSpark drafter"):
+        lm_engine.batch(draft="lm", draft_length="scheduled")
+    with pytest.raises(InputError, match="no DSpark drafter"):
+        lm_engine.batch(draft="dspark")
+    with pytest.raises(InputError, match="prompt is empty"):
+        lm_engine.generate_batch(["hi", "  "])
+
+
+def test_round_cost_table_adds_the_batched_draft_time():
+    from dspark_runtime.batch import round_cost_table
+
+    table = {"tokens": [1, 8, 16], "seconds": [1.1, 1.5, 2.1], "t_draft": 0.1, "t_verify": [1.0, 1.4, 2.0],
+             "draft_rows": [1, 2, 4], "t_draft_rows": [0.1, 0.2, 0.4]}
+    c = round_cost_table(table, 3)  # t_draft(3) = 0.3 interpolated between 2 and 4 rows
+    assert c.tokens == (1, 8, 16)
+    np.testing.assert_allclose(c.seconds, (1.3, 1.7, 2.3))
+    np.testing.assert_allclose(round_cost_table(table, 1).seconds, table["seconds"])
+    legacy = {"tokens": [1, 2], "seconds": [1.0, 1.2]}  # an older manifest without the split
+    assert round_cost_table(legacy, 4).seconds == (1.0, 1.2)
+
+
+def test_profile_records_batched_draft_times(ds_engine):
+    t = ds_engine.manifest.speculation["cost_table"]
+    assert t["draft_rows"] == [1, 2, 4] and len(t["t_draft_rows"]) == 3 and min(t["t_draft_rows"]) > 0
+    assert t["tokens"] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
+
+
+def test_profile_on_load_cli_replaces_the_table_in_memory(ds_engine):
+    """`dspark generate --profile-on-load` measures a fresh table and decodes with it; the manifest is untouched."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import cli
+
+    before = (ds_engine.dir / "manifest.json").read_text()
+    r = CliRunner().invoke(cli, ["generate", "--engine", str(ds_engine.dir), "--prompt", "hello world",
+                                 "--max-new-tokens", "8", "--draft", "dspark", "--draft-length", "scheduled",
+                                 "--threads", "1", "--profile-on-load", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "profiled on load" in r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert out["stats"]["new_tokens"] == 8
+    assert (ds_engine.dir / "manifest.json").read_text() == before

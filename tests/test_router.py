@@ -1,0 +1,358 @@
+"""The context-aware router drafter (issue 9): n-gram match quality, online n-gram confidences, the routing
+rule, losslessness (greedy identity on tiny engines; sampled distribution on a toy target), DSpark staying in
+sync when rounds skip it, and the engine/CLI wiring."""
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dspark_runtime.generate import generate_tokens, ngram_lookup
+from dspark_runtime.router import AcceptanceStats, NgramConfidence, NgramMatch, RouterDrafter, ngram_match
+from dspark_runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0)
+REPEAT = "for i in range(10):\n    print(i * i)\n" * 3
+
+
+# ------------------------------------------------------------------------------------ pure pieces
+
+
+def test_ngram_match_reports_quality_and_agrees_with_lookup():
+    ctx = np.array([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 2, 6, 7], dtype=np.int64)
+    m = ngram_match(ctx, 3, max_ngram=2)
+    # (6, 7) occurs at 1 and 6 before the tail: support 2, continuation after the most recent one
+    assert (m.tokens, m.ngram, m.support, m.start, m.length) == ([3, 4, 2], 2, 2, 8, 3)
+    ctx2 = np.array([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], dtype=np.int64)
+    m2 = ngram_match(ctx2, 2, max_ngram=3)
+    assert (m2.tokens, m2.ngram, m2.support, m2.start) == ([9, 2], 3, 1, 3)
+    assert ngram_match(np.array([1, 2, 3, 4]), 5) == NgramMatch()
+    assert ngram_match(np.array([4, 5, 4]), 5).tokens == [5, 4]  # runs into the context's end
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the same proposal as the NgramDrafter's lookup
+        c = rng.integers(0, 6, size=int(rng.integers(1, 30)))
+        g, mx = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        assert ngram_match(c, g, mx).tokens == ngram_lookup(c, g, mx)
+
+
+def test_acceptance_stats_hand_computed():
+    conf = NgramConfidence(prior_mean=(0.3, 0.5, 0.65), prior_strength=2.0, position_strength=2.0)
+    long_match = NgramMatch([1, 2, 3, 4], ngram=5, support=1, start=0)  # n >= 3: last bucket
+    assert conf.bucket(long_match) == 2 and conf.bucket(NgramMatch([1], 1, 1, 0)) == 0
+    np.testing.assert_allclose(conf.estimate(long_match), np.cumprod([0.65] * 4))
+    # 4 sent, first 2 accepted: positions 1, 2 hit, position 3 tried and missed, position 4 untested
+    conf.record(long_match, proposed=4, accepted=2)
+    m = (2 + 2 * 0.65) / (3 + 2)  # bucket mean 0.66
+    assert conf.bucket_mean(2) == pytest.approx(0.66)
+    c = [(1 + 2 * m) / 3, (1 + 2 * m) / 3, (0 + 2 * m) / 3, m]  # 0.7733, 0.7733, 0.44, 0.66
+    np.testing.assert_allclose(conf.conditional(2, 4), c)
+    np.testing.assert_allclose(conf.estimate(long_match), np.cumprod(c))
+    assert c[0] > 0.65 > c[2]  # accepted positions up, the rejected one down
+    # other buckets untouched
+    np.testing.assert_allclose(conf.survival(0, 2), [0.3, 0.09])
+    # a rejection at position 1 lowers everything of that bucket
+    before = conf.estimate(long_match)
+    conf.record(long_match, proposed=3, accepted=0)
+    assert np.all(conf.estimate(long_match) < before)
+    # a fully accepted block raises everything
+    before = conf.estimate(long_match)
+    conf.record(long_match, proposed=4, accepted=4)
+    assert np.all(conf.estimate(long_match) > before)
+    s = conf.estimate(long_match)
+    assert np.all(np.diff(s) <= 0) and np.all((s > 0) & (s < 1))
+    conf.reset()
+    np.testing.assert_allclose(conf.estimate(long_match), np.cumprod([0.65] * 4))
+    with pytest.raises(ValueError):
+        conf.update(0, proposed=2, accepted=3)
+    with pytest.raises(ValueError):
+        AcceptanceStats(prior_mean=(1.0,))
+
+
+# ------------------------------------------------------------------------- routing rule, fake drafters
+
+
+class FakeDSpark:
+    """A DSpark-like inner drafter: proposes ``block`` from a fixed distribution Q, with a survival that
+    depends on its first sampled token (as DSpark's Markov-head confidences do)."""
+
+    name = "dspark"
+
+    def __init__(self, vocab=4, block_size=3, good_token=0, high=0.9, low=0.1, q=None, first=0.5):
+        self.block_size, self.first = block_size, first
+        self.heads = type("H", (), {"conf_w": np.ones(1)})()
+        self.q = np.full(vocab, 1.0 / vocab) if q is None else np.asarray(q, dtype=np.float64)
+        self.good, self.high, self.low = good_token, high, low
+        self.last_survival = np.zeros(0)
+        self.calls, self.observed = 0, []
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, gamma, params, rng):
+        self.calls += 1
+        n = min(gamma, self.block_size)
+        if params.greedy:
+            toks = [int(np.argmax(self.q))] * n
+        else:
+            toks = [int(rng.choice(len(self.q), p=self.q)) for _ in range(n)]
+        c = self.high if toks[0] == self.good else self.low
+        self.last_survival = np.cumprod([self.first] + [c] * (n - 1))  # a_1 from the anchor, a_2.. from x_1
+        return toks, (None if params.greedy else np.tile(self.q, (n, 1)))
+
+    def observe(self, n):
+        self.observed.append(n)
+
+
+def test_routing_rule_prefers_the_larger_expected_length():
+    inner = FakeDSpark(high=0.9, block_size=3)  # greedy: tokens 0 -> survival [0.5, 0.45, 0.405], sum 1.355
+    weak = RouterDrafter(inner, confidence=NgramConfidence(prior_mean=(0.2, 0.2, 0.2)))
+    ctx = [7, 8, 9, 7, 8, 9, 7, 8]  # 3-gram (9, 7, 8) matched: continuation [9, 7, 8]
+    weak.begin(ctx)
+    toks, q = weak.propose(ctx, 3, GREEDY, None)
+    assert weak.last_source == "dspark" and toks == [0, 0, 0] and q is None
+    assert weak.last_scores["ngram"] == pytest.approx(0.2 + 0.04 + 0.008)
+    assert weak.last_scores["dspark"] == pytest.approx(1.355)
+    weak.observe(1)
+    assert inner.observed == [1] and weak.source_stats["dspark"] == {"rounds": 1, "proposed": 3, "accepted": 1}
+    # online recalibration of DSpark's confidences: rho = (accepted + 2) / (predicted + 2) = 3 / 3.355
+    assert weak.recalibration == pytest.approx(3 / 3.355)
+    weak.propose(ctx, 3, GREEDY, None)
+    assert weak.last_scores["dspark"] == pytest.approx(3 / 3.355 * 1.355)
+    assert RouterDrafter(FakeDSpark(), recalibration_strength=None).recalibration == 1.0
+
+    strong = RouterDrafter(FakeDSpark(high=0.9, block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3))
+    strong.begin(ctx)
+    toks, q = strong.propose(ctx, 3, GREEDY, None)
+    assert strong.last_source == "ngram" and toks == [9, 7, 8] and q is None
+    np.testing.assert_allclose(strong.last_survival, [0.9, 0.81, 0.729])
+    strong.observe(0)  # n-gram statistics learn, the inner is not told
+    assert strong.inner.observed == [] and strong.confidence.tries[2, 0] == 1 and strong.confidence.hits.sum() == 0
+    # a miss (no earlier occurrence of the last token) always goes to the inner drafter
+    toks, _ = strong.propose([1, 2, 3], 3, GREEDY, None)
+    assert strong.last_source == "dspark" and strong.source_counts == {"ngram": 1, "dspark": 1}
+    # min_match: a 1-gram match is not a candidate with min_match=2
+    r = RouterDrafter(FakeDSpark(), confidence=NgramConfidence(prior_mean=(0.99,) * 3), min_match=2)
+    r.propose([5, 1, 2, 5], 3, GREEDY, None)
+    assert r.last_match.ngram == 1 and r.last_source == "dspark"
+
+
+def test_routing_depends_on_context_and_past_rounds_only():
+    """Same state and context: same choice, every time; while sampling, the choice never depends on the
+    inner drafter's sampled tokens (it is made before drafting), and not on the coming verdict."""
+    ctx = [7, 8, 9, 7, 8, 9, 7, 8]
+    conf = NgramConfidence(prior_mean=(0.45, 0.45, 0.45))  # n-gram sum 0.45+0.2+0.09 = 0.74
+    router = RouterDrafter(FakeDSpark(high=0.9, low=0.1, block_size=3), confidence=conf)
+    router.begin(ctx)
+    # greedy: the block is drafted first; the choice is a function of the context
+    picks = set()
+    for _ in range(5):
+        router.propose(ctx, 3, GREEDY, None)
+        picks.add(router.last_source)
+    assert picks == {"dspark"}  # 1.355 > 0.74
+    # sampling: the inner's learned prior (0.5 per position: sum 0.875) decides, before drafting, so the
+    # sampled first token (which moves the inner's own survival between 0.55 and 1.355) cannot matter
+    choices = set()
+    for seed in range(30):
+        router.propose(ctx, 3, SAMPLED, np.random.default_rng(seed))
+        choices.add(router.last_source)
+    assert choices == {"dspark"} and router.last_scores["dspark"] == pytest.approx(0.5 + 0.25 + 0.125)
+    # past verdicts move the next choice: three rejected dspark rounds lower its learned estimate below the
+    # n-gram's; after that the n-gram proposal is chosen without running the inner drafter at all
+    for _ in range(3):
+        router.propose(ctx, 3, SAMPLED, np.random.default_rng(0))
+        router.observe(0)
+    calls = router.inner.calls
+    toks, q = router.propose(ctx, 3, SAMPLED, np.random.default_rng(1))
+    assert router.last_source == "ngram" and toks == [9, 7, 8] and q is None
+    assert router.inner.calls == calls
+
+
+# ------------------------------------------------------------------ lossless sampling on a toy target
+
+
+class BigramTarget:
+    """A toy target (DecoderRunner interface): next-token logits = log T[last token]."""
+
+    def __init__(self, table):
+        self.logt = np.log(np.asarray(table, dtype=np.float64)).astype(np.float32)
+        self.tokens = []
+        self.features = None
+
+    @property
+    def length(self):
+        return len(self.tokens)
+
+    def reset(self):
+        self.tokens = []
+
+    def step(self, tokens):
+        self.tokens += list(tokens)
+        return self.logt[np.asarray(tokens)]
+
+    def prefill(self, tokens):
+        return self.step(tokens)[-1]
+
+    def rollback(self, length):
+        self.tokens = self.tokens[:length]
+
+
+class DecideAfterDrafting(RouterDrafter):
+    """The lossy rule the router avoids: compare with this round's sampled block, also when sampling."""
+
+    def _compare_now(self, params):
+        return True
+
+
+def _second_token_tv(router_cls, runs=2000):
+    """Total variation between the empirical distribution of the second generated token (the first one
+    decided by rejection sampling) and the exact one, on a bigram toy target."""
+    table = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.05, 0.45, 0.45, 0.05]]
+    target = BigramTarget(table)
+    # the first token x0 follows 3: x0 = 0 makes a 3-gram match (2, 3, 0), any other x0 only a 1-gram match
+    prompt = [3, 0, 1, 2, 3, 0, 1, 2, 3]
+    counts = Counter()
+    for seed in range(runs):
+        # scores: n-gram 0.95+0.9 = 1.85 (3-gram) or 0.7+0.49 = 1.19 (1-gram, 0.7 when the continuation has one
+        # token); the inner's learned prior 0.8+0.64 = 1.44, so the router sends the n-gram block after x0 = 0
+        # and the model block otherwise (a choice by context). The inner's own survival sums to 1.71 when its
+        # sampled x_1 == 0, else 0.99: deciding on it (the lossy variant) sends the model block after a 1-gram
+        # match only when x_1 == 0, i.e. tokens not distributed as its q.
+        router = router_cls(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
+                            confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)),
+                            inner_stats=AcceptanceStats((0.8,)))
+        sources, propose = [], router.propose
+        router.propose = lambda *a: (propose(*a), sources.append(router.last_source))[0]
+        out, _, _ = generate_tokens(target, prompt, max_new_tokens=3, params=SAMPLED, eos_ids=[], drafter=router,
+                                    draft_length=2, seed=seed)
+        counts[out[1]] += 1
+        if router_cls is RouterDrafter:
+            assert sources[0] == ("ngram" if out[0] == 0 else "dspark")
+    t = np.asarray(table)
+    exact = t[prompt[-1]] @ t  # P(second token) = sum_x0 P(x0 | last prompt token) T[x0]
+    emp = np.array([counts[k] for k in range(4)]) / runs
+    return 0.5 * np.abs(emp - exact).sum()
+
+
+def test_sampled_router_is_lossless_and_the_check_has_power():
+    assert _second_token_tv(RouterDrafter) < 0.05
+    assert _second_token_tv(DecideAfterDrafting) > 0.1  # deciding after sampling the block biases the output
+
+
+# --------------------------------------------------------------------------------- tiny engines
+
+
+@pytest.fixture(scope="module")
+def dspark_engine(tiny_dspark):
+    from dspark_runtime.engine import Engine
+
+    return Engine.load(tiny_dspark[0], threads=1)
+
+
+@pytest.fixture(scope="module")
+def lm_engine(tiny_engine_dir):
+    from dspark_runtime.engine import Engine
+
+    return Engine.load(tiny_engine_dir, threads=1)
+
+
+@pytest.mark.parametrize("prompt", ["hello world", "def f(x):\n    return", REPEAT])
+@pytest.mark.parametrize("gamma", [1, 2, None])
+def test_router_greedy_equals_target_only(dspark_engine, prompt, gamma):
+    ref = dspark_engine.generate(prompt, max_new_tokens=40, draft="none")
+    got = dspark_engine.generate(prompt, max_new_tokens=40, draft="router", draft_length=gamma)
+    assert got.token_ids == ref.token_ids
+    assert got.stats.drafter == "router"
+    src = got.stats.draft_sources
+    assert src["ngram"]["rounds"] + src["dspark"]["rounds"] == got.stats.num_rounds
+    assert src["ngram"]["accepted"] + src["dspark"]["accepted"] == got.stats.accepted
+
+
+def _run(engine, router, prompt, params=GREEDY, max_new_tokens=48, gamma=4, seed=None):
+    ids = engine.encode_prompt(prompt)
+    return generate_tokens(engine.runner("target"), ids, max_new_tokens=max_new_tokens, params=params,
+                           eos_ids=engine.eos_ids, drafter=router, draft_length=gamma, seed=seed)
+
+
+def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
+    ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
+    got = dspark_engine.generate(REPEAT, max_new_tokens=48)  # draft="auto"
+    assert got.stats.drafter == "router" and got.token_ids == ref.token_ids
+    src = got.stats.draft_sources
+    assert src["ngram"]["rounds"] > 0 and src["dspark"]["rounds"] > 0, src
+    assert got.stats.accepted > 0
+
+
+def test_skipped_dspark_rounds_stay_in_sync(dspark_engine):
+    """mode='prior' skips the DSpark pass on n-gram rounds; its next call ingests every feature committed
+    since, and drafts exactly what a fresh DSpark drafter (whole context at once) drafts."""
+    from dspark_runtime.dspark import DSparkDrafter
+
+    inner = dspark_engine._drafter("dspark")
+    checks = {"calls": 0, "after_skip": 0}
+    real = inner.propose
+
+    def checked(context, gamma, params, rng):
+        skipped = len(context) - 1 - inner._ctx
+        fresh = DSparkDrafter(inner.graph, inner.heads, inner.target)
+        want = fresh.propose(context, gamma, params, rng)
+        got = real(context, gamma, params, rng)
+        assert got[0] == want[0]
+        np.testing.assert_allclose(inner.last_survival, fresh.last_survival, atol=1e-4)
+        checks["calls"] += 1
+        checks["after_skip"] += checks["calls"] > 1 and skipped > 1 + gamma  # more than one round's tokens
+        return got
+
+    inner.propose = checked
+    router = RouterDrafter(inner, mode="prior", confidence=NgramConfidence(prior_mean=(0.5, 0.7, 0.9)))
+    ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
+    out, _, stats = _run(dspark_engine, router, REPEAT)
+    assert out == ref.token_ids
+    assert router.source_counts["ngram"] > 0 and checks["after_skip"] > 0, (router.source_counts, checks)
+
+
+def test_router_sampling_is_seeded(dspark_engine):
+    a = dspark_engine.generate(REPEAT, max_new_tokens=30, temperature=1.0, seed=7, draft="router")
+    b = dspark_engine.generate(REPEAT, max_new_tokens=30, temperature=1.0, seed=7, draft="router")
+    c = dspark_engine.generate(REPEAT, max_new_tokens=30, temperature=1.0, seed=8, draft="router")
+    assert a.token_ids == b.token_ids and a.stats.draft_sources == b.stats.draft_sources
+    assert a.token_ids != c.token_ids
+    assert sum(v["rounds"] for v in a.stats.draft_sources.values()) == a.stats.num_rounds
+
+
+def test_router_scheduled_cuts_blocks_and_stays_exact(dspark_engine):
+    from dspark_runtime.errors import InputError
+    from dspark_runtime.scheduler import CostTable
+
+    with pytest.raises(InputError, match="no cost table"):  # the router is accepted; the table is missing
+        dspark_engine.generate("hi", max_new_tokens=4, draft="router", draft_length="scheduled")
+    router = RouterDrafter(dspark_engine._drafter("dspark"))
+    router.cost = CostTable(tokens=[1, 2, 3, 4, 5], seconds=[1.0, 1.4, 1.8, 2.2, 2.6])  # tokens are dear
+    ref = dspark_engine.generate(REPEAT, max_new_tokens=40, draft="none")
+    out, _, stats = _run(dspark_engine, router, REPEAT, max_new_tokens=40)
+    assert out == ref.token_ids
+    lengths = {int(k) for k in stats.draft_length_histogram}
+    assert min(lengths) < 4, stats.draft_length_histogram  # the scheduler shortened some blocks
+
+
+def test_router_over_a_draft_lm(lm_engine):
+    """An engine with a draft LM: 'auto' stays the LM; 'router' composes the LM with n-gram lookup."""
+    ref = lm_engine.generate(REPEAT, max_new_tokens=48, draft=None)
+    assert lm_engine.generate("hi", max_new_tokens=4).stats.drafter == "lm"
+    for gamma in (2, 4):
+        got = lm_engine.generate(REPEAT, max_new_tokens=48, draft="router", draft_length=gamma)
+        assert got.token_ids == ref.token_ids and got.stats.drafter == "router"
+        assert set(got.stats.draft_sources) == {"ngram", "lm"}
+    a = lm_engine.generate(REPEAT, max_new_tokens=24, temperature=1.0, seed=3, draft="router")
+    b = lm_engine.generate(REPEAT, max_new_tokens=24, temperature=1.0, seed=3, draft="router")
+    assert a.token_ids == b.token_ids
+
+
+def test_cli_draft_router(tiny_dspark):
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import cli
+
+    r = CliRunner().invoke(cli, ["generate", "--engine", str(tiny_dspark[0]), "--prompt", REPEAT,
+                                 "--max-new-tokens", "16", "--draft", "router", "--threads", "1", "--no-stream"])
+    assert r.exit_code == 0, r.output
+    assert "speculative (router draft)" in r.output and "rounds ngram" in r.output
