@@ -71,9 +71,27 @@ def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats:
             rows.append(r)
             t_rows.append(_time_dspark_rows(engine, r, context, repeats, rng))
     target.reset()
+    raw, t_verify = t_verify, monotone(t_verify)
     return {"tokens": points, "seconds": [t_draft + t for t in t_verify],
-            "t_draft": t_draft, "t_verify": t_verify, "draft_rows": rows, "t_draft_rows": t_rows,
+            "t_draft": t_draft, "t_verify": t_verify, "t_verify_raw": raw, "draft_rows": rows,
+            "t_draft_rows": monotone(t_rows),
             "drafter": kind, "context": context, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def monotone(values) -> list:
+    """The least-squares non-decreasing fit of ``values`` (pool-adjacent-violators isotonic regression).
+
+    Verifying more tokens does the same work plus more, so a measured t_verify(B) that falls with B is timing
+    noise (another process, frequency changes); left in, it makes the scheduler treat the extra tokens as free.
+    The raw medians are kept beside the fit (``t_verify_raw``)."""
+    blocks = []  # [mean, weight]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2 = blocks.pop()
+            m1, w1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(w)]
 
 
 def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> float:

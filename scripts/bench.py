@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                  "draft_length_histogram": spec.stats.draft_length_histogram,
                  "proposed": spec.stats.proposed, "accepted": spec.stats.accepted, "rounds": spec.stats.num_rounds,
                  "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
-                 "identical": same, "first_diff": first_diff}
+                 "identical": same, "first_diff": first_diff, "draft_sources": spec.stats.draft_sources}
             rows.append(r)
             print(f"{i:3d} {ds:10} {drafter:16} {r['new_tokens']:4d} {r['target_only_tps']:10.2f} "
                   f"{r['speculative_tps']:10.2f} {r['ratio']:6.2f} {r['tau']:5.2f} {r['acceptance_rate']:5.0%} "
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
                                      for ds in dict.fromkeys(r["dataset"] for r in rs)},
                   "acceptance_rate_mean": statistics.mean(r["acceptance_rate"] for r in rs),
                   "accepted_by_position": by_position(rs),
-                  "identical": sum(r["identical"] for r in rs), "n": len(rs)}
+                  "identical": sum(r["identical"] for r in rs), "n": len(rs),
+                  "draft_sources": _sum_sources(rs)}
     first = per[drafters[0]]
     summary = {
         "engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
@@ -156,12 +157,23 @@ def main(argv=None) -> int:
         print(f"{d:16}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
               f"{ {k: round(t, 2) for k, t in v['tau_by_dataset'].items()} } | acceptance "
               f"{v['acceptance_rate_mean']:.0%} | by position {v['accepted_by_position']} | identical "
-              f"{v['identical']}/{v['n']}")
+              f"{v['identical']}/{v['n']}" + (f" | sources {v['draft_sources']}" if v["draft_sources"] else ""))
     out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"bench-{Path(a.engine).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _sum_sources(rs) -> dict:
+    """Router rows: rounds / proposed / accepted per proposal source, summed over prompts."""
+    tot: dict = {}
+    for r in rs:
+        for src, v in (r.get("draft_sources") or {}).items():
+            t = tot.setdefault(src, {"rounds": 0, "proposed": 0, "accepted": 0})
+            for k in t:
+                t[k] += v.get(k, 0)
+    return tot
 
 
 def _parse_config(c: str):

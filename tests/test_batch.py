@@ -187,3 +187,12 @@ def test_profile_on_load_cli_replaces_the_table_in_memory(ds_engine):
     out = json.loads(r.output.strip().splitlines()[-1])
     assert out["stats"]["new_tokens"] == 8
     assert (ds_engine.dir / "manifest.json").read_text() == before
+
+
+def test_monotone_fit_of_the_verify_times():
+    from dspark_runtime.profile import monotone
+
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]  # pooled: (3 + 1 + 2) / 3
+    np.testing.assert_allclose(monotone([249, 269, 259, 282]), [249, 264, 264, 282])
+    assert monotone([]) == []
