@@ -237,6 +237,10 @@ class RouterDrafter:
         ngram_bias: added to the n-gram score (> 0 favours the free n-gram proposal).
         recalibration_strength: k of the DSpark recalibration factor rho (pseudo-tokens of prior belief that
             the confidences are calibrated); None turns the recalibration off (rho = 1).
+        skip_ratio: with ``mode="auto"`` (greedy), do not run the model drafter at all when the n-gram score is
+            at least ``skip_ratio`` times the model drafter's score from its learned acceptance (its prior
+            score): a strong match is sent without paying the drafting pass (measured on the 1.5B: the DSpark
+            pass every round cost about 15% of n-gram-only rounds' time). None = always draft and compare.
         persist: keep learned statistics across requests (``begin``); default False, so a request's output
             with a given seed does not depend on earlier requests.
     """
@@ -246,7 +250,7 @@ class RouterDrafter:
     def __init__(self, inner, *, max_ngram: int = 3, min_ngram: int = 1, min_match: int = 1,
                  min_support: int = 1, confidence: NgramConfidence | None = None,
                  inner_stats: AcceptanceStats | None = None, mode: str = "auto", ngram_bias: float = 0.0,
-                 recalibration_strength: float | None = 2.0, persist: bool = False):
+                 recalibration_strength: float | None = 2.0, persist: bool = False, skip_ratio: float | None = 2.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if mode not in ("auto", "prior"):
@@ -262,6 +266,7 @@ class RouterDrafter:
         self.inner_stats = inner_stats if inner_stats is not None else AcceptanceStats((0.5,))
         self.mode, self.ngram_bias, self.persist = mode, float(ngram_bias), persist
         self.recalibration_strength = recalibration_strength
+        self.skip_ratio = skip_ratio
         self._inner_predicted = 0.0  # sum of DSpark's survivals over the positions it sent (this request)
         self._inner_realized = 0  # tokens of DSpark blocks the target accepted (this request)
         heads = getattr(inner, "heads", None)
@@ -347,13 +352,15 @@ class RouterDrafter:
         if usable:
             surv_ng = self.confidence.estimate(match)
             scores[NGRAM] = self._score(surv_ng) + self.ngram_bias
-            if self._compare_now(params):
+            g = min(gamma, self.block_size) if self.block_size else gamma
+            prior_inner = self._score(self.inner_stats.survival(0, g))
+            if self._compare_now(params) and not (self.skip_ratio is not None
+                                                  and scores[NGRAM] >= self.skip_ratio * prior_inner):
                 drafted = self.inner.propose(context, gamma, params, rng)
                 surv_in = self._inner_survival(len(drafted[0]))
                 scores[self.inner_name] = self._score(np.minimum(1.0, self.recalibration * surv_in))
             else:
-                g = min(gamma, self.block_size) if self.block_size else gamma
-                scores[self.inner_name] = self._score(self.inner_stats.survival(0, g))
+                scores[self.inner_name] = prior_inner
             use_ngram = scores[NGRAM] >= scores[self.inner_name]
         if use_ngram:
             source, tokens, q, surv = NGRAM, list(match.tokens), None, surv_ng

@@ -356,3 +356,22 @@ def test_cli_draft_router(tiny_dspark):
                                  "--max-new-tokens", "16", "--draft", "router", "--threads", "1", "--no-stream"])
     assert r.exit_code == 0, r.output
     assert "speculative (router draft)" in r.output and "rounds ngram" in r.output
+
+
+def test_strong_ngram_match_skips_the_drafting_pass():
+    """Greedy, mode auto: a match scoring at least skip_ratio x the model drafter's prior score is sent without
+    running the model drafter; skip_ratio=None always drafts and compares; a weak match still drafts."""
+    ctx = [7, 8, 9, 7, 8, 9, 7, 8]
+    strong = NgramConfidence(prior_mean=(0.9,) * 3)  # score 0.9 + 0.81 + 0.729 = 2.439
+    r = RouterDrafter(FakeDSpark(block_size=3), confidence=strong)  # inner prior [0.5, .25, .125] -> 0.875
+    r.begin(ctx)
+    toks, _ = r.propose(ctx, 3, GREEDY, None)
+    assert toks == [9, 7, 8] and r.inner.calls == 0 and r.last_scores["dspark"] == pytest.approx(0.875)
+    r = RouterDrafter(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3), skip_ratio=None)
+    r.begin(ctx)
+    r.propose(ctx, 3, GREEDY, None)
+    assert r.inner.calls == 1 and r.last_source == "ngram"
+    r = RouterDrafter(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.5,) * 3))  # 0.875 < 1.75
+    r.begin(ctx)
+    r.propose(ctx, 3, GREEDY, None)
+    assert r.inner.calls == 1
