@@ -127,6 +127,47 @@ def info(engine_dir):
                    f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
 
 
+@cli.command()
+@click.option("--engine", "engine_dir", required=True, help="Engine directory (with manifest.json).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Most requests decoding at once (one packed verify pass per round for all of them).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests accepted beyond --max-batch, waiting for a slot; more are answered 429.")
+@click.option("--draft", type=click.Choice(["auto", "dspark", "lm", "ngram", "none"]), default="auto",
+              show_default=True, help="Drafter (auto: DSpark, else the draft LM, else n-gram); none = target-only.")
+@click.option("--draft-length", default=None, help="Draft tokens per round, or 'scheduled' (DSpark + cost table).")
+@click.option("--draft-confidence", type=float, default=None, help="Static confidence threshold (see generate).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None,
+              help="Prompt + max_tokens limit (default: the manifest's max_position_embeddings).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="max_tokens of requests that give none.")
+@click.option("--model-name", default=None, help="Model id served (default: the engine's name).")
+@click.option("--shutdown-timeout", type=float, default=30.0, show_default=True,
+              help="At shutdown, seconds open requests may still finish before they are cancelled.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, threads, max_context,
+          default_max_tokens, model_name, shutdown_timeout, log_level):
+    """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching."""
+    try:
+        from dspark_runtime.server import serve as _serve
+    except ImportError as e:
+        raise InputError(f"`dspark serve` needs the serve extra: pip install 'dspark[serve]' ({e})")
+    from dspark_runtime.engine import DEFAULT_THREADS, Engine
+
+    dl = _draft_length(draft_length)
+    if dl == "auto":
+        raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
+    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads)
+    _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
+           draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
+           max_batch=max_batch, max_queue=max_queue, max_context=max_context,
+           default_max_tokens=default_max_tokens, model_name=model_name)
+
+
 def run_cli(group: click.Group, argv=None) -> None:
     """Run a click group so that user errors print one line and exit 2, with no traceback
     (shared by ``dspark`` and ``dspark-export``)."""

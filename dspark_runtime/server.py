@@ -1,0 +1,903 @@
+"""``dspark serve``: an OpenAI-compatible HTTP server over the batched runtime (continuous batching).
+
+Layout::
+
+    HTTP handlers (asyncio, FastAPI)  --submit/cancel-->  EngineWorker thread  --owns-->  BatchedGenerator
+           ^                                                   |
+           +------ tokens / done / error events  <-------------+   (loop.call_soon_threadsafe)
+
+The :class:`~dspark_runtime.batch.BatchedGenerator` is not thread-safe, so exactly one thread (the
+:class:`EngineWorker`) owns it: it takes submissions and cancellations from a command queue *between*
+rounds, runs ``step()`` (one packed verifier pass for every active request) while any request is
+active, and hands each request's newly committed tokens back to the event loop. Requests therefore
+join and leave between rounds; a client that disconnects is cancelled and its KV slots are freed
+before the next round. At most ``max_batch + max_queue`` requests are accepted at once; beyond that
+the server answers 429 with an OpenAI-style error body.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, streamed as
+server-sent events ending with ``data: [DONE]`` or not), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text format). Responses carry a ``dspark`` extension object with the
+request's τ (tokens committed per verify round, bonus included) and draft acceptance rate.
+
+Every user error (malformed JSON, unknown field, out-of-range value, unsupported ``n``, a prompt the
+engine's context cannot hold) is a 4xx with ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark_runtime.engine import _streamable_length
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.sampling import SamplingParams
+
+log = logging.getLogger("dspark.server")
+
+DEFAULT_MAX_CONTEXT = 4096  # when neither the manifest nor the caller gives one
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM): logits / 1e-300 would overflow
+MAX_STOP_STRINGS = 8
+API_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """The JSON body of the error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error response (OpenAI format)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An error response (OpenAI format)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 404, 429, 503)}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a body that echoes a client's string (e.g. an unknown field name with
+    a lone surrogate) still encodes, so it can never turn into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+# ---------------------------------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    """Request models reject unknown fields (answered 400 "unrecognized request argument")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    model: str | None = Field(None, description="The served model's id (see /v1/models); optional.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off (extension).")
+    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1, description="Sampling seed.")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: Literal[1] = Field(1, description="Number of choices; only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_GenerationFields):
+    """``POST /v1/completions``: ``prompt`` is raw text (no chat template) or a list of token ids."""
+
+    prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[
+        list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(min_length=1)]
+
+
+class TextPart(_Strict):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message (text only)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """``POST /v1/chat/completions``: messages rendered with the engine's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
+
+
+# ---------------------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class Outcome:
+    """A finished request: generated ids (EOS included when it ended on EOS), finish reason
+    ("eos" | "length" | "stop" | "cancelled") and its :class:`GenerationStats`."""
+
+    token_ids: list
+    finish_reason: str
+    stats: Any
+
+
+@dataclass
+class Job:
+    """One HTTP request's work for the engine thread, and the channel its results come back on.
+
+    The engine thread calls :meth:`push`; the event loop reads ``events`` (tuples ``("tokens", ids)``,
+    ``("done", Outcome)``, ``("error", APIError)``)."""
+
+    loop: asyncio.AbstractEventLoop
+    prompt_ids: list
+    max_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop: list
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    req: Any = None
+    closed: bool = False  # the handler saw done/error (or gave up)
+    checked: float = field(default_factory=time.monotonic)  # last check that the client is still there
+
+    def push(self, kind: str, payload) -> None:
+        """Hand an event to the event loop (thread-safe; dropped once the loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:
+            pass
+
+
+class EngineWorker:
+    """The one thread that owns a :class:`~dspark_runtime.batch.BatchedGenerator`.
+
+    Between rounds it applies queued commands (submit, cancel, stop); while any request is waiting
+    or active it runs ``step()``. ``submit`` / ``cancel`` / ``stop`` may be called from any thread.
+
+    Args:
+        gen: the generator (``Engine.batch(...)``); it gets ``default_gamma`` from there.
+        max_queue: requests accepted beyond ``gen.max_batch`` (they wait for a slot); more → 429.
+    """
+
+    def __init__(self, gen, *, max_queue: int = 64):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.gen = gen
+        self.gamma = int(getattr(gen, "default_gamma", 4))
+        self.capacity = gen.max_batch + max_queue
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._accepting = False
+        self._jobs: dict = {}  # rid -> Job, requests inside the generator
+        self.thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+        self.snapshot: dict = {"stats": gen.stats.to_json(), "waiting": 0, "active": 0, "inflight": 0}
+
+    # -- any thread
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs and accepts work."""
+        return self.thread is not None and self.thread.is_alive() and self._accepting
+
+    @property
+    def inflight(self) -> int:
+        """Requests accepted and not yet finished (queued + decoding)."""
+        return self._inflight
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        if self.thread is not None:
+            return
+        self._accepting = True
+        self.thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``. Raises APIError 429 when ``capacity`` requests are in flight, 503 when stopping."""
+        with self._lock:
+            if not self._accepting or self.thread is None or not self.thread.is_alive():
+                raise APIError(503, "the server is shutting down or its engine stopped; retry later",
+                               "service_unavailable", code="engine_unavailable")
+            if self._inflight >= self.capacity:
+                raise APIError(429, f"the server is at capacity ({self.capacity} requests in flight: "
+                                    f"{self.gen.max_batch} decoding, the rest queued); retry later",
+                               "rate_limit_error", code="queue_full")
+            self._inflight += 1
+        self._cmds.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Cancel ``job`` (its client went away); its slots are freed before the next round."""
+        self._cmds.put(("cancel", job))
+
+    def stop(self, drain_s: float = 0.0, join_s: float = 60.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to ``drain_s`` seconds, cancel the rest
+        (their handlers get a "cancelled" outcome) and end the thread."""
+        with self._lock:
+            self._accepting = False
+        if self.thread is None:
+            return
+        self._cmds.put(("stop", time.monotonic() + max(0.0, drain_s)))
+        self.thread.join(join_s)
+
+    # -- the engine thread
+
+    def _release(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+    def _admit(self, job: Job) -> None:
+        def on_tokens(ids, job=job):
+            if ids:
+                job.push("tokens", list(ids))
+
+        try:
+            req = self.gen.submit(job.prompt_ids, max_new_tokens=job.max_tokens, params=job.params,
+                                  gamma=self.gamma, seed=job.seed, stop=job.stop or None, on_tokens=on_tokens)
+        except DSparkError as e:
+            job.push("error", APIError(400, str(e)))
+            self._release()
+            return
+        except Exception as e:  # noqa: BLE001 - never leave a client hanging
+            log.exception("submit failed")
+            job.push("error", APIError(500, f"internal error: {e}", "server_error"))
+            self._release()
+            return
+        job.req = req
+        self._jobs[req.rid] = job
+
+    def _done(self, job: Job, reason: str | None = None) -> None:
+        req = job.req
+        self._jobs.pop(req.rid, None)
+        job.push("done", Outcome(list(req.token_ids), reason or req.finish_reason, req.stats))
+        self._release()
+
+    def _cancel(self, job: Job) -> None:
+        if job.req is None or job.req.rid not in self._jobs:
+            return  # already finished (or never admitted)
+        try:
+            self.gen.cancel(job.req)
+        except Exception:  # noqa: BLE001
+            log.exception("cancel failed")
+        self._done(job, "cancelled")
+
+    def _fail_all(self, err: APIError) -> None:
+        for job in list(self._jobs.values()):
+            try:
+                self.gen.cancel(job.req)
+            except Exception:  # noqa: BLE001
+                pass
+            self._jobs.pop(job.req.rid, None)
+            job.push("error", err)
+            self._release()
+
+    def _snapshot(self) -> None:
+        g = self.gen
+        self.snapshot = {"stats": g.stats.to_json(), "waiting": len(g.waiting), "active": len(g.active),
+                         "inflight": self._inflight}
+
+    def _run(self) -> None:
+        stop_at = None
+        try:
+            while True:
+                cmds = []
+                try:
+                    if self.gen.busy or stop_at is not None:
+                        cmds.append(self._cmds.get_nowait())
+                    else:
+                        cmds.append(self._cmds.get(timeout=1.0))
+                    while True:
+                        cmds.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    pass
+                for kind, arg in cmds:
+                    if kind == "submit":
+                        self._admit(arg)
+                    elif kind == "cancel":
+                        self._cancel(arg)
+                    elif kind == "stop":
+                        stop_at = arg
+                if stop_at is not None and (not self.gen.busy or time.monotonic() >= stop_at):
+                    for job in list(self._jobs.values()):
+                        self._cancel(job)
+                    self._snapshot()
+                    return
+                if self.gen.busy:
+                    try:
+                        finished = self.gen.step()
+                    except Exception as e:  # noqa: BLE001
+                        log.exception("decoding round failed")
+                        self._fail_all(APIError(500, f"internal error while decoding: {e}", "server_error"))
+                    else:
+                        for req in finished:
+                            job = self._jobs.get(req.rid)
+                            if job is not None:
+                                self._done(job)
+                self._snapshot()
+        except BaseException as e:  # noqa: BLE001 - the thread must not die silently with clients waiting
+            self.failed = e
+            log.exception("engine thread stopped")
+            with self._lock:
+                self._accepting = False
+            self._fail_all(APIError(500, f"the engine thread stopped: {e}", "server_error"))
+            raise
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+class _EngineCollector:
+    """Prometheus collector of the engine thread's aggregate batch statistics (read from its snapshot)."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self.worker.snapshot
+        st = snap["stats"]
+        for name, key, doc in (("dspark_rounds", "rounds", "Verify rounds (one packed verifier pass each)."),
+                               ("dspark_verify_tokens", "verify_tokens", "Token positions verified (sum of B)."),
+                               ("dspark_draft_tokens_proposed", "proposed", "Draft tokens verified."),
+                               ("dspark_draft_tokens_accepted", "accepted", "Draft tokens the target accepted."),
+                               ("dspark_draft_tokens_wasted", "wasted", "Draft tokens the target rejected."),
+                               ("dspark_committed_tokens", "committed", "Tokens committed by rounds."),
+                               ("dspark_prefill_tokens", "prefill_tokens", "Prompt tokens prefilled.")):
+            yield CounterMetricFamily(name, doc, value=st.get(key, 0))
+        yield GaugeMetricFamily("dspark_tau", "Tokens committed per request-round, bonus included (aggregate).",
+                                value=st.get("accepted_length_mean", 0.0))
+        prop = st.get("proposed", 0)
+        yield GaugeMetricFamily("dspark_acceptance_rate", "Accepted / proposed draft tokens (aggregate).",
+                                value=st.get("accepted", 0) / prop if prop else 0.0)
+        g = GaugeMetricFamily("dspark_acceptance_by_position",
+                              "Fraction of request-rounds verifying draft position k that accepted it.",
+                              labels=["position"])
+        for k, v in enumerate(st.get("accepted_by_position", []) or []):
+            g.add_metric([str(k + 1)], v)
+        yield g
+        yield _histogram("dspark_verify_length", "Draft tokens verified per request-round (l_r).",
+                         st.get("verify_length_histogram", {}))
+        yield _histogram("dspark_batch_size", "Requests per verify round.", st.get("batch_histogram", {}))
+        yield GaugeMetricFamily("dspark_queue_depth", "Requests accepted and waiting for a decoding slot.",
+                                value=max(0, snap["inflight"] - snap["active"]))
+        yield GaugeMetricFamily("dspark_active_requests", "Requests decoding.", value=snap["active"])
+        yield GaugeMetricFamily("dspark_capacity", "Most requests accepted at once (max_batch + max_queue).",
+                                value=self.worker.capacity)
+
+
+def _histogram(name: str, doc: str, counts: dict) -> HistogramMetricFamily:
+    """A Prometheus histogram from {value: count} of small non-negative integers (one bucket per value)."""
+    items = sorted((int(k), int(v)) for k, v in counts.items())
+    top = max([k for k, _ in items] + [8])
+    buckets, cum = [], 0
+    by = dict(items)
+    for le in range(top + 1):
+        cum += by.get(le, 0)
+        buckets.append((str(float(le)), cum))
+    buckets.append(("+Inf", cum))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(k * v for k, v in items)))
+
+
+class ServerMetrics:
+    """The server's Prometheus registry: request/token counters and latency histograms (updated by the
+    handlers) plus the engine's batch statistics (:class:`_EngineCollector`)."""
+
+    def __init__(self, worker: EngineWorker):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dspark_requests", "HTTP generation requests by endpoint and outcome "
+                                "(stop, length, cancelled, rejected, invalid, error).",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("dspark_generation_tokens", "Tokens generated for finished requests.",
+                                         registry=r)
+        lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("dspark_time_to_first_token_seconds", "Request arrival to its first token.",
+                              buckets=lat, registry=r)
+        self.tpot = Histogram("dspark_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1).",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                              registry=r)
+        self.e2e = Histogram("dspark_e2e_request_latency_seconds", "Request arrival to its last token.",
+                             buckets=lat, registry=r)
+        self.request_tau = Histogram("dspark_request_tau", "Per request τ: tokens committed per verify round.",
+                                     buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12), registry=r)
+        r.register(_EngineCollector(worker))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------------------- the app
+
+
+def engine_max_context(engine) -> int | None:
+    """The engine's context capacity: the smallest ``max_position_embeddings`` its graphs record, or None."""
+    vals = [g.model_config.get("max_position_embeddings") for g in engine.manifest.graphs.values()]
+    vals = [int(v) for v in vals if isinstance(v, int) and v > 0]
+    return min(vals) if vals else None
+
+
+def _loc_param(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # drop pydantic's union-branch tags (e.g. 'str', 'list[int]', 'constrained-str', 'function-after[...]')
+    parts = [p for p in parts if not (p in ("str", "int", "float", "bool", "none") or "[" in p
+                                      or p.startswith(("function-", "constrained-")))]
+    return ".".join(parts) or None
+
+
+def _sse(obj, ascii: bool = False) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=ascii)}\n\n"
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _dspark_ext(stats) -> dict:
+    """The ``dspark`` extension object of a response: τ, acceptance and timings of the request."""
+    return {"drafter": stats.drafter, "tau": round(stats.accepted_length_mean, 4),
+            "acceptance_rate": round(stats.acceptance_rate, 4), "draft_tokens_proposed": stats.proposed,
+            "draft_tokens_accepted": stats.accepted, "rounds": stats.num_rounds,
+            "accepted_by_position": [round(x, 4) for x in stats.accepted_by_position],
+            "ttft_ms": round(stats.ttft_ms, 2), "decode_ms": round(stats.decode_ms, 2),
+            "tokens_per_second": round(stats.tokens_per_second, 3)}
+
+
+def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | None = None,
+               draft_confidence: float | None = None, max_batch: int = 8, max_queue: int = 64,
+               max_context: int | None = None, default_max_tokens: int = 256, model_name: str | None = None,
+               shutdown_drain_s: float = 5.0) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a loaded :class:`~dspark_runtime.engine.Engine`).
+
+    Args:
+        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto": the engine's
+            DSpark drafter, else its draft LM, else n-gram lookup; None/"none": target-only).
+        max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
+        max_context: prompt + max_tokens limit; default: the manifest's ``max_position_embeddings``
+            (else 4096).
+        default_max_tokens: max_tokens when a request gives none (capped by the context left).
+        model_name: the id served in /v1/models and responses (default: the manifest's name).
+        shutdown_drain_s: at shutdown, how long in-flight requests may still finish before they are cancelled.
+
+    The engine thread starts and stops with the app's lifespan (uvicorn runs it). ``app.state.worker``
+    is the :class:`EngineWorker`, ``app.state.metrics`` the :class:`ServerMetrics`.
+    Raises InputError (from :meth:`Engine.batch`) for a drafter the engine lacks or bad arguments.
+    """
+    gen = engine.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
+                       max_batch=max_batch)
+    worker = EngineWorker(gen, max_queue=max_queue)
+    metrics = ServerMetrics(worker)
+    ctx = int(max_context or engine_max_context(engine) or DEFAULT_MAX_CONTEXT)
+    name = model_name or engine.manifest.name
+    vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        log.info("engine thread started: %s, max_batch %d, capacity %d, max context %d",
+                 getattr(gen.drafter, "name", "target-only"), gen.max_batch, worker.capacity, ctx)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop, shutdown_drain_s)
+            log.info("engine thread stopped")
+
+    app = FastAPI(title="DSpark", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  description="OpenAI-compatible completions over DSpark speculative decoding.")
+    app.state.worker, app.state.metrics, app.state.max_context, app.state.model_name = worker, metrics, ctx, name
+
+    def _count_invalid(request: Request, outcome: str = "invalid") -> None:
+        if request.url.path in API_PATHS:
+            metrics.requests.labels(request.url.path, outcome).inc()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        _count_invalid(request)
+        errs = exc.errors()
+        e = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
+        if e.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+            return SafeJSONResponse(error_body(msg, code="json_invalid"), status_code=400)
+        param = _loc_param(e.get("loc", ()))
+        msg = e.get("msg", "invalid value")
+        if e.get("type") == "extra_forbidden":
+            msg = f"unrecognized request argument: {param}"
+        elif tuple(e.get("loc", ())) == ("body",):
+            msg = "the request body must be a JSON object (Content-Type: application/json)"
+        elif param:
+            msg = f"{param}: {msg}"
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+        return SafeJSONResponse(error_body(msg, param=param, code=e.get("type")), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        _count_invalid(request, "rejected" if exc.status in (429, 503) else "invalid")
+        return SafeJSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(DSparkError)
+    async def _dspark_error(request: Request, exc: DSparkError):
+        _count_invalid(request)
+        return SafeJSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return SafeJSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        _count_invalid(request, "error")
+        return SafeJSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+
+    # -- helpers
+
+    def _check_model(body) -> None:
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def _max_tokens(body, n_prompt: int, prompt_param: str) -> int:
+        room = ctx - n_prompt
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
+                                f"{n_prompt} tokens, which leaves no room to generate. Shorten the prompt.",
+                           param=prompt_param, code="context_length_exceeded")
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if asked is None:
+            return min(default_max_tokens, room)
+        if n_prompt + asked > ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} to generate). "
+                                f"Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    def _job(request: Request, body, ids: list, prompt_param: str) -> Job:
+        _check_model(body)
+        max_tokens = _max_tokens(body, len(ids), prompt_param)
+        temperature = 0.0 if body.temperature < GREEDY_BELOW else float(body.temperature)
+        params = SamplingParams(temperature=temperature, top_k=int(body.top_k), top_p=float(body.top_p))
+        params.validate()
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        seed = None if body.seed is None else body.seed % 2 ** 64
+        return Job(asyncio.get_running_loop(), ids, max_tokens, params, seed, stop)
+
+    def _encode(prompt, raw: bool, param: str) -> list:
+        try:
+            return engine.encode_prompt(prompt, raw=raw)
+        except DSparkError:
+            raise
+        except Exception as e:  # noqa: BLE001 - text the tokenizer or the chat template cannot take
+            raise APIError(400, f"the {param} could not be tokenized: {type(e).__name__}", param=param) from None
+
+    def _text(ids: list, outcome_reason: str | None, stop: list) -> str:
+        text = engine.tokenizer.decode(ids)
+        if outcome_reason == "stop" and stop:
+            text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
+        return text
+
+    def _usage(n_prompt: int, n_gen: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+    def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None) -> None:
+        metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
+        if out.finish_reason == "cancelled":
+            return
+        now = time.perf_counter()
+        metrics.prompt_tokens.inc(len(job.prompt_ids))
+        metrics.generation_tokens.inc(len(out.token_ids))
+        if t_first is not None:
+            metrics.ttft.observe(t_first - t0)
+            if len(out.token_ids) > 1:
+                metrics.tpot.observe((now - t_first) / (len(out.token_ids) - 1))
+        metrics.e2e.observe(now - t0)
+        if out.stats.num_rounds:
+            metrics.request_tau.observe(out.stats.accepted_length_mean)
+
+    async def _next_event(job: Job, request: Request | None):
+        """The job's next event; for non-streaming requests, also checks (at most every 0.5 s, whether
+        events arrive or not) that the client is still there (a streaming response is cancelled by
+        Starlette when its client disconnects)."""
+        if request is None:
+            return await job.events.get()
+        while True:
+            now = time.monotonic()
+            if now - job.checked >= 0.5:
+                job.checked = now
+                if await request.is_disconnected():
+                    return ("disconnected", None)
+            try:
+                return await asyncio.wait_for(job.events.get(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run(request: Request, body, ids: list, chat: bool, prompt_param: str):
+        endpoint = request.url.path
+        t0 = time.perf_counter()
+        job = _job(request, body, ids, prompt_param)
+        worker.submit(job)  # 429 / 503 raise here, before any response is started
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(endpoint, job, rid, chat, include_usage, t0),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        ids_out: list = []
+        t_first = None
+        try:
+            while True:
+                kind, payload = await _next_event(job, request)
+                if kind == "tokens":
+                    t_first = t_first or time.perf_counter()
+                    ids_out += payload
+                elif kind == "error":
+                    job.closed = True
+                    metrics.requests.labels(endpoint, "error").inc()
+                    return SafeJSONResponse(payload.body(), status_code=payload.status)
+                elif kind == "done":
+                    job.closed = True
+                    out: Outcome = payload
+                    _record(endpoint, job, out, t0, t_first)
+                    if out.finish_reason == "cancelled":
+                        return SafeJSONResponse(error_body("the request was cancelled (the server is shutting down)",
+                                                       "service_unavailable", code="cancelled"), status_code=503)
+                    break
+                elif kind == "disconnected":
+                    return Response(status_code=499)
+        finally:  # the client went away (or the handler was cancelled at shutdown)
+            if not job.closed:
+                job.closed = True
+                worker.cancel(job)
+                metrics.requests.labels(endpoint, "cancelled").inc()
+        text = _text(out.token_ids, out.finish_reason, job.stop)
+        fr = _finish_reason(out.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": fr} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": fr})
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
+                "usage": _usage(len(job.prompt_ids), len(out.token_ids)), "dspark": _dspark_ext(out.stats)}
+
+    async def _stream(endpoint: str, job: Job, rid: str, chat: bool, include_usage: bool, t0: float):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(delta: str | None, finish=None, role=False, extra=None) -> str:
+            if chat:
+                d = {}
+                if role:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            o = {"id": rid, "object": obj, "created": created, "model": name, "choices": [c]}
+            if extra:
+                o.update(extra)
+            return _sse(o)
+
+        ids: list = []
+        sent = ""
+        t_first = None
+        try:
+            if chat:
+                yield chunk("", role=True)
+            while True:
+                kind, payload = await _next_event(job, None)
+                if kind == "tokens":
+                    t_first = t_first or time.perf_counter()
+                    ids += payload
+                    text = engine.tokenizer.decode(ids)
+                    text = text[:_streamable_length(text, job.stop)]
+                    if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
+                        yield chunk(text[len(sent):])
+                        sent = text
+                elif kind == "error":
+                    job.closed = True
+                    metrics.requests.labels(endpoint, "error").inc()
+                    yield _sse(payload.body(), ascii=True)
+                    break
+                elif kind == "done":
+                    job.closed = True
+                    out: Outcome = payload
+                    _record(endpoint, job, out, t0, t_first)
+                    text = _text(out.token_ids, out.finish_reason, job.stop)
+                    tail = text[len(sent):] if text.startswith(sent) else ""
+                    if tail:
+                        yield chunk(tail)
+                    if out.finish_reason == "cancelled":
+                        yield _sse(error_body("the request was cancelled (the server is shutting down)",
+                                              "service_unavailable", code="cancelled"))
+                        break
+                    yield chunk(None if chat else "", finish=_finish_reason(out.finish_reason),
+                                extra={"dspark": _dspark_ext(out.stats)})
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
+                                    "usage": _usage(len(job.prompt_ids), len(out.token_ids))})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the task is cancelled) or the server is stopping
+            if not job.closed:
+                job.closed = True
+                worker.cancel(job)
+                metrics.requests.labels(endpoint, "cancelled").inc()
+
+    # -- routes
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        """Text completion of a raw prompt (OpenAI ``/v1/completions``)."""
+        if isinstance(body.prompt, str):
+            ids = _encode(body.prompt, True, "prompt")
+        else:
+            bad = [t for t in body.prompt if t >= vocab]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is out of range (vocabulary of {vocab})",
+                               param="prompt", code="invalid_token_id")
+            ids = list(body.prompt)
+        return await _run(request, body, ids, chat=False, prompt_param="prompt")
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """Chat completion (OpenAI ``/v1/chat/completions``), rendered with the engine's chat template."""
+        msgs = []
+        for m in body.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        ids = _encode(msgs, False, "messages")
+        return await _run(request, body, ids, chat=True, prompt_param="messages")
+
+    @app.get("/v1/models")
+    async def models():
+        """The served model (OpenAI ``/v1/models``)."""
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "dspark", "max_model_len": ctx}]}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        """200 while the engine thread runs and accepts work, else 503."""
+        snap = worker.snapshot
+        if not worker.alive:
+            return SafeJSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
+        return {"status": "ok", "model": name, "active": snap["active"],
+                "queued": max(0, snap["inflight"] - snap["active"]), "capacity": worker.capacity}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """Prometheus text exposition of the server and engine metrics."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread on an already-bound loopback socket (tests,
+    embedding). Use as a context manager; ``url`` is ``http://host:port``.
+
+    Args:
+        app: the ASGI app (``create_app(...)``).
+        host: address to bind; port 0 picks a free port.
+        timeout_graceful_shutdown: seconds uvicorn waits for open connections at shutdown.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float | None = 10,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=timeout_graceful_shutdown)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="dspark-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start serving; returns once uvicorn is up. Raises RuntimeError if it does not start in time."""
+        self.thread.start()
+        t_end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown (uvicorn closes the listener, waits for open requests, runs the lifespan exit)."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+          log_level: str = "info", **app_kwargs) -> None:
+    """Serve ``engine`` with uvicorn until interrupted (``dspark serve``). ``app_kwargs`` go to :func:`create_app`.
+    On SIGINT/SIGTERM uvicorn stops accepting, waits up to ``shutdown_timeout`` s for open requests, then
+    the engine thread cancels what is left and stops."""
+    import uvicorn
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    app = create_app(engine, **app_kwargs)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
