@@ -138,6 +138,14 @@ class Engine:
             raise InputError("the prompt encodes to zero tokens; pass some text")
         return ids
 
+    def _cost_table(self) -> dict:
+        """The manifest's (or the re-profiled) cost table; InputError naming the fix when there is none."""
+        table = self.manifest.speculation.get("cost_table")
+        if not table:
+            raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
+                             f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
+        return table
+
     def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,
                 draft_rows=(1, 2, 4, 8)) -> dict:
         """Re-measure the round cost table on this machine (``--profile-on-load``) and use it from now on
@@ -202,10 +210,7 @@ class Engine:
             if not isinstance(drafter, BatchedDSpark):
                 raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head); "
                                  "use draft='dspark' or an integer draft_length")
-            table = self.manifest.speculation.get("cost_table")
-            if not table:
-                raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
-                                 f"{self.dir}` on this machine first")
+            table = self._cost_table()
             mode = "scheduled"
         gen = BatchedGenerator(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
                                cost_table=table, max_batch=max_batch)
@@ -302,10 +307,7 @@ class Engine:
             if not isinstance(drafter, (DSparkDrafter, RouterDrafter)):
                 raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
                                  "router; use draft='dspark'/'router' or an integer draft_length")
-            table = self.manifest.speculation.get("cost_table")
-            if not table:
-                raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
-                                 f"{self.dir}` on this machine first")
+            table = self._cost_table()
             from dspark_runtime.scheduler import CostTable
 
             drafter.cost = CostTable.from_dict(table)

@@ -24,6 +24,7 @@ import numpy as np
 from dspark_runtime.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.kvcache import KVCache, causal_mask
+from dspark_runtime.router import ngram_match
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 PREFILL_CHUNK = 256
@@ -189,19 +190,10 @@ def ngram_lookup(context: np.ndarray, gamma: int, max_ngram: int = 3, min_ngram:
     """Continuation of the most recent earlier match of the context's last n tokens.
 
     context: int64 [L]. Tries n = max_ngram down to min_ngram; returns up to ``gamma`` tokens
-    (list[int], possibly empty). Pure function.
+    (list[int], possibly empty). Pure function (:func:`dspark_runtime.router.ngram_match` without the match
+    quality).
     """
-    L = len(context)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        if n <= 0:
-            break
-        tail = context[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # starts 0..L-1-n
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the token after the most recent match
-            return context[start:start + gamma].tolist()
-    return []
+    return ngram_match(context, gamma, max_ngram, min_ngram).tokens
 
 
 @dataclass
