@@ -34,13 +34,11 @@ from dspark_runtime.sampling import SamplingParams, process_logits, sample
 class Proposal:
     """One request's draft for a round: tokens (list[int], l <= γ), q (float [l, vocab] processed draft
     distributions, or None for greedy / point-mass proposals), survival (float64 [l'] calibrated prefix
-    survivals a_1..a_l' of the drafted positions, or None when the drafter has no confidence head),
-    conf_logits (float [l] raw confidence logits, for calibration records)."""
+    survivals a_1..a_l' of the drafted positions, or None when the drafter has no confidence head)."""
 
     tokens: list
     q: np.ndarray | None = None
     survival: np.ndarray | None = None
-    conf_logits: np.ndarray | None = None
 
 
 @dataclass
@@ -299,11 +297,10 @@ class BatchedDSpark:
         self._compact()
         props = {}
         for i, (r, gam) in enumerate(reqs_rows):
-            toks, qs, surv, confs = self.heads.draft(base[i], hidden[i], int(anchors[i, 0]), max(0, min(gam, g)),
+            toks, qs, surv, _ = self.heads.draft(base[i], hidden[i], int(anchors[i, 0]), max(0, min(gam, g)),
                                                      r.params, r.rng, self.confidence_threshold)
             props[r.rid] = Proposal(toks, np.stack(qs) if qs else None,
-                                    np.asarray(surv[: len(toks)]) if self.heads.conf_w is not None else None,
-                                    np.asarray(confs[: len(toks)]))
+                                    np.asarray(surv[: len(toks)]) if self.heads.conf_w is not None else None)
         return [props[r.rid] for r in reqs]
 
 
