@@ -36,8 +36,9 @@ def calibration_prompts(n: int) -> list:
     return out
 
 
-def record_rounds(engine, prompts: list, max_new_tokens: int, log=print) -> tuple:
+def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequences: list | None = None) -> tuple:
     """Decode ``prompts`` with the engine's DSpark drafter; returns (logits [R, γ], accepted [R, γ]).
+    When ``sequences`` is a list, (prompt ids + greedy output, prompt length) pairs are appended to it.
 
     accepted[r, k] = 1 for k < n_r, 0 at k = n_r (the first rejection), and 0 afterwards (ignored by STS,
     which conditions on all earlier positions being accepted). Rounds cut short by the token budget
@@ -53,6 +54,8 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print) -> tupl
         out, _, stats = generate_tokens(engine.runner("target"), ids, max_new_tokens=max_new_tokens,
                                         params=SamplingParams(), eos_ids=engine.eos_ids, drafter=drafter,
                                         draft_length=gamma)
+        if sequences is not None:
+            sequences.append((list(ids) + list(out), len(ids)))
         for conf, n in drafter.record:
             if len(conf) == gamma:
                 rows.append(conf)
@@ -65,6 +68,18 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print) -> tupl
     if not rows:
         raise DSparkError("no full draft rounds were recorded; use more prompts or more tokens")
     return np.stack(rows), np.stack(accs)
+
+
+def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_on: str = "") -> dict:
+    """The router's priors (issue 9), for ``speculation["router"]`` in the manifest: n-gram lookup's
+    acceptance per match-extent bucket and position measured on the greedy outputs ``sequences`` (list of
+    (token ids, prompt length); :func:`dspark_runtime.router.fit_ngram_counts`), and the DSpark drafter's
+    per-position acceptance from its recorded rounds (``dspark_accepted`` [R, γ]). Pure function."""
+    from dspark_runtime.router import NGRAM_MAX_LENGTH, acceptance_counts, fit_ngram_counts
+
+    ngram = fit_ngram_counts([s for s, _ in sequences], [p for _, p in sequences], max(gamma, NGRAM_MAX_LENGTH))
+    return {"ngram": ngram, "inner": {"dspark": acceptance_counts(dspark_accepted)}, "fitted_on": fitted_on,
+            "sequences": len(sequences), "gamma": int(gamma)}
 
 
 def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print) -> dict:
@@ -82,18 +97,26 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     eng.dspark_heads().temperatures = None  # record raw (uncalibrated) confidences
     prompts = calibration_prompts(n_prompts)
     log(f"decoding {len(prompts)} calibration-split prompts with the DSpark drafter")
-    logits, acc = record_rounds(eng, prompts, max_new_tokens, log)
+    sequences: list = []
+    logits, acc = record_rounds(eng, prompts, max_new_tokens, log, sequences)
     temps = fit_sts(logits, acc)
     report = survival_ece_report(logits, acc, temps)
+    fitted_on = ("calibration split (data/prompts/README.md): " + ", ".join(
+        f"{k} lines {a + 1}-{b}" for k, (a, b) in CALIB_SPLIT.items()) + f"; first {len(prompts)}")
+    router = fit_router(sequences, acc, gamma=logits.shape[1], fitted_on=fitted_on)
     res = {"temperatures": [float(t) for t in temps], "report": report, "rounds": int(len(logits)),
-           "prompts": "calibration split (data/prompts/README.md): " + ", ".join(
-               f"{k} lines {a + 1}-{b}" for k, (a, b) in CALIB_SPLIT.items()) + f"; first {len(prompts)}",
-           "max_new_tokens": max_new_tokens}
+           "prompts": fitted_on, "max_new_tokens": max_new_tokens, "router": router,
+           "sequences": [{"token_ids": list(map(int, q)), "prompt_tokens": int(n)} for q, n in sequences]}
     m = load_manifest(engine_dir, verify=False)
     m.speculation["dspark"]["sts_temperatures"] = res["temperatures"]
     m.speculation["dspark"]["calibration"] = {"rounds": res["rounds"], "ece": [
         {k: r[k] for k in ("position", "ece_before", "ece_after")} for r in report]}
+    m.speculation["router"] = router
     m.write(engine_dir)
+    ng = np.asarray(router["ngram"]["hits"]) / np.maximum(np.asarray(router["ngram"]["tries"]), 1)
+    log("n-gram lookup acceptance at position 1 by match extent "
+        + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
+                    for i, lo in enumerate(router["ngram"]["edges"])))
     (engine_dir / "calibration.json").write_text(json.dumps(res, indent=2) + "\n")
     model_id = m.graphs[m.speculation["dspark"]["graph"]].model_id
     if model_id.startswith("dspark:"):

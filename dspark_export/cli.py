@@ -153,7 +153,9 @@ def train_draft(target, out_dir, work_dir, answers_minutes, features_minutes, tr
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 def calibrate(engine_dir, n_prompts, max_new_tokens):
     """Fit the DSpark confidence head's per-position STS temperatures on the calibration split and write
-    them to ENGINE_DIR's manifest; prints the survival ECE per position before and after."""
+    them to ENGINE_DIR's manifest; prints the survival ECE per position before and after. The same greedy
+    outputs give the router's priors (speculation.router): n-gram lookup's acceptance per match extent and
+    position, and the DSpark drafter's per-position acceptance."""
     from dspark_export.calibrate import calibrate_engine
 
     res = calibrate_engine(engine_dir, n_prompts, max_new_tokens, log=click.echo)

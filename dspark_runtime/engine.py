@@ -10,7 +10,7 @@ from dspark_runtime.dspark import DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
 from dspark_runtime.manifest import Manifest, load_manifest
-from dspark_runtime.router import RouterDrafter
+from dspark_runtime.router import RouterDrafter, router_priors
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.tokenizer import Tokenizer
 
@@ -94,7 +94,12 @@ class Engine:
             if not self.has_draft:
                 raise InputError("draft='router' needs a DSpark drafter or a draft LM in the engine; use "
                                  "draft='ngram' or rebuild with a draft")
-            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold))
+            try:  # n-gram and model-drafter acceptance fitted on the calibration split (dspark-export calibrate)
+                priors = router_priors(self.manifest.speculation.get("router"), self.draft_kind)
+            except ValueError as e:
+                raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
+                                  "`dspark-export calibrate` on this engine") from None
+            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold), **priors)
         if draft == "dspark":
             if self.dspark_graph is None:
                 raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
@@ -311,6 +316,8 @@ class Engine:
             from dspark_runtime.scheduler import CostTable
 
             drafter.cost = CostTable.from_dict(table)
+            if isinstance(drafter, RouterDrafter):  # n-gram continuations may run past a DSpark block
+                gamma = max(gamma, drafter.ngram_max_length)
         on_tokens = None
         if stream is not None:
             state = {"ids": [], "text": ""}

@@ -50,12 +50,17 @@ class NgramMatch:
     support: number of earlier occurrences of that n-gram in the context (0 on a miss); the continuation
         follows the most recent one.
     start: context index of the first continuation token (-1 on a miss).
+    extent: how many tokens the context's suffix and the text before ``start`` agree on, counting back from
+        the anchor (>= ngram; capped at ``MAX_EXTENT``; 0 on a miss). A long extent means the output is
+        copying a span of the context (a signature, a docstring, a repeated line), where the continuation
+        is accepted far more often than after a coincidental 1-3 token match.
     """
 
     tokens: list = field(default_factory=list)
     ngram: int = 0
     support: int = 0
     start: int = -1
+    extent: int = 0
 
     @property
     def length(self) -> int:
@@ -81,8 +86,26 @@ def ngram_match(context: np.ndarray, gamma: int, max_ngram: int = 3, min_ngram: 
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the token after the most recent match
-            return NgramMatch(context[start:start + gamma].tolist(), n, int(hits.size), start)
+            return NgramMatch(context[start:start + gamma].tolist(), n, int(hits.size), start,
+                              match_extent(context, start, n))
     return NgramMatch()
+
+
+MAX_EXTENT = 32
+
+
+def match_extent(context: np.ndarray, start: int, n: int, cap: int = MAX_EXTENT) -> int:
+    """Length of the agreement between the context's suffix and the tokens before ``start``, counted back
+    from the anchor: the largest e <= cap (and e <= start) with context[L-e:] == context[start-e:start].
+    ``n`` tokens are known to agree already. Pure function; int."""
+    L = len(context)
+    e = min(cap, start)
+    if e <= n:
+        return min(n, e)
+    a = context[L - e:][::-1]
+    b = context[start - e:start][::-1]
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else e
 
 
 # ------------------------------------------------------------------------------------ acceptance statistics
@@ -117,6 +140,8 @@ class AcceptanceStats:
             raise ValueError("prior_strength and position_strength must be > 0")
         self.prior_mean = mu
         self.s0, self.s1 = float(prior_strength), float(position_strength)
+        self.prior_hits = np.zeros((mu.size, 0))
+        self.prior_tries = np.zeros((mu.size, 0))
         self.reset()
 
     @property
@@ -124,9 +149,34 @@ class AcceptanceStats:
         return self.prior_mean.size
 
     def reset(self) -> None:
-        """Forget every observation (back to the prior)."""
-        self.hits = np.zeros((self.n_buckets, 0))
-        self.tries = np.zeros((self.n_buckets, 0))
+        """Forget every observation of this deployment (back to the prior, fitted counts included)."""
+        self.hits = self.prior_hits.copy()
+        self.tries = self.prior_tries.copy()
+
+    def set_prior_counts(self, hits, tries, max_strength: float | None = 32.0) -> None:
+        """Start from counts measured offline (``dspark-export calibrate`` on the calibration split).
+
+        hits, tries: float [n_buckets, K] (K positions; tries[b, k] = rounds in which position k+1 was tested,
+        hits[b, k] = rounds in which it was accepted). Each bucket's counts are scaled down so its position-1
+        tries are at most ``max_strength`` pseudo-rounds (None: no scaling), so a request's own verdicts still
+        move the estimate within a few dozen rounds. The bucket prior means become the fitted ones. Raises
+        ValueError on mis-shaped or inconsistent counts (hits > tries or negative).
+        """
+        h = np.asarray(hits, dtype=np.float64)
+        t = np.asarray(tries, dtype=np.float64)
+        if h.ndim != 2 or h.shape != t.shape or h.shape[0] != self.n_buckets:
+            raise ValueError(f"prior counts must be [n_buckets={self.n_buckets}, K] arrays of the same shape, "
+                             f"got hits {h.shape} and tries {t.shape}")
+        if np.any(h < 0) or np.any(h > t + 1e-9):
+            raise ValueError("prior counts need 0 <= hits <= tries")
+        if max_strength is not None and h.shape[1]:
+            scale = np.minimum(1.0, max_strength / np.maximum(t[:, :1], 1e-9))
+            h, t = h * scale, t * scale
+        tot_h, tot_t = h.sum(axis=1), t.sum(axis=1)
+        fitted = np.clip((tot_h + 1.0) / (tot_t + 2.0), 1e-3, 1 - 1e-3)
+        self.prior_mean = np.where(tot_t > 0, fitted, self.prior_mean)
+        self.prior_hits, self.prior_tries = h, t
+        self.reset()
 
     def _grow(self, k: int) -> None:
         if k > self.hits.shape[1]:
@@ -165,20 +215,48 @@ class AcceptanceStats:
         return np.cumprod(self.conditional(bucket, length))
 
 
-class NgramConfidence(AcceptanceStats):
-    """Calibrated confidences for n-gram proposals, learned online from their own acceptance.
+EXTENT_EDGES = (1, 2, 3, 4, 8, 16)
+NGRAM_MAX_LENGTH = 16
 
-    Buckets by matched n-gram length: 1, 2, ..., ``len(prior_mean)`` (longer matches share the last bucket).
-    The default prior means (0.3, 0.5, 0.65 for n = 1, 2, >= 3) are weak guesses (2 pseudo-trials); a few
-    verified rounds dominate them.
+
+class NgramConfidence(AcceptanceStats):
+    """Calibrated confidences for n-gram proposals: per-(bucket, position) acceptance, fitted offline on the
+    calibration split (:func:`fit_ngram_counts`, stored in the manifest by ``dspark-export calibrate``) and
+    updated online from the proposals' own verdicts.
+
+    Buckets by the match's ``extent`` (how many context tokens agree with the copied span, see
+    :class:`NgramMatch`): ``[edges[i], edges[i+1])``, the last bucket open-ended; default edges
+    1, 2, 3, 4-7, 8-15, 16+ (``edges=None``: the first ``len(prior_mean)`` of those). Without fitted counts the prior means (0.3, 0.5, 0.6, 0.7, 0.8, 0.85) are weak
+    guesses (2 pseudo-trials) that a few verified rounds dominate.
     """
 
-    def __init__(self, prior_mean=(0.3, 0.5, 0.65), prior_strength: float = 2.0, position_strength: float = 2.0):
+    def __init__(self, prior_mean=(0.3, 0.5, 0.6, 0.7, 0.8, 0.85), prior_strength: float = 2.0,
+                 position_strength: float = 2.0, edges=None):
         super().__init__(prior_mean, prior_strength, position_strength)
+        self.edges = tuple(int(e) for e in (EXTENT_EDGES[:self.n_buckets] if edges is None else edges))
+        if len(self.edges) != self.n_buckets or self.edges[0] != 1 or list(self.edges) != sorted(set(self.edges)):
+            raise ValueError(f"edges must be increasing, start at 1 and give one bucket per prior mean; got "
+                             f"{edges!r} for {self.n_buckets} buckets")
 
     def bucket(self, match: NgramMatch) -> int:
-        """Bucket of a (non-empty) match: min(n, n_buckets) - 1."""
-        return min(max(match.ngram, 1), self.n_buckets) - 1
+        """Bucket of a (non-empty) match: the last i with edges[i] <= max(extent, ngram)."""
+        e = max(match.extent, match.ngram, 1)
+        return int(np.searchsorted(self.edges, e, side="right")) - 1
+
+    def to_json(self) -> dict:
+        """The fitted prior counts, for the manifest: {"edges", "hits", "tries"} (lists)."""
+        return {"edges": list(self.edges), "hits": self.prior_hits.tolist(), "tries": self.prior_tries.tolist()}
+
+    @classmethod
+    def from_json(cls, d: dict, max_strength: float | None = 32.0) -> "NgramConfidence":
+        """Rebuild from :meth:`to_json` / :func:`fit_ngram_counts` output; ValueError on a malformed entry."""
+        try:
+            edges = tuple(d["edges"])
+            conf = cls(prior_mean=(0.5,) * len(edges), edges=edges)
+            conf.set_prior_counts(d["hits"], d["tries"], max_strength)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed n-gram statistics (need edges, hits, tries): {e}") from None
+        return conf
 
     def estimate(self, match: NgramMatch) -> np.ndarray:
         """Prefix survival of the match's continuation: float64 [match.length]."""
@@ -187,6 +265,79 @@ class NgramConfidence(AcceptanceStats):
     def record(self, match: NgramMatch, proposed: int, accepted: int) -> None:
         """Record a verified n-gram round (``proposed`` may be shorter than the match after scheduling)."""
         self.update(self.bucket(match), proposed, accepted)
+
+
+def fit_ngram_counts(sequences, starts, gamma: int, max_ngram: int = 3, min_ngram: int = 1,
+                     edges=EXTENT_EDGES) -> dict:
+    """Measure n-gram prompt lookup's acceptance on greedy target outputs, offline. Pure function.
+
+    sequences: list of int sequences (prompt + the target's greedy continuation); starts: list[int], the
+    prompt length of each. For every output position t (anchor = sequence[t], t from start-1 to the
+    second-to-last token) the lookup on ``sequence[:t+1]`` is scored against the tokens that really follow:
+    a continuation of l tokens whose first n agree counts one try at positions 1..min(n+1, l) and a hit at
+    1..n -- what verification would report, since greedy verification accepts exactly the tokens equal to
+    the target's greedy output (DESIGN.md section 1). Every position is an anchor (not only round starts),
+    which slightly over-represents mid-block anchors; the estimate is per bucket and position, so that
+    matters little.
+
+    Returns {"edges": list, "hits": [n_buckets][gamma], "tries": [n_buckets][gamma], "anchors": int,
+    "matched": int} (counts as floats).
+    """
+    nb = len(edges)
+    hits = np.zeros((nb, gamma))
+    tries = np.zeros((nb, gamma))
+    conf = NgramConfidence(prior_mean=(0.5,) * nb, edges=edges)
+    anchors = matched = 0
+    for seq, st in zip(sequences, starts):
+        seq = np.asarray(seq, dtype=np.int64)
+        for t in range(max(int(st) - 1, 1), len(seq) - 1):
+            anchors += 1
+            m = ngram_match(seq[:t + 1], gamma, max_ngram, min_ngram)
+            truth = seq[t + 1:t + 1 + m.length]
+            ell = len(truth)  # the sequence's end cuts the continuation that can be scored
+            if ell == 0:
+                continue
+            matched += 1
+            agree = np.asarray(m.tokens[:ell]) == truth
+            n = int(np.argmin(agree)) if not agree.all() else ell
+            b = conf.bucket(m)
+            tried = min(n + 1, ell)
+            tries[b, :tried] += 1
+            hits[b, :n] += 1
+    return {"edges": list(edges), "hits": hits.tolist(), "tries": tries.tolist(), "anchors": anchors,
+            "matched": matched}
+
+
+def acceptance_counts(accepted: np.ndarray) -> dict:
+    """Per-position hit/try counts of a model drafter from recorded rounds. Pure function.
+
+    accepted: float/int [R, gamma], 1 where the round's position k was accepted (0 at the first rejection and
+    after it). Position k is tried in the rounds whose positions 1..k-1 were all accepted. Returns
+    {"hits": [[gamma]], "tries": [[gamma]]} (one bucket), the format of :meth:`AcceptanceStats.set_prior_counts`.
+    """
+    a = np.asarray(accepted, dtype=np.float64)
+    if a.ndim != 2:
+        raise ValueError(f"accepted must be [rounds, gamma], got shape {a.shape}")
+    alive = np.cumprod(np.concatenate([np.ones((a.shape[0], 1)), a[:, :-1]], axis=1), axis=1)
+    return {"hits": [(alive * a).sum(axis=0).tolist()], "tries": [alive.sum(axis=0).tolist()]}
+
+
+def router_priors(entry: dict | None, inner_name: str, max_strength: float | None = 32.0) -> dict:
+    """Keyword arguments for :class:`RouterDrafter` from the manifest's ``speculation["router"]`` entry
+    (written by ``dspark-export calibrate``): ``confidence`` (:class:`NgramConfidence` with the fitted
+    n-gram counts) and ``inner_stats`` (the model drafter's measured per-position acceptance), each only
+    when present. Raises ValueError on a malformed entry."""
+    if not entry:
+        return {}
+    out = {}
+    if entry.get("ngram"):
+        out["confidence"] = NgramConfidence.from_json(entry["ngram"], max_strength)
+    inner = (entry.get("inner") or {}).get(inner_name)
+    if inner:
+        stats = AcceptanceStats((0.5,))
+        stats.set_prior_counts(inner["hits"], inner["tries"], max_strength)
+        out["inner_stats"] = stats
+    return out
 
 
 # -------------------------------------------------------------------------------------------------- router
@@ -243,6 +394,11 @@ class RouterDrafter:
             pass every round cost about 15% of n-gram-only rounds' time). None = always draft and compare.
         persist: keep learned statistics across requests (``begin``); default False, so a request's output
             with a given seed does not depend on earlier requests.
+        ngram_max_length: the longest n-gram continuation proposed when the verify length is scheduled (the
+            generation loop then passes gamma = max(block size, this)); the model drafter still drafts at most
+            its block size. An n-gram proposal costs nothing to make, so in a copying span (long match extent,
+            survival near 1) the scheduler may verify more than a DSpark block. With a fixed gamma the n-gram
+            proposal is at most gamma tokens.
     """
 
     name = "router"
@@ -250,7 +406,8 @@ class RouterDrafter:
     def __init__(self, inner, *, max_ngram: int = 3, min_ngram: int = 1, min_match: int = 1,
                  min_support: int = 1, confidence: NgramConfidence | None = None,
                  inner_stats: AcceptanceStats | None = None, mode: str = "auto", ngram_bias: float = 0.0,
-                 recalibration_strength: float | None = 2.0, persist: bool = False, skip_ratio: float | None = 2.0):
+                 recalibration_strength: float | None = 2.0, persist: bool = False, skip_ratio: float | None = 2.0,
+                 ngram_max_length: int = NGRAM_MAX_LENGTH):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if mode not in ("auto", "prior"):
@@ -267,6 +424,9 @@ class RouterDrafter:
         self.mode, self.ngram_bias, self.persist = mode, float(ngram_bias), persist
         self.recalibration_strength = recalibration_strength
         self.skip_ratio = skip_ratio
+        if ngram_max_length < 1:
+            raise ValueError(f"ngram_max_length must be >= 1, got {ngram_max_length}")
+        self.ngram_max_length = int(ngram_max_length)
         self._inner_predicted = 0.0  # sum of DSpark's survivals over the positions it sent (this request)
         self._inner_realized = 0  # tokens of DSpark blocks the target accepted (this request)
         heads = getattr(inner, "heads", None)

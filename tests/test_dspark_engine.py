@@ -90,6 +90,7 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     from dspark_export.calibrate import calibrate_engine
     from dspark_export.profile import profile_engine
     from dspark_runtime.engine import Engine
+    from dspark_runtime.errors import InputError
 
     eng_dir = tmp_path / "eng"
     shutil.copytree(tiny_dspark[0], eng_dir)
@@ -110,6 +111,23 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     assert res["rounds"] > 0 and [r["position"] for r in res["report"]] == [1, 2, 3, 4]
     m = json.loads((eng_dir / "manifest.json").read_text())
     assert m["speculation"]["dspark"]["sts_temperatures"] == res["temperatures"]
+    # the router's priors: n-gram acceptance on the same greedy outputs, DSpark's per-position acceptance
+    router = m["speculation"]["router"]
+    assert router["sequences"] == 3 and router["gamma"] == 4
+    tries = np.asarray(router["ngram"]["tries"])
+    assert tries.shape == (6, 16) and router["ngram"]["matched"] > 0 and tries[:, 0].sum() == router["ngram"]["matched"]
+    inner = router["inner"]["dspark"]
+    assert inner["tries"][0][0] == res["rounds"]  # every recorded round tests position 1
+    eng = Engine.load(eng_dir, threads=1)
+    drafter = eng._drafter("router")
+    np.testing.assert_allclose(drafter.inner_stats.prior_hits[0, 0] / drafter.inner_stats.prior_tries[0, 0],
+                               inner["hits"][0][0] / inner["tries"][0][0])
+    assert drafter.confidence.prior_tries[:, 0].max() <= 32 + 1e-9  # scaled to at most 32 pseudo-rounds
+    assert eng.generate("hello world", max_new_tokens=40, draft="router").token_ids == ref.token_ids
+    m["speculation"]["router"]["ngram"] = {"edges": [1, 2]}
+    (eng_dir / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(InputError, match="speculation.router is malformed"):
+        Engine.load(eng_dir, threads=1)._drafter("router")
 
 
 def test_scheduled_needs_a_cost_table(dspark_engine):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dspark_runtime.generate import generate_tokens, ngram_lookup
-from dspark_runtime.router import AcceptanceStats, NgramConfidence, NgramMatch, RouterDrafter, ngram_match
+from dspark_runtime.router import (AcceptanceStats, NgramConfidence, NgramMatch, RouterDrafter, acceptance_counts,
+                                   fit_ngram_counts, match_extent, ngram_match, router_priors)
 from dspark_runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -23,6 +24,7 @@ def test_ngram_match_reports_quality_and_agrees_with_lookup():
     m = ngram_match(ctx, 3, max_ngram=2)
     # (6, 7) occurs at 1 and 6 before the tail: support 2, continuation after the most recent one
     assert (m.tokens, m.ngram, m.support, m.start, m.length) == ([3, 4, 2], 2, 2, 8, 3)
+    assert m.extent == 2  # ... 1, 6, 7 | vs ... 2, 6, 7: the agreement stops after 2 tokens
     ctx2 = np.array([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], dtype=np.int64)
     m2 = ngram_match(ctx2, 2, max_ngram=3)
     assert (m2.tokens, m2.ngram, m2.support, m2.start) == ([9, 2], 3, 1, 3)
@@ -33,6 +35,70 @@ def test_ngram_match_reports_quality_and_agrees_with_lookup():
         c = rng.integers(0, 6, size=int(rng.integers(1, 30)))
         g, mx = int(rng.integers(1, 8)), int(rng.integers(1, 4))
         assert ngram_match(c, g, mx).tokens == ngram_lookup(c, g, mx)
+
+
+def test_match_extent_counts_the_copied_span():
+    span = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    ctx = np.array([1] + span + [2, 3] + span[:7], dtype=np.int64)  # copying the span: 7 tokens in
+    m = ngram_match(ctx, 4)
+    assert m.ngram == 3 and m.tokens == [18, 19, 2, 3] and m.extent == 7
+    assert match_extent(ctx, m.start, 3, cap=5) == 5  # capped
+    conf = NgramConfidence()
+    assert conf.edges == (1, 2, 3, 4, 8, 16) and conf.bucket(m) == 3  # extent 7: the 4-7 bucket
+    assert conf.bucket(NgramMatch([1], 1, 1, 0, 1)) == 0 and conf.bucket(NgramMatch([1], 3, 1, 0, 40)) == 5
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # brute force: the longest agreeing suffix before start
+        c = rng.integers(0, 3, size=int(rng.integers(2, 40)))
+        mm = ngram_match(c, 3)
+        if mm.length:
+            e = 0
+            while e < min(32, mm.start) and c[len(c) - 1 - e] == c[mm.start - 1 - e]:
+                e += 1
+            assert mm.extent == e >= mm.ngram
+
+
+def test_fit_ngram_counts_hand_computed():
+    # prompt [5, 6, 7, 5], output [6, 7, 9]: anchors at index 3 (5 -> lookup proposes 6, 7, 5), 4 (6 -> 7, 5, 6)
+    # and 5 (7 -> 5, 6, 7); truth after each: [6, 7, 9], [7, 9], [9]
+    seq, start = [5, 6, 7, 5, 6, 7, 9], 4
+    got = fit_ngram_counts([seq], [start], gamma=3)
+    assert got["anchors"] == 3 and got["matched"] == 3
+    hits, tries = np.asarray(got["hits"]), np.asarray(got["tries"])
+    # anchor 3: 1-gram (5), extent 1 (6 != 7 before it... [.., 7, 5] vs [5]: start 1, one token) -> bucket 0;
+    #   proposes [6, 7, 5] vs [6, 7, 9]: 2 accepted, 3 tried
+    # anchor 4: 2-gram (5, 6), extent 2 -> bucket 1: proposes [7, 5] (then the context ends) vs [7, 9]: 1 hit, 2 tried
+    # anchor 5: 3-gram (5, 6, 7), extent 3 -> bucket 2: proposes [5] vs [9]: 0 hits, 1 tried
+    np.testing.assert_array_equal(tries[:3], [[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(hits[:3], [[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert tries[3:].sum() == 0
+
+
+def test_prior_counts_scale_and_round_trip():
+    acc = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    c = acceptance_counts(acc)
+    assert c == {"hits": [[3, 2, 1]], "tries": [[4, 3, 2]]}
+    stats = AcceptanceStats((0.5,))
+    stats.set_prior_counts(np.asarray(c["hits"]) * 100, np.asarray(c["tries"]) * 100, max_strength=8)
+    np.testing.assert_allclose(stats.prior_tries, [[8, 6, 4]])  # scaled to 8 pseudo-rounds at position 1
+    assert stats.prior_mean[0] == pytest.approx((12 + 1) / (18 + 2))
+    before = stats.survival(0, 3)
+    stats.update(0, 3, 0)
+    assert stats.survival(0, 3)[0] < before[0]
+    stats.reset()  # back to the fitted prior, not to zero
+    np.testing.assert_allclose(stats.survival(0, 3), before)
+    with pytest.raises(ValueError, match="hits <= tries"):
+        stats.set_prior_counts([[2, 0, 0]], [[1, 0, 0]])
+    with pytest.raises(ValueError, match="same shape"):
+        stats.set_prior_counts([[1, 0]], [[1, 0, 0]])
+    fit = fit_ngram_counts([[5, 6, 7, 5, 6, 7, 9]], [4], gamma=3)
+    conf = NgramConfidence.from_json(fit, max_strength=None)
+    np.testing.assert_allclose(conf.prior_tries, np.asarray(fit["tries"]))
+    np.testing.assert_allclose(NgramConfidence.from_json(conf.to_json(), None).prior_hits, conf.prior_hits)
+    kw = router_priors({"ngram": fit, "inner": {"dspark": c}}, "dspark")
+    assert isinstance(kw["confidence"], NgramConfidence) and kw["inner_stats"].prior_tries[0, 0] == 4
+    assert router_priors({"ngram": fit}, "lm").keys() == {"confidence"} and router_priors(None, "dspark") == {}
+    with pytest.raises(ValueError, match="malformed"):
+        router_priors({"ngram": {"edges": [1, 2]}}, "dspark")
 
 
 def test_acceptance_stats_hand_computed():
