@@ -441,3 +441,13 @@ def test_strong_ngram_match_skips_the_drafting_pass():
     r.begin(ctx)
     r.propose(ctx, 3, GREEDY, None)
     assert r.inner.calls == 1
+    # with a cost table the rule still compares expected accepted tokens, not the cost-aware scores (whose
+    # common bonus-token term would keep their ratio near 1): the strong match skips, the weak one drafts
+    from dspark_runtime.scheduler import CostTable
+
+    for conf, calls in ((strong, 0), (NgramConfidence(prior_mean=(0.5,) * 3), 1)):
+        r = RouterDrafter(FakeDSpark(block_size=3), confidence=conf)
+        r.cost = CostTable(tokens=[1, 2, 3, 4], seconds=[1.0, 1.1, 1.2, 1.3])
+        r.begin(ctx)
+        r.propose(ctx, 3, GREEDY, None)
+        assert r.inner.calls == calls
