@@ -374,10 +374,13 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     manifest.graphs[role] = GraphEntry(role=role, model_id=str(model_id), format="onnx", precision="fp32",
                                        files=files, spec=_GS.from_json(res["spec"]),
                                        validation=res["validation"], model_config=res["config"])
-    sts = None
-    sts_file = ckpt / "sts.json"
+    sts, router = None, None
+    sts_file = ckpt / "sts.json"  # written by `dspark-export calibrate`: STS temperatures and the router's priors
     if sts_file.is_file():
-        sts = json.loads(sts_file.read_text()).get("temperatures")
+        saved = json.loads(sts_file.read_text())
+        sts, router = saved.get("temperatures"), saved.get("router")
+    if router:
+        manifest.speculation["router"] = router
     if role == "draft":
         manifest.speculation.update(draft_graph="draft", draft_kind="dspark", draft_length=int(cfg.block_size))
     manifest.speculation.update(

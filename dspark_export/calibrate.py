@@ -123,6 +123,6 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
         ck = Path(model_id[len("dspark:"):])
         if ck.is_dir():
             (ck / "sts.json").write_text(json.dumps({"temperatures": res["temperatures"],
-                                                     "fitted_on": res["prompts"], "rounds": res["rounds"]},
-                                                    indent=2) + "\n")
+                                                     "fitted_on": res["prompts"], "rounds": res["rounds"],
+                                                     "router": router}, indent=2) + "\n")
     return res

@@ -74,7 +74,10 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
                 TrainSettings(lr=3e-3, time_budget_s=600, max_steps=250, eval_every=1000, eval_seqs=6,
                               anchors_per_seq=16, warmup_steps=10),
                 gamma=c.block_size, mask_token=c.mask_token_id, log=lambda *a: None)
-    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.0, 1.0, 1.0]}))
+    # as `dspark-export calibrate` writes it: STS temperatures and the router's priors (build copies both)
+    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.0, 1.0, 1.0], "router": {
+        "ngram": {"edges": [1, 2, 3], "hits": [[2, 1], [6, 4], [9, 8]], "tries": [[10, 2], [10, 6], [10, 9]]},
+        "inner": {"dspark": {"hits": [[3, 1, 0, 0]], "tries": [[10, 3, 1, 0]]}}}}))
     out = root / "engine"
     build_engine(Recipe(name="tiny-dspark", target=str(tdir), draft=f"dspark:{ckpt}"), out, isolate=False,
                  log=lambda *a: None)

@@ -346,6 +346,29 @@ def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
     src = got.stats.draft_sources
     assert src["ngram"]["rounds"] > 0 and src["dspark"]["rounds"] > 0, src
     assert got.stats.accepted > 0
+    # the build copied the checkpoint's calibrated router priors (sts.json, see conftest) into the manifest,
+    # and the engine's router starts from them
+    r = dspark_engine._drafter("router")
+    assert r.confidence.edges == (1, 2, 3) and r.confidence.prior_tries[2, 1] == 9
+    m = (4 + 2 * (4 + 1) / (14 + 2)) / (14 + 2)  # bucket mean: counts + s0 x fitted prior mean (5/16)
+    np.testing.assert_allclose(r.inner_stats.survival(0, 1), [(3 + 2 * m) / (10 + 2)])
+
+
+def test_scheduled_router_sends_ngram_continuations_longer_than_a_block(dspark_engine):
+    spec = dspark_engine.manifest.speculation
+    saved = spec.get("cost_table")
+    spec["cost_table"] = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # verify tokens free: keep every draft
+    try:
+        ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
+        got = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="router", draft_length="scheduled")
+    finally:
+        if saved is None:
+            spec.pop("cost_table")
+        else:
+            spec["cost_table"] = saved
+    assert got.token_ids == ref.token_ids
+    lengths = [int(k) for k in got.stats.draft_length_histogram]
+    assert max(lengths) > 4, got.stats.draft_length_histogram  # past the DSpark block size (4): n-gram rounds
 
 
 def test_skipped_dspark_rounds_stay_in_sync(dspark_engine):
