@@ -260,7 +260,11 @@ class BatchedDSpark:
         self._kv = new_kv
         self._valid = np.arange(keep)[None, :] < counts[:, None]
 
-    def propose_batch(self, reqs: list, gammas: list) -> list:
+    def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
+        """One drafting pass for every active request (``reqs``, all of them, with their γ caps); the
+        Markov/confidence heads run only for the requests in ``only`` (a set of rids; None = all), the others
+        get an empty Proposal and their random generators are not touched (the router decides some rows'
+        proposals without DSpark). Returns list[Proposal] in the order of ``reqs``."""
         if sorted(r.rid for r in reqs) != sorted(self.rows):
             raise DSparkError("batched DSpark drafter: every active request must propose each round")
         order = {rid: i for i, rid in enumerate(self.rows)}
@@ -297,11 +301,130 @@ class BatchedDSpark:
         self._compact()
         props = {}
         for i, (r, gam) in enumerate(reqs_rows):
+            if only is not None and r.rid not in only:
+                props[r.rid] = Proposal([])
+                continue
             toks, qs, surv, _ = self.heads.draft(base[i], hidden[i], int(anchors[i, 0]), max(0, min(gam, g)),
                                                      r.params, r.rng, self.confidence_threshold)
             props[r.rid] = Proposal(toks, np.stack(qs) if qs else None,
                                     np.asarray(surv[: len(toks)]) if self.heads.conf_w is not None else None)
         return [props[r.rid] for r in reqs]
+
+
+class BatchedRouter:
+    """The context-aware router (:mod:`dspark_runtime.router`, issue 9) for every request of a batch: per
+    request and round, the n-gram prompt-lookup continuation or the DSpark block, whichever has the larger
+    expected accepted length (sum of prefix survivals). Survivals: n-gram from per-request
+    :class:`~dspark_runtime.router.NgramConfidence` (the manifest's fitted priors, updated by the request's
+    own verdicts), DSpark from its calibrated confidence head times the request's recalibration factor
+    rho = (accepted + k) / (predicted + k). The batch's verify lengths are then set by the generator (fixed γ,
+    or the scheduler over every request's chosen survivals: Algorithm 1), so a chosen n-gram proposal may run
+    up to ``ngram_max_length`` tokens when scheduled.
+
+    One DSpark pass serves all rows that need it and is skipped when none does: greedy, a row whose n-gram
+    proposal expects >= ``skip_ratio`` x DSpark's fitted expected length is decided without drafting; when
+    sampling, every row decides before drafting (from its context and past rounds only), and DSpark's heads
+    -- and random draws -- run only for the rows that chose it, so each request's tokens are those it would
+    get alone (lossless; the same rule as :class:`~dspark_runtime.router.RouterDrafter`).
+
+    Args:
+        inner: a :class:`BatchedDSpark` with a confidence head.
+        priors: ``router.router_priors`` output ({"confidence", "inner_stats"}, either may be missing); every
+            request starts from a copy.
+        skip_ratio, ngram_max_length, max_ngram, recalibration_strength: as RouterDrafter.
+    """
+
+    name = "router"
+
+    def __init__(self, inner: "BatchedDSpark", priors: dict | None = None, *, skip_ratio: float | None = 2.0,
+                 ngram_max_length: int = 16, max_ngram: int = 3, recalibration_strength: float = 2.0):
+        if getattr(inner.heads, "conf_w", None) is None:
+            raise InputError("the batched router needs a DSpark drafter with a confidence head")
+        self.inner, self.block_size = inner, inner.block_size
+        self.priors = dict(priors or {})
+        self.skip_ratio, self.ngram_max_length = skip_ratio, int(ngram_max_length)
+        self.max_ngram, self.k = max_ngram, float(recalibration_strength)
+        self._rows: dict = {}
+
+    def begin(self, req: BatchRequest) -> None:
+        import copy
+
+        from dspark_runtime.router import AcceptanceStats, NgramConfidence
+
+        self.inner.begin(req)
+        conf = copy.deepcopy(self.priors.get("confidence")) or NgramConfidence()
+        inner_stats = copy.deepcopy(self.priors.get("inner_stats")) or AcceptanceStats((0.5,))
+        conf.reset()
+        inner_stats.reset()
+        self._rows[req.rid] = {"conf": conf, "inner": inner_stats, "pred": 0.0, "real": 0, "last": None,
+                               "sources": {s: {"rounds": 0, "proposed": 0, "accepted": 0}
+                                           for s in ("ngram", "dspark")}}
+
+    def remove(self, rid) -> None:
+        self.inner.remove(rid)
+        self._rows.pop(rid, None)
+
+    def source_stats(self, rid) -> dict:
+        """{source: {rounds, proposed, accepted}} of request ``rid`` ({} once it has left)."""
+        return self._rows[rid]["sources"] if rid in self._rows else {}
+
+    def propose_batch(self, reqs: list, gammas: list) -> list:
+        from dspark_runtime.router import ngram_match
+
+        out, plan, need = {}, {}, set()
+        for r, g in zip(reqs, gammas):
+            st = self._rows[r.rid]
+            m = ngram_match(np.asarray(r.prompt + r.out, dtype=np.int64), g, self.max_ngram)
+            surv_ng = st["conf"].estimate(m) if m.length else np.zeros(0)
+            prior = st["inner"].survival(0, min(g, self.block_size))
+            e_ng, e_prior = float(np.sum(surv_ng)), float(np.sum(prior))
+            if m.length and r.params.greedy:
+                decided = self.skip_ratio is not None and e_ng >= self.skip_ratio * e_prior
+                choice = "ngram" if decided else None  # None: draft, then compare
+            elif m.length:  # sampling: decide before drafting
+                choice = "ngram" if e_ng >= e_prior else "dspark"
+            else:
+                choice = "dspark"
+            plan[r.rid] = (choice, m, surv_ng, e_ng)
+            if choice != "ngram":
+                need.add(r.rid)
+        drafted = {}
+        if need:
+            for r, p in zip(reqs, self.inner.propose_batch(reqs, [min(g, self.block_size) for g in gammas],
+                                                           only=need)):
+                drafted[r.rid] = p
+        for r in reqs:
+            choice, m, surv_ng, e_ng = plan[r.rid]
+            st = self._rows[r.rid]
+            if choice is None:  # greedy: compare with this round's calibrated, recalibrated DSpark survival
+                rho = (st["real"] + self.k) / (st["pred"] + self.k)
+                e_ds = float(np.sum(np.minimum(1.0, rho * drafted[r.rid].survival)))
+                choice = "ngram" if e_ng >= e_ds else "dspark"
+            if choice == "ngram":
+                prop = Proposal(list(m.tokens), None, np.asarray(surv_ng, dtype=np.float64))
+            else:
+                prop = drafted[r.rid]
+            st["last"] = (choice, m, prop.survival)
+            st["sources"][choice]["rounds"] += 1
+            out[r.rid] = prop
+        return [out[r.rid] for r in reqs]
+
+    def observe(self, rid, sent: int, accepted: int) -> None:
+        """The target accepted ``accepted`` of the ``sent`` tokens verified for request ``rid`` this round."""
+        st = self._rows.get(rid)
+        if st is None or st["last"] is None:
+            return
+        choice, m, surv = st["last"]
+        st["last"] = None
+        src = st["sources"][choice]
+        src["proposed"] += sent
+        src["accepted"] += accepted
+        if choice == "ngram":
+            st["conf"].record(m, sent, accepted)
+        else:
+            st["inner"].update(0, sent, accepted)
+            st["pred"] += float(np.sum(surv[:sent])) if surv is not None else 0.0
+            st["real"] += accepted
 
 
 # ---------------------------------------------------------------------------------------- the loop
@@ -326,7 +449,8 @@ class BatchedGenerator:
 
     Args:
         target: a :class:`PackedRunner` over the verifier graph.
-        drafter: a batched drafter (:class:`BatchedDSpark`, :class:`BatchedLM`, :class:`BatchedNgram`) or
+        drafter: a batched drafter (:class:`BatchedDSpark`, :class:`BatchedRouter`, :class:`BatchedLM`,
+            :class:`BatchedNgram`) or
             None for target-only decoding (every round verifies each request's anchor alone).
         eos_ids: end-of-sequence ids; decode: ids -> text (stop strings).
         mode: "fixed" (verify min(γ, drafted) tokens), "scheduled" (paper Algorithm 1 over all requests'
@@ -346,6 +470,7 @@ class BatchedGenerator:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.target, self.drafter = target, drafter
+        self._observe = getattr(drafter, "observe", None)  # the router learns from each round's verdicts
         self.eos_ids, self.decode = list(eos_ids), decode
         self.mode, self.cost_table, self.max_batch = mode, cost_table, max_batch
         self.waiting: list = []
@@ -436,6 +561,8 @@ class BatchedGenerator:
             s.acceptance_rate = s.accepted / s.proposed
         s.accepted_by_position = [req.pos_hits[k] / req.pos_tries[k] for k in sorted(req.pos_tries)]
         s.draft_length_histogram = {str(k): v for k, v in sorted(req.hist.items())}
+        if isinstance(self.drafter, BatchedRouter):
+            s.draft_sources = {k: dict(v) for k, v in self.drafter.source_stats(req.rid).items()}
         if s.decode_ms > 0:
             s.tokens_per_second = (len(req.out) - 1) / (s.decode_ms / 1e3)
         self._leave(req)
@@ -490,6 +617,8 @@ class BatchedGenerator:
                     q = p.q[:ell]
                 n, nxt = rejection_accept(d, q, pr, r.rng)
             self.target.rollback(r.rid, base + 1 + n)
+            if self._observe is not None:
+                self._observe(r.rid, ell, n)
             before = len(r.out)
             r.out += p.tokens[:n] + [nxt]
             s = r.stats

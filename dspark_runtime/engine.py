@@ -172,7 +172,8 @@ class Engine:
         together, one verifier pass per round for all of them (requests join and leave between rounds).
 
         Args:
-            draft: as :meth:`generate` ("auto", "dspark", "lm", "ngram", None/"none").
+            draft: as :meth:`generate` ("auto" = the router when the engine has a DSpark drafter, "router",
+                "dspark", "lm", "ngram", None/"none").
             draft_length: γ (int), or "scheduled" (DSpark: the paper's Algorithm 1 over all requests'
                 calibrated prefix survivals and the manifest's cost table), or None for the default.
             draft_confidence: static threshold (DSpark: prefix survival; draft LM: draft probability).
@@ -180,7 +181,7 @@ class Engine:
         Returns the generator; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``.
         Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
         """
-        from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram
+        from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram, BatchedRouter
         from dspark_runtime.packed import PackedRunner
 
         if draft_length not in (None, "scheduled") and (isinstance(draft_length, bool)
@@ -189,8 +190,8 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        if draft == "auto":
-            draft = self.draft_kind if self.has_draft else "ngram"
+        if draft == "auto":  # the router when the engine has a DSpark drafter (as generate())
+            draft = ("router" if self.draft_kind == "dspark" else self.draft_kind) if self.has_draft else "ngram"
         if draft == "draft":
             draft = self.draft_kind or "lm"
         target = PackedRunner(self._backends["target"].activate())
@@ -202,6 +203,17 @@ class Engine:
                                  "or use draft='lm'/'ngram'")
             drafter = BatchedDSpark(self._backends[self.dspark_graph].activate(), self.dspark_heads(), target,
                                     draft_confidence)
+        elif draft == "router":
+            if self.dspark_graph is None:
+                raise InputError("the batched router needs a DSpark drafter in the engine; use draft='ngram', "
+                                 "'lm' or 'dspark'")
+            try:
+                priors = router_priors(self.manifest.speculation.get("router"), "dspark")
+            except ValueError as e:
+                raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
+                                 "`dspark-export calibrate` on this engine") from None
+            drafter = BatchedRouter(BatchedDSpark(self._backends[self.dspark_graph].activate(), self.dspark_heads(),
+                                                  target, draft_confidence), priors)
         elif draft == "lm":
             if self.lm_graph is None:
                 raise InputError("this engine has no draft LM graph; use draft='ngram' or 'dspark'")
@@ -209,17 +221,19 @@ class Engine:
         elif draft == "ngram":
             drafter = BatchedNgram()
         else:
-            raise InputError(f"unknown draft {draft!r}: use 'auto', 'dspark', 'lm', 'ngram' or 'none'")
+            raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
         mode, table = "fixed", None
         if draft_length == "scheduled":
-            if not isinstance(drafter, BatchedDSpark):
-                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head); "
-                                 "use draft='dspark' or an integer draft_length")
+            if not isinstance(drafter, (BatchedDSpark, BatchedRouter)):
+                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
+                                 "router; use draft='dspark'/'router' or an integer draft_length")
             table = self._cost_table()
             mode = "scheduled"
         gen = BatchedGenerator(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
                                cost_table=table, max_batch=max_batch)
-        if isinstance(drafter, BatchedDSpark) and draft_length in (None, "scheduled"):
+        if isinstance(drafter, BatchedRouter) and draft_length == "scheduled":
+            gen.default_gamma = max(drafter.block_size, drafter.ngram_max_length)  # n-gram blocks may run longer
+        elif isinstance(drafter, (BatchedDSpark, BatchedRouter)) and draft_length in (None, "scheduled"):
             gen.default_gamma = drafter.block_size
         else:
             gen.default_gamma = draft_length if isinstance(draft_length, int) else self.default_draft_length

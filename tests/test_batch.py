@@ -109,6 +109,43 @@ def test_batched_dspark_drafts_what_the_single_drafter_drafts(ds_engine):
         assert r.stats.accepted_by_position == s.stats.accepted_by_position
 
 
+def test_batched_router_is_exact_uses_both_sources_and_matches_the_single_router(ds_engine):
+    """The router in the batched runtime: greedy outputs equal solo target-only at fixed γ and scheduled (with
+    n-gram blocks past the DSpark block size); both sources are used; a request routes as it would alone
+    (same rounds and sources as the single-request router at fixed γ); 'auto' is the router."""
+    prompts = PROMPTS + ["for i in range(3):\n    print(i)\nfor i in range(3):\n    print(i)\n"]
+    ref = {p: ds_engine.generate(p, max_new_tokens=24, draft=None).token_ids for p in prompts}
+    spec = ds_engine.manifest.speculation
+    profiled = spec["cost_table"]
+    for kw in (dict(draft_length=4), dict(draft_length="scheduled")):
+        if kw["draft_length"] == "scheduled":  # verify tokens free: the scheduler keeps every draft
+            spec["cost_table"] = {"tokens": [1, 128], "seconds": [1.0, 1.0]}
+        try:
+            res = ds_engine.generate_batch(prompts, max_new_tokens=24, draft="router", max_batch=4, **kw)
+        finally:
+            spec["cost_table"] = profiled
+        assert [r.token_ids for r in res] == [ref[p] for p in prompts], kw
+        rounds = {s: sum(r.stats.draft_sources[s]["rounds"] for r in res) for s in ("ngram", "dspark")}
+        assert rounds["ngram"] > 0 and rounds["dspark"] > 0, (kw, rounds)
+        st = ds_engine.last_batch_stats
+        assert st.accepted > 0
+        if kw["draft_length"] == "scheduled":
+            assert max(int(k) for k in st.verify_length_histogram) > 4, st.verify_length_histogram
+    batched = ds_engine.generate_batch(prompts[:4], max_new_tokens=24, draft="router", draft_length=4, max_batch=4)
+    for p, r in zip(prompts[:4], batched):
+        alone = ds_engine.generate(p, max_new_tokens=24, draft="router", draft_length=4)
+        assert r.stats.num_rounds == alone.stats.num_rounds, p
+        assert r.stats.draft_sources == alone.stats.draft_sources, p
+    assert ds_engine.batch().drafter.name == "router"  # auto
+
+
+def test_batched_router_seeded_sampling_does_not_depend_on_the_batch(ds_engine):
+    kw = dict(max_new_tokens=20, temperature=1.0, draft="router", draft_length=4)
+    alone = ds_engine.generate_batch([PROMPTS[4]], seed=3, **kw)[0].token_ids
+    batch = ds_engine.generate_batch([PROMPTS[4], PROMPTS[0], PROMPTS[2]], seed=3, **kw)[0].token_ids
+    assert alone == batch
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(lm_engine):
     """Per-request RNG: a seeded sampled request gives the same tokens alone and in a batch, and the same as
     the single-request API with that seed."""
