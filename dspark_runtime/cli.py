@@ -125,6 +125,14 @@ def info(engine_dir):
                    f"{d.get('markov_head_type') or 'none'} rank {d.get('markov_rank')}, draft vocabulary "
                    f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
                    f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
+    for k, e in m.trt_engines.items():
+        dec = next((p for p in e.profiles if p["name"] == "decode"), None)
+        click.echo(f"  TensorRT engine {k}: {e.file.path} {e.file.size / 2**20:.1f} MiB, {e.flavour} {e.version}, "
+                   f"{e.precision}, {e.kv_layout} KV layout, compute capabilities {', '.join(e.compute_capabilities)}, "
+                   f"profiles {', '.join(p['name'] for p in e.profiles)}"
+                   + (f" (decode input_ids max {dec['shapes']['input_ids']['max']})" if dec else "")
+                   + f"; built in {e.build_seconds:.1f} s, peak RSS {e.peak_rss_bytes / 2**30:.2f} GiB")
+
 
 
 @cli.command()
