@@ -258,6 +258,23 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads):
         click.echo(f"  B={b:2d}  t_verify {tv * 1e3:7.1f} ms  round {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
 
 
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Tarball to write (default: <engine name>.tar.gz here).")
+@click.option("--compress-level", type=click.IntRange(1, 9), default=1, show_default=True,
+              help="gzip level (weights barely compress; 1 is several times faster than 9).")
+def pack(engine_dir, out, compress_level):
+    """Write ENGINE_DIR (manifest + every file it lists, each re-hashed against the manifest first) to one
+    tarball plus <tarball>.sha256: the prebuilt artifact to publish. Never commit it."""
+    from dspark_runtime.artifact import pack as _pack
+    from dspark_runtime.manifest import load_manifest
+
+    out = out or Path(f"{load_manifest(engine_dir, verify=False).name}.tar.gz")
+    r = _pack(engine_dir, out, compresslevel=compress_level)
+    click.echo(f"{r['path']}: {r['files']} files, {r['bytes'] / 2**20:.1f} MiB, sha256 {r['sha256']}")
+
+
 def main(argv=None):
     """Console entry point of ``dspark-export``: user errors print one line and exit 2."""
     run_cli(cli, argv)

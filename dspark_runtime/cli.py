@@ -25,7 +25,8 @@ def cli():
 
 
 @cli.command()
-@click.option("--engine", "engine_dir", required=True, help="Engine directory (with manifest.json).")
+@click.option("--engine", "engine_dir", required=True,
+              help="Engine directory (with manifest.json) or engine tarball (*.tar.gz from `dspark-export pack`).")
 @click.option("--prompt", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -136,6 +137,17 @@ def info(engine_dir):
                    + (f" (decode input_ids max {dec['shapes']['input_ids']['max']})" if dec else "")
                    + f"; built in {e.build_seconds:.1f} s, peak RSS {e.peak_rss_bytes / 2**30:.2f} GiB")
 
+
+@cli.command()
+@click.argument("tarball")
+@click.option("-o", "--out", "dest", default=".", show_default=True, help="Folder to unpack into (<out>/<name>).")
+def unpack(tarball, dest):
+    """Unpack an engine TARBALL (from `dspark-export pack`) and verify every file's sha256 against its manifest.
+    (`dspark generate --engine x.tar.gz` unpacks into the cache by itself.)"""
+    from dspark_runtime.artifact import unpack as _unpack
+
+    d = _unpack(tarball, dest)
+    click.echo(f"{d}: unpacked and verified")
 
 
 @cli.command()

@@ -85,7 +85,8 @@ class Engine:
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
              verify: bool = True, rehash: bool = False, backend: str = "ort") -> "Engine":
-        """Load ``engine_dir`` through its manifest.
+        """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
+        (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
         Raises ManifestError for a missing directory or manifest, an unsupported schema version,
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
@@ -94,6 +95,10 @@ class Engine:
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
+        from dspark_runtime.artifact import is_tarball, unpacked_dir
+
+        if is_tarball(engine_dir):
+            engine_dir = unpacked_dir(engine_dir)
         return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
                    backend)
 
