@@ -9,17 +9,20 @@ For every ``causal_lm`` graph of an engine directory this writes
 * ``<key>.capacity.engine`` (and, with ``kv_layouts`` including "growing", ``<key>.engine``): serialized
   TensorRT engines with two optimisation profiles each (prefill chunks; decode/verify of 1..γ+1 tokens)
   derived from the graph's declared axes (:mod:`dspark_runtime.trt_profiles`).
+* with ``half`` ("bf16"/"fp16"): ``<key>.capacity.<half>.onnx`` (+ ``.data``), a 16-bit copy (:func:`to_half`),
+  and its engine ``<key>.capacity.<half>.engine``.
 
 TensorRT for RTX (``tensorrt_rtx_bindings``) builds ahead of time on a machine with no GPU for a list of
 target compute capabilities; the engine is specialised on the GPU at load. Enterprise ``tensorrt`` (needed
 on Hopper / datacenter Blackwell) is driven by the same code but builds for the GPU it runs on. The network
-is strongly typed: precision comes from the graph (fp32, fp16 weights, QDQ INT8 or FP8). Every parser and
+is strongly typed: precision comes from the graph (fp32, bf16/fp16, QDQ INT8 or FP8). Every parser and
 builder result is checked; a failure raises DSparkError with TensorRT's own messages, naming the tensor
 and shape where there is one.
 
-Measured facts of TensorRT-RTX 1.7.1 on this CPU-only machine (tests/test_trt.py shows them): FP32 GEMMs
-cannot target Turing (SM 7.5: build an fp16 graph for it, in its own engine); weight-stripped plans
-(``STRIP_PLAN``) need a GPU at build time, so CPU builds embed the weights.
+Measured facts of TensorRT-RTX 1.7.1 on a CPU-only machine: FP32 GEMMs cannot target Turing (SM 7.5: build an
+fp16 graph for it, in its own engine; tested); FP8 graphs cannot target 8.0/8.6 (tested); weight-stripped plans
+(``STRIP_PLAN`` + ``REFIT_IDENTICAL``) fail to build without a GPU (CUDA error in Myelin's JIT), so CPU builds
+embed the weights and 16-bit graphs are the way to halve build memory.
 """
 from __future__ import annotations
 
@@ -189,8 +192,8 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
     Every float32 weight and computation becomes ``half`` except RoPE (positions x inverse frequencies needs
     float32: fp16 holds integers exactly only up to 2048; its cos/sin are cast after), and the graph's float
     inputs/outputs stay float32 behind Casts, so the runtime's buffers and the manifest's interface are
-    unchanged. Weights are read and converted one tensor at a time from the external data file (peak memory:
-    about the 16-bit weights). Stale intermediate type annotations are dropped.
+    unchanged. Weights stream from the source's external data file to ``dst.data`` one tensor at a time (peak
+    memory: about the largest tensor, e.g. the embedding). Stale intermediate type annotations are dropped.
     Raises DSparkError for another ``half`` or an operator with a float type attribute this code does not know.
     """
     import onnx
@@ -210,25 +213,53 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
         for i in n.input:
             users.setdefault(i, []).append(n)
 
-    def to_half_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
-        a = numpy_helper.to_array(t).astype(np.float32)
-        if half == "fp16":
-            a = np.clip(a, -65504.0, 65504.0)  # float32 min (the mask fill) -> fp16 lowest; softmax still zeroes it
-            return numpy_helper.from_array(a.astype(np.float16), t.name)
-        bits = (a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1)) >> 16  # round to nearest even
-        out = helper.make_tensor(t.name, TensorProto.BFLOAT16, a.shape, bits.astype(np.uint16).tobytes(), raw=True)
-        return out
+    def half_bytes(a: np.ndarray) -> bytes:
+        """float32 values -> ``half`` bytes, 4M elements at a time (small transient memory)."""
+        a = a.reshape(-1)
+        out = np.empty(a.size, dtype=np.uint16)
+        step = 1 << 22
+        for i in range(0, a.size, step):
+            c = a[i:i + step]
+            if half == "fp16":  # float32 min (the mask fill) -> fp16 lowest; softmax still zeroes it
+                out[i:i + step] = np.clip(c, -65504.0, 65504.0).astype(np.float16).view(np.uint16)
+            else:  # bf16: round to nearest even
+                u = c.view(np.uint32)
+                out[i:i + step] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        return out.tobytes()
 
-    for t in g.initializer:  # one tensor at a time from the external data file: only the 16-bit copy accumulates
-        if t.data_location == TensorProto.EXTERNAL:
+    def to_half_tensor(t: onnx.TensorProto) -> None:  # an inline tensor, converted in place
+        a = np.frombuffer(t.raw_data, dtype="<f4") if t.raw_data else numpy_helper.to_array(t).astype(np.float32)
+        del t.float_data[:]
+        t.raw_data = half_bytes(a)
+        t.data_type = H
+
+    dst = Path(dst)
+    data = dst.name + ".data"
+    for p in (dst, dst.with_name(data)):
+        if p.exists():
+            p.unlink()
+    # Stream the weights: read one tensor from the source data file, convert it, append it to the new data
+    # file, keep only its offset: peak memory is about one tensor (the embedding), not the model.
+    with open(dst.with_name(data), "wb") as out:
+        for t in g.initializer:
+            convert = t.data_type == F and not all(u.name in rope for u in users.get(t.name, []))
+            if t.data_location != TensorProto.EXTERNAL:
+                if convert:
+                    to_half_tensor(t)
+                continue
             ext = {e.key: e.value for e in t.external_data}
             with open(Path(src).parent / ext["location"], "rb") as f:
                 f.seek(int(ext.get("offset", 0)))
-                t.raw_data = f.read(int(ext["length"]))
-            del t.external_data[:]
-            t.data_location = TensorProto.DEFAULT
-        if t.data_type == F and not all(u.name in rope for u in users.get(t.name, [])):
-            t.CopyFrom(to_half_tensor(t))
+                if convert:
+                    raw = half_bytes(np.fromfile(f, dtype="<f4", count=int(ext["length"]) // 4))
+                    t.data_type = H
+                else:
+                    raw = f.read(int(ext["length"]))
+            offset = out.tell()
+            out.write(raw)
+            del raw, t.external_data[:]
+            for k, v in (("location", data), ("offset", str(offset)), ("length", str(out.tell() - offset))):
+                t.external_data.add(key=k, value=v)
     new_nodes = []
     for vi in g.input:  # float inputs: cast once at the top
         if vi.type.tensor_type.elem_type == F:
@@ -250,7 +281,7 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
             if a.name == "to" and n.op_type == "Cast" and a.i == F:
                 a.i = H
             elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F:
-                a.t.CopyFrom(to_half_tensor(a.t))
+                to_half_tensor(a.t)
             elif a.name in ("dtype", "to") and a.type == onnx.AttributeProto.INT and a.i == F:
                 raise DSparkError(f"{src.name}: node {n.name} ({n.op_type}) has a float32 type attribute the 16-bit "
                                   "conversion does not know; extend dspark_export.trt.to_half")
@@ -267,12 +298,8 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
     del g.node[:]
     g.node.extend(new_nodes)
     del g.value_info[:]
-    data = Path(dst).name + ".data"
-    for p in (Path(dst), Path(dst).with_name(data)):
-        if p.exists():
-            p.unlink()
-    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
-                    size_threshold=1024)
+    onnx.save_model(model, str(dst))  # the graph only: its weights are in dst.data already
+    print(f"  {Path(dst).name}: {half} copy of {Path(src).name}, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB", flush=True)
 
 
 def graph_precision(onnx_path: Path) -> str:
@@ -428,13 +455,13 @@ def build_engine_file_isolated(onnx_path: Path, spec: GraphSpec, out_path: Path,
 
 
 def _run(fn, isolate: bool, *args) -> None:
-    """``fn(*args)`` (paths only), in a fresh process when ``isolate`` (its memory is returned afterwards)."""
+    """``fn(*args)`` (Paths and strings), in a fresh process when ``isolate`` (its memory is returned afterwards)."""
     if not isolate:
         fn(*args)
         return
-    code = (f"import sys; from pathlib import Path; from dspark_export.trt import {fn.__name__} as f; "
-            "f(*[Path(a) if '/' in a else a for a in sys.argv[1:]])")
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)])
+    code = (f"import json, sys; from pathlib import Path; from dspark_export.trt import {fn.__name__} as f; "
+            "f(*[Path(v) if p else v for p, v in json.loads(sys.argv[1])])")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([[isinstance(a, Path), str(a)] for a in args])])
     if proc.returncode != 0:
         raise DSparkError(f"{fn.__name__}({', '.join(map(str, args))}) failed (exit {proc.returncode}); see above")
 

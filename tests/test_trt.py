@@ -328,6 +328,15 @@ def test_half_graphs_match_fp32_on_onnx_runtime(tiny_engine_dir, tmp_path):
     g = onnx.load(str(tmp_path / "tb16.onnx"), load_external_data=False).graph
     assert {i.type.tensor_type.elem_type for i in g.input if i.name.startswith("past.")} == {onnx.TensorProto.FLOAT}
     assert {o.type.tensor_type.elem_type for o in g.output} == {onnx.TensorProto.FLOAT}
+    from onnx import numpy_helper
+
+    a32 = {t.name: t for t in onnx.load(str(tmp_path / "target.onnx")).graph.initializer}
+    b16 = {t.name: t for t in onnx.load(str(tmp_path / "tb16.onnx")).graph.initializer}
+    name = "model.model.embed_tokens.weight"
+    x = numpy_helper.to_array(a32[name])
+    y = (np.frombuffer(b16[name].raw_data, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(x.shape)
+    assert b16[name].data_type == onnx.TensorProto.BFLOAT16
+    assert (np.abs(x - y) <= np.abs(x) * 2.0**-8).all() and np.abs(x - y).max() > 0  # bf16 rounding, nothing worse
     feeds = _calibration_feeds(causal_lm_spec(DIMS))
     feeds["position_ids"] = feeds["position_ids"] + 3000
     names = ["logits", "present.1.key"]
