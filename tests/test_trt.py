@@ -317,7 +317,6 @@ def test_half_graphs_match_fp32_on_onnx_runtime(tiny_engine_dir, tmp_path):
     import onnxruntime as ort
 
     from dspark_export.trt import graph_precision, to_half
-    from dspark_runtime.kvcache import causal_mask
 
     for f in ("target.onnx", "target.onnx.data"):
         shutil.copy(tiny_engine_dir / f, tmp_path / f)
