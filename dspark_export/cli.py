@@ -50,7 +50,10 @@ def list_models():
 @click.option("--feature-layers", default=None, help="Target layers whose hidden states the graph outputs, e.g. 1,13,25.")
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
-def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft_length, in_process):
+@click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
+              help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
+                   "TensorRT engines built from them (options as `build-trt`, with its defaults).")
+def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft_length, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (engines/<name>.json) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
 
@@ -75,7 +78,68 @@ def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft
             r.target_feature_layers = [int(x) for x in feature_layers.split(",") if x.strip()]
         except ValueError:
             raise DSparkError(f"--feature-layers must be comma-separated integers, got {feature_layers!r}")
-    build_engine(r, out_dir or Path("engines") / r.name, isolate=not in_process, log=click.echo)
+    out = out_dir or Path("engines") / r.name
+    if engine_format != "onnx":  # fail before a long export when TensorRT is missing
+        from dspark_runtime.trt_import import import_tensorrt
+
+        import_tensorrt()
+    build_engine(r, out, isolate=not in_process, log=click.echo)
+    if engine_format != "onnx":
+        from dspark_export.trt import TrtBuildSettings, build_trt
+        from dspark_runtime.trt_profiles import ProfileSettings
+
+        build_trt(out, TrtBuildSettings(profile=ProfileSettings(decode_q=r.draft_length + 1)),
+                  isolate=not in_process, log=click.echo)
+
+
+def _csv(value: str, what: str) -> tuple:
+    items = tuple(x.strip() for x in value.split(",") if x.strip())
+    if not items:
+        raise click.BadParameter(f"expected a comma-separated list, got {value!r}", param_hint=what)
+    return items
+
+
+@cli.command("build-trt")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--flavour", type=click.Choice(["auto", "rtx", "enterprise"]), default="auto", show_default=True,
+              help="TensorRT for RTX (tensorrt_rtx_bindings: builds without a GPU) or enterprise tensorrt "
+                   "(Hopper / datacenter Blackwell; builds on the GPU it targets). auto: RTX if installed.")
+@click.option("--compute-capabilities", default=None,
+              help="Target GPUs (TensorRT-RTX), e.g. 8.6,8.9. Default 8.0,8.6,8.9,12.0 (FP8 graphs: 8.9,12.0). "
+                   "7.5 (Turing) only alone and only for non-fp32 graphs.")
+@click.option("--graphs", default=None, help="Graph keys to build (default: every causal_lm graph: target, draft LM).")
+@click.option("--kv-layout", "kv_layouts", default="capacity", show_default=True,
+              help="capacity (fixed-shape cache buffers, CUDA graphs) and/or growing (ONNX Runtime's layout).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="Most sequences per call.")
+@click.option("--decode-q", type=int, default=None,
+              help="Most tokens per decode/verify call, gamma + 1 (default: the manifest's draft_length + 1).")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True, help="Most tokens per prefill call.")
+@click.option("--capacity", type=int, default=4096, show_default=True, help="KV positions per sequence.")
+@click.option("--min-bucket", type=int, default=256, show_default=True, help="Smallest capacity bucket.")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="TensorRT builder optimisation level.")
+@click.option("--half", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Build from 16-bit copies of the graphs (RoPE kept float32; half the weight memory in the build "
+                   "and the engine). bf16 keeps float32's range; fp16 is the only 16-bit type Turing (7.5) runs.")
+@click.option("--in-process", is_flag=True, help="Build in this process (peak RSS then includes this process).")
+def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts, max_batch, decode_q, prefill_chunk,
+                  capacity, min_bucket, opt_level, half, in_process):
+    """Build TensorRT engines from the ONNX graphs already in ENGINE_DIR and record them (sha256, flavour and
+    version, profiles, compute capabilities, precision, build time, peak memory) in its manifest."""
+    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.trt_profiles import ProfileSettings
+
+    if decode_q is None:
+        decode_q = int(load_manifest(engine_dir, verify=False).speculation.get("draft_length", 7)) + 1
+    ccs = None if compute_capabilities is None else _csv(compute_capabilities, "--compute-capabilities")
+    s = TrtBuildSettings(flavour=flavour, compute_capabilities=ccs,
+                         profile=ProfileSettings(max_batch=max_batch, decode_q=decode_q, prefill_chunk=prefill_chunk,
+                                                 capacity=capacity, min_bucket=min_bucket),
+                         kv_layouts=_csv(kv_layouts, "--kv-layout"),
+                         graphs=None if graphs is None else _csv(graphs, "--graphs"),
+                         builder_optimization_level=opt_level, half=half)
+    m = build_trt(engine_dir, s, isolate=not in_process, log=click.echo)
+    click.echo(f"{engine_dir}: TensorRT engines {', '.join(m.trt_engines)}")
 
 
 @cli.command("add-draft")
@@ -194,6 +258,23 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads):
         click.echo(f"  batched draft pass, {r} request(s): {td * 1e3:.1f} ms")
     for b, tv, s in zip(t["tokens"], t["t_verify"], t["seconds"]):
         click.echo(f"  B={b:2d}  t_verify {tv * 1e3:7.1f} ms  round {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Tarball to write (default: <engine name>.tar.gz here).")
+@click.option("--compress-level", type=click.IntRange(1, 9), default=1, show_default=True,
+              help="gzip level (weights barely compress; 1 is several times faster than 9).")
+def pack(engine_dir, out, compress_level):
+    """Write ENGINE_DIR (manifest + every file it lists, each re-hashed against the manifest first) to one
+    tarball plus <tarball>.sha256: the prebuilt artifact to publish. Never commit it."""
+    from dspark_runtime.artifact import pack as _pack
+    from dspark_runtime.manifest import load_manifest
+
+    out = out or Path(f"{load_manifest(engine_dir, verify=False).name}.tar.gz")
+    r = _pack(engine_dir, out, compresslevel=compress_level)
+    click.echo(f"{r['path']}: {r['files']} files, {r['bytes'] / 2**20:.1f} MiB, sha256 {r['sha256']}")
 
 
 def main(argv=None):

@@ -25,7 +25,8 @@ def cli():
 
 
 @cli.command()
-@click.option("--engine", "engine_dir", required=True, help="Engine directory (with manifest.json).")
+@click.option("--engine", "engine_dir", required=True,
+              help="Engine directory (with manifest.json) or engine tarball (*.tar.gz from `dspark-export pack`).")
 @click.option("--prompt", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -48,16 +49,19 @@ def cli():
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime. trt: the engine's TensorRT engines (capacity KV layout, CUDA graphs; NVIDIA GPU, "
+                   "`dspark-export build-trt` first). Not yet verified on a GPU.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
 @click.option("--profile-on-load", is_flag=True,
               help="Re-measure the engine's cost table on this machine before generating (for --draft-length "
                    "scheduled; about a minute for a 1.5B target); the manifest is not changed.")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             stop, raw, draft, no_speculation, as_json, threads, stream, profile_on_load):
+             stop, raw, draft, no_speculation, as_json, threads, backend, stream, profile_on_load):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
-    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads)
+    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend)
     if profile_on_load:
         t = eng.profile()
         click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"
@@ -125,6 +129,25 @@ def info(engine_dir):
                    f"{d.get('markov_head_type') or 'none'} rank {d.get('markov_rank')}, draft vocabulary "
                    f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
                    f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
+    for k, e in m.trt_engines.items():
+        dec = next((p for p in e.profiles if p["name"] == "decode"), None)
+        click.echo(f"  TensorRT engine {k}: {e.file.path} {e.file.size / 2**20:.1f} MiB, {e.flavour} {e.version}, "
+                   f"{e.precision}, {e.kv_layout} KV layout, compute capabilities {', '.join(e.compute_capabilities)}, "
+                   f"profiles {', '.join(p['name'] for p in e.profiles)}"
+                   + (f" (decode input_ids max {dec['shapes']['input_ids']['max']})" if dec else "")
+                   + f"; built in {e.build_seconds:.1f} s, peak RSS {e.peak_rss_bytes / 2**30:.2f} GiB")
+
+
+@cli.command()
+@click.argument("tarball")
+@click.option("-o", "--out", "dest", default=".", show_default=True, help="Folder to unpack into (<out>/<name>).")
+def unpack(tarball, dest):
+    """Unpack an engine TARBALL (from `dspark-export pack`) and verify every file's sha256 against its manifest.
+    (`dspark generate --engine x.tar.gz` unpacks into the cache by itself.)"""
+    from dspark_runtime.artifact import unpack as _unpack
+
+    d = _unpack(tarball, dest)
+    click.echo(f"{d}: unpacked and verified")
 
 
 @cli.command()

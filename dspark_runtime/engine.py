@@ -36,7 +36,8 @@ class Engine:
     is cheap until the first generation.
     """
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
+                 backend: str = "ort"):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -47,6 +48,11 @@ class Engine:
                 self.dir / g.model_file, g.spec, threads=threads, providers=providers)
             for key, g in manifest.graphs.items()
         }
+        self.backend = backend
+        if backend == "trt":
+            self._use_tensorrt()
+        elif backend != "ort":
+            raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
         self._runners: dict = {}
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         spec = manifest.speculation
@@ -59,18 +65,42 @@ class Engine:
         self._heads = None
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
+    def _use_tensorrt(self) -> None:
+        """Run the target and the draft LM on their capacity-layout TensorRT engines (the DSpark drafter graph
+        stays on ONNX Runtime). Raises InputError when the target has no such engine."""
+        from dspark_runtime.trt_backend import TrtDecoder
+
+        engines = self.manifest.trt_engines
+        layouts = ("capacity", "capacity.bf16", "capacity.fp16")  # fp32 first when several exist
+        pick = {key: next((engines[f"{key}.{x}"] for x in layouts if f"{key}.{x}" in engines), None)
+                for key in self.manifest.graphs}
+        if pick.get("target") is None:
+            raise InputError(f"{self.dir} has no TensorRT engine for the target (capacity KV layout); build one with "
+                             f"`dspark-export build-trt {self.dir}` or use backend='ort'")
+        for key, g in self.manifest.graphs.items():
+            e = pick[key]
+            if g.spec.kind == "causal_lm" and e is not None:
+                self._backends[key] = TrtDecoder(self.dir, e)
+
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
-             verify: bool = True, rehash: bool = False) -> "Engine":
-        """Load ``engine_dir`` through its manifest.
+             verify: bool = True, rehash: bool = False, backend: str = "ort") -> "Engine":
+        """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
+        (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
         Raises ManifestError for a missing directory or manifest, an unsupported schema version,
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
-        ``rehash``).
+        ``rehash``). ``backend``: "ort" (ONNX Runtime) or "trt" (the manifest's capacity-layout TensorRT
+        engines for the target / draft LM; one sequence at a time: ``generate``, not ``batch``).
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
-        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers)
+        from dspark_runtime.artifact import is_tarball, unpacked_dir
+
+        if is_tarball(engine_dir):
+            engine_dir = unpacked_dir(engine_dir)
+        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
+                   backend)
 
     @property
     def has_draft(self) -> bool:
@@ -184,6 +214,9 @@ class Engine:
         from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram, BatchedRouter
         from dspark_runtime.packed import PackedRunner
 
+        if self.backend != "ort":
+            raise InputError("batched decoding packs KV slots on the host and runs on ONNX Runtime only so far; "
+                             "load the engine with backend='ort' (the TensorRT backend serves generate())")
         if draft_length not in (None, "scheduled") and (isinstance(draft_length, bool)
                                                         or not isinstance(draft_length, int) or draft_length < 1):
             raise InputError(f"draft_length must be a positive integer or 'scheduled', got {draft_length!r}")

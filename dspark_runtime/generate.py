@@ -72,7 +72,9 @@ class DecoderRunner:
         return out.logits[0]
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
-        """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
+        """Feed a prompt in chunks of ``chunk`` tokens (at most the backend's ``max_q``, where it has one: a
+        TensorRT engine's prefill profile); returns the last position's logits [vocab]."""
+        chunk = min(chunk, getattr(self.backend, "max_q", chunk))
         logits = None
         for s in range(0, len(tokens), chunk):
             logits = self.step(tokens[s:s + chunk])

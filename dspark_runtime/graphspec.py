@@ -20,14 +20,31 @@ outputs
 
 ``q_len`` is the candidate-length axis: prefill chunks and ``1 + verify length`` tokens use the
 same graph.
+
+*Capacity* KV layout (TensorRT with CUDA graphs, DESIGN.md section 2): the same decoder, but the
+cache inputs are fixed-size buffers and only the new entries come out, so every input and output
+shape of a step depends on (batch, q_len, capacity bucket) alone and a captured CUDA graph can be
+replayed. Slots the request has not written are hidden by the mask; the runtime writes the new
+keys/values into the buffers at the request's positions.
+
+inputs
+  input_ids, position_ids  int64 [batch, q_len]
+  attention_mask  bool    [batch, 1, q_len, capacity + q_len]       (``kv_len``)
+  past.{i}.key/value float32 [batch, kv_heads, capacity, head_dim]  the cache buffers (a capacity bucket)
+outputs
+  logits, features  as above
+  new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]      keys (after RoPE) / values of the q_len tokens
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 KV_LAYOUT_GROWING = "growing"
+KV_LAYOUT_CAPACITY = "capacity"
+KV_LAYOUTS = (KV_LAYOUT_GROWING, KV_LAYOUT_CAPACITY)
 
 BATCH, Q_LEN, PAST_LEN, TOTAL_LEN = "batch", "q_len", "past_len", "total_len"
+CAPACITY, KV_LEN = "capacity", "kv_len"
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,21 @@ def present_names(num_layers: int) -> list[tuple[str, str]]:
     return [(f"present.{i}.key", f"present.{i}.value") for i in range(num_layers)]
 
 
-def causal_lm_spec(dims: DecoderDims) -> GraphSpec:
-    """Declare the decoder graph (verifier or draft LM) for ``dims`` (growing KV layout)."""
+def new_names(num_layers: int) -> list[tuple[str, str]]:
+    """Names of the new-entry KV outputs of the capacity layout, ``[(new.0.key, new.0.value), ...]``."""
+    return [(f"new.{i}.key", f"new.{i}.value") for i in range(num_layers)]
+
+
+def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> GraphSpec:
+    """Declare the decoder graph (verifier or draft LM) for ``dims``.
+
+    ``kv_layout``: "growing" (past in, past + new out) or "capacity" (cache buffers in, new entries
+    out); see the module docstring. Raises ValueError for another layout.
+    """
+    if kv_layout == KV_LAYOUT_CAPACITY:
+        return _causal_lm_capacity_spec(dims)
+    if kv_layout != KV_LAYOUT_GROWING:
+        raise ValueError(f"unknown KV layout {kv_layout!r}; choose one of {KV_LAYOUTS}")
     kv_past = (BATCH, dims.num_kv_heads, PAST_LEN, dims.head_dim)
     kv_total = (BATCH, dims.num_kv_heads, TOTAL_LEN, dims.head_dim)
     inputs = [
@@ -144,6 +174,30 @@ def causal_lm_spec(dims: DecoderDims) -> GraphSpec:
     for k, v in present_names(dims.num_layers):
         outputs += [TensorSpec(k, "float32", kv_total), TensorSpec(v, "float32", kv_total)]
     return GraphSpec("causal_lm", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)
+
+
+def _causal_lm_capacity_spec(dims: DecoderDims) -> GraphSpec:
+    kv_cap = (BATCH, dims.num_kv_heads, CAPACITY, dims.head_dim)
+    kv_new = (BATCH, dims.num_kv_heads, Q_LEN, dims.head_dim)
+    inputs = [
+        TensorSpec("input_ids", "int64", (BATCH, Q_LEN)),
+        TensorSpec("position_ids", "int64", (BATCH, Q_LEN)),
+        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, KV_LEN)),
+    ]
+    for k, v in past_names(dims.num_layers):
+        inputs += [TensorSpec(k, "float32", kv_cap), TensorSpec(v, "float32", kv_cap)]
+    outputs = [TensorSpec("logits", "float32", (BATCH, Q_LEN, dims.vocab_size))]
+    if dims.feature_layers:
+        outputs.append(
+            TensorSpec("features", "float32", (BATCH, Q_LEN, len(dims.feature_layers) * dims.hidden_size))
+        )
+    for k, v in new_names(dims.num_layers):
+        outputs += [TensorSpec(k, "float32", kv_new), TensorSpec(v, "float32", kv_new)]
+    return GraphSpec("causal_lm", KV_LAYOUT_CAPACITY, tuple(inputs), tuple(outputs), dims)
+
+
+# Axes whose size is the sum of other axes (plus a constant): profiles and buffer sizes derive them.
+DERIVED_AXES = {TOTAL_LEN: (PAST_LEN, Q_LEN), KV_LEN: (CAPACITY, Q_LEN)}
 
 
 NEW_LEN, CTX_LEN, MASK_LEN = "new_len", "ctx_len", "mask_len"

@@ -16,10 +16,14 @@ Schema version 1::
                    "model_config": {...}},
         "draft": {... same, "role": "draft"}          # optional
       },
-      "speculation": {"draft_graph": "draft", "draft_length": 5}
+      "speculation": {"draft_graph": "draft", "draft_length": 5},
+      "trt_engines": {                                  # optional (dspark-export build-trt)
+        "target.capacity": TrtEngineEntry, ...
+      }
     }
 
-A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``.
+A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``. ``trt_engines`` was added
+without a version bump: manifests without it load unchanged, and runtimes that predate it ignore it.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.graphspec import GraphSpec
+from dspark_runtime.graphspec import KV_LAYOUTS, GraphSpec
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -100,6 +104,61 @@ class GraphEntry:
 
 
 @dataclass
+class TrtEngineEntry:
+    """One serialized TensorRT engine built from a graph of the manifest.
+
+    graph:        key of the source graph in ``Manifest.graphs`` ("target", "draft", ...).
+    kv_layout:    "growing" or "capacity" (the layout of ``spec``; DESIGN.md section 2).
+    onnx:         the ONNX file it was built from (relative path; for the capacity layout a graph that
+                  shares the growing graph's weight file).
+    file:         the engine (FileEntry: path, bytes, sha256).
+    extra_files:  other files the engine entry owns (the capacity-layout ONNX), FileEntry list.
+    flavour:      "tensorrt-rtx" or "tensorrt"; version: its version string.
+    profiles:     ``[{"name", "shapes": {input: {"min", "opt", "max"}}}]`` in the engine's profile order.
+    profile_settings: the ProfileSettings they were derived from (max_batch, decode_q, ...).
+    compute_capabilities: target GPUs, e.g. ["8.0", "8.6"]; ["current"] for an enterprise build.
+    precision:    "fp32" / "fp16" / "int8" / "fp8" (from the graph: the network is strongly typed).
+    build_seconds, peak_rss_bytes: the build's wall time (s) and peak resident memory (bytes).
+    spec:         the GraphSpec of ``onnx``.
+    """
+
+    graph: str
+    kv_layout: str
+    onnx: str
+    file: FileEntry
+    flavour: str
+    version: str
+    profiles: list
+    profile_settings: dict
+    compute_capabilities: list
+    precision: str
+    build_seconds: float
+    peak_rss_bytes: int
+    spec: GraphSpec
+    extra_files: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "graph": self.graph, "kv_layout": self.kv_layout, "onnx": self.onnx, "file": self.file.to_json(),
+            "extra_files": [f.to_json() for f in self.extra_files], "flavour": self.flavour,
+            "version": self.version, "profiles": self.profiles, "profile_settings": self.profile_settings,
+            "compute_capabilities": self.compute_capabilities, "precision": self.precision,
+            "build_seconds": self.build_seconds, "peak_rss_bytes": self.peak_rss_bytes,
+            "spec": self.spec.to_json(),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "TrtEngineEntry":
+        return TrtEngineEntry(
+            graph=d["graph"], kv_layout=d["kv_layout"], onnx=d["onnx"], file=FileEntry(**d["file"]),
+            extra_files=[FileEntry(**f) for f in d.get("extra_files", [])], flavour=d["flavour"],
+            version=d["version"], profiles=list(d["profiles"]), profile_settings=dict(d["profile_settings"]),
+            compute_capabilities=list(d["compute_capabilities"]), precision=d["precision"],
+            build_seconds=float(d["build_seconds"]), peak_rss_bytes=int(d["peak_rss_bytes"]),
+            spec=GraphSpec.from_json(d["spec"]))
+
+
+@dataclass
 class Manifest:
     """Parsed ``manifest.json``. Use :func:`load_manifest` to read and check one."""
 
@@ -110,11 +169,14 @@ class Manifest:
     tool_versions: dict = field(default_factory=dict)
     created: str = ""
     schema_version: int = SCHEMA_VERSION
+    trt_engines: dict = field(default_factory=dict)  # key -> TrtEngineEntry
 
     def all_files(self) -> list:
         files = list(self.tokenizer.get("files", []))
         for g in self.graphs.values():
             files += g.files
+        for e in self.trt_engines.values():
+            files += [e.file, *e.extra_files]
         return files
 
     def to_json(self) -> dict:
@@ -124,6 +186,7 @@ class Manifest:
             "tokenizer": {**self.tokenizer, "files": [f.to_json() for f in self.tokenizer.get("files", [])]},
             "graphs": {k: g.to_json() for k, g in self.graphs.items()},
             "speculation": self.speculation,
+            **({"trt_engines": {k: e.to_json() for k, e in self.trt_engines.items()}} if self.trt_engines else {}),
         }
 
     def write(self, engine_dir: Path) -> Path:
@@ -147,7 +210,8 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         tok = dict(d["tokenizer"])
         tok["files"] = [FileEntry(**f) for f in tok.get("files", [])]
         m = Manifest(name=d["name"], graphs=graphs, tokenizer=tok, speculation=d.get("speculation", {}),
-                     tool_versions=d.get("tool_versions", {}), created=d.get("created", ""), schema_version=v)
+                     tool_versions=d.get("tool_versions", {}), created=d.get("created", ""), schema_version=v,
+                     trt_engines={k: TrtEngineEntry.from_json(e) for k, e in d.get("trt_engines", {}).items()})
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed ({type(e).__name__}: {e}); rebuild the engine") from e
     if "target" not in m.graphs:
@@ -156,6 +220,13 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         if g.spec.kind not in ("causal_lm", "dspark_draft") or g.spec.kv_layout != "growing":
             raise ManifestError(f"{where}: graph {key!r} is {g.spec.kind}/{g.spec.kv_layout}; "
                                 "this runtime runs causal_lm and dspark_draft graphs with the growing KV layout")
+    for key, e in m.trt_engines.items():
+        if e.graph not in m.graphs:
+            raise ManifestError(f"{where}: TensorRT engine {key!r} was built from graph {e.graph!r}, which the "
+                                "manifest does not declare; rebuild it with `dspark-export build-trt`")
+        if e.kv_layout not in KV_LAYOUTS or e.spec.kv_layout != e.kv_layout:
+            raise ManifestError(f"{where}: TensorRT engine {key!r} has KV layout {e.kv_layout!r} (spec: "
+                                f"{e.spec.kv_layout!r}); expected one of {KV_LAYOUTS}; rebuild it")
     return m
 
 

@@ -82,3 +82,27 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
     build_engine(Recipe(name="tiny-dspark", target=str(tdir), draft=f"dspark:{ckpt}"), out, isolate=False,
                  log=lambda *a: None)
     return out, ckpt, rep
+
+
+_TRT_BUILDS: list = []
+
+
+@pytest.fixture(scope="session")
+def trt_build_log():
+    """Tests append (label, TrtEngineEntry or build dict) for each TensorRT engine they build; the summary
+    below prints them, so every CI log shows which engines TensorRT built, how big, how fast."""
+    return _TRT_BUILDS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TRT_BUILDS:
+        return
+    terminalreporter.section("TensorRT engines built in this run (ahead of time, no GPU)")
+    for label, e in _TRT_BUILDS:
+        get = (lambda k: getattr(e, k)) if not isinstance(e, dict) else e.get
+        size = e.file.size if not isinstance(e, dict) else None
+        terminalreporter.write_line(
+            f"{label:40s} {get('flavour')} {get('version')} {get('precision'):5s} "
+            f"cc {','.join(get('compute_capabilities')):16s} "
+            + (f"{size / 1e6:5.1f} MB " if size else "") +
+            f"build {get('build_seconds'):5.2f} s  peak RSS {get('peak_rss_bytes') / 2**20:6.0f} MiB")

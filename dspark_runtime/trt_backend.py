@@ -1,0 +1,394 @@
+"""Native TensorRT backend for ``causal_lm`` engines with the *capacity* KV layout (DESIGN.md section 2).
+
+Same interface as :class:`dspark_runtime.backend.OrtDecoder` (construct cheaply, ``activate()`` allocates,
+``empty_kv`` / ``step`` / ``deactivate``), so :class:`~dspark_runtime.generate.DecoderRunner`, the drafters
+and the generation loop run on it unchanged. No torch: cuda-python (``cuda.bindings.runtime``) for device
+memory, pinned host buffers, one stream and CUDA graphs; TensorRT or TensorRT-RTX through the import shim.
+
+How a step runs:
+
+* The KV cache lives on the device in static buffers sized at activation: per layer, keys and values of
+  ``batch x kv_heads x capacity x head_dim`` float32. The engine reads a *capacity bucket* of it (the
+  smallest of ``min_bucket, 2 min_bucket, ..., capacity`` that holds the cached + new positions, so short
+  sequences do not pay attention over the whole capacity), laid out contiguously as
+  ``[batch, kv_heads, bucket, head_dim]``; moving to another bucket re-lays the written prefix out once
+  (one device-to-device 2-D copy per layer through a scratch buffer).
+* Inputs are written into pinned host buffers and copied asynchronously; the mask handed in
+  (``[batch, 1, q, past + q]``, the growing layout's) is widened to ``[batch, 1, q, bucket + q]`` with
+  unwritten slots hidden. The engine outputs the new keys/values only; the runtime copies them into the
+  cache buffers at positions ``past .. past + q - 1`` (2-D copies on the same stream).
+* Tensor addresses are set once (buffers never move); input shapes and the optimisation profile are set
+  only when (batch, q, bucket) changes.
+* Decode/verify steps (``q <= decode_q``) are captured as a CUDA graph per (batch, q, bucket) after
+  ``warmup`` uncaptured runs of that shape, and replayed from then on. Prefill chunks run uncaptured.
+
+The ``kv`` objects handed back are :class:`DeviceKV` handles (shape only; the data stays on the device), so
+one backend instance serves one sequence at a time, as a :class:`DecoderRunner` uses it; the packed batched
+runtime (``dspark_runtime.packed``) gathers KV slots on the host and needs ONNX Runtime.
+
+Not verified on a GPU yet (none was available where it was written); ``scripts/gpu_check_trt.sh`` is the
+prepared check. The CPU-testable parts (buckets, mask widening, buffer plan) are tested in tests/test_trt_backend.py.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.backend import StepOutput
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.graphspec import KV_LAYOUT_CAPACITY, new_names, past_names
+from dspark_runtime.manifest import TrtEngineEntry
+from dspark_runtime.trt_import import import_tensorrt
+from dspark_runtime.trt_profiles import PROFILE_DECODE, capacity_buckets, choose_bucket, kv_buffer_bytes
+
+_NP = {"int64": np.int64, "float32": np.float32, "bool": np.bool_}
+
+
+class DeviceKV:
+    """A handle to KV positions held on the device: ``shape`` [batch, kv_heads, length, head_dim] and
+    slicing along the length axis (what :class:`~dspark_runtime.kvcache.KVCache` does on rollback)."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: tuple):
+        self.shape = tuple(shape)
+
+    def __getitem__(self, idx) -> "DeviceKV":
+        # KVCache slices k[..., :n, :]; anything else is a misuse of a device handle
+        if (isinstance(idx, tuple) and len(idx) == 3 and idx[0] is Ellipsis and isinstance(idx[1], slice)
+                and idx[1].start in (None, 0) and idx[1].step in (None, 1) and idx[2] == slice(None)):
+            n = self.shape[2] if idx[1].stop is None else min(int(idx[1].stop), self.shape[2])
+            return DeviceKV((*self.shape[:2], n, self.shape[3]))
+        raise DSparkError(f"device KV handles only support [..., :n, :] slicing, not {idx!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # device memory, accounted by the backend (TrtDecoder.kv_bytes)
+
+
+def widen_mask(mask: np.ndarray, past: int, bucket: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The growing layout's mask ``[batch, 1, q, past + q]`` as the capacity layout's ``[batch, 1, q, bucket + q]``:
+    slots ``0..past-1`` as given, ``past..bucket-1`` (not yet written, or stale after a rollback) hidden,
+    the q new positions as given. Writes into ``out`` when given (a pinned buffer view)."""
+    b, one, q, total = mask.shape
+    if total != past + q:
+        raise DSparkError(f"attention_mask has {total} key positions but past ({past}) + q ({q}) = {past + q}")
+    if past + q > bucket:
+        raise DSparkError(f"{past + q} positions do not fit capacity bucket {bucket}")
+    if out is None:
+        out = np.empty((b, one, q, bucket + q), dtype=bool)
+    out[..., :past] = mask[..., :past]
+    out[..., past:bucket] = False
+    out[..., bucket:] = mask[..., past:]
+    return out
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Device/pinned byte sizes for one engine at (batch, capacity, max q). All sizes in bytes."""
+
+    kv: int            # all layers' key + value cache buffers
+    kv_scratch: int    # one layer's buffer, for re-layout between buckets
+    inputs: dict       # input name -> bytes (ids, positions, mask at the largest shapes)
+    outputs: dict      # output name -> bytes (logits, features, new K/V at the largest q)
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.kv_scratch + sum(self.inputs.values()) + sum(self.outputs.values())
+
+
+def plan_buffers(entry: TrtEngineEntry, batch: int, capacity: int) -> BufferPlan:
+    """Sizes of every static buffer the backend allocates for ``entry`` at ``batch`` sequences and ``capacity``
+    positions (the largest q is the engine's prefill chunk). Raises DSparkError when ``batch`` or ``capacity``
+    exceeds what the engine's profiles accept."""
+    ps = entry.profile_settings
+    if batch > ps["max_batch"]:
+        raise DSparkError(f"batch {batch} exceeds the engine's max_batch {ps['max_batch']}; rebuild with --max-batch")
+    if capacity > ps["capacity"]:
+        raise DSparkError(f"capacity {capacity} exceeds the engine's {ps['capacity']}; rebuild with --capacity")
+    d = entry.spec.dims
+    q = int(ps["prefill_chunk"])
+    sizes = {"batch": batch, "q_len": q, "capacity": capacity, "kv_len": capacity + q}
+    def nbytes(t):
+        n = 1
+        for ax in t.shape:
+            n *= ax if isinstance(ax, int) else sizes[ax]
+        return n * np.dtype(_NP[t.dtype]).itemsize
+    kv = kv_buffer_bytes(d.num_layers, d.num_kv_heads, d.head_dim, batch, capacity)
+    inputs = {t.name: nbytes(t) for t in entry.spec.inputs if not t.name.startswith("past.")}
+    outputs = {t.name: nbytes(t) for t in entry.spec.outputs}
+    return BufferPlan(kv=kv, kv_scratch=kv // (2 * d.num_layers), inputs=inputs, outputs=outputs)
+
+
+def _cuda():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as e:
+        raise DSparkError(f"the TensorRT backend needs cuda-python ({e}); pip install -e '.[trt]'") from e
+    return cudart
+
+
+def _check(res, what: str):
+    """Unpack a cuda-python result tuple; raise DSparkError naming the call on an error."""
+    cudart = _cuda()
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        _, msg = cudart.cudaGetErrorString(err)
+        raise DSparkError(f"CUDA {what} failed: {err.name} ({msg.decode() if isinstance(msg, bytes) else msg})")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+class TrtDecoder:
+    """Runs a capacity-layout ``causal_lm`` TensorRT engine (see the module docstring).
+
+    Args:
+        engine_dir: the engine directory.
+        entry: its manifest entry (``Manifest.trt_engines[...]``, ``kv_layout == "capacity"``).
+        batch: sequences per call (<= the engine's max_batch; DecoderRunner uses 1).
+        capacity: KV positions to allocate (default: the engine's capacity).
+        cuda_graphs: capture and replay decode steps.
+        warmup: uncaptured runs of a (batch, q, bucket) shape before it is captured (TensorRT-RTX specialises
+            kernels on first runs; capture after that).
+    Raises DSparkError for an engine of another layout or settings beyond the engine's profiles.
+    """
+
+    def __init__(self, engine_dir: str | Path, entry: TrtEngineEntry, batch: int = 1, capacity: int | None = None,
+                 cuda_graphs: bool = True, warmup: int = 2):
+        if entry.kv_layout != KV_LAYOUT_CAPACITY:
+            raise DSparkError(f"TrtDecoder runs capacity-layout engines; {entry.file.path} is {entry.kv_layout}")
+        self.path = Path(engine_dir) / entry.file.path
+        self.entry = entry
+        self.spec = entry.spec
+        self.batch = batch
+        self.capacity = capacity or int(entry.profile_settings["capacity"])
+        self.plan = plan_buffers(entry, batch, self.capacity)  # validates batch / capacity
+        self.buckets = [b for b in capacity_buckets(int(entry.profile_settings["capacity"]),
+                                                    int(entry.profile_settings["min_bucket"])) if b < self.capacity]
+        self.buckets.append(self.capacity)
+        self.decode_q = int(entry.profile_settings["decode_q"])
+        self.cuda_graphs = cuda_graphs
+        self.warmup = warmup
+        self.context = None
+        self.stats = {"captured": 0, "replayed": 0, "uncaptured": 0, "relayouts": 0}
+
+    # -- lifecycle
+
+    def activate(self) -> "TrtDecoder":
+        """Deserialize the engine and allocate every buffer (device KV, pinned host I/O, stream). Idempotent.
+        Raises DSparkError when TensorRT or CUDA is missing or the engine does not load on this GPU."""
+        if self.context is not None:
+            return self
+        cudart = _cuda()
+        trt, flavour, version = import_tensorrt(self.entry.flavour)
+        if version != self.entry.version:
+            raise DSparkError(f"{self.path.name} was built with {self.entry.flavour} {self.entry.version} but "
+                              f"{flavour} {version} is installed; install that version or rebuild the engine")
+        self._trt = trt
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
+        if self.engine is None:
+            raise DSparkError(f"TensorRT could not load {self.path} on this GPU (compute capabilities it was built "
+                              f"for: {', '.join(self.entry.compute_capabilities)}); rebuild it for this GPU")
+        if hasattr(self.engine, "create_runtime_config"):  # TensorRT-RTX
+            # Specialise kernels for a shape on its first run (not lazily in the background), so the graph
+            # captured after warm-up holds the specialised kernels; we capture ourselves, so TensorRT-RTX's own
+            # whole-graph capture stays off.
+            rc = self.engine.create_runtime_config()
+            rc.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
+            rc.cuda_graph_strategy = trt.CudaGraphStrategy.DISABLED
+            self.context = self.engine.create_execution_context(runtime_config=rc)
+        else:
+            self.context = self.engine.create_execution_context()
+        if self.context is None:
+            raise DSparkError(f"TensorRT could not create an execution context for {self.path}")
+        self._stream = _check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
+        self._dev, self._host = {}, {}
+        d = self.spec.dims
+        layer_bytes = self.plan.kv_scratch
+        for k, v in past_names(d.num_layers):
+            for name in (k, v):
+                self._dev[name] = _check(cudart.cudaMalloc(layer_bytes), f"cudaMalloc({name})")
+        self._scratch = _check(cudart.cudaMalloc(layer_bytes), "cudaMalloc(scratch)")
+        for name, nbytes in {**self.plan.inputs, **self.plan.outputs}.items():
+            self._dev[name] = _check(cudart.cudaMalloc(nbytes), f"cudaMalloc({name})")
+            ptr = _check(cudart.cudaHostAlloc(nbytes, cudart.cudaHostAllocDefault), f"cudaHostAlloc({name})")
+            self._host[name] = (ptr, (ctypes.c_byte * nbytes).from_address(ptr))
+        for name, ptr in self._dev.items():  # addresses never change: set once
+            if not self.context.set_tensor_address(name, int(ptr)):
+                raise DSparkError(f"TensorRT refused the address of tensor {name}")
+        self._shape_key = None
+        self._profile = None
+        self._bucket = self.buckets[0]
+        self._length = 0  # positions written on the device
+        self._seen: dict = {}
+        self._graphs: dict = {}
+        return self
+
+    def deactivate(self) -> None:
+        """Free the graphs, buffers and stream."""
+        if self.context is None:
+            return
+        cudart = _cuda()
+        for g in self._graphs.values():
+            cudart.cudaGraphExecDestroy(g)
+        for ptr in self._dev.values():
+            cudart.cudaFree(ptr)
+        cudart.cudaFree(self._scratch)
+        for ptr, _ in self._host.values():
+            cudart.cudaFreeHost(ptr)
+        cudart.cudaStreamDestroy(self._stream)
+        self.context = self.engine = self._runtime = None
+        self._graphs, self._dev, self._host = {}, {}, {}
+
+    @property
+    def max_q(self) -> int:
+        """Most tokens one step accepts (the engine's prefill chunk); DecoderRunner.prefill chunks by it."""
+        return int(self.entry.profile_settings["prefill_chunk"])
+
+    @property
+    def kv_bytes(self) -> int:
+        """Device bytes of the KV cache buffers."""
+        return self.plan.kv
+
+    def empty_kv(self, batch: int) -> list:
+        """A past of length 0 (device handles): per layer (key, value) of shape [batch, kv_heads, 0, head_dim]."""
+        if batch != self.batch:
+            raise DSparkError(f"this TensorRT backend was activated for batch {self.batch}, not {batch}")
+        d = self.spec.dims
+        h = DeviceKV((batch, d.num_kv_heads, 0, d.head_dim))
+        return [(h, h) for _ in range(d.num_layers)]
+
+    # -- host views
+
+    def _view(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        buf = self._host[name][1]
+        n = int(np.prod(shape))
+        return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape)
+
+    # -- one step
+
+    def _relayout(self, old: int, new: int, length: int) -> None:
+        """Move the first ``length`` positions of every layer from bucket pitch ``old`` to ``new``."""
+        cudart = _cuda()
+        d = self.spec.dims
+        rows = self.batch * d.num_kv_heads
+        row_bytes = d.head_dim * 4
+        for name in (n for pair in past_names(d.num_layers) for n in pair):
+            buf = self._dev[name]
+            _check(cudart.cudaMemcpy2DAsync(self._scratch, length * row_bytes, buf, old * row_bytes,
+                                            length * row_bytes, rows, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                            self._stream), "cudaMemcpy2DAsync(relayout out)")
+            _check(cudart.cudaMemcpy2DAsync(buf, new * row_bytes, self._scratch, length * row_bytes,
+                                            length * row_bytes, rows, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                            self._stream), "cudaMemcpy2DAsync(relayout in)")
+        self.stats["relayouts"] += 1
+
+    def _set_shapes(self, b: int, q: int, bucket: int) -> None:
+        key = (b, q, bucket)
+        if key == self._shape_key:
+            return
+        from dspark_runtime.trt_profiles import pick_profile
+
+        d = self.spec.dims
+        shapes = {"input_ids": (b, q), "position_ids": (b, q), "attention_mask": (b, 1, q, bucket + q)}
+        for k, v in past_names(d.num_layers):
+            shapes[k] = shapes[v] = (b, d.num_kv_heads, bucket, d.head_dim)
+        prof = pick_profile(self.entry.profiles, shapes)
+        if prof != self._profile:
+            if not self.context.set_optimization_profile_async(prof, self._stream):
+                raise DSparkError(f"TensorRT refused optimisation profile {prof} ({self.entry.profiles[prof]['name']})")
+            self._profile = prof
+        for name, shp in shapes.items():
+            if not self.context.set_input_shape(name, shp):
+                raise DSparkError(f"TensorRT refused input shape {shp} for tensor {name} (profile "
+                                  f"{self.entry.profiles[prof]['name']})")
+        self._shape_key = key
+
+    def _execute(self, key: tuple, capturable: bool) -> None:
+        cudart = _cuda()
+        if key in self._graphs:
+            _check(cudart.cudaGraphLaunch(self._graphs[key], self._stream), "cudaGraphLaunch")
+            self.stats["replayed"] += 1
+            return
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if capturable and self.cuda_graphs and seen >= self.warmup:
+            _check(cudart.cudaStreamBeginCapture(self._stream,
+                                                 cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+                   "cudaStreamBeginCapture")
+            ok = self.context.execute_async_v3(int(self._stream))
+            graph = _check(cudart.cudaStreamEndCapture(self._stream), "cudaStreamEndCapture")
+            if not ok:
+                raise DSparkError(f"TensorRT execute_async_v3 failed while capturing shape {key}")
+            self._graphs[key] = _check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+            cudart.cudaGraphDestroy(graph)
+            self.stats["captured"] += 1
+            _check(cudart.cudaGraphLaunch(self._graphs[key], self._stream), "cudaGraphLaunch")
+            return
+        if not self.context.execute_async_v3(int(self._stream)):
+            raise DSparkError(f"TensorRT execute_async_v3 failed for shape (batch, q, bucket) = {key}")
+        self.stats["uncaptured"] += 1
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+             kv: list) -> StepOutput:
+        """Run the engine once; the interface of :meth:`OrtDecoder.step`.
+
+        input_ids, position_ids: int64 [batch, q]; attention_mask: bool [batch, 1, q, past + q] (the growing
+        layout's); kv: the per-layer handles of the cached past (``past`` = their length, which may be shorter
+        than what the device holds after a rollback). Returns logits float32 [batch, q, vocab], features or
+        None, and handles of length past + q. Raises DSparkError when the sequence outgrows the capacity or
+        a shape is outside the engine's profiles.
+        """
+        if self.context is None:
+            self.activate()
+        cudart = _cuda()
+        H2D, D2H, D2D = (cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
+        b, q = input_ids.shape
+        past = kv[0][0].shape[2]
+        if b != self.batch:
+            raise DSparkError(f"batch {b} but this backend was activated for batch {self.batch}")
+        if past > self._length:
+            raise DSparkError(f"the runner's cache claims {past} positions but the device holds {self._length}")
+        bucket = choose_bucket(past + q, self.buckets)
+        if bucket != self._bucket:
+            if past:
+                self._relayout(self._bucket, bucket, past)
+            self._bucket = bucket
+        ids = self._view("input_ids", (b, q), np.int64)
+        ids[...] = input_ids
+        pos = self._view("position_ids", (b, q), np.int64)
+        pos[...] = position_ids
+        widen_mask(attention_mask, past, bucket, out=self._view("attention_mask", (b, 1, q, bucket + q), np.bool_))
+        for name, arr in (("input_ids", ids), ("position_ids", pos)):
+            _check(cudart.cudaMemcpyAsync(self._dev[name], self._host[name][0], arr.nbytes, H2D, self._stream), name)
+        _check(cudart.cudaMemcpyAsync(self._dev["attention_mask"], self._host["attention_mask"][0],
+                                      b * q * (bucket + q), H2D, self._stream), "attention_mask")
+        self._set_shapes(b, q, bucket)
+        capturable = q <= self.decode_q and self.entry.profiles[self._profile]["name"] == PROFILE_DECODE
+        self._execute((b, q, bucket), capturable)
+        d = self.spec.dims
+        row = d.head_dim * 4
+        for (pk, pv), (nk, nv) in zip(past_names(d.num_layers), new_names(d.num_layers)):
+            for cache, new in ((pk, nk), (pv, nv)):  # new [b*heads, q, hd] -> cache [b*heads, bucket, hd] at past
+                _check(cudart.cudaMemcpy2DAsync(int(self._dev[cache]) + past * row, bucket * row, self._dev[new],
+                                                q * row, q * row, b * d.num_kv_heads, D2D, self._stream),
+                       f"write {new}")
+        outs = {}
+        for t in self.spec.outputs:
+            if t.name.startswith("new."):
+                continue
+            shape = (b, q, t.shape[-1])
+            nbytes = int(np.prod(shape)) * 4
+            _check(cudart.cudaMemcpyAsync(self._host[t.name][0], self._dev[t.name], nbytes, D2H, self._stream), t.name)
+            outs[t.name] = shape
+        _check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        self._length = past + q
+        logits = self._view("logits", outs["logits"], np.float32).copy()
+        feats = self._view("features", outs["features"], np.float32).copy() if "features" in outs else None
+        h = DeviceKV((b, d.num_kv_heads, past + q, d.head_dim))
+        return StepOutput(logits, feats, [(h, h) for _ in range(d.num_layers)])

@@ -1,0 +1,133 @@
+"""GPU check of the TensorRT runtime path on a tiny engine (run by scripts/gpu_check_trt.sh; prints a transcript).
+
+    python scripts/gpu_check_trt.py ENGINE_DIR [--flavour auto|rtx|enterprise] [--rebuild]
+
+ENGINE_DIR is a tiny engine (ONNX graphs + manifest; scripts/gpu_check_trt.sh --prepare makes one on any
+machine). If it carries no TensorRT engines, or --rebuild, they are built here (enterprise TensorRT must
+build on the GPU it targets; TensorRT-RTX engines built ahead of time on a CPU are used as they are, which is
+the point of checking them). Checks, each printed PASS/FAIL with its numbers:
+
+1. logits parity, TensorRT vs ONNX Runtime CPU, over a chunked prefill and decode/verify steps with rollbacks
+   that cross a capacity bucket (max |dlogits|, argmax agreement);
+2. speculative greedy (draft LM, γ=4) == target-only greedy on TensorRT, and == ONNX Runtime's greedy;
+3. CUDA graphs: decode steps captured after warm-up and replayed; time per step with and without graphs.
+Exit status 0 only if every check passed.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark_runtime import Engine  # noqa: E402
+from dspark_runtime.manifest import load_manifest  # noqa: E402
+from dspark_runtime.trt_backend import TrtDecoder  # noqa: E402
+from dspark_runtime.trt_import import import_tensorrt  # noqa: E402
+
+RESULTS = []
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append(ok)
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("--flavour", default="auto")
+    ap.add_argument("--rebuild", action="store_true")
+    a = ap.parse_args()
+    trt, flavour, version = import_tensorrt(a.flavour)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    print(f"python {platform.python_version()}, {flavour} {version}, GPU: {gpu}")
+    m = load_manifest(a.engine_dir)
+    if a.rebuild or "target.capacity" not in m.trt_engines or m.trt_engines["target.capacity"].flavour != flavour:
+        from dspark_export.trt import TrtBuildSettings, build_trt
+        from dspark_runtime.trt_profiles import ProfileSettings
+
+        cc = gpu.split(",")[1].strip() if "," in gpu else None
+        ccs = (cc,) if flavour == "tensorrt-rtx" and cc else None
+        t0 = time.perf_counter()
+        build_trt(a.engine_dir, TrtBuildSettings(flavour=a.flavour, compute_capabilities=ccs, profile=ProfileSettings(
+            max_batch=1, decode_q=5, prefill_chunk=32, capacity=128, min_bucket=32)), isolate=False)
+        print(f"built TensorRT engines here in {time.perf_counter() - t0:.1f} s")
+    else:
+        e = m.trt_engines["target.capacity"]
+        print(f"using the engines built ahead of time ({e.flavour} {e.version}, compute capabilities "
+              f"{', '.join(e.compute_capabilities)}, built in {e.build_seconds:.1f} s)")
+
+    ort_eng = Engine.load(a.engine_dir, threads=2)
+    t0 = time.perf_counter()
+    trt_eng = Engine.load(a.engine_dir, backend="trt")
+    ra, rb = ort_eng.runner("target"), trt_eng.runner("target")
+    print(f"TensorRT engine loaded and activated in {time.perf_counter() - t0:.2f} s "
+          f"(KV buffers {rb.backend.kv_bytes / 2**20:.2f} MiB, buckets {rb.backend.buckets})")
+
+    # 1. parity
+    ids = list(range(5, 45))
+    la, lb = ra.prefill(ids, chunk=32), rb.prefill(ids, chunk=32)
+    diffs, agree = [float(np.abs(la - lb).max())], [int(la.argmax() == lb.argmax())]
+    for step in range(16):
+        toks = [(7 * step + i) % 300 + 3 for i in range(1 + step % 5)]
+        xa, xb = ra.step(toks), rb.step(toks)
+        diffs.append(float(np.abs(xa - xb).max()))
+        agree += list((xa.argmax(-1) == xb.argmax(-1)).astype(int))
+        keep = ra.length - (step % 3)
+        ra.rollback(keep)
+        rb.rollback(keep)
+    st = dict(rb.backend.stats)
+    check("logits parity TensorRT vs ONNX Runtime", max(diffs) < 1e-2 and min(agree) == 1,
+          f"max |dlogits| {max(diffs):.2e} over {len(diffs)} steps (prefill, decode/verify with rollbacks, "
+          f"final length {rb.length}); argmax agreement {np.mean(agree):.0%}; backend stats {st}")
+
+    # 2. exactness
+    prompt = "def add(a, b):"
+    ref = trt_eng.generate(prompt, max_new_tokens=32, draft=None)
+    spec = trt_eng.generate(prompt, max_new_tokens=32, draft="lm", draft_length=4)
+    ort_ref = ort_eng.generate(prompt, max_new_tokens=32, draft=None)
+    check("speculative greedy == target-only greedy (TensorRT)", spec.token_ids == ref.token_ids,
+          f"{len(ref.token_ids)} tokens, tau {spec.stats.accepted_length_mean:.2f}")
+    check("TensorRT greedy == ONNX Runtime greedy", ref.token_ids == ort_ref.token_ids,
+          f"first divergence at {next((i for i, (x, y) in enumerate(zip(ref.token_ids, ort_ref.token_ids)) if x != y), None)}")
+
+    # 3. CUDA graphs
+    def time_decode(graphs: bool, n: int = 200) -> tuple[float, dict]:
+        e = load_manifest(a.engine_dir).trt_engines["target.capacity"]
+        dec = TrtDecoder(a.engine_dir, e, cuda_graphs=graphs).activate()
+        from dspark_runtime.generate import DecoderRunner
+
+        r = DecoderRunner(dec)
+        r.prefill(list(range(5, 25)))
+        for _ in range(5):  # warm-up (and capture, with graphs)
+            r.step([7])
+            r.rollback(r.length - 1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r.step([7, 8, 9, 10, 11])
+            r.rollback(r.length - 5)
+        dt = (time.perf_counter() - t0) / n
+        s = dict(dec.stats)
+        dec.deactivate()
+        return dt, s
+
+    t_plain, s_plain = time_decode(False)
+    t_graph, s_graph = time_decode(True)
+    check("CUDA graphs captured and replayed", s_graph["captured"] >= 1 and s_graph["replayed"] >= 190,
+          f"with graphs {s_graph}; without {s_plain}")
+    print(f"decode step (q=5, tiny model): {t_plain * 1e6:.0f} us without CUDA graphs, {t_graph * 1e6:.0f} us with "
+          f"({t_plain / t_graph:.2f}x)")
+    print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed")
+    return 0 if all(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

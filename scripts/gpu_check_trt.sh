@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The TensorRT runtime path on an NVIDIA GPU, in one prepared script (transcript on stdout).
+#
+#   bash scripts/gpu_check_trt.sh --prepare   # on any machine with network (and this repo's .venv):
+#                                             #   wheelhouse/ <- Python 3.12 wheels for the runtime + TensorRT,
+#                                             #   engines/gpu-check-tiny/ <- a tiny engine (ONNX + TensorRT-RTX AOT engines)
+#   bash scripts/gpu_check_trt.sh             # on the GPU machine (Python 3.12, no network needed): installs from
+#                                             #   wheelhouse/ into .venv-gpu/, runs scripts/gpu_check_trt.py
+#
+# Both folders are gitignored (artifacts never go into git). TensorRT flavour: TensorRT-RTX for compute capability
+# 7.5/8.x/12.x; enterprise tensorrt for Hopper (9.0) and datacenter Blackwell (10.x), where TensorRT-RTX does not
+# run (its wheels are then downloaded too, ~1-2 GB; set DSPARK_GPU_CHECK_ENTERPRISE=0 to skip them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=wheelhouse
+ENGINE=engines/gpu-check-tiny
+RUNTIME_PKGS=("numpy>=1.26" "onnxruntime==1.32.*" "tokenizers>=0.21" "jinja2>=3.1" "click>=8.1" "onnx==1.23.*"
+              "tensorrt-rtx-cu13-libs==1.7.1.116" "tensorrt-rtx-cu13-bindings==1.7.1.116" "cuda-python>=13.0,<14")
+ENTERPRISE_PKGS=("tensorrt-cu13-libs==10.16.1.11" "tensorrt-cu13-bindings==10.16.1.11")
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  PY=${PY:-.venv/bin/python}
+  mkdir -p "$WHEELS"
+  nice -n 19 "$PY" -m pip download -q -d "$WHEELS" --only-binary=:all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      "${RUNTIME_PKGS[@]}"
+  if [[ "${DSPARK_GPU_CHECK_ENTERPRISE:-1}" == "1" ]]; then
+    nice -n 19 "$PY" -m pip download -q -d "$WHEELS" --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "${ENTERPRISE_PKGS[@]}" \
+      || echo "note: enterprise tensorrt wheels not downloaded; Hopper/datacenter Blackwell cannot be checked"
+  fi
+  # the tiny engine: random tiny Qwen2 target + draft LM (tests/tiny_models.py), ONNX, then TensorRT-RTX AOT engines
+  nice -n 19 "$PY" - "$ENGINE" <<'PYEOF'
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "tests")
+from tiny_models import make_pair
+from dspark_export.build import Recipe, build_engine
+from dspark_export.trt import TrtBuildSettings, build_trt
+from dspark_runtime.trt_profiles import ProfileSettings
+out = Path(sys.argv[1])
+with tempfile.TemporaryDirectory() as tmp:
+    t, d = make_pair(Path(tmp))
+    build_engine(Recipe(name="gpu-check-tiny", target=str(t), draft=str(d), draft_length=4), out, isolate=False)
+build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=1, decode_q=5, prefill_chunk=32, capacity=128,
+                                                        min_bucket=32)), isolate=False)
+PYEOF
+  du -sh "$WHEELS" "$ENGINE"
+  exit 0
+fi
+
+echo "== $(date -u +%FT%TZ) $(uname -m) $(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader)"
+[[ -d "$WHEELS" && -d "$ENGINE" ]] || { echo "run 'bash scripts/gpu_check_trt.sh --prepare' first"; exit 2; }
+PY312=${PY312:-python3.12}
+CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
+case "$CC" in
+  7.5|8.0|8.6|8.7|8.9|12.*) FLAVOUR=rtx ;;
+  *) FLAVOUR=enterprise ;;
+esac
+"$PY312" -m venv .venv-gpu
+.venv-gpu/bin/pip install -q --no-index --find-links "$WHEELS" "${RUNTIME_PKGS[@]}"
+if [[ $FLAVOUR == enterprise ]]; then
+  .venv-gpu/bin/pip install -q --no-index --find-links "$WHEELS" "${ENTERPRISE_PKGS[@]}"
+fi
+echo "== compute capability $CC: TensorRT flavour $FLAVOUR"
+# enterprise engines must be built on this GPU; RTX engines built ahead of time on a CPU are used as shipped
+EXTRA=()
+[[ $FLAVOUR == enterprise ]] && EXTRA=(--rebuild)
+PYTHONPATH=. .venv-gpu/bin/python scripts/gpu_check_trt.py "$ENGINE" --flavour "$FLAVOUR" "${EXTRA[@]}"

@@ -1,0 +1,147 @@
+"""The TensorRT runtime backend: CPU-testable parts here (device KV handles, mask widening, buffer plan,
+argument checks, engine wiring); the GPU parts (parity with ONNX Runtime, speculative == target-only,
+CUDA-graph replay) run only where a CUDA device is present and skip with the reason elsewhere."""
+import numpy as np
+import pytest
+
+from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.graphspec import DecoderDims, causal_lm_spec
+from dspark_runtime.kvcache import KVCache, causal_mask
+from dspark_runtime.manifest import FileEntry, TrtEngineEntry
+from dspark_runtime.trt_backend import DeviceKV, TrtDecoder, plan_buffers, widen_mask
+from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
+
+DIMS = DecoderDims(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=320, feature_layers=(-1, 0))
+
+
+def _entry(**ps):
+    s = ProfileSettings(**{"max_batch": 2, "decode_q": 5, "prefill_chunk": 32, "capacity": 128, "min_bucket": 32, **ps})
+    spec = causal_lm_spec(DIMS, "capacity")
+    return TrtEngineEntry(graph="target", kv_layout="capacity", onnx="target.capacity.onnx",
+                          file=FileEntry("target.capacity.engine", 1, "0" * 64), flavour="tensorrt-rtx",
+                          version="1.7.1.116", profiles=derive_profiles(spec, s), profile_settings=s.to_json(),
+                          compute_capabilities=["8.6"], precision="fp32", build_seconds=1.0, peak_rss_bytes=1, spec=spec)
+
+
+def _gpu_reason():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return "cuda-python is not installed (pip install -e '.[trt]')"
+    err, n = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or not n:
+        return f"no CUDA GPU here ({err.name}); the TensorRT runtime path needs an NVIDIA GPU"
+    return None
+
+
+def test_device_kv_handles_work_with_the_kv_cache():
+    h = DeviceKV((1, 2, 0, 16))
+    cache = KVCache([(h, h), (h, h)])
+    full = DeviceKV((1, 2, 10, 16))
+    cache.update([(full, full), (full, full)])
+    assert cache.length == 10 and cache.view()[0][0] is full
+    cache.rollback(7)
+    assert cache.view()[1][0].shape == (1, 2, 7, 16)  # sliced like an array, still a handle
+    assert cache.nbytes() == 0
+    with pytest.raises(DSparkError, match=r"only support \[\.\.\., :n, :\] slicing"):
+        full[0]
+
+
+def test_widen_mask_hides_unwritten_and_stale_slots():
+    m = causal_mask(3, 4)  # [1, 1, 3, 7]
+    w = widen_mask(m, past=4, bucket=8)
+    assert w.shape == (1, 1, 3, 11)
+    assert w[..., :4].all() and not w[..., 4:8].any()  # slots 4..7: unwritten (or rolled back)
+    np.testing.assert_array_equal(w[..., 8:], m[..., 4:])  # the new tokens keep their causal pattern
+    out = np.ones((1, 1, 3, 11), dtype=bool)
+    assert widen_mask(m, 4, 8, out=out) is out and not out[..., 5].any()
+    with pytest.raises(DSparkError, match="do not fit capacity bucket 6"):
+        widen_mask(m, 4, 6)
+    with pytest.raises(DSparkError, match=r"past \(5\) \+ q \(3\) = 8"):
+        widen_mask(m, 5, 16)
+
+
+def test_buffer_plan_sizes():
+    p = plan_buffers(_entry(), batch=2, capacity=128)
+    assert p.kv == 2 * 2 * 2 * 2 * 128 * 16 * 4  # (k, v) x layers x batch x heads x capacity x head_dim x fp32
+    assert p.kv_scratch == p.kv // 4
+    assert p.inputs == {"input_ids": 2 * 32 * 8, "position_ids": 2 * 32 * 8, "attention_mask": 2 * 32 * 160}
+    assert p.outputs["logits"] == 2 * 32 * 320 * 4 and p.outputs["features"] == 2 * 32 * 128 * 4
+    assert p.outputs["new.1.value"] == 2 * 2 * 32 * 16 * 4
+    assert p.total == p.kv + p.kv_scratch + sum(p.inputs.values()) + sum(p.outputs.values())
+    with pytest.raises(DSparkError, match="batch 3 exceeds the engine's max_batch 2"):
+        plan_buffers(_entry(), batch=3, capacity=128)
+    with pytest.raises(DSparkError, match="capacity 256 exceeds the engine's 128"):
+        plan_buffers(_entry(), batch=1, capacity=256)
+
+
+def test_trt_decoder_constructs_cheaply_and_checks_arguments(tmp_path):
+    dec = TrtDecoder(tmp_path, _entry(), batch=1, capacity=96)  # no TensorRT, no GPU touched
+    assert dec.buckets == [32, 64, 96] and dec.decode_q == 5 and dec.context is None
+    assert dec.kv_bytes == 2 * 2 * 1 * 2 * 96 * 16 * 4
+    assert dec.empty_kv(1)[0][0].shape == (1, 2, 0, 16)
+    with pytest.raises(DSparkError, match="activated for batch 1, not 2"):
+        dec.empty_kv(2)
+    e = _entry()
+    e.kv_layout = "growing"
+    with pytest.raises(DSparkError, match="runs capacity-layout engines"):
+        TrtDecoder(tmp_path, e)
+
+
+def test_engine_backend_choice(tiny_engine_dir):
+    from dspark_runtime import Engine
+
+    with pytest.raises(InputError, match="no TensorRT engine for the target"):
+        Engine.load(tiny_engine_dir, backend="trt")
+    with pytest.raises(InputError, match="unknown backend 'cuda'"):
+        Engine.load(tiny_engine_dir, backend="cuda")
+
+
+def test_engine_wires_trt_backends_and_refuses_batching(tiny_engine_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from dspark_runtime import Engine
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    m = load_manifest(d)
+    m.trt_engines["target.capacity"] = _entry()  # wiring only: nothing is activated
+    eng = Engine(d, m, threads=1, backend="trt")
+    assert isinstance(eng._backends["target"], TrtDecoder)
+    assert not isinstance(eng._backends["draft"], TrtDecoder)  # no draft engine: the draft stays on ONNX Runtime
+    with pytest.raises(InputError, match="runs on ONNX Runtime only so far"):
+        eng.batch(draft="ngram")
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_trt_backend_on_gpu_matches_onnx_runtime(tiny_engine_dir, tmp_path):
+    """GPU only: logits parity with ONNX Runtime over prefill, decode and a rollback; speculative greedy ==
+    target-only greedy on TensorRT; CUDA graphs captured and replayed."""
+    import shutil
+
+    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_runtime import Engine
+    from dspark_runtime.generate import DecoderRunner
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    build_trt(d, TrtBuildSettings(profile=ProfileSettings(max_batch=1, decode_q=5, prefill_chunk=32, capacity=128,
+                                                          min_bucket=32)), isolate=False, log=print)
+    ort_eng, trt_eng = Engine.load(d, threads=1), Engine.load(d, backend="trt")
+    a, b = ort_eng.runner("target"), trt_eng.runner("target")
+    assert isinstance(b, DecoderRunner) and isinstance(b.backend, TrtDecoder)
+    ids = list(range(5, 45))
+    np.testing.assert_allclose(b.prefill(ids, chunk=32), a.prefill(ids, chunk=32), atol=1e-3)
+    for step in range(12):  # decode and verify steps, with rollbacks, crossing the 64-slot bucket
+        toks = [(7 * step + i) % 300 + 3 for i in range(1 + step % 5)]
+        np.testing.assert_allclose(b.step(toks), a.step(toks), atol=1e-3)
+        keep = a.length - (step % 3)
+        a.rollback(keep)
+        b.rollback(keep)
+    assert b.backend.stats["captured"] > 0 and b.backend.stats["replayed"] > 0
+    assert b.backend.stats["relayouts"] >= 1
+    ref = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft=None)
+    spec = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft="lm", draft_length=4)
+    assert spec.token_ids == ref.token_ids
+    assert ref.token_ids == ort_eng.generate("def add(a, b):", max_new_tokens=24, draft=None).token_ids
