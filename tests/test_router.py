@@ -356,16 +356,21 @@ def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
 
 def test_scheduled_router_sends_ngram_continuations_longer_than_a_block(dspark_engine):
     spec = dspark_engine.manifest.speculation
-    saved = spec.get("cost_table")
+    saved = {k: spec.get(k) for k in ("cost_table", "router")}
     spec["cost_table"] = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # verify tokens free: keep every draft
+    # priors that make every n-gram match the router's choice, whatever the (time-budgeted) tiny drafter learned
+    sure = [[999.0] * 16] * 3
+    spec["router"] = {"ngram": {"edges": [1, 2, 3], "hits": sure, "tries": [[1000.0] * 16] * 3},
+                      "inner": {"dspark": {"hits": [[1.0, 0, 0, 0]], "tries": [[100.0, 1, 0, 0]]}}}
     try:
         ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
         got = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="router", draft_length="scheduled")
     finally:
-        if saved is None:
-            spec.pop("cost_table")
-        else:
-            spec["cost_table"] = saved
+        for k, v in saved.items():
+            if v is None:
+                spec.pop(k, None)
+            else:
+                spec[k] = v
     assert got.token_ids == ref.token_ids
     lengths = [int(k) for k in got.stats.draft_length_histogram]
     assert max(lengths) > 4, got.stats.draft_length_histogram  # past the DSpark block size (4): n-gram rounds
