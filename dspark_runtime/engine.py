@@ -36,7 +36,8 @@ class Engine:
     is cheap until the first generation.
     """
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
+                 allow_slow_precision: bool = False):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -44,7 +45,8 @@ class Engine:
         self.eos_ids = list(tok.get("eos_token_ids", []))
         self._backends = {
             key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
-                self.dir / g.model_file, g.spec, threads=threads, providers=providers)
+                self.dir / g.model_file, g.spec, threads=threads, providers=providers, precision=g.precision,
+                allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
         self._runners: dict = {}
@@ -61,16 +63,18 @@ class Engine:
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
-             verify: bool = True, rehash: bool = False) -> "Engine":
+             verify: bool = True, rehash: bool = False, allow_slow_precision: bool = False) -> "Engine":
         """Load ``engine_dir`` through its manifest.
 
         Raises ManifestError for a missing directory or manifest, an unsupported schema version,
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
-        ``rehash``).
+        ``rehash``). ``allow_slow_precision``: let fp8/fp16 graphs (built for GPUs) run on the CPU
+        provider; without it their first use raises DSparkError saying why.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
-        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers)
+        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
+                   allow_slow_precision)
 
     @property
     def has_draft(self) -> bool:
