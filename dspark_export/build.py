@@ -33,8 +33,10 @@ from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, Gr
 # int8-dynamic: ONNX Runtime dynamic quantization of the MatMul weights (S8, per tensor; activations
 #   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
 #   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
-PRECISIONS = ("fp32", "int8", "int8-trt", "int8-dynamic")
-CALIBRATED = ("int8", "int8-trt")
+# fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
+#   environment (dspark_export.fp8); the runtime refuses it on the CPU provider unless asked.
+PRECISIONS = ("fp32", "int8", "int8-trt", "int8-dynamic", "fp8")
+CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
 CALIBRATION_NOTE = ("calibration split (data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
                     "mbpp, gsm8k, mbpp, math500 in turn)")
@@ -175,10 +177,20 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     :class:`~dspark_export.quantize.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
     lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
     ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.quantize.DEFAULT_EXCLUDE`).
+    ``fp8``: NVIDIA ModelOpt in its own environment (:func:`dspark_export.fp8.quantize_fp8`; needs
+    ``calibration_ids``; every weight MatMul unless ``exclude``).
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
     DSparkError when that cannot fit in this machine's RAM.
     """
+    if precision == "fp8":
+        from dspark_export.fp8 import quantize_fp8
+
+        if not calibration_ids or spec is None:
+            raise DSparkError("fp8 needs calibration prompts (token ids) and the graph spec")
+        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=() if exclude is None else tuple(exclude), log=log)
+        rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
+        return rep
     if precision in CALIBRATED:
         from dspark_export.quantize import DEFAULT_EXCLUDE, calibrate_graph, quantize_int8
         from dspark_runtime.manifest import sha256_file

@@ -46,7 +46,8 @@ def list_models():
 @click.option("--name", help="Engine name (default: the recipe's or the target's).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Engine directory (default engines/<name>).")
 @click.option("--precision", default=None,
-              help="fp32 | int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic, "
+              help="fp32 | int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic | "
+                   "fp8 (E4M3 QDQ by NVIDIA ModelOpt, for TensorRT), "
                    "for all graphs or per graph: 'target=int8,draft=fp32'.")
 @click.option("--calibration-prompts", type=int, default=None,
               help="Calibration-split prompts for int8/int8-trt (default 16).")
@@ -253,7 +254,8 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="New engine directory (the source engine is not modified; unchanged files are hard-linked).")
 @click.option("--precision", required=True,
-              help="int8 | int8-trt | int8-dynamic for all decoder graphs, or per graph: 'target=int8,draft=int8'.")
+              help="int8 | int8-trt | int8-dynamic | fp8 (ModelOpt, for TensorRT) for all decoder graphs, or per "
+                   "graph: 'target=int8,draft=int8'.")
 @click.option("--calibration", default=None,
               help="Tables from `calibrate-quant`: 'target=t.json,draft=d.json' (default: calibrate here).")
 @click.option("--calibration-prompts", type=int, default=16, show_default=True)

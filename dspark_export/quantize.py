@@ -608,7 +608,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         raise DSparkError(f"nothing to do: {src_dir} already has precision {precision!r} for every graph it holds")
     tok = Tokenizer(src_dir / m.tokenizer["dir"])
     calib_ids = None
-    if any(p in CALIBRATED and not (tables or {}).get(r) for r, p in plan.items()):
+    if any(p == "fp8" or (p in CALIBRATED and not (tables or {}).get(r)) for r, p in plan.items()):
         calib_ids = calibration_token_ids(tok, calibration_prompts)
     val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
                          if tok.chat_template else VALIDATION_TEXT)
