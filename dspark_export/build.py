@@ -27,13 +27,19 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import GraphSpec
 from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, GraphEntry, Manifest
 
-# fp32: the exported graph as is. int8-dynamic: ONNX Runtime dynamic quantization of the MatMul
-# weights (S8, per tensor; activations quantized at run time, no calibration data). Per-channel
-# weights were worse on the Qwen2.5-0.5B graph (argmax agreement with fp32 3% at prefill, against
-# 56% per tensor), so per tensor it is.
-# Later: static int8 with calibration, fp16 and fp8 for GPUs.
-PRECISIONS = ("fp32", "int8-dynamic")
+# fp32: the exported graph as is.
+# int8: static QDQ for ONNX Runtime CPU (U8 activations / S8 per-channel weights, calibrated on the
+#   calibration split; dspark_export.quantize). int8-trt: the same with symmetric S8/S8 for TensorRT.
+# int8-dynamic: ONNX Runtime dynamic quantization of the MatMul weights (S8, per tensor; activations
+#   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
+#   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
+# fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
+#   environment (dspark_export.fp8); the runtime refuses it on the CPU provider unless asked.
+PRECISIONS = ("fp32", "int8", "int8-trt", "int8-dynamic", "fp8")
+CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
+CALIBRATION_NOTE = ("calibration split (data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
+                    "mbpp, gsm8k, mbpp, math500 in turn)")
 VALIDATION_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -49,6 +55,7 @@ class Recipe:
     precision: str = "fp32"  # one for all graphs, or per graph: "target=fp32,draft=int8-dynamic"
     target_feature_layers: list = field(default_factory=list)
     draft_length: int = 5
+    calibration_prompts: int = 16  # calibration-split prompts for static quantization (int8, int8-trt)
 
     @staticmethod
     def from_file(path: str | Path) -> "Recipe":
@@ -60,7 +67,7 @@ class Recipe:
             return Recipe(**d)
         except (ValueError, TypeError) as e:
             raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
-                              "target_feature_layers, draft_length") from e
+                              "target_feature_layers, draft_length, calibration_prompts") from e
 
     def precision_for(self, role: str) -> str:
         """The precision of graph ``role`` ("target" or "draft"); raises DSparkError on a bad spec."""
@@ -73,7 +80,7 @@ class Recipe:
                 k, sep, v = item.partition("=")
                 if not sep or k.strip() not in ROLES:
                     raise DSparkError(f"precision {spec!r}: write one precision, or role=precision pairs "
-                                      "such as 'target=fp32,draft=int8-dynamic'")
+                                      "such as 'target=int8,draft=fp32'")
                 per[k.strip()] = v.strip()
             choice = per.get(role, "fp32")
         if choice not in PRECISIONS:
@@ -85,6 +92,8 @@ class Recipe:
             self.precision_for(role)
         if not isinstance(self.draft_length, int) or self.draft_length < 1:
             raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
+        if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:
+            raise DSparkError(f"calibration_prompts must be a positive integer, got {self.calibration_prompts!r}")
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -103,11 +112,14 @@ def resolve_model(name_or_path: str) -> Path:
                       f"({', '.join(sorted(fetch.MODELS))})")
 
 
-def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32") -> dict:
-    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config"}.
+def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
+                 calibration_ids=None) -> dict:
+    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
+    "quantization"}.
 
     The torch reference is computed first and the model freed before ONNX Runtime loads the
-    graph, so only one copy of the weights is in memory at a time.
+    graph, so only one copy of the weights is in memory at a time. ``calibration_ids``: token-id lists
+    of calibration-split prompts, needed for ``int8``/``int8-trt``.
     """
     import gc
 
@@ -121,13 +133,14 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
     del model
     gc.collect()
     # validation: {precision: report}, always with the fp32 graph's strict check
+    quantization = {}
     if precision == "fp32":
         validation = {"fp32": validate_decoder(ref, dims, out_path).to_json()}
     else:
         fp32_path = out_path.with_name(out_path.stem + ".fp32.onnx")
         _move_graph(out_path, fp32_path)
         validation = {"fp32": validate_decoder(ref, dims, fp32_path).to_json()}
-        quantize_graph(fp32_path, out_path, precision)
+        quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids)
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement
@@ -135,7 +148,8 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
     keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
             "tie_word_embeddings", "torch_dtype", "dtype")
-    return {"spec": spec.to_json(), "validation": validation, "config": {k: cfg[k] for k in keep if k in cfg}}
+    return {"spec": spec.to_json(), "validation": validation, "config": {k: cfg[k] for k in keep if k in cfg},
+            "quantization": quantization}
 
 
 def _move_graph(src: Path, dst: Path) -> None:
@@ -153,11 +167,47 @@ def _move_graph(src: Path, dst: Path) -> None:
     src.unlink()
 
 
-def quantize_graph(src: Path, dst: Path, precision: str) -> None:
-    """Quantize ``src`` into ``dst`` (+ ``dst.data``). ``int8-dynamic``: ONNX Runtime
-    ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor. Peak memory is about three
-    times the fp32 weights (measured on the 0.5B draft: see the issue notes); raises DSparkError
-    when that cannot fit in this machine's RAM."""
+def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
+                   exclude=None, log=print) -> dict:
+    """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
+    ``quantization`` record.
+
+    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.quantize.quantize_int8`), memory-bounded
+    (peak ≈ the largest weight plus the graph structure), with activation ranges from ``table`` (a
+    :class:`~dspark_export.quantize.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
+    lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
+    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.quantize.DEFAULT_EXCLUDE`).
+    ``fp8``: NVIDIA ModelOpt in its own environment (:func:`dspark_export.fp8.quantize_fp8`; needs
+    ``calibration_ids``; every weight MatMul unless ``exclude``).
+    ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
+    Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
+    DSparkError when that cannot fit in this machine's RAM.
+    """
+    if precision == "fp8":
+        from dspark_export.fp8 import quantize_fp8
+
+        if not calibration_ids or spec is None:
+            raise DSparkError("fp8 needs calibration prompts (token ids) and the graph spec")
+        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=() if exclude is None else tuple(exclude), log=log)
+        rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
+        return rep
+    if precision in CALIBRATED:
+        from dspark_export.quantize import DEFAULT_EXCLUDE, calibrate_graph, quantize_int8
+        from dspark_runtime.manifest import sha256_file
+
+        exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
+        if table is None:
+            if not calibration_ids or spec is None:
+                raise DSparkError(f"{precision} needs calibration data: token ids of calibration prompts and the "
+                                  "graph spec (or a table from `dspark-export calibrate-quant`)")
+            table = calibrate_graph(src, spec, calibration_ids, log=log,  # every weight MatMul: reusable table
+                                    prompts_note=CALIBRATION_NOTE + f"; first {len(calibration_ids)}")
+        elif table.graph_sha256 and table.graph_sha256 != sha256_file(src):
+            raise DSparkError(f"the calibration table was measured on another graph than {src} (sha256 "
+                              f"{table.graph_sha256[:12]}...); run `dspark-export calibrate-quant` on this engine")
+        rep = quantize_int8(src, dst, table, precision, exclude=exclude, log=log)
+        return {**rep, "calibration": table.summary(),
+                "calibration_run": {"seconds": table.seconds, "peak_rss_gb": table.peak_rss_gb}}
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     if precision != "int8-dynamic":
@@ -166,8 +216,8 @@ def quantize_graph(src: Path, dst: Path, precision: str) -> None:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if 3 * weights > 0.9 * total:
         raise DSparkError(f"quantizing {src.name} needs ~{3 * weights / 2**30:.0f} GiB RAM (3x its weights) but this "
-                          f"machine has {total / 2**30:.0f} GiB; quantize only the draft ('draft=int8-dynamic') "
-                          "or build on a larger machine")
+                          f"machine has {total / 2**30:.0f} GiB; use the memory-bounded static 'int8' instead, or "
+                          "build on a larger machine")
     t0 = time.perf_counter()
     quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=False,
                      weight_type=QuantType.QInt8, use_external_data_format=True)
@@ -178,15 +228,17 @@ def quantize_graph(src: Path, dst: Path, precision: str) -> None:
         m = onnx.load(str(dst))
         onnx.save_model(m, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data.name, size_threshold=0)
-    print(f"  quantized {dst.name} ({precision}) in {time.perf_counter() - t0:.1f}s")
+    log(f"  quantized {dst.name} ({precision}) in {time.perf_counter() - t0:.1f}s")
+    return {"precision": precision, "method": "ONNX Runtime quantize_dynamic (MatMul weights S8 per tensor, "
+            "activations quantized at run time; no calibration data)"}
 
 
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
-                           precision: str = "fp32") -> dict:
+                           precision: str = "fp32", calibration_ids=None) -> dict:
     """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
     args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
                        "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
-                       "precision": precision})
+                       "precision": precision, "calibration_ids": calibration_ids})
     result_path = out_path.with_suffix(".export.json")
     proc = subprocess.run([sys.executable, "-m", "dspark_export.build", args, str(result_path)])
     if proc.returncode != 0 or not result_path.is_file():
@@ -280,6 +332,11 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
     tok = Tokenizer(out_dir / "tokenizer")
     val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
                          if tok.chat_template else VALIDATION_TEXT)
+    calib_ids = None
+    if any(recipe.precision_for(r) in CALIBRATED for r in ROLES):
+        from dspark_export.quantize import calibration_token_ids
+
+        calib_ids = calibration_token_ids(tok, recipe.calibration_prompts)
     graphs = {}
     jobs = [("target", target_dir, recipe.target_feature_layers)]
     if draft_dir is not None:
@@ -288,7 +345,8 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
         log(f"[{role}] exporting {mdir} -> {out_dir / (role + '.onnx')}")
         fn = _export_graph_isolated if isolate else export_graph
         precision = recipe.precision_for(role)
-        res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids, precision)
+        res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids, precision,
+                 calib_ids if precision in CALIBRATED else None)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
@@ -298,7 +356,7 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
         graphs[role] = GraphEntry(role=role, model_id=str(recipe.target if role == "target" else recipe.draft),
                                   format="onnx", precision=precision, files=files,
                                   spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
-                                  model_config=res["config"])
+                                  model_config=res["config"], quantization=res.get("quantization", {}))
     manifest = Manifest(
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,
         speculation={"draft_graph": "draft" if draft_dir else None, "draft_length": recipe.draft_length},
@@ -416,7 +474,7 @@ if __name__ == "__main__":  # worker for _export_graph_isolated
     a = json.loads(sys.argv[1])
     try:
         r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
-                         a.get("precision", "fp32"))
+                         a.get("precision", "fp32"), a.get("calibration_ids"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -46,14 +46,19 @@ def list_models():
 @click.option("--name", help="Engine name (default: the recipe's or the target's).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Engine directory (default engines/<name>).")
 @click.option("--precision", default=None,
-              help="fp32 | int8-dynamic, for all graphs or per graph: 'target=fp32,draft=int8-dynamic'.")
+              help="fp32 | int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic | "
+                   "fp8 (E4M3 QDQ by NVIDIA ModelOpt, for TensorRT), "
+                   "for all graphs or per graph: 'target=int8,draft=fp32'.")
+@click.option("--calibration-prompts", type=int, default=None,
+              help="Calibration-split prompts for int8/int8-trt (default 16).")
 @click.option("--feature-layers", default=None, help="Target layers whose hidden states the graph outputs, e.g. 1,13,25.")
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
 @click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
-def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft_length, in_process, engine_format):
+def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
+          in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (engines/<name>.json) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
 
@@ -71,6 +76,8 @@ def build(recipe, target, draft, name, out_dir, precision, feature_layers, draft
         r.name = name
     if precision:
         r.precision = precision
+    if calibration_prompts is not None:
+        r.calibration_prompts = calibration_prompts
     if draft_length is not None:
         r.draft_length = draft_length
     if feature_layers is not None:
@@ -275,6 +282,111 @@ def pack(engine_dir, out, compress_level):
     out = out or Path(f"{load_manifest(engine_dir, verify=False).name}.tar.gz")
     r = _pack(engine_dir, out, compresslevel=compress_level)
     click.echo(f"{r['path']}: {r['files']} files, {r['bytes'] / 2**20:.1f} MiB, sha256 {r['sha256']}")
+
+
+def _role_option(value, what):
+    """'role=path,...' -> {role: path}; one bare path means the target's."""
+    if not value:
+        return {}
+    if "=" not in value:
+        return {"target": value}
+    out = {}
+    for item in value.split(","):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in ("target", "draft"):
+            raise DSparkError(f"{what} {value!r}: write role=path pairs such as 'target=t.json,draft=d.json'")
+        out[k.strip()] = v.strip()
+    return out
+
+
+@cli.command("calibrate-quant")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--role", type=click.Choice(["target", "draft"]), default="target", show_default=True,
+              help="Which fp32 decoder graph of the engine to calibrate.")
+@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), required=True,
+              help="Calibration table to write (JSON: activation ranges, data id, steps).")
+@click.option("--prompts", "n_prompts", type=int, default=16, show_default=True,
+              help="Calibration-split prompts (never evaluation prompts), each cut to 256 tokens.")
+@click.option("--verify-len", type=int, default=8, show_default=True,
+              help="Greedy decode steps per prompt, then the same tokens as one verify chunk.")
+def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
+    """Measure the activation ranges of ENGINE_DIR's fp32 graph ROLE for static INT8 quantization:
+    prefill, decode (q=1) and verify (q=verify-len) steps over calibration-split prompts (MinMax), for the
+    inputs of every weight MatMul (so the table serves any --exclude).
+    The table is reused by `dspark-export quantize --calibration`."""
+    from dspark_export.build import CALIBRATION_NOTE
+    from dspark_export.quantize import calibrate_graph, calibration_token_ids
+    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.tokenizer import Tokenizer
+
+    m = load_manifest(engine_dir)
+    g = m.graphs.get(role)
+    if g is None or g.precision != "fp32" or g.spec.kind != "causal_lm":
+        raise DSparkError(f"{engine_dir} has no fp32 decoder graph {role!r} to calibrate")
+    ids = calibration_token_ids(Tokenizer(Path(engine_dir) / m.tokenizer["dir"]), n_prompts)
+    tab = calibrate_graph(Path(engine_dir) / g.model_file, g.spec, ids, verify_len=verify_len,
+                          prompts_note=CALIBRATION_NOTE + f"; first {len(ids)}",
+                          log=click.echo)
+    tab.save(out_path)
+    click.echo(f"{out_path}: {len(tab.ranges)} activation ranges, data id {tab.data_id[:16]}..., "
+               f"{len(tab.steps)} steps in {tab.seconds:.0f} s, peak RSS {tab.peak_rss_gb:.2f} GiB")
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="New engine directory (the source engine is not modified; unchanged files are hard-linked).")
+@click.option("--precision", required=True,
+              help="int8 | int8-trt | int8-dynamic | fp8 (ModelOpt, for TensorRT) for all decoder graphs, or per "
+                   "graph: 'target=int8,draft=int8'.")
+@click.option("--calibration", default=None,
+              help="Tables from `calibrate-quant`: 'target=t.json,draft=d.json' (default: calibrate here).")
+@click.option("--calibration-prompts", type=int, default=16, show_default=True)
+@click.option("--exclude", default=None,
+              help="Comma-separated regular expressions of modules kept fp32 (e.g. 'down_proj,lm_head'); "
+                   "default: the built-in list (dspark_export.quantize.DEFAULT_EXCLUDE). '' quantizes all.")
+def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude):
+    """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
+    from dspark_export.quantize import CalibrationTable, quantize_engine
+
+    tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
+    excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]
+    quantize_engine(engine_dir, out_dir, precision, calibration_prompts=calibration_prompts, tables=tables,
+                    exclude=excl, log=click.echo)
+
+
+@cli.command()
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--humaneval", type=int, default=4, show_default=True, help="Evaluation-split prompts per set.")
+@click.option("--mbpp", type=int, default=4, show_default=True)
+@click.option("--gsm8k", type=int, default=2, show_default=True)
+@click.option("--mt-bench", "mt_bench", type=int, default=2, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--draft", default="lm", show_default=True,
+              help="Drafter both engines speculate with for tau (lm, dspark, ngram; 'none' skips speculation).")
+@click.option("--draft-length", type=int, default=None, help="Draft tokens per round (default: the engine's).")
+@click.option("--threads", type=int, default=None)
+@click.option("--interleave", is_flag=True,
+              help="Load both engines and alternate them per prompt (fairer timing; both engines' memory).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the report here.")
+def compare(reference, candidate, humaneval, mbpp, gsm8k, mt_bench, max_new_tokens, draft, draft_length, threads,
+            interleave, json_path):
+    """Agreement of engine CANDIDATE (e.g. int8) with engine REFERENCE (e.g. fp32) on held-out prompts:
+    top-1 agreement and relative L2 of the target's logits, greedy token agreement, tau with the same
+    drafter, per-token latency of both, and whether speculative output equals each engine's target-only output."""
+    import json as _json
+
+    from dspark_export.agreement import compare_engines, format_report
+
+    rep = compare_engines(reference, candidate, counts={"humaneval": humaneval, "mbpp": mbpp, "gsm8k": gsm8k,
+                                                        "mt-bench": mt_bench},
+                          max_new_tokens=max_new_tokens, draft=None if draft == "none" else draft,
+                          draft_length=draft_length, threads=threads, interleave=interleave, log=click.echo)
+    click.echo(format_report(rep))
+    if json_path:
+        Path(json_path).write_text(_json.dumps(rep, indent=1) + "\n")
+        click.echo(f"wrote {json_path}")
 
 
 def main(argv=None):

@@ -29,6 +29,33 @@ class StepOutput:
     kv: list
 
 
+# Precisions built for GPUs. ONNX Runtime's CPU provider executes them correctly but slowly, so running
+# one there must be asked for explicitly (allow_slow_precision=True).
+GPU_PRECISIONS = {
+    "fp8": "FP8 (E4M3) QDQ is built for TensorRT on GPUs of compute capability >= 8.9; ONNX Runtime's CPU "
+           "provider has no FP8 matrix kernels and dequantizes every weight to float32 at every step, "
+           "6-10x slower than the fp32 graph",
+    "fp16": "fp16 graphs are built for GPUs; ONNX Runtime's CPU provider has few fp16 kernels and runs them "
+            "through float32 casts, slower than the fp32 graph",
+}
+GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "NvTensorRTRTXExecutionProvider")
+
+
+def check_precision_for_providers(precision: str, providers, allow_slow_precision: bool = False,
+                                  what: str = "graph") -> None:
+    """Refuse a GPU-only precision (``fp8``, ``fp16``) on ONNX Runtime's CPU provider.
+
+    Raises DSparkError saying why and how to proceed, unless a GPU provider is listed first or
+    ``allow_slow_precision``.
+    """
+    why = GPU_PRECISIONS.get(precision)
+    if why is None or allow_slow_precision or (providers and providers[0] in GPU_PROVIDERS):
+        return
+    raise DSparkError(f"{what} is {precision}: {why}. Run it on a GPU execution provider, use an fp32 or int8 "
+                      "engine on this CPU, or pass allow_slow_precision=True (`dspark generate "
+                      "--allow-slow-precision`) to run it on the CPU anyway")
+
+
 class OrtDecoder:
     """Runs a ``causal_lm`` graph (growing KV layout) with ONNX Runtime.
 
@@ -37,13 +64,19 @@ class OrtDecoder:
         spec: the GraphSpec recorded in the manifest.
         threads: intra-op threads (the machine's physical cores is a good default).
         providers: ONNX Runtime execution providers, default ``["CPUExecutionProvider"]``.
+        precision: the graph's precision from the manifest ("fp32", "int8", "fp8", ...).
+        allow_slow_precision: run an ``fp8``/``fp16`` graph on the CPU provider anyway; otherwise
+            ``activate`` raises DSparkError saying why (see :func:`check_precision_for_providers`).
     """
 
-    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None):
+    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
+                 precision: str = "fp32", allow_slow_precision: bool = False):
         self.path = Path(path)
         self.spec = spec
         self.threads = threads
         self.providers = list(providers or ["CPUExecutionProvider"])
+        self.precision = precision
+        self.allow_slow_precision = allow_slow_precision
         self.session = None
         self._past = past_names(spec.dims.num_layers)
         self._present = present_names(spec.dims.num_layers)
@@ -54,6 +87,8 @@ class OrtDecoder:
         """Create the inference session (loads weights). Idempotent."""
         if self.session is not None:
             return self
+        check_precision_for_providers(self.precision, self.providers, self.allow_slow_precision,
+                                      what=f"graph {self.path.name}")
         import onnxruntime as ort
 
         avail = set(ort.get_available_providers())

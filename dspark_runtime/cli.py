@@ -53,15 +53,19 @@ def cli():
               help="ort: ONNX Runtime. trt: the engine's TensorRT engines (capacity KV layout, CUDA graphs; NVIDIA GPU, "
                    "`dspark-export build-trt` first). Not yet verified on a GPU.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
+@click.option("--allow-slow-precision", is_flag=True,
+              help="Run fp8/fp16 graphs (built for GPUs) on ONNX Runtime's CPU provider anyway (6-10x slower than fp32).")
 @click.option("--profile-on-load", is_flag=True,
               help="Re-measure the engine's cost table on this machine before generating (for --draft-length "
                    "scheduled; about a minute for a 1.5B target); the manifest is not changed.")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             stop, raw, draft, no_speculation, as_json, threads, backend, stream, profile_on_load):
+             stop, raw, draft, no_speculation, as_json, threads, backend, stream, allow_slow_precision,
+             profile_on_load):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
-    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend)
+    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
+                      allow_slow_precision=allow_slow_precision)
     if profile_on_load:
         t = eng.profile()
         click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"

@@ -31,10 +31,10 @@ class OrtDSparkGraph(OrtDecoder):
     """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``; the
     session setup, providers check and ``empty_kv`` are :class:`OrtDecoder`'s)."""
 
-    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None):
+    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None, **kw):
         if spec.kind != "dspark_draft":
             raise DSparkError(f"{path}: graph kind {spec.kind!r} is not a DSpark drafter (dspark_draft)")
-        super().__init__(path, spec, threads=threads, providers=providers)
+        super().__init__(path, spec, threads=threads, providers=providers, **kw)
         self.block_size = next(t for t in spec.inputs if t.name == "block_positions").shape[1]
 
     def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):

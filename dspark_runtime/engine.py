@@ -37,7 +37,7 @@ class Engine:
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
-                 backend: str = "ort"):
+                 backend: str = "ort", allow_slow_precision: bool = False):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -45,7 +45,8 @@ class Engine:
         self.eos_ids = list(tok.get("eos_token_ids", []))
         self._backends = {
             key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
-                self.dir / g.model_file, g.spec, threads=threads, providers=providers)
+                self.dir / g.model_file, g.spec, threads=threads, providers=providers, precision=g.precision,
+                allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
         self.backend = backend
@@ -84,7 +85,8 @@ class Engine:
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
-             verify: bool = True, rehash: bool = False, backend: str = "ort") -> "Engine":
+             verify: bool = True, rehash: bool = False, backend: str = "ort",
+             allow_slow_precision: bool = False) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -92,6 +94,8 @@ class Engine:
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
         ``rehash``). ``backend``: "ort" (ONNX Runtime) or "trt" (the manifest's capacity-layout TensorRT
         engines for the target / draft LM; one sequence at a time: ``generate``, not ``batch``).
+        ``allow_slow_precision``: let fp8/fp16 graphs (built for GPUs) run on the CPU provider; without it
+        their first use raises DSparkError saying why.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -100,7 +104,7 @@ class Engine:
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                   backend)
+                   backend, allow_slow_precision)
 
     @property
     def has_draft(self) -> bool:

@@ -13,7 +13,8 @@ Schema version 1::
       "graphs": {
         "target": {"role": "target", "model_id": "...", "format": "onnx", "precision": "fp32",
                    "files": [FileEntry...], "spec": GraphSpec, "validation": {...},
-                   "model_config": {...}},
+                   "model_config": {...},
+                   "quantization": {...}},                # only for quantized graphs (int8, int8-trt, fp8)
         "draft": {... same, "role": "draft"}          # optional
       },
       "speculation": {"draft_graph": "draft", "draft_length": 5},
@@ -82,6 +83,9 @@ class GraphEntry:
     spec: GraphSpec
     validation: dict = field(default_factory=dict)
     model_config: dict = field(default_factory=dict)
+    # quantized graphs: how (method, settings, modules left in fp32) and on what calibration data
+    # ({"calibration": {"data_id": sha256 of the token ids fed, "method", "prompts", "steps"}, ...})
+    quantization: dict = field(default_factory=dict)
 
     @property
     def model_file(self) -> str:
@@ -92,6 +96,7 @@ class GraphEntry:
             "role": self.role, "model_id": self.model_id, "format": self.format,
             "precision": self.precision, "files": [f.to_json() for f in self.files],
             "spec": self.spec.to_json(), "validation": self.validation, "model_config": self.model_config,
+            **({"quantization": self.quantization} if self.quantization else {}),
         }
 
     @staticmethod
@@ -100,6 +105,7 @@ class GraphEntry:
             role=d["role"], model_id=d["model_id"], format=d["format"], precision=d["precision"],
             files=[FileEntry(**f) for f in d["files"]], spec=GraphSpec.from_json(d["spec"]),
             validation=d.get("validation", {}), model_config=d.get("model_config", {}),
+            quantization=d.get("quantization", {}),
         )
 
 

@@ -68,8 +68,8 @@ def test_precision_spec_parsing():
     assert r.precision_for("target") == "fp32" and r.precision_for("draft") == "int8-dynamic"
     assert Recipe(name="x", target="t", precision="int8-dynamic").precision_for("target") == "int8-dynamic"
     assert Recipe(name="x", target="t", precision="draft=int8-dynamic").precision_for("target") == "fp32"
-    with pytest.raises(DSparkError, match="not supported; choose one of fp32, int8-dynamic"):
-        Recipe(name="x", target="t", precision="fp8").validate()
+    with pytest.raises(DSparkError, match="not supported; choose one of fp32, int8, int8-trt, int8-dynamic, fp8"):
+        Recipe(name="x", target="t", precision="int4").validate()
     with pytest.raises(DSparkError, match="role=precision pairs"):
         Recipe(name="x", target="t", precision="verifier=fp32").validate()
 
