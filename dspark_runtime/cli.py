@@ -116,7 +116,10 @@ def info(engine_dir):
         click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB  layers={d.num_layers} "
                    f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
                    f"feature_layers={list(d.feature_layers)}")
-        for prec, v in g.validation.items():
+        reports = g.validation or {}
+        if reports and not all(isinstance(v, dict) for v in reports.values()):
+            reports = {g.precision: reports}  # engines built before validation was keyed by precision
+        for prec, v in reports.items():
             if "prefill_max_abs_logit_diff" in v:
                 click.echo(f"    validation {prec}: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e} "
                            f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "

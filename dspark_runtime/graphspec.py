@@ -157,43 +157,37 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
         return _causal_lm_capacity_spec(dims)
     if kv_layout != KV_LAYOUT_GROWING:
         raise ValueError(f"unknown KV layout {kv_layout!r}; choose one of {KV_LAYOUTS}")
-    kv_past = (BATCH, dims.num_kv_heads, PAST_LEN, dims.head_dim)
-    kv_total = (BATCH, dims.num_kv_heads, TOTAL_LEN, dims.head_dim)
-    inputs = [
-        TensorSpec("input_ids", "int64", (BATCH, Q_LEN)),
-        TensorSpec("position_ids", "int64", (BATCH, Q_LEN)),
-        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, TOTAL_LEN)),
-    ]
-    for k, v in past_names(dims.num_layers):
-        inputs += [TensorSpec(k, "float32", kv_past), TensorSpec(v, "float32", kv_past)]
-    outputs = [TensorSpec("logits", "float32", (BATCH, Q_LEN, dims.vocab_size))]
-    if dims.feature_layers:
-        outputs.append(
-            TensorSpec("features", "float32", (BATCH, Q_LEN, len(dims.feature_layers) * dims.hidden_size))
-        )
-    for k, v in present_names(dims.num_layers):
-        outputs += [TensorSpec(k, "float32", kv_total), TensorSpec(v, "float32", kv_total)]
-    return GraphSpec("causal_lm", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)
+    return _causal_lm_layout_spec(dims, KV_LAYOUT_GROWING, mask_len=TOTAL_LEN, cache_len=PAST_LEN,
+                                  out_len=TOTAL_LEN, out_names=present_names(dims.num_layers))
 
 
 def _causal_lm_capacity_spec(dims: DecoderDims) -> GraphSpec:
-    kv_cap = (BATCH, dims.num_kv_heads, CAPACITY, dims.head_dim)
-    kv_new = (BATCH, dims.num_kv_heads, Q_LEN, dims.head_dim)
+    return _causal_lm_layout_spec(dims, KV_LAYOUT_CAPACITY, mask_len=KV_LEN, cache_len=CAPACITY,
+                                  out_len=Q_LEN, out_names=new_names(dims.num_layers))
+
+
+def _causal_lm_layout_spec(dims: DecoderDims, layout: str, *, mask_len: str, cache_len: str, out_len: str,
+                           out_names) -> GraphSpec:
+    """The causal_lm interface of one KV layout: the cache inputs are [batch, kv_heads, cache_len, head_dim],
+    the mask [batch, 1, q_len, mask_len], the K/V outputs ``out_names`` [batch, kv_heads, out_len, head_dim]
+    (growing: the whole present cache; capacity: only the new positions)."""
+    kv_in = (BATCH, dims.num_kv_heads, cache_len, dims.head_dim)
+    kv_out = (BATCH, dims.num_kv_heads, out_len, dims.head_dim)
     inputs = [
         TensorSpec("input_ids", "int64", (BATCH, Q_LEN)),
         TensorSpec("position_ids", "int64", (BATCH, Q_LEN)),
-        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, KV_LEN)),
+        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, mask_len)),
     ]
     for k, v in past_names(dims.num_layers):
-        inputs += [TensorSpec(k, "float32", kv_cap), TensorSpec(v, "float32", kv_cap)]
+        inputs += [TensorSpec(k, "float32", kv_in), TensorSpec(v, "float32", kv_in)]
     outputs = [TensorSpec("logits", "float32", (BATCH, Q_LEN, dims.vocab_size))]
     if dims.feature_layers:
         outputs.append(
             TensorSpec("features", "float32", (BATCH, Q_LEN, len(dims.feature_layers) * dims.hidden_size))
         )
-    for k, v in new_names(dims.num_layers):
-        outputs += [TensorSpec(k, "float32", kv_new), TensorSpec(v, "float32", kv_new)]
-    return GraphSpec("causal_lm", KV_LAYOUT_CAPACITY, tuple(inputs), tuple(outputs), dims)
+    for k, v in out_names:
+        outputs += [TensorSpec(k, "float32", kv_out), TensorSpec(v, "float32", kv_out)]
+    return GraphSpec("causal_lm", layout, tuple(inputs), tuple(outputs), dims)
 
 
 # Axes whose size is the sum of other axes (plus a constant): profiles and buffer sizes derive them.

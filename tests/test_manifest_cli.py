@@ -95,6 +95,21 @@ def test_cli_info_is_readable(tiny_engine_dir):
     assert "validation fp32: max |dlogits| prefill" in r.stdout and "default draft length 4" in r.stdout
 
 
+def test_cli_info_reads_validation_of_older_manifests(tiny_engine_dir, tmp_path):
+    """Engines built before validation was keyed by precision hold one flat report per graph."""
+    import json
+    import shutil
+
+    d = tmp_path / "old"
+    shutil.copytree(tiny_engine_dir, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["graphs"]["target"]["validation"] = m["graphs"]["target"]["validation"]["fp32"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = run_cli("dspark_runtime.cli", "info", "--engine", str(d))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("validation fp32: max |dlogits| prefill") == 2  # the flat target report and the draft's
+
+
 def test_cli_missing_engine_dir(tmp_path):
     r = run_cli("dspark_runtime.cli", "generate", "--engine", str(tmp_path / "nope"), "--prompt", "hi")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
