@@ -69,7 +69,7 @@ class System:
       hf:     assistant (bool: --draft as ``assistant_model``), prompt_lookup_num_tokens (int),
               generate_kwargs (dict, passed to ``generate`` as is).
       dspark: draft (None | "lm" | "ngram" | any name ``Engine.generate(draft=)`` accepts),
-              draft_length (int | "auto"), engine (a directory overriding --engine).
+              draft_length (int | "auto" | "scheduled"), engine (a directory overriding --engine).
     """
 
     name: str
@@ -94,6 +94,10 @@ SYSTEMS = {s.name: s for s in [
     # the DSpark block drafter compiled beside the 0.5B draft (dspark-export add-draft; scripts/quickstart.sh)
     System("dspark-drafter", "dspark", {"draft": "dspark", "draft_length": 7},
            "DSpark runtime, DSpark drafter trained on this CPU, block 7"),
+    # per round n-gram lookup or the DSpark block, verify length by Algorithm 1 (needs `dspark-export calibrate`
+    # and `dspark-export profile` on the engine: router priors and the cost table)
+    System("dspark-router", "dspark", {"draft": "router", "draft_length": "scheduled"},
+           "DSpark runtime, router (n-gram lookup or DSpark drafter per round), scheduled verify length"),
 ]}
 REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
 
