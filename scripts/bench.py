@@ -177,11 +177,11 @@ def _sum_sources(rs) -> dict:
 
 
 def _parse_config(c: str):
-    """'none' | 'dspark:7' | 'dspark:t0.2' | 'dspark:scheduled' -> generate_batch keyword arguments."""
+    """'none' | 'dspark:7' | 'dspark:t0.2' | 'dspark:scheduled' | 'router:scheduled' (also lm, ngram) -> generate_batch kwargs."""
     name, _, ln = c.partition(":")
     if name == "none":
         return {"draft": None}
-    if name not in ("dspark", "lm", "ngram"):
+    if name not in ("dspark", "lm", "ngram", "router"):
         raise ValueError(f"unknown drafter {name!r} in config {c!r}")
     if ln == "scheduled":
         return {"draft": name, "draft_length": "scheduled"}
