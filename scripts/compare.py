@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Head-to-head comparison on one target: Hugging Face transformers (plain, assisted, prompt lookup)
 versus the DSpark runtime (target-only, draft LM, n-gram lookup), same held-out prompts, same
-max_new_tokens, greedy (or --temperature 1.0), in one run.
+max_new_tokens, greedy and/or sampled (``--temperature 0,1.0``: every system at each temperature, as
+its own variant ``name@T1``, all interleaved in one run).
 
 Prompts: the first N of the evaluation split (data/prompts/README.md) of each --datasets entry,
 first turn, each system's own rendering of the model's chat template (HF:
@@ -102,6 +103,23 @@ SYSTEMS = {s.name: s for s in [
 REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
 
 
+def variant_name(system: str, temperature: float) -> str:
+    """The key of one (system, temperature) pair: the system's name when greedy, else
+    ``name@T<temperature>`` (e.g. ``hf-assisted@T1``)."""
+    return system if temperature == 0 else f"{system}@T{temperature:g}"
+
+
+def split_variant(name: str) -> tuple:
+    """Inverse of :func:`variant_name`: ``"dspark-lm@T1"`` -> ``("dspark-lm", 1.0)``."""
+    base, sep, t = name.partition("@T")
+    return (base, float(t)) if sep else (name, 0.0)
+
+
+def reference_for(variant: str, ref: str) -> str:
+    """The reference a variant's ratios use: the same reference system at the same temperature."""
+    return variant_name(ref, split_variant(variant)[1])
+
+
 # --------------------------------------------------------------------------------------------
 # pure helpers (unit-tested in tests/test_compare_report.py)
 
@@ -161,15 +179,16 @@ def round_stats(rounds) -> dict:
             "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}
 
 
-def add_correctness(rows: list, greedy: bool) -> None:
-    """Set ``vs_<ref>`` on every row: None (identical), the first differing position, or absent
-    when the reference has no row for that prompt. Only meaningful greedy; sampled rows get
-    nothing."""
+def add_correctness(rows: list, greedy: bool = True) -> None:
+    """Set ``vs_<ref>`` on every greedy row: None (identical), the first differing position, or
+    absent when the reference has no row for that prompt. Only meaningful greedy: sampled variants
+    (``name@T...``) get nothing, and ``greedy=False`` (an old single-temperature sampled run)
+    checks nothing."""
     if not greedy:
         return
     ref = {(r["system"], r["key"]): r["token_ids"] for r in rows if r.get("token_ids") is not None}
     for r in rows:
-        if r.get("token_ids") is None:
+        if r.get("token_ids") is None or split_variant(r["system"])[1] != 0:
             continue
         for name in REFERENCES:
             other = ref.get((name, r["key"]))
@@ -218,13 +237,14 @@ def aggregate(rows: list) -> dict:
 
 def summarize(rows: list, systems: list, datasets: list) -> dict:
     """{"by_dataset": {ds: {system: agg}}, "all": {system: agg}} with ratios to hf and
-    dspark-target (same dataset) added as ``ratio_to_<ref>``."""
+    dspark-target (same dataset, same temperature: ``hf@T1`` for ``dspark-lm@T1``) added as
+    ``ratio_to_<ref>``."""
     def block(sel):
         res = {s: aggregate([r for r in sel if r["system"] == s]) for s in systems}
         for s, a in res.items():
             for ref in REFERENCES:
                 for key, name in (("tokens_per_second", "ratio"), ("e2e_tokens_per_second", "e2e_ratio")):
-                    base = res.get(ref, {}).get(key)
+                    base = res.get(reference_for(s, ref), {}).get(key)
                     if base and a.get(key):
                         a[f"{name}_to_{ref}"] = a[key] / base
         return res
@@ -287,7 +307,10 @@ def render_report(result: dict, plots: list | None = None) -> str:
     st, summ, rows = result["settings"], result["summary"], result["rows"]
     systems, datasets = st["systems"], st["datasets"]
     loads = worker_loads(result)
-    mode = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']} (seed {st['seed']} + prompt number)"
+    temps = st.get("temperatures", [st.get("temperature", 0.0)])
+    mode = ", ".join("greedy" if t == 0 else f"temperature {t:g} (variants `name@T{t:g}`, top-k/top-p off, seed "
+                     f"{st['seed']} + prompt number; ratios are to `hf@T{t:g}` / `dspark-target@T{t:g}`)"
+                     for t in temps)
     out = [f"# DSpark vs transformers on {st['target_name']}", "",
            f"Run {result.get('date', '?')} on {result.get('machine', '?')}; {st['threads']} threads "
            f"(torch.set_num_threads / ORT intra-op); load average at start {_la(result.get('loadavg_start'))}, "
@@ -314,10 +337,13 @@ def render_report(result: dict, plots: list | None = None) -> str:
         out += [f"## {ds}", "", table(summ["by_dataset"].get(ds, {}), systems), ""]
     divs = [r for r in rows if any(r.get(f"vs_{ref}") is not None for ref in REFERENCES if f"vs_{ref}" in r)]
     out += ["## Output identity", ""]
-    if st["temperature"] != 0:
+    greedy_variants = [v for v in systems if split_variant(v)[1] == 0]
+    if not greedy_variants:
         out.append("Sampled run: outputs are not expected to match; no identity check.")
     elif not divs:
-        out.append("Every system's output is token-for-token identical to `hf` and `dspark-target` on every prompt.")
+        out.append("Every greedy system's output is token-for-token identical to `hf` and `dspark-target` on every "
+                   "prompt." + (" Sampled variants are not compared token for token (different random streams)."
+                                if len(greedy_variants) < len(systems) else ""))
     else:
         out.append("| prompt | system | first diff vs hf | first diff vs dspark-target | new tokens |")
         out.append("|---|---|---:|---:|---:|")
@@ -363,7 +389,8 @@ def make_plots(result: dict, out_dir: Path) -> list:
     systems, datasets = st["systems"], st["datasets"]
     names = []
     # 1. tokens/s per system per dataset (decode, and end to end)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(2, 1, figsize=(max(10.0, 0.9 * len(datasets + ["all"]) * len(systems) / 3), 7),
+                             sharey=True)
     w = 0.8 / max(1, len(systems))
     groups = datasets + ["all"]
     for ax, key, title in zip(axes, ("tokens_per_second", "e2e_tokens_per_second"), ("decode", "end to end")):
@@ -694,7 +721,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=3, help="prompts per dataset (first N of its evaluation split)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of: {', '.join(SYSTEMS)}")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 1.0 to sample")
+    ap.add_argument("--temperature", default="0", help="comma list; 0 = greedy (default); '0,1.0' runs every "
+                    "system greedy and at temperature 1.0 (variant name@T1) interleaved in one run")
+    ap.add_argument("--sampled-systems", default=None, help="comma list: the systems to run at the non-zero "
+                    "temperatures (default: all of --systems)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed base (prompt number added)")
     ap.add_argument("--chunk", type=int, default=4, help="prompts per worker process (interleaving granularity)")
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
@@ -711,7 +741,7 @@ def main(argv=None) -> int:
     if a.report_only:
         result = json.loads((out_dir / "compare.json").read_text())
         st = result["settings"]
-        add_correctness(result["rows"], greedy=st["temperature"] == 0)
+        add_correctness(result["rows"], greedy="temperatures" in st or st.get("temperature", 0) == 0)
         result["summary"] = summarize(result["rows"], st["systems"], st["datasets"])
         write_outputs(result, out_dir, final=True)
         print(f"wrote {out_dir / 'REPORT.md'}")
@@ -721,6 +751,18 @@ def main(argv=None) -> int:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         ap.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    try:
+        temps = [float(t) for t in a.temperature.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--temperature {a.temperature!r}: give numbers, e.g. 0 or 0,1.0")
+    if not temps or any(t < 0 for t in temps) or len(set(temps)) != len(temps):
+        ap.error(f"--temperature {a.temperature!r}: give distinct temperatures >= 0, e.g. 0 or 0,1.0")
+    sampled = ([s.strip() for s in a.sampled_systems.split(",") if s.strip()] if a.sampled_systems
+               else list(systems))
+    bad = [s for s in sampled if s not in systems]
+    if bad:
+        ap.error(f"--sampled-systems {bad} are not in --systems")
+    variants = [variant_name(s, t) for t in temps for s in (systems if t == 0 else sampled)]
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     bad = [d for d in datasets if d not in EVAL_START]
     if bad:
@@ -729,10 +771,11 @@ def main(argv=None) -> int:
         ap.error("--n, --max-new-tokens and --chunk must be >= 1")
     target = resolve_model(a.target)
     draft = resolve_model(a.draft) if "hf-assisted" in systems else None
+    base_systems, systems = systems, variants
     engine = Path(a.engine).resolve()
     if not (engine / "manifest.json").is_file():
         raise SystemExit(f"error: {engine} is not an engine directory (no manifest.json); build it first")
-    specs = {s: dict(SYSTEMS[s].options) for s in systems}
+    specs = {s: dict(SYSTEMS[s].options) for s in base_systems}
     if a.lm_draft_length and "dspark-lm" in specs:
         specs["dspark-lm"]["draft_length"] = a.lm_draft_length
     if a.ngram_draft_length and "dspark-ngram" in specs:
@@ -745,10 +788,10 @@ def main(argv=None) -> int:
                for k, (ds, i, text) in enumerate(jobs)]
     settings = {"target": str(target), "target_name": target.name, "draft": str(draft) if draft else None,
                 "draft_name": draft.name if draft else Path(a.draft).name, "engine": str(a.engine),
-                "datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+                "datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "temperatures": temps,
                 "seed": a.seed, "chunk": a.chunk, "threads": a.threads, "systems": systems,
                 "system_options": specs, "split": "evaluation (data/prompts/README.md)",
-                "descriptions": {s: SYSTEMS[s].description for s in systems}}
+                "descriptions": {s: SYSTEMS[s].description for s in base_systems}}
     result = {"command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
               else shlex.join(["compare.py", *argv]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(), "settings": settings,
@@ -760,7 +803,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="dspark-compare-"))
     base = {"target": str(target), "draft": str(draft) if draft else None, "engine": str(engine),
-            "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "threads": a.threads}
+            "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "threads": a.threads}
 
     # preflight: identical prompt ids from both chat-template implementations
     print(f"{len(prompts)} prompts x {len(systems)} systems; preflight: prompt token ids (HF vs DSpark)", file=sys.stderr)
@@ -788,11 +831,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for c, chunk in enumerate(chunks):
         for s in rotate(systems, c):
-            sysdef = SYSTEMS[s]
+            name, temp = split_variant(s)
+            sysdef = SYSTEMS[name]
             print(f"[chunk {c + 1}/{len(chunks)}] {s}: {len(chunk)} prompts "
                   f"({time.perf_counter() - t_start:.0f} s elapsed)", file=sys.stderr, flush=True)
-            rows, meta, err = run_worker({**base, "system": s, "backend": sysdef.backend, "options": specs[s],
-                                          "prompts": chunk}, tmp, f"c{c}-{s}")
+            rows, meta, err = run_worker({**base, "system": s, "backend": sysdef.backend, "options": specs[name],
+                                          "temperature": temp, "prompts": chunk}, tmp, f"c{c}-{s}")
             for r in rows:
                 r["peak_rss_mb"] = meta.get("peak_rss_mb")
             done = {r["key"] for r in rows}
@@ -807,7 +851,7 @@ def main(argv=None) -> int:
             write_outputs(result, out_dir, final=False)  # partial results survive a crash
     result["wall_s"] = time.perf_counter() - t_start
 
-    add_correctness(result["rows"], greedy=a.temperature == 0)
+    add_correctness(result["rows"])
     result["summary"] = summarize(result["rows"], systems, datasets)
     result["loadavg_end"] = loadavg()
     write_outputs(result, out_dir, final=True)

@@ -145,3 +145,27 @@ def test_markdown_tables(cmp, rows):
     assert "dspark-ngram gsm8k[0]: worker exited 1: boom" in rep
     assert "![tokens_per_second.png](tokens_per_second.png)" in rep
     assert "identical ids for all 2 prompts" in rep
+
+
+def test_temperature_variants(cmp, rows):
+    assert cmp.variant_name("hf", 0.0) == "hf"
+    assert cmp.variant_name("dspark-lm", 1.0) == "dspark-lm@T1"
+    assert cmp.variant_name("hf", 0.7) == "hf@T0.7"
+    assert cmp.split_variant("dspark-lm@T1") == ("dspark-lm", 1.0)
+    assert cmp.split_variant("hf-assisted") == ("hf-assisted", 0.0)
+    assert cmp.reference_for("dspark-lm@T1", "hf") == "hf@T1"
+    assert cmp.reference_for("dspark-lm", "hf") == "hf"
+    # sampled variants: different tokens than greedy hf, never compared token for token; their ratios
+    # are to hf at the same temperature (hf@T1 at 1 tok/s here), not to greedy hf (2 tok/s on humaneval)
+    rows += [_row("hf@T1", "humaneval", 0, [9, 9, 9], 1.0),
+             _row("dspark-lm@T1", "humaneval", 0, [8, 8, 8], 3.0, tau=1.5, rounds=2, proposed=4, accepted=1,
+                  tries=[2, 2], hits=[1, 0])]
+    cmp.add_correctness(rows)
+    assert not any(k.startswith("vs_") for r in rows if "@T" in r["system"] for k in r)
+    assert next(r for r in rows if r["system"] == "dspark-lm" and r["dataset"] == "gsm8k")["vs_hf"] == 2
+    variants = SYSTEMS + ["hf@T1", "dspark-lm@T1"]
+    he = cmp.summarize(rows, variants, ["humaneval", "gsm8k"])["by_dataset"]["humaneval"]
+    assert he["dspark-lm@T1"]["ratio_to_hf"] == pytest.approx(3.0)
+    assert "ratio_to_dspark-target" not in he["dspark-lm@T1"]  # no dspark-target@T1 in this run
+    assert he["dspark-lm"]["ratio_to_hf"] == pytest.approx(4.0)
+    assert "identical_to_hf" not in he["dspark-lm@T1"]
