@@ -165,8 +165,9 @@ def unpack(tarball, dest):
               help="Most requests decoding at once (one packed verify pass per round for all of them).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests accepted beyond --max-batch, waiting for a slot; more are answered 429.")
-@click.option("--draft", type=click.Choice(["auto", "dspark", "lm", "ngram", "none"]), default="auto",
-              show_default=True, help="Drafter (auto: DSpark, else the draft LM, else n-gram); none = target-only.")
+@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram", "none"]), default="auto",
+              show_default=True, help="Drafter (auto: the router — n-gram lookup or the DSpark drafter per request "
+              "and round — on an engine with a DSpark drafter, else the draft LM, else n-gram); none = target-only.")
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'scheduled' (DSpark + cost table).")
 @click.option("--draft-confidence", type=float, default=None, help="Static confidence threshold (see generate).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")

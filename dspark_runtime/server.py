@@ -511,8 +511,9 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     """The FastAPI app serving ``engine`` (a loaded :class:`~dspark_runtime.engine.Engine`).
 
     Args:
-        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto": the engine's
-            DSpark drafter, else its draft LM, else n-gram lookup; None/"none": target-only).
+        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto": the router — per
+            request and round n-gram lookup or the DSpark drafter — on an engine with a DSpark drafter, else its
+            draft LM, else n-gram lookup; None/"none": target-only).
         max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
         max_context: prompt + max_tokens limit; default: the manifest's ``max_position_embeddings``
             (else 4096).

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gsm8k", type=int, default=0)
     ap.add_argument("--mbpp", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--draft-length", default=None, help="gamma, or 'auto'")
+    ap.add_argument("--draft-length", default=None, help="gamma for every drafter without its own (an integer >= 1), "
+                    "'auto' or 'scheduled' (Algorithm 1; needs `dspark-export profile` on the engine)")
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="end a draft block after the first draft token below this probability")
     ap.add_argument("--draft", default="lm",
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
                          "gamma N, dspark:tP = static survival threshold P, dspark:scheduled = Algorithm 1")
     ap.add_argument("--repeats", type=int, default=1, help="batched mode: runs of every (concurrency, config)")
     a = ap.parse_args(argv)
+    if a.draft_length not in (None, "auto", "scheduled") and not (a.draft_length.isdigit() and int(a.draft_length) >= 1):
+        ap.error(f"--draft-length {a.draft_length!r}: give an integer >= 1, 'auto' or 'scheduled'")
     if a.concurrency:
         return concurrency_main(a)
 
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dl = a.draft_length if a.draft_length in (None, "auto") else int(a.draft_length)
+    dl = a.draft_length if a.draft_length in (None, "auto", "scheduled") else int(a.draft_length)
     jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                   ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
     drafters = [d.strip() for d in a.draft.split(",") if d.strip()]

@@ -353,6 +353,8 @@ def render_report(result: dict, plots: list | None = None) -> str:
     errs = [r for r in rows if r.get("error")]
     if errs:
         out += ["", "## Failures", ""] + [f"- {r['system']} {r['key']}: {r['error']}" for r in errs]
+    if result.get("notes"):  # the analysis written after the run (--report-only --notes FILE)
+        out += ["", result["notes"].strip()]
     if plots:
         out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     out += ["", "## How to read it", "",
@@ -733,6 +735,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pld-tokens", type=int, default=None, help="override hf-pld prompt_lookup_num_tokens (10)")
     ap.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "compare"))
     ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md + plots from --out-dir/compare.json")
+    ap.add_argument("--notes", default=None, help="with --report-only: a markdown file (the analysis of the run) "
+                    "stored in compare.json and placed in REPORT.md after the tables")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -740,6 +744,8 @@ def main(argv=None) -> int:
     out_dir = Path(a.out_dir)
     if a.report_only:
         result = json.loads((out_dir / "compare.json").read_text())
+        if a.notes:
+            result["notes"] = Path(a.notes).read_text()
         st = result["settings"]
         add_correctness(result["rows"], greedy="temperatures" in st or st.get("temperature", 0) == 0)
         result["summary"] = summarize(result["rows"], st["systems"], st["datasets"])

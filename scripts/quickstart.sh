@@ -17,5 +17,11 @@ if ! grep -q '"dspark_draft"' engines/qwen2.5-coder-1.5b/manifest.json; then
   .venv/bin/dspark-export add-draft engines/qwen2.5-coder-1.5b engines/drafters/qwen2.5-coder-1.5b-dspark \
     --target qwen2.5-coder-1.5b-instruct
 fi
+# the round cost table of this machine (about a minute): scheduled verify lengths and the router need it
+if ! grep -q '"cost_table"' engines/qwen2.5-coder-1.5b/manifest.json; then
+  .venv/bin/dspark-export profile engines/qwen2.5-coder-1.5b --max-tokens 20
+fi
+# target-only vs: the 0.5B draft LM (gamma 3), and the router (per round n-gram lookup or the DSpark drafter,
+# verify length by the paper's Algorithm 1) -- the two best single-request configurations on a CPU
 .venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
-  --draft lm,dspark --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json
+  --draft lm:3,router:scheduled --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json
