@@ -161,6 +161,67 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
     return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0}
 
 
+def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int = 256, max_batch: int = 8,
+                            group: int = 32, limit: int | None = None, time_budget_s: float | None = None,
+                            threads: int = 2, n_sharegpt: int = 2000, max_prompt_tokens: int = 768,
+                            log=print) -> dict:
+    """Greedy answers of the target to training prompts through a built DSpark engine's own graph
+    (:meth:`dspark_runtime.Engine.generate_batch`, target-only, continuous batching), appended to ``out``
+    in the same JSONL format as :func:`generate_answers` (``key``, ``source``, ``ids`` = prompt + answer,
+    the end-of-sequence token kept; ``prompt_len``).
+
+    On a 2-core CPU the batched ONNX Runtime target decodes about 16 tokens/s at 8 requests, against
+    5.8 tokens/s for transformers ``generate`` at batch 24 (stop 12 and 11 measurements), so this is the
+    path ``dspark-export train-draft --engine`` uses. The engine's chat template gives the same prompt
+    ids as transformers' (checked by ``scripts/compare.py``'s preflight).
+
+    Args:
+        engine_dir: engine directory of the target (``dspark-export build``).
+        out: JSONL file; keys already in it are skipped (resumable); written after every group.
+        max_new_tokens: answer length cap per prompt.
+        max_batch: requests decoding at once; group: prompts submitted per ``generate_batch`` call
+            (a time budget is checked between groups).
+        limit: stop after this many prompts in total (done + new); time_budget_s: stop starting groups
+            after this many seconds; max_prompt_tokens: longer prompts are skipped.
+    Returns:
+        {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time}.
+    Raises:
+        DSparkError (from ``Engine.load``) when ``engine_dir`` is not a valid engine.
+    """
+    from dspark_runtime import Engine
+
+    eng = Engine.load(engine_dir, threads=threads)
+    prompts = training_prompt_list(n_sharegpt)
+    done = done_keys(out)
+    todo = [p for p in prompts if p[1] not in done]
+    if limit is not None:
+        todo = todo[:max(0, limit - len(done))]
+    t0, new_tokens = time.perf_counter(), 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for c in range(0, len(todo), group):
+            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                break
+            block = [(src, key, text, eng.encode_prompt(text)) for src, key, text in todo[c:c + group]]
+            block = [b for b in block if len(b[3]) <= max_prompt_tokens]
+            if not block:
+                continue
+            tb = time.perf_counter()
+            res = eng.generate_batch([text for _, _, text, _ in block], max_new_tokens=max_new_tokens, draft=None,
+                                     max_batch=max_batch)
+            n_group = 0
+            for (src, key, _, ids), r in zip(block, res):
+                f.write(json.dumps({"key": key, "source": src, "ids": list(ids) + list(r.token_ids),
+                                    "prompt_len": len(ids)}) + "\n")
+                n_group += len(r.token_ids)
+            f.flush()
+            new_tokens += n_group
+            dt = time.perf_counter() - tb
+            log(f"[answers] +{len(block)} prompts, {n_group} tokens in {dt:.0f} s ({n_group / dt:.1f} tok/s); "
+                f"total new {new_tokens} in {time.perf_counter() - t0:.0f} s")
+    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0}
+
+
 def main(argv=None) -> None:
     import argparse
 

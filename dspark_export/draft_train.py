@@ -551,7 +551,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path, p: Pip
     import torch
     from transformers import AutoTokenizer
 
-    from .draft_data import generate_answers
+    from .draft_data import generate_answers, generate_answers_engine
     from .draft_graph import target_frozen_weights
     from .dspark_model import DSparkDrafter, qwen2_draft_config
 
@@ -560,9 +560,14 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path, p: Pip
     t0 = time.perf_counter()
     answers = work_dir / "answers.jsonl"
     if not skip_answers and p.answers_budget_s > 0:
-        log(f"[1/4] target answers to training prompts -> {answers} (budget {p.answers_budget_s:.0f} s)")
-        generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens, batch_size=p.answer_batch,
-                         time_budget_s=p.answers_budget_s)
+        log(f"[1/4] target answers to training prompts -> {answers} (budget {p.answers_budget_s:.0f} s"
+            f"{', batched through the engine' if engine_dir is not None else ', transformers generate'})")
+        if engine_dir is not None:  # ~3x faster on a CPU: the engine's batched target-only decoding
+            generate_answers_engine(engine_dir, answers, max_new_tokens=p.answer_tokens, max_batch=p.answer_batch,
+                                    time_budget_s=p.answers_budget_s, log=log)
+        else:
+            generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens, batch_size=p.answer_batch,
+                             time_budget_s=p.answers_budget_s)
     tok = AutoTokenizer.from_pretrained(target_dir)
     feat_dir = work_dir / "features"
     seq_file = work_dir / "sequences.npz"

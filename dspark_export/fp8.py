@@ -121,14 +121,24 @@ def quantize_fp8(src: Path, dst: Path, spec, calibration_ids: list, *, exclude=(
     t0 = time.perf_counter()
     targets, skipped = quant_targets(onnx.load(str(src), load_external_data=False), exclude)
     with tempfile.TemporaryDirectory(prefix="dspark-fp8-", dir=dst.parent) as tmp:
-        tmp = Path(tmp)
+        tmp = Path(tmp).resolve()  # absolute: the worker runs with cwd=tmp (a relative -o path broke it)
         feeds = []
         table = calibrate_graph(src, spec, calibration_ids, verify_len=verify_len, exclude=exclude,
                                 on_feeds=lambda f: feeds.append({k: np.array(v) for k, v in f.items()}), log=log)
         np.savez(tmp / "feeds.npz", **{f"{i}/{k}": v for i, f in enumerate(feeds) for k, v in f.items()})
         del feeds
         out = tmp / dst.name
-        (tmp / "args.json").write_text(json.dumps({"src": str(src.resolve()), "dst": str(out), "nodes": [
+        model_src = src.resolve()
+        data = model_src.with_name(model_src.name + ".data")
+        if data.is_file() and data.stat().st_nlink > 1:
+            # onnx >= 1.18 refuses external data with several hard links ("potential hardlink attack"), and
+            # `dspark-export quantize` hard-links unchanged graphs between engines: hand ModelOpt a private copy
+            log(f"  {data.name} has {data.stat().st_nlink} hard links (shared with another engine); ModelOpt gets a copy")
+            model_src = tmp / "src" / model_src.name
+            model_src.parent.mkdir()
+            shutil.copyfile(src.resolve(), model_src)
+            shutil.copyfile(data, model_src.with_name(data.name))
+        (tmp / "args.json").write_text(json.dumps({"src": str(model_src), "dst": str(out), "nodes": [
             t.node for t in targets], "feeds": str(tmp / "feeds.npz")}))
         log(f"  ModelOpt fp8 quantization of {src.name} ({len(targets)} MatMuls) in {python}")
         proc = subprocess.run([str(python), str(Path(__file__).with_name("fp8_worker.py")), str(tmp / "args.json")],

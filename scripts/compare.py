@@ -394,12 +394,17 @@ def make_plots(result: dict, out_dir: Path) -> list:
     fig, axes = plt.subplots(2, 1, figsize=(max(10.0, 0.9 * len(datasets + ["all"]) * len(systems) / 3), 7),
                              sharey=True)
     w = 0.8 / max(1, len(systems))
+    bases = list(dict.fromkeys(split_variant(v)[0] for v in systems))
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     groups = datasets + ["all"]
     for ax, key, title in zip(axes, ("tokens_per_second", "e2e_tokens_per_second"), ("decode", "end to end")):
         for i, s in enumerate(systems):
             vals = [(summ["by_dataset"].get(g, {}) if g != "all" else summ["all"]).get(s, {}).get(key) or 0
                     for g in groups]
-            ax.bar([j + (i - (len(systems) - 1) / 2) * w for j in range(len(groups))], vals, w, label=s)
+            base, temp = split_variant(s)  # one colour per system; sampled variants hatched
+            ax.bar([j + (i - (len(systems) - 1) / 2) * w for j in range(len(groups))], vals, w, label=s,
+                   color=colors[bases.index(base) % len(colors)], hatch="///" if temp else None,
+                   edgecolor="white" if temp else None, linewidth=0)
         ax.set_xticks(range(len(groups)), groups, fontsize=8)
         ax.set_title(f"{title} tokens/s", fontsize=10)
     axes[0].set_ylabel("tokens/s")
@@ -412,10 +417,12 @@ def make_plots(result: dict, out_dir: Path) -> list:
     # 2. acceptance by draft position
     have = [s for s in systems if summ["all"].get(s, {}).get("acceptance_by_position")]
     if have:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
+        fig, ax = plt.subplots(figsize=(8, 4.2))
         for s in have:
             acc = summ["all"][s]["acceptance_by_position"]
-            ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=s)
+            base, temp = split_variant(s)
+            ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=s,
+                    color=colors[bases.index(base) % len(colors)], linestyle="--" if temp else "-")
         ax.set_xlabel("draft position")
         ax.set_ylabel("fraction of rounds accepted")
         ax.set_ylim(0, 1)
@@ -429,9 +436,9 @@ def make_plots(result: dict, out_dir: Path) -> list:
     taus = {s: [r["tau"] for r in rows if r["system"] == s and r.get("tau") is not None] for s in systems}
     taus = {s: v for s, v in taus.items() if v}
     if taus:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(taus)), 4.2))
         ax.boxplot(list(taus.values()), showmeans=True)
-        ax.set_xticks(range(1, len(taus) + 1), list(taus), fontsize=8)
+        ax.set_xticks(range(1, len(taus) + 1), list(taus), fontsize=8, rotation=30, ha="right")
         ax.set_ylabel("tau per prompt")
         ax.set_title("tau (tokens per verify round) across prompts", fontsize=10)
         fig.tight_layout()

@@ -61,3 +61,38 @@ def test_training_and_calibration_splits_never_touch_evaluation_prompts():
 def test_interleave_round_robin():
     got = interleave({"a": [(1,), (2,), (3,)], "b": [(4,)]}, ["a", "b", "a"])
     assert got == [("a", 1), ("b", 4), ("a", 2), ("a", 3)]
+
+
+def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir, tmp_path, monkeypatch):
+    """generate_answers_engine (train-draft --engine): each row is the prompt's ids + the engine's greedy
+    target-only continuation (what decoding the prompt alone gives), the format answer_sequences reads;
+    a second call skips the keys already written and adds only new prompts."""
+    from dspark_export import draft_data
+    from dspark_export.draft_train import answer_sequences
+    from dspark_runtime import Engine
+
+    prompts = [("mbpp", "mbpp:1", "Write a function that adds two numbers."), ("gsm8k", "gsm8k:1", "What is 7 * 6?"),
+               ("sharegpt", "sharegpt:1", "Say hello."), ("math500", "math500:1", "Solve x + 2 = 5.")]
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    out = tmp_path / "answers.jsonl"
+    r = draft_data.generate_answers_engine(tiny_engine_dir, out, max_new_tokens=10, max_batch=2, group=2, limit=3,
+                                           threads=1, log=lambda *a: None)
+    assert r["prompts"] == 3
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [x["key"] for x in rows] == ["mbpp:1", "gsm8k:1", "sharegpt:1"]
+    eng = Engine.load(tiny_engine_dir, threads=1)
+    for row, (_, _, text) in zip(rows, prompts):
+        ids = eng.encode_prompt(text)
+        solo = eng.generate(text, max_new_tokens=10, draft=None)
+        assert row["prompt_len"] == len(ids) and row["ids"] == list(ids) + list(solo.token_ids)
+    assert r["new_tokens"] == sum(len(x["ids"]) - x["prompt_len"] for x in rows)
+    r2 = draft_data.generate_answers_engine(tiny_engine_dir, out, max_new_tokens=10, max_batch=2, group=2, limit=4,
+                                            threads=1, log=lambda *a: None)
+    rows2 = [json.loads(l) for l in out.read_text().splitlines()]
+    assert r2["prompts"] == 4 and [x["key"] for x in rows2][3:] == ["math500:1"] and rows2[:3] == rows
+    long_enough = [x for x in rows2 if len(x["ids"]) - x["prompt_len"] >= 8]  # answer_sequences' minimum
+    assert long_enough  # the tiny model rarely stops within 10 tokens
+    seqs = answer_sequences(out, 1024)
+    assert len(seqs) == len(long_enough)
+    assert all(int(m[:x["prompt_len"]].sum()) == 0 and int(m.sum()) == len(x["ids"]) - x["prompt_len"]
+               for (_, m), x in zip(seqs, long_enough))

@@ -10,15 +10,20 @@ needs_modelopt = pytest.mark.skipif(modelopt_python() is None,
 
 
 @needs_modelopt
-def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine_dir, tmp_path):
+def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine_dir, tmp_path, monkeypatch):
     import numpy as np
 
     from dspark_export.quantize import quantize_engine
     from dspark_runtime import Engine
     from dspark_runtime.errors import DSparkError
 
-    m = quantize_engine(tiny_engine_dir, tmp_path / "f8", "target=fp8,draft=fp8", calibration_prompts=2,
-                        log=lambda *a: None)
+    import os
+
+    # a second hard link to the source's weights, as `dspark-export quantize` makes between engines (onnx refuses
+    # to load external data with several links; ModelOpt must get a private copy)
+    os.link(tiny_engine_dir / "target.onnx.data", tmp_path / "shared-weights.data")
+    monkeypatch.chdir(tmp_path)  # a relative output directory, as `-o engines/x` gives (the worker runs elsewhere)
+    m = quantize_engine(tiny_engine_dir, "f8", "target=fp8,draft=fp8", calibration_prompts=2, log=lambda *a: None)
     for role in ("target", "draft"):
         g = m.graphs[role]
         q = g.quantization
