@@ -92,6 +92,16 @@ def done_keys(path: Path) -> set:
     return keys
 
 
+def _todo(out: Path, limit: int | None, n_sharegpt: int) -> list:
+    """Training prompts not yet answered in ``out`` (at most ``limit`` minus those done); creates out's folder."""
+    done = done_keys(out)
+    todo = [p for p in training_prompt_list(n_sharegpt) if p[1] not in done]
+    if limit is not None:
+        todo = todo[:max(0, limit - len(done))]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return todo
+
+
 def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, batch_size: int = 16,
                      limit: int | None = None, time_budget_s: float | None = None, threads: int = 2,
                      n_sharegpt: int = 2000) -> dict:
@@ -115,13 +125,8 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    prompts = training_prompt_list(n_sharegpt)
-    done = done_keys(out)
-    todo = [p for p in prompts if p[1] not in done]
-    if limit is not None:
-        todo = todo[:max(0, limit - len(done))]
+    todo = _todo(out, limit, n_sharegpt)
     t0, new_tokens = time.perf_counter(), 0
-    out.parent.mkdir(parents=True, exist_ok=True)
     chunk = batch_size * 4
     with out.open("a") as f:
         for c in range(0, len(todo), chunk):
@@ -191,13 +196,8 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
     from dspark_runtime import Engine
 
     eng = Engine.load(engine_dir, threads=threads)
-    prompts = training_prompt_list(n_sharegpt)
-    done = done_keys(out)
-    todo = [p for p in prompts if p[1] not in done]
-    if limit is not None:
-        todo = todo[:max(0, limit - len(done))]
+    todo = _todo(out, limit, n_sharegpt)
     t0, new_tokens = time.perf_counter(), 0
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         for c in range(0, len(todo), group):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:

@@ -1,23 +1,14 @@
 """scripts/chunk_invariance.py on the tiny fp32 engine: the measuring functions themselves (a sequence
 compared with itself has no difference; fp32 verify blocks differ from one-token steps by rounding only;
 an injected difference is found at the right position and layer)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def ci():
-    spec = importlib.util.spec_from_file_location("chunk_invariance", ROOT / "scripts" / "chunk_invariance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["chunk_invariance"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("chunk_invariance", "chunk_invariance")
 
 
 def test_teacher_force_and_compare(ci, tiny_engine_dir):

@@ -1,21 +1,12 @@
 """scripts/compare.py: the pure parts (divergence, interleaving, speculation counters, aggregation,
 markdown) on hand-made rows; no model, no subprocess."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def cmp():
-    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_script"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compare", "compare_script")
 
 
 def test_first_divergence(cmp):
