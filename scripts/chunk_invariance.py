@@ -56,18 +56,14 @@ def compare(ref_logits, ref_kv, logits, kv, prompt_len: int, block: int = 1) -> 
     diff_pos = np.nonzero(d > 0)[0]
     flips = np.nonzero(logits.argmax(-1) != ref_logits.argmax(-1))[0]
     top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-    kv_diff = []
-    for (k0, v0), (k1, v1) in zip(ref_kv, kv):
-        dk = np.abs(k1 - k0).max(axis=(0, 1, 3))[prompt_len:]  # per generated position
-        dv = np.abs(v1 - v0).max(axis=(0, 1, 3))[prompt_len:]
-        kv_diff.append(float(max(dk.max(initial=0), dv.max(initial=0))))
-    first_kv = [int(np.nonzero(np.abs(k1 - k0).max(axis=(0, 1, 3))[prompt_len:] > 0)[0][0])
-                if np.any(np.abs(k1 - k0)[..., prompt_len:, :] > 0) else None for (k0, _), (k1, _) in zip(ref_kv, kv)]
+    # per layer, per generated position: max |difference| of its keys and values (computed once)
+    per_pos = [np.maximum(np.abs(k1 - k0).max(axis=(0, 1, 3)), np.abs(v1 - v0).max(axis=(0, 1, 3)))[prompt_len:]
+               for (k0, v0), (k1, v1) in zip(ref_kv, kv)]
+    kv_diff = [float(p.max(initial=0)) for p in per_pos]
+    first_kv = [int(np.flatnonzero(p > 0)[0]) if np.any(p > 0) else None for p in per_pos]
     first_layer = next((i for i, f in enumerate(first_kv) if f is not None), None)
-    lay = first_layer or 0  # layer 0's keys/values depend on the token alone: differences start at layer >= 1
-    k0, v0 = ref_kv[lay]
-    k1, v1 = kv[lay]
-    diff0 = (np.abs(k1 - k0).max(axis=(0, 1, 3)) + np.abs(v1 - v0).max(axis=(0, 1, 3)))[prompt_len:] > 0
+    # layer 0's keys/values depend on the token alone: differences start at layer >= 1
+    diff0 = per_pos[first_layer or 0] > 0
     rows = np.arange(len(diff0)) % block
     first_rows = {int(r): [int(diff0[rows == r].sum()), int((rows == r).sum())] for r in range(block)}
     return {"first_logit_diff_position": int(diff_pos[0]) if len(diff_pos) else None,
