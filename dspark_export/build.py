@@ -34,7 +34,8 @@ from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, Gr
 #   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
 #   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
 # fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
-#   environment (dspark_export.fp8); the runtime refuses it on the CPU provider unless asked.
+#   environment (dspark_export.fp8) or by the streaming QDQ writer (dspark_export.quantize; fp8_writer picks);
+#   the runtime refuses it on the CPU provider unless asked.
 PRECISIONS = ("fp32", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
@@ -113,13 +114,14 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
-                 calibration_ids=None) -> dict:
+                 calibration_ids=None, fp8_writer: str = "auto") -> dict:
     """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
     "quantization"}.
 
     The torch reference is computed first and the model freed before ONNX Runtime loads the
     graph, so only one copy of the weights is in memory at a time. ``calibration_ids``: token-id lists
-    of calibration-split prompts, needed for ``int8``/``int8-trt``.
+    of calibration-split prompts, needed for ``int8``/``int8-trt``/``fp8``. ``fp8_writer``: see
+    :func:`quantize_graph`.
     """
     import gc
 
@@ -140,7 +142,8 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
         fp32_path = out_path.with_name(out_path.stem + ".fp32.onnx")
         _move_graph(out_path, fp32_path)
         validation = {"fp32": validate_decoder(ref, dims, fp32_path).to_json()}
-        quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids)
+        quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
+                                      fp8_writer=fp8_writer)
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement
@@ -168,31 +171,44 @@ def _move_graph(src: Path, dst: Path) -> None:
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
-                   exclude=None, log=print) -> dict:
+                   exclude=None, fp8_writer: str = "auto", log=print) -> dict:
     """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
     ``quantization`` record.
 
-    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.quantize.quantize_int8`), memory-bounded
+    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.quantize.quantize_qdq`), memory-bounded
     (peak ≈ the largest weight plus the graph structure), with activation ranges from ``table`` (a
     :class:`~dspark_export.quantize.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
     lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
-    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.quantize.DEFAULT_EXCLUDE`).
-    ``fp8``: NVIDIA ModelOpt in its own environment (:func:`dspark_export.fp8.quantize_fp8`; needs
-    ``calibration_ids``; every weight MatMul unless ``exclude``).
+    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.quantize.DEFAULT_EXCLUDE`;
+    for fp8 none: every weight MatMul).
+    ``fp8``: FP8 E4M3 QDQ by the writer ``fp8_writer`` names (:func:`dspark_export.fp8.choose_fp8_writer`):
+    ``"modelopt"`` — NVIDIA ModelOpt in its own environment (:func:`dspark_export.fp8.quantize_fp8`; needs
+    ``calibration_ids``; peak ~7.5x the fp32 weights); ``"stream"`` — the memory-bounded QDQ writer as for
+    int8 (``table`` or ``calibration_ids``; FP8 weights stored quantized); ``"auto"`` (default) — ModelOpt
+    when installed and ~8x the fp32 weights fits in the available memory, else ``"stream"``. The record
+    says which (``"writer"``) and why (``"writer_reason"``).
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
     DSparkError when that cannot fit in this machine's RAM.
+    Raises DSparkError for an unknown precision or fp8 writer, missing calibration data, a calibration
+    table measured on another graph, or a failing quantizer.
     """
+    writer = reason = None
     if precision == "fp8":
+        from dspark_export.fp8 import choose_fp8_writer
+
+        writer, reason = choose_fp8_writer(src, fp8_writer, log=log)
+        exclude = () if exclude is None else tuple(exclude)
+    if writer == "modelopt":
         from dspark_export.fp8 import quantize_fp8
 
         if not calibration_ids or spec is None:
             raise DSparkError("fp8 needs calibration prompts (token ids) and the graph spec")
-        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=() if exclude is None else tuple(exclude), log=log)
+        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=exclude, log=log)
         rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
-        return rep
+        return {**rep, "writer_reason": reason}
     if precision in CALIBRATED:
-        from dspark_export.quantize import DEFAULT_EXCLUDE, calibrate_graph, quantize_int8
+        from dspark_export.quantize import DEFAULT_EXCLUDE, calibrate_graph, quantize_qdq
         from dspark_runtime.manifest import sha256_file
 
         exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
@@ -205,9 +221,12 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
         elif table.graph_sha256 and table.graph_sha256 != sha256_file(src):
             raise DSparkError(f"the calibration table was measured on another graph than {src} (sha256 "
                               f"{table.graph_sha256[:12]}...); run `dspark-export calibrate-quant` on this engine")
-        rep = quantize_int8(src, dst, table, precision, exclude=exclude, log=log)
-        return {**rep, "calibration": table.summary(),
-                "calibration_run": {"seconds": table.seconds, "peak_rss_gb": table.peak_rss_gb}}
+        rep = quantize_qdq(src, dst, table, precision, exclude=exclude, log=log)
+        rep = {**rep, "calibration": table.summary(),
+               "calibration_run": {"seconds": table.seconds, "peak_rss_gb": table.peak_rss_gb}}
+        if writer is not None:
+            rep.update(writer=writer, writer_reason=reason)
+        return rep
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     if precision != "int8-dynamic":
@@ -234,11 +253,11 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
 
 
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
-                           precision: str = "fp32", calibration_ids=None) -> dict:
+                           precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto") -> dict:
     """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
     args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
                        "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
-                       "precision": precision, "calibration_ids": calibration_ids})
+                       "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer})
     result_path = out_path.with_suffix(".export.json")
     proc = subprocess.run([sys.executable, "-m", "dspark_export.build", args, str(result_path)])
     if proc.returncode != 0 or not result_path.is_file():
@@ -300,13 +319,18 @@ def _tool_versions() -> dict:
     return out
 
 
-def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print) -> Manifest:
+def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
+                 fp8_writer: str = "auto") -> Manifest:
     """Build ``out_dir`` from ``recipe``: graphs, tokenizer, manifest. Returns the Manifest.
 
     ``isolate``: export each graph in its own process (default; keeps one model in memory).
-    Raises DSparkError on any failure (missing model, export or validation failure).
+    ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see :func:`quantize_graph`).
+    Raises DSparkError on any failure (missing model, unknown fp8 writer, export or validation failure).
     """
+    from dspark_export.fp8 import check_fp8_writer
+
     recipe.validate()
+    check_fp8_writer(fp8_writer)
     out_dir = Path(out_dir)
     target_dir = resolve_model(recipe.target)
     dspark_ckpt = dspark_checkpoint(recipe.draft)
@@ -346,7 +370,7 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print)
         fn = _export_graph_isolated if isolate else export_graph
         precision = recipe.precision_for(role)
         res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids, precision,
-                 calib_ids if precision in CALIBRATED else None)
+                 calib_ids if precision in CALIBRATED else None, fp8_writer)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
@@ -474,7 +498,7 @@ if __name__ == "__main__":  # worker for _export_graph_isolated
     a = json.loads(sys.argv[1])
     try:
         r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
-                         a.get("precision", "fp32"), a.get("calibration_ids"))
+                         a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,14 @@ from dspark_runtime.cli import run_cli
 from dspark_runtime.errors import DSparkError
 
 
+# `build` and `quantize`: who writes fp8 graphs (dspark_export.fp8.choose_fp8_writer)
+_FP8_WRITER_OPTION = click.option(
+    "--fp8-writer", type=click.Choice(["auto", "modelopt", "stream"]), default="auto", show_default=True,
+    help="Who writes fp8 graphs: modelopt (NVIDIA ModelOpt, own venv; peaks at ~7.5x the fp32 weights), stream "
+         "(memory-bounded QDQ writer; FP8 weights stored quantized, peak ~ the graph structure plus one weight), or "
+         "auto (ModelOpt when installed and 8x the fp32 weights fit in the available memory, else stream).")
+
+
 @click.group()
 @click.version_option(package_name="dspark")
 def cli():
@@ -47,18 +55,19 @@ def list_models():
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Engine directory (default engines/<name>).")
 @click.option("--precision", default=None,
               help="fp32 | int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic | "
-                   "fp8 (E4M3 QDQ by NVIDIA ModelOpt, for TensorRT), "
+                   "fp8 (E4M3 QDQ for TensorRT; writer: --fp8-writer), "
                    "for all graphs or per graph: 'target=int8,draft=fp32'.")
 @click.option("--calibration-prompts", type=int, default=None,
-              help="Calibration-split prompts for int8/int8-trt (default 16).")
+              help="Calibration-split prompts for int8/int8-trt/fp8 (default 16).")
 @click.option("--feature-layers", default=None, help="Target layers whose hidden states the graph outputs, e.g. 1,13,25.")
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
+@_FP8_WRITER_OPTION
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
 @click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
 def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
-          in_process, engine_format):
+          fp8_writer, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (engines/<name>.json) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
 
@@ -90,7 +99,7 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
         from dspark_runtime.trt_import import import_tensorrt
 
         import_tensorrt()
-    build_engine(r, out, isolate=not in_process, log=click.echo)
+    build_engine(r, out, isolate=not in_process, log=click.echo, fp8_writer=fp8_writer)
     if engine_format != "onnx":
         from dspark_export.trt import TrtBuildSettings, build_trt
         from dspark_runtime.trt_profiles import ProfileSettings
@@ -246,9 +255,15 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
 @click.option("--context", type=int, default=256, show_default=True, help="Cached positions during the timing.")
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("--threads", type=int, default=None)
-def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads):
+@click.option("--row-probe/--no-row-probe", default=True, show_default=True,
+              help="First probe the row padding that makes the target's results independent of how many rows a "
+                   "call has (bit-exact speculative output; ~1 min) and store it in the manifest.")
+@click.option("--row-probe-only", is_flag=True,
+              help="Only probe and store the row padding; keep the manifest's cost table as it is.")
+def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_probe, row_probe_only):
     """Measure the round cost table (t_draft + t_verify(B), B = 1..max) of ENGINE_DIR on this machine and
-    store it in the manifest for `--draft-length scheduled`."""
+    store it in the manifest for `--draft-length scheduled`; with --row-probe (default) also the row padding
+    the runtime needs on this machine for bit-exact speculative output (speculation.row_invariance)."""
     from dspark_export.profile import profile_engine
 
     try:
@@ -257,8 +272,24 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads):
     except (ValueError, AssertionError):
         raise click.BadParameter(f"expected positive integers separated by commas, got {draft_rows!r}",
                                  param_hint="--draft-rows")
+    if row_probe_only and not row_probe:
+        raise click.UsageError("--row-probe-only and --no-row-probe contradict each other; drop one")
     t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads,
-                       draft_rows=rows)
+                       draft_rows=rows, probe_rows=row_probe, probe_only=row_probe_only)
+    probe = t.get("row_invariance")
+    if probe is not None:
+        diffs = ", ".join(f"x{m}: {d:.3g}" for m, d in probe["max_abs_difference"].items())
+        if probe.get("kernel_max_abs_difference"):
+            diffs += "; fp32 kernels " + ", ".join(f"x{m}: {d:.3g}" for m, d in
+                                                   probe["kernel_max_abs_difference"].items())
+        if probe["row_multiple"]:
+            click.echo(f"row invariance: target calls padded to a multiple of {probe['row_multiple']} row(s) "
+                       f"(max |difference| across call sizes {diffs})")
+        else:
+            click.echo(f"row invariance: NOT reached by padding (max |difference| {diffs}); speculative output may "
+                       "differ from target-only output by float rounding on this machine", err=True)
+    if row_probe_only:
+        return
     click.echo(f"drafter {t['drafter']}: t_draft {t['t_draft'] * 1e3:.1f} ms; context {t['context']}; "
                f"{t['machine']}, {t['threads']} threads")
     for r, td in zip(t["draft_rows"], t["t_draft_rows"]):
@@ -337,22 +368,24 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="New engine directory (the source engine is not modified; unchanged files are hard-linked).")
 @click.option("--precision", required=True,
-              help="int8 | int8-trt | int8-dynamic | fp8 (ModelOpt, for TensorRT) for all decoder graphs, or per "
-                   "graph: 'target=int8,draft=int8'.")
+              help="int8 | int8-trt | int8-dynamic | fp8 (E4M3 for TensorRT; see --fp8-writer) for all decoder graphs, "
+                   "or per graph: 'target=int8,draft=int8'.")
 @click.option("--calibration", default=None,
               help="Tables from `calibrate-quant`: 'target=t.json,draft=d.json' (default: calibrate here).")
 @click.option("--calibration-prompts", type=int, default=16, show_default=True)
 @click.option("--exclude", default=None,
               help="Comma-separated regular expressions of modules kept fp32 (e.g. 'down_proj,lm_head'); "
-                   "default: the built-in list (dspark_export.quantize.DEFAULT_EXCLUDE). '' quantizes all.")
-def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude):
+                   "default: the built-in list for int8 (dspark_export.quantize.DEFAULT_EXCLUDE), none for fp8. "
+                   "'' quantizes all.")
+@_FP8_WRITER_OPTION
+def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer):
     """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
     from dspark_export.quantize import CalibrationTable, quantize_engine
 
     tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
     excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]
     quantize_engine(engine_dir, out_dir, precision, calibration_prompts=calibration_prompts, tables=tables,
-                    exclude=excl, log=click.echo)
+                    exclude=excl, fp8_writer=fp8_writer, log=click.echo)
 
 
 @cli.command()

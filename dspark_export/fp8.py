@@ -20,7 +20,10 @@ of compute capability >= 8.9; the runtime refuses to run an fp8 graph on ONNX Ru
 asked (``allow_slow_precision``), because it executes it correctly but 6-10x slower than fp32.
 
 Memory: ModelOpt loads the whole graph with its weights (and writes intermediate copies next to the
-output), so its peak is a small multiple of the fp32 weights — unlike the streaming int8 writer.
+output), so its peak is a small multiple of the fp32 weights (measured: 17.75 GB for the 2.35 GiB 0.5B
+graph, ~7.5x) — unlike the streaming QDQ writer (:func:`dspark_export.quantize.quantize_qdq`), which also
+writes fp8 with a peak of the graph structure plus one weight. :func:`choose_fp8_writer` picks between the
+two (``fp8_writer="auto"|"modelopt"|"stream"``, ``--fp8-writer``).
 """
 from __future__ import annotations
 
@@ -39,6 +42,69 @@ from dspark_runtime.errors import DSparkError
 
 SETUP_HINT = ('python3 -m venv ~/.cache/dspark/venvs/modelopt && ~/.cache/dspark/venvs/modelopt/bin/pip install '
               '"torch==2.13.0" "nvidia-modelopt[onnx]==0.47.0"  (or set DSPARK_MODELOPT_PYTHON)')
+
+
+FP8_WRITERS = ("auto", "modelopt", "stream")
+# ModelOpt's peak RSS over the graph's fp32 weight bytes (7.5x measured on the 0.5B graph, rounded up)
+MODELOPT_MEMORY_FACTOR = 8.0
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process could still allocate without swapping, bytes: ``psutil``'s
+    ``virtual_memory().available`` when psutil is installed, else ``MemAvailable`` of ``/proc/meminfo``
+    (kB -> bytes); None when neither can be read (not Linux and no psutil)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fp8_writer(writer: str) -> str:
+    """``writer`` if it is one of :data:`FP8_WRITERS`, else DSparkError naming the choices."""
+    if writer not in FP8_WRITERS:
+        raise DSparkError(f"fp8 writer {writer!r} is unknown; choose one of {', '.join(FP8_WRITERS)} "
+                          "(auto: ModelOpt when installed and its memory fits, else the streaming writer)")
+    return writer
+
+
+def choose_fp8_writer(src: Path, writer: str = "auto", log=print) -> tuple:
+    """Which writer makes the fp8 graph of the fp32 graph ``src``: ``"modelopt"`` or ``"stream"``.
+
+    ``writer``: ``"modelopt"`` / ``"stream"`` are taken as asked (an explicit ``"modelopt"`` without ModelOpt
+    fails later in :func:`quantize_fp8` with the setup hint, as before); ``"auto"`` takes ModelOpt when
+    :func:`modelopt_python` finds its environment and ``MODELOPT_MEMORY_FACTOR`` (8) x the graph's fp32
+    weight bytes fits in :func:`available_memory_bytes`, else the memory-bounded streaming writer (also
+    when the available memory cannot be read). The choice and its reason are logged.
+    Returns (writer, reason: str). Raises DSparkError for an unknown writer name or a missing graph.
+    """
+    from dspark_export.quantize import graph_weight_bytes
+
+    check_fp8_writer(writer)
+    if writer != "auto":
+        reason = f"--fp8-writer {writer} asked for"
+    elif modelopt_python() is None:
+        writer, reason = "stream", "NVIDIA ModelOpt is not installed"
+    else:
+        need = MODELOPT_MEMORY_FACTOR * graph_weight_bytes(src)
+        avail = available_memory_bytes()
+        gib = f"~{need / 2**30:.1f} GiB ({MODELOPT_MEMORY_FACTOR:.0f}x the fp32 weights of {Path(src).name})"
+        if avail is None:
+            writer, reason = "stream", f"ModelOpt needs {gib} and the available memory is unknown"
+        elif need > avail:
+            writer, reason = "stream", f"ModelOpt would need {gib}, more than the {avail / 2**30:.1f} GiB available"
+        else:
+            writer, reason = "modelopt", f"ModelOpt is installed and {gib} fits in {avail / 2**30:.1f} GiB available"
+    log(f"  fp8 writer: {writer} ({reason})")
+    return writer, reason
 
 
 def modelopt_python() -> Path | None:
@@ -153,7 +219,8 @@ def quantize_fp8(src: Path, dst: Path, spec, calibration_ids: list, *, exclude=(
         out.with_name(out.name + ".data").rename(dst.with_name(dst.name + ".data"))
     checks = inspect_fp8_graph(dst)
     child_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
-    rep = {"precision": "fp8", "method": "NVIDIA ModelOpt ONNX PTQ (quantize_mode='fp8', calibration_method='max', "
+    rep = {"precision": "fp8", "writer": "modelopt",
+           "method": "NVIDIA ModelOpt ONNX PTQ (quantize_mode='fp8', calibration_method='max', "
            "calibration_eps=['cpu'], op_types_to_quantize=['MatMul'] on weight MatMuls, disable_mha_qdq, "
            "high_precision_dtype='fp32')", "activations": "FLOAT8E4M3FN per tensor",
            "weights": "FLOAT8E4M3FN (ModelOpt default scaling)", "quantized": len(targets),

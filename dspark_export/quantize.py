@@ -1,4 +1,4 @@
-"""Static INT8 post-training quantization of decoder graphs to QDQ, memory-bounded.
+"""Static INT8 / FP8 post-training quantization of decoder graphs to QDQ, memory-bounded.
 
 Two steps, each usable on its own:
 
@@ -13,10 +13,11 @@ Two steps, each usable on its own:
    so calibration holds one copy of the weights). The result is a :class:`CalibrationTable` (JSON) whose
    ``data_id`` is the sha256 of every token id fed.
 
-2. **Quantization** (:func:`quantize_int8`): every MatMul whose second input is a 2-D float weight
-   initializer (the linear layers and the LM head; never the attention score/value MatMuls, whose both
-   inputs are activations, and never the mask arithmetic, which is not a MatMul) becomes
-   ``DQ(Q(x)) @ DQ(W_q)`` with per-output-channel symmetric S8 weights (axis 1 of ``W[K, N]``):
+2. **Quantization** (:func:`quantize_qdq`): every MatMul whose second input is
+   a 2-D float weight initializer (the linear layers and the LM head; never the attention score/value
+   MatMuls, whose both inputs are activations, and never the mask arithmetic, which is not a MatMul)
+   becomes ``DQ(Q(x)) @ DQ(W_q)`` with per-output-channel symmetric weights (axis 1 of ``W[K, N]``) stored
+   already quantized:
 
    * ``int8``      — for ONNX Runtime on x86: U8 activations (asymmetric, per tensor) with S8 weights,
      which ONNX Runtime fuses into integer MatMuls. Without AVX-VNNI (AVX2 only, as on this machine) the
@@ -24,6 +25,10 @@ Two steps, each usable on its own:
      ``reduce_range``; ONNX Runtime's documented remedy) unless ``reduce_range=False``.
    * ``int8-trt``  — for TensorRT: symmetric S8 activations and S8 weights (zero points 0), the only
      INT8 Q/DQ TensorRT accepts (as NVIDIA ModelOpt's int8 mode writes).
+   * ``fp8``       — for TensorRT on compute capability >= 8.9: FLOAT8E4M3FN weights (scale = column
+     max |W| / 448) and FLOAT8E4M3FN activations (symmetric per tensor, scale = max(|lo|, |hi|) / 448, zero
+     point 0), the opset raised to 19 (the first with FP8 Q/DQ). The memory-bounded alternative to NVIDIA
+     ModelOpt (:mod:`dspark_export.fp8`), which peaks at ~7.5x the fp32 weights.
 
    The graph is rewritten one initializer at a time while the external data is streamed from the source
    file to the destination file, so peak memory is the graph's structure plus the largest single weight
@@ -31,7 +36,8 @@ Two steps, each usable on its own:
 
 ONNX Runtime's ``quantize_static`` writes the same QDQ pattern but loads the whole model (and the
 calibrator a second augmented copy), ~2–3× the fp32 weights; it is the reference our writer is tested
-against on tiny graphs (``tests/test_quantize.py``).
+against on tiny graphs (``tests/test_quantize.py``). The FP8 output is tested against a numpy
+fake-quantization with ``ml_dtypes`` (``tests/test_fp8.py``).
 """
 from __future__ import annotations
 
@@ -49,6 +55,9 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 INT8_PRECISIONS = ("int8", "int8-trt")
+QDQ_PRECISIONS = INT8_PRECISIONS + ("fp8",)  # what the streaming writer makes
+FP8_MAX = 448.0  # largest finite FLOAT8E4M3FN value (E4M3, "fn": no infinities, one NaN pattern)
+FP8_MIN_OPSET = 19  # first default-domain opset whose QuantizeLinear/DequantizeLinear take FLOAT8E4M3FN
 # Modules kept in fp32 by default (module-name regular expressions). Measured on the Qwen2.5-Coder-0.5B
 # graph (8 calibration-split prompts; 8 held-out prompts, teacher-forced top-1 agreement with fp32 at
 # prefill / verify, relative L2 of the prefill logits):
@@ -281,14 +290,31 @@ def calibrate_graph(graph_path: Path, spec, token_lists: list, *, verify_len: in
 
 
 # --------------------------------------------------------------------------------------- quantization
-def activation_qparams(lo: float, hi: float, signed: bool) -> tuple:
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, already divided by its scale) as FLOAT8E4M3FN: saturated to ±448, then rounded to the
+    nearest E4M3 value, ties to even (``ml_dtypes`` cast; what ONNX's QuantizeLinear does with
+    ``saturate=1``). ``ml_dtypes`` alone would turn values beyond ±448 into NaN, hence the clip first.
+    Returns an array of dtype ``ml_dtypes.float8_e4m3fn`` (1 byte per element), same shape."""
+    import ml_dtypes
+
+    return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def activation_qparams(lo: float, hi: float, signed: bool = True, fp8: bool = False) -> tuple:
     """Per-tensor activation scale and zero point for range [lo, hi] (widened to include 0).
 
+    fp8 (TensorRT, E4M3): symmetric, scale = max(|lo|, |hi|) / 448, zero point FLOAT8E4M3FN 0 (``signed``
+        is implied).
     signed (TensorRT): symmetric S8, zero point 0, scale = max(|lo|, |hi|) / 127.
     unsigned (ONNX Runtime): asymmetric U8, scale = (hi - lo) / 255, zero point = round(-lo / scale).
-    Returns (scale float32 scalar, zero point int8/uint8 scalar).
+    A range of only zeros gets scale 1. Returns (scale float32 scalar, zero point scalar of dtype
+    uint8 / int8 / ``ml_dtypes.float8_e4m3fn``).
     """
     lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    if fp8:
+        import ml_dtypes
+
+        return np.float32(max(abs(lo), abs(hi)) / FP8_MAX or 1.0), ml_dtypes.float8_e4m3fn(0)
     if signed:
         s = max(abs(lo), abs(hi)) / 127.0 or 1.0
         return np.float32(s), np.int8(0)
@@ -296,22 +322,27 @@ def activation_qparams(lo: float, hi: float, signed: bool) -> tuple:
     return np.float32(s), np.uint8(np.clip(round(-lo / s), 0, 255))
 
 
-def quantize_weight_chunks(read_rows, k: int, n: int, qmax: int, chunk_bytes: int = 32 << 20):
-    """Symmetric per-column (axis 1) int8 quantization of a weight W [k, n] float32, in row chunks.
+def quantize_weight_chunks(read_rows, k: int, n: int, qmax: float, chunk_bytes: int = 32 << 20, fp8: bool = False):
+    """Symmetric per-column (axis 1) quantization of a weight W [k, n] float32, in row chunks.
 
-    ``read_rows(a, b)`` returns W[a:b] as float32. Two passes: column max |W| (scale = max / qmax), then
-    the int8 rows. Yields ``("scale", float32 [n])`` first, then ``("rows", int8 [b - a, n])`` chunks.
+    ``read_rows(a, b)`` returns W[a:b] as float32. Two passes: column max |W| (scale = max / qmax; an
+    all-zero column gets scale 1), then the quantized rows: int8 ``clip(rint(W / scale), -qmax, qmax)``, or
+    with ``fp8`` FLOAT8E4M3FN :func:`to_e4m3` ``(W / scale)`` (qmax should then be 448).
+    Yields ``("scale", float32 [n])`` first, then ``("rows", int8 or float8_e4m3fn [b - a, n])`` chunks.
     Peak extra memory: a few chunks of ~``chunk_bytes`` of rows, not the whole weight.
     """
     chunk_rows = max(1, chunk_bytes // (4 * n))
     amax = np.zeros(n, np.float32)
     for a in range(0, k, chunk_rows):
         np.maximum(amax, np.abs(read_rows(a, min(k, a + chunk_rows))).max(axis=0), out=amax)
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    scale = np.where(amax > 0, amax / np.float32(qmax), 1.0).astype(np.float32)
     yield "scale", scale
     for a in range(0, k, chunk_rows):
         w = read_rows(a, min(k, a + chunk_rows))
-        yield "rows", np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8)
+        if fp8:
+            yield "rows", to_e4m3(w / scale)
+        else:
+            yield "rows", np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8)
 
 
 class _ExternalData:
@@ -364,32 +395,76 @@ class _ExternalData:
             f.close()
 
 
-def quantize_int8(src: Path, dst: Path, table: CalibrationTable, precision: str = "int8", *,
-                  reduce_range: bool | None = None, exclude=(), log=print) -> dict:
+def graph_weight_bytes(path: Path) -> int:
+    """Bytes of all initializers of the ``.onnx`` graph ``path`` (external data lengths plus inline
+    tensors), read from the graph's structure only (the weights are not loaded). Raises DSparkError when
+    the graph is missing."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise DSparkError(f"graph {path} not found")
+    proto = onnx.load(str(path), load_external_data=False)
+    reader = _ExternalData(path.parent)  # nbytes reads only the tensors' metadata, no file is opened
+    return sum(reader.nbytes(t) for t in proto.graph.initializer)
+
+
+def quantize_qdq(src: Path, dst: Path, table: CalibrationTable, precision: str = "int8", *,
+                 reduce_range: bool | None = None, exclude=(), log=print) -> dict:
     """Write the QDQ-quantized copy of graph ``src`` to ``dst`` (+ ``dst.data``), streaming the weights.
+
+    For every target MatMul ``x[..., K] @ W[K, N]`` (see :func:`quant_targets`) the graph gets
+    ``QuantizeLinear(x)`` (one per activation tensor, scalar scale and zero point) -> one
+    ``DequantizeLinear`` per consuming MatMul, and the weight stored quantized as ``<W>_quantized`` [K, N]
+    with ``<W>_scale`` (float32 [N]) and ``<W>_zero_point`` ([N], zeros) feeding ``DequantizeLinear(axis=1)``.
+
+    * ``int8`` / ``int8-trt``: INT8 weights, UINT8 (asymmetric) / INT8 (symmetric) activations.
+    * ``fp8``: FLOAT8E4M3FN weights (scale = column max |W| / 448, ``W / scale`` saturated to ±448 and
+      rounded to nearest even), FLOAT8E4M3FN activations (scale = max(|lo|, |hi|) / 448 from ``table``,
+      scalar FP8 zero point 0), the default-domain opset raised to 19 when lower (FP8 Q/DQ needs it; the
+      IR version to at least 9). NVIDIA ModelOpt (:mod:`dspark_export.fp8`) writes the same activation
+      pattern but keeps the weights fp32 behind their own QuantizeLinear -> DequantizeLinear (TensorRT folds
+      them at build time), so its file is as large as the fp32 one; here the weights are stored already in
+      FP8 (1 byte per weight, a quarter of the fp32 file) behind a DequantizeLinear only — the same
+      structure as ``int8-trt``. ModelOpt also shares one activation DequantizeLinear between the MatMuls
+      reading the same tensor; here each MatMul gets its own (as ONNX Runtime's quantizer writes).
 
     Args:
         src: fp32 ``.onnx`` graph (external weights beside it; never modified).
         dst: output ``.onnx``; its weights go to ``<dst name>.data`` beside it (replaced if present).
         table: activation ranges from :func:`calibrate_graph` on ``src``.
-        precision: ``"int8"`` (U8 activations / S8 weights, ONNX Runtime) or ``"int8-trt"`` (S8/S8
-            symmetric, TensorRT).
-        reduce_range: 7-bit weights (±64; 2·255·64 < 2¹⁵). Default: True for ``int8`` (AVX2 saturation, see module doc),
-            False for ``int8-trt``.
+        precision: one of :data:`QDQ_PRECISIONS`: ``"int8"`` (U8 activations / S8 weights, ONNX Runtime),
+            ``"int8-trt"`` (S8/S8 symmetric, TensorRT) or ``"fp8"`` (E4M3/E4M3 symmetric, TensorRT on
+            compute capability >= 8.9).
+        reduce_range: 7-bit weights (±64; 2·255·64 < 2¹⁵). Default: True for ``int8`` (AVX2 saturation,
+            see module doc), False for ``int8-trt``; not applicable to ``fp8``.
         exclude: module-name regular expressions left fp32 (see :func:`quant_targets`).
-    Returns a report dict: quantized / excluded module names, weight bytes before and after, seconds,
-    peak RSS (GiB), settings. Raises DSparkError for an unknown precision, a missing activation range
-    (calibrated with other exclusions or on another graph), or unreadable weights.
+    Peak memory: the graph's structure plus a few 32 MB row chunks of one weight.
+    Returns a report dict: precision, method, activation / weight formats, quantized count, excluded
+    module names, weight bytes before and after, opset before and after, checks (ONNX checker, Q/DQ node
+    counts, FP8 initializers), seconds, peak RSS (GiB). Raises DSparkError for an unknown precision,
+    ``reduce_range`` with ``fp8``, a missing activation range (calibrated with other exclusions or on
+    another graph), unreadable weights, or an output that fails the ONNX checker.
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    if precision not in INT8_PRECISIONS:
-        raise DSparkError(f"quantize_int8 makes {', '.join(INT8_PRECISIONS)}, not {precision!r}")
-    signed = precision == "int8-trt"
-    if reduce_range is None:
-        reduce_range = not signed
-    qmax = 64 if reduce_range else 127  # ONNX Runtime's reduce_range for S8: [-64, 64]
+    if precision not in QDQ_PRECISIONS:
+        raise DSparkError(f"the QDQ writer makes {', '.join(QDQ_PRECISIONS)}, not {precision!r}")
+    fp8 = precision == "fp8"
+    if fp8:
+        if reduce_range:
+            raise DSparkError("reduce_range (7-bit weights) applies to int8 only, not fp8")
+        import ml_dtypes
+
+        reduce_range, signed, qmax = False, True, FP8_MAX
+        w_type, w_zero = TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn
+    else:
+        signed = precision == "int8-trt"
+        if reduce_range is None:
+            reduce_range = not signed
+        qmax = 64 if reduce_range else 127  # ONNX Runtime's reduce_range for S8: [-64, 64]
+        w_type, w_zero = TensorProto.INT8, np.int8
     src, dst = Path(src), Path(dst)
     t0 = time.perf_counter()
     proto = onnx.load(str(src), load_external_data=False)
@@ -441,11 +516,11 @@ def quantize_int8(src: Path, dst: Path, table: CalibrationTable, precision: str 
                 def rows(a, b, t=t, n=n):
                     return np.frombuffer(reader.read(t, a * n * 4, (b - a) * n * 4), np.float32).reshape(b - a, n)
 
-                chunks = quantize_weight_chunks(rows, k, n, qmax)
+                chunks = quantize_weight_chunks(rows, k, n, qmax, fp8=fp8)
                 _, scale = next(chunks)
-                new_inits.append(put((c for _, c in chunks), t.name + "_quantized", TensorProto.INT8, (k, n)))
+                new_inits.append(put((c for _, c in chunks), t.name + "_quantized", w_type, (k, n)))
                 new_inits.append(numpy_helper.from_array(scale, t.name + "_scale"))
-                new_inits.append(numpy_helper.from_array(np.zeros(n, np.int8), t.name + "_zero_point"))
+                new_inits.append(numpy_helper.from_array(np.zeros(n, w_zero), t.name + "_zero_point"))
                 if t.name in shared:
                     new_inits.append(put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8)
                                           for i in range(0, size, 64 << 20)), t.name, t.data_type, t.dims))
@@ -462,7 +537,7 @@ def quantize_int8(src: Path, dst: Path, table: CalibrationTable, precision: str 
         q = by_node.get(node.name)
         if q is not None:
             if q.activation not in act_q:
-                s, zp = activation_qparams(*table.ranges[q.activation], signed=signed)
+                s, zp = activation_qparams(*table.ranges[q.activation], signed=signed, fp8=fp8)
                 base = f"{q.activation}_act"
                 new_inits.append(numpy_helper.from_array(np.array(s, np.float32), base + "_scale"))
                 new_inits.append(numpy_helper.from_array(np.array(zp), base + "_zero_point"))
@@ -483,22 +558,44 @@ def quantize_int8(src: Path, dst: Path, table: CalibrationTable, precision: str 
     proto.graph.node.extend(nodes)
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(new_inits)
+    opset = {op.domain or "ai.onnx": op.version for op in proto.opset_import}
+    opset_in = opset.get("ai.onnx")
+    if fp8:
+        for op in proto.opset_import:
+            if op.domain in ("", "ai.onnx") and op.version < FP8_MIN_OPSET:
+                # 18 -> 19 only widens existing operators' types (FP8) / adds optional attributes
+                op.version = FP8_MIN_OPSET
+        proto.ir_version = max(proto.ir_version, 9)  # IR 9 introduced the FP8 element types
+    opset_out = {op.domain or "ai.onnx": op.version for op in proto.opset_import}.get("ai.onnx")
     onnx.save_model(proto, str(dst))
     try:
         onnx.checker.check_model(str(dst))
     except Exception as e:
         raise DSparkError(f"the quantized graph {dst} fails the ONNX checker: {e}") from e
+    ops = [n.op_type for n in nodes]
+    checks = {"checker": "passed", "quantize_linear": ops.count("QuantizeLinear"),
+              "dequantize_linear": ops.count("DequantizeLinear"),
+              "fp8_tensors": sum(t.data_type == TensorProto.FLOAT8E4M3FN for t in new_inits)}
+    if fp8:
+        acts = "FLOAT8E4M3FN symmetric per tensor (scale = max(|lo|, |hi|) / 448, zero point 0)"
+        wts = ("FLOAT8E4M3FN symmetric per channel (axis 1, scale = column max |W| / 448), stored quantized "
+               "(1 byte per weight) behind DequantizeLinear")
+    else:
+        acts = "int8 symmetric per tensor" if signed else "uint8 asymmetric per tensor"
+        wts = f"int8 symmetric per channel (axis 1), {'7-bit (reduce_range)' if reduce_range else '8-bit'}"
     rep = {"precision": precision, "method": f"static QDQ, {CALIBRATION_METHOD} activation ranges",
-           "activations": "int8 symmetric per tensor" if signed else "uint8 asymmetric per tensor",
-           "weights": f"int8 symmetric per channel (axis 1), {'7-bit (reduce_range)' if reduce_range else '8-bit'}",
+           "activations": acts, "weights": wts, "opset": {"from": opset_in, "to": opset_out}, "checks": checks,
            "quantized": len(targets), "excluded": sorted({q.module for q in skipped}),
            "excluded_patterns": list(exclude),
            "lm_head_quantized": any(q.module == "lm_head" for q in targets),
            "weight_bytes_in": bytes_in, "weight_bytes_out": bytes_out,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
+    if fp8:
+        rep["requires"] = "TensorRT on compute capability >= 8.9 (ONNX Runtime CPU runs it 6-10x slower than fp32)"
     log(f"  quantized {len(targets)} MatMuls of {src.name} -> {dst.name} ({precision}); weights "
         f"{bytes_in / 2**30:.2f} -> {bytes_out / 2**30:.2f} GiB in {rep['seconds']:.0f} s, "
-        f"peak RSS {rep['peak_rss_gb']:.2f} GiB")
+        f"peak RSS {rep['peak_rss_gb']:.2f} GiB"
+        + (f"; opset {opset_in} -> {opset_out}" if opset_in != opset_out else ""))
     return rep
 
 
@@ -566,7 +663,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration_prompts: int = 16,
-                    tables: dict | None = None, exclude=None, log=print):
+                    tables: dict | None = None, exclude=None, fp8_writer: str = "auto", log=print):
     """Write ``out_dir``: a copy of the built engine ``src_dir`` whose graphs have the precisions of
     ``precision`` (as ``dspark-export build --precision``: one for all, or ``target=int8,draft=int8``).
 
@@ -575,18 +672,23 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     (or takes ``tables[role]``, a :class:`CalibrationTable` from ``calibrate-quant``), quantized
     one weight at a time, and checked against its fp32 graph on the validation prompt
     (``validation[precision]``: top-1 agreement, max |Δlogits|, relative L2 at prefill and verify).
+    ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see
+    :func:`dspark_export.build.quantize_graph`; the record's ``"writer"`` says which one ran).
     Returns the new Manifest. Raises DSparkError when ``out_dir`` is ``src_dir`` or a non-empty
-    directory, when a graph to quantize is not fp32 or not a decoder (``causal_lm``), or for a bad spec.
+    directory, when a graph to quantize is not fp32 or not a decoder (``causal_lm``), for a bad spec
+    or an unknown fp8 writer.
     """
     from dspark_export.build import CALIBRATED, PRECISIONS, VALIDATION_TEXT, Recipe, \
         _tool_versions, _write_manifest, quantize_graph
     from dspark_runtime.backend import OrtDecoder
     from dspark_runtime.manifest import FileEntry, load_manifest
+    from dspark_export.fp8 import check_fp8_writer
     from dspark_runtime.tokenizer import Tokenizer
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     recipe = Recipe(name="-", target="-", precision=precision, calibration_prompts=calibration_prompts)
     recipe.validate()
+    check_fp8_writer(fp8_writer)
     if out_dir.resolve() == src_dir.resolve():
         raise DSparkError("write the quantized engine to a new directory (-o NEW_DIR); the source engine is kept")
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -626,7 +728,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         dst = out_dir / f"{role}.onnx"
         log(f"[{role}] {g.precision} -> {prec}: {src} -> {dst}")
         q = quantize_graph(src, dst, prec, spec=g.spec, calibration_ids=calib_ids,
-                           table=(tables or {}).get(role), exclude=exclude, log=log)
+                           table=(tables or {}).get(role), exclude=exclude, fp8_writer=fp8_writer, log=log)
         cand = OrtDecoder(dst, g.spec)
         agree = logit_agreement(OrtDecoder(src, g.spec), cand, [val_ids], verify_len=5)  # one graph at a time
         cand.deactivate()

@@ -58,14 +58,18 @@ def cli():
 @click.option("--profile-on-load", is_flag=True,
               help="Re-measure the engine's cost table on this machine before generating (for --draft-length "
                    "scheduled; about a minute for a 1.5B target); the manifest is not changed.")
+@click.option("--row-multiple", type=click.IntRange(min=1), default=None,
+              help="Pad every target call to a multiple of N rows, making target-only and speculative decoding "
+                   "compute each position bit for bit alike (default: what `dspark-export profile` probed on this "
+                   "machine and stored in the manifest, else 1 = no padding).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
              stop, raw, draft, no_speculation, as_json, threads, backend, stream, allow_slow_precision,
-             profile_on_load):
+             profile_on_load, row_multiple):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
-                      allow_slow_precision=allow_slow_precision)
+                      allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
     if profile_on_load:
         t = eng.profile()
         click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"
@@ -136,6 +140,13 @@ def info(engine_dir):
                    f"{d.get('markov_head_type') or 'none'} rank {d.get('markov_rank')}, draft vocabulary "
                    f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
                    f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
+    ri = sp.get("row_invariance")
+    if ri:
+        click.echo(f"  row padding: target calls padded to a multiple of {ri.get('row_multiple') or 1} row(s) "
+                   f"(probed {ri.get('date', '?')} on {ri.get('machine', '?')}, {ri.get('threads', '?')} threads, "
+                   f"onnxruntime {ri.get('onnxruntime', '?')})")
+    else:
+        click.echo("  row padding: not probed (target calls unpadded; `dspark-export profile` probes it)")
     for k, e in m.trt_engines.items():
         dec = next((p for p in e.profiles if p["name"] == "decode"), None)
         click.echo(f"  TensorRT engine {k}: {e.file.path} {e.file.size / 2**20:.1f} MiB, {e.flavour} {e.version}, "

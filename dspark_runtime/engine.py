@@ -5,6 +5,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.dspark import DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
@@ -37,7 +39,7 @@ class Engine:
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
-                 backend: str = "ort", allow_slow_precision: bool = False):
+                 backend: str = "ort", allow_slow_precision: bool = False, row_multiple: int | None = None):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -55,6 +57,7 @@ class Engine:
         elif backend != "ort":
             raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
         self._runners: dict = {}
+        self.row_multiple = self._row_multiple(row_multiple)
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         spec = manifest.speculation
         dg = spec.get("draft_graph")
@@ -65,6 +68,18 @@ class Engine:
         self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
         self._heads = None
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
+
+    def _row_multiple(self, given: int | None) -> int:
+        """The target's row padding (:mod:`dspark_runtime.invariance`): ``given``, else the probed value in
+        the manifest (``speculation.row_invariance.row_multiple``, written by ``dspark-export profile`` for
+        the ONNX Runtime backend), else 1. Raises InputError for a value that is not a positive integer."""
+        if given is None:
+            probe = self.manifest.speculation.get("row_invariance") or {}
+            given = probe.get("row_multiple") if probe.get("backend", "ort") == self.backend else None
+            given = 1 if given is None else given
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise InputError(f"row_multiple must be a positive integer (1 = no padding), got {given!r}")
+        return given
 
     def _use_tensorrt(self) -> None:
         """Run the target and the draft LM on their capacity-layout TensorRT engines (the DSpark drafter graph
@@ -86,7 +101,7 @@ class Engine:
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
              verify: bool = True, rehash: bool = False, backend: str = "ort",
-             allow_slow_precision: bool = False) -> "Engine":
+             allow_slow_precision: bool = False, row_multiple: int | None = None) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -95,7 +110,10 @@ class Engine:
         ``rehash``). ``backend``: "ort" (ONNX Runtime) or "trt" (the manifest's capacity-layout TensorRT
         engines for the target / draft LM; one sequence at a time: ``generate``, not ``batch``).
         ``allow_slow_precision``: let fp8/fp16 graphs (built for GPUs) run on the CPU provider; without it
-        their first use raises DSparkError saying why.
+        their first use raises DSparkError saying why. ``row_multiple``: pad every target call to a multiple
+        of this many rows so target-only and speculative decoding compute every position bit for bit alike
+        (:mod:`dspark_runtime.invariance`); default: the value ``dspark-export profile`` probed and stored in
+        the manifest, else 1 (no padding).
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -104,7 +122,7 @@ class Engine:
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                   backend, allow_slow_precision)
+                   backend, allow_slow_precision, row_multiple)
 
     @property
     def has_draft(self) -> bool:
@@ -113,7 +131,8 @@ class Engine:
     def runner(self, key: str) -> DecoderRunner:
         """The DecoderRunner of graph ``key`` ("target" or "draft"), activating its session."""
         if key not in self._runners:
-            self._runners[key] = DecoderRunner(self._backends[key].activate())
+            self._runners[key] = DecoderRunner(self._backends[key].activate(),
+                                               row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
     def _drafter(self, draft, confidence_threshold=None):
@@ -184,6 +203,30 @@ class Engine:
             raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
                              f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
         return table
+
+    def probe_row_invariance(self, *, prompt_tokens: int = 48, tokens: int = 24, seed: int = 0,
+                             kernels: bool = True) -> dict:
+        """Measure the smallest row multiple that makes the target graph row-count invariant here
+        (:func:`dspark_runtime.invariance.probe_row_multiple` on ``tokens`` random token ids after a random
+        ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe
+        :func:`~dspark_runtime.invariance.kernel_row_difference`, which needs the ``onnx`` package and is
+        what catches the rare differences of quantized graphs) and use it from now on (``self.row_multiple``; ``dspark-export
+        profile`` also stores it in the manifest). When no candidate is invariant the padding is left at 1
+        and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend"."""
+        from dspark_runtime.invariance import kernel_row_difference, probe_row_multiple
+
+        rng = np.random.default_rng(seed)
+        hi = min(self.manifest.graphs["target"].spec.dims.vocab_size, 30000)
+        ids = rng.integers(0, hi, size=prompt_tokens + tokens).tolist()
+        check = None
+        if kernels and self.backend == "ort":  # the kernel probe runs ONNX Runtime's CPU kernels
+            threads = self._backends["target"].threads
+            check = lambda m: kernel_row_difference(m, threads)  # noqa: E731
+        res = probe_row_multiple(self.runner("target"), ids[:prompt_tokens], ids[prompt_tokens:], kernel_check=check)
+        res["backend"] = self.backend
+        self.row_multiple = res["row_multiple"] or 1
+        self.runner("target").row_multiple = self.row_multiple
+        return res
 
     def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,
                 draft_rows=(1, 2, 4, 8)) -> dict:

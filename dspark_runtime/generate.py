@@ -34,10 +34,16 @@ class DecoderRunner:
     """One sequence's view of a decoder graph: the backend plus its KV cache.
 
     ``step(tokens)`` feeds tokens after the cached ones and returns logits float32 [q, vocab].
+
+    ``row_multiple`` (int >= 1): every graph call is padded to a multiple of this many rows (the extra
+    rows repeat the last token after the real ones; their logits and KV entries are dropped), which makes
+    the verifier's results independent of the call's row count where the kernels are not
+    (:mod:`dspark_runtime.invariance`). 1 = no padding.
     """
 
-    def __init__(self, backend: OrtDecoder):
+    def __init__(self, backend: OrtDecoder, row_multiple: int = 1):
         self.backend = backend
+        self.row_multiple = row_multiple
         self.cache = KVCache(backend.empty_kv(1))
         self._feats = None  # float32 [capacity, m * hidden]: target features by position (DSpark context)
 
@@ -55,26 +61,32 @@ class DecoderRunner:
         self.cache.reset()
 
     def step(self, tokens) -> np.ndarray:
-        """Feed ``tokens`` (list of int, q >= 1) at positions length..length+q-1; returns [q, vocab]."""
+        """Feed ``tokens`` (list of int, q >= 1) at positions length..length+q-1; returns [q, vocab].
+        The call is padded to a multiple of ``row_multiple`` rows (padding never reaches the cache length,
+        the logits or the features)."""
         q, past = len(tokens), self.cache.length
-        ids = np.asarray(tokens, dtype=np.int64)[None]
-        pos = np.arange(past, past + q, dtype=np.int64)[None]
-        out = self.backend.step(ids, pos, causal_mask(q, past), self.cache.view())
-        self.cache.update(out.kv)
+        fed = list(tokens) + [tokens[-1]] * ((-q) % self.row_multiple)
+        n = len(fed)
+        ids = np.asarray(fed, dtype=np.int64)[None]
+        pos = np.arange(past, past + n, dtype=np.int64)[None]
+        out = self.backend.step(ids, pos, causal_mask(n, past), self.cache.view())
+        self.cache.update(out.kv, past + q)
         if out.features is not None:
-            f = out.features[0]
+            f = out.features[0, :q]
             if self._feats is None or self._feats.shape[0] < past + q:
                 grown = np.empty((max(1024, 2 * (past + q)), f.shape[-1]), dtype=np.float32)
                 if self._feats is not None:
                     grown[:past] = self._feats[:past]
                 self._feats = grown
             self._feats[past:past + q] = f
-        return out.logits[0]
+        return out.logits[0, :q]
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed a prompt in chunks of ``chunk`` tokens (at most the backend's ``max_q``, where it has one: a
         TensorRT engine's prefill profile); returns the last position's logits [vocab]."""
         chunk = min(chunk, getattr(self.backend, "max_q", chunk))
+        if chunk > self.row_multiple:  # a padded chunk must still fit the backend's max_q
+            chunk -= chunk % self.row_multiple
         logits = None
         for s in range(0, len(tokens), chunk):
             logits = self.step(tokens[s:s + chunk])

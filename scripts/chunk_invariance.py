@@ -34,18 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-
-def teacher_force(runner, prompt: list, cont: list, block: int) -> tuple:
-    """Prefill ``prompt`` (default chunking), then feed ``cont`` in calls of ``block`` tokens.
-    Returns (logits float32 [len(cont), vocab] predicting cont[1:] and the next token, per-layer
-    (k, v) copies of the final cache)."""
-    runner.reset()
-    runner.prefill(prompt)
-    out = []
-    for s in range(0, len(cont), block):
-        out.append(np.array(runner.step(cont[s:s + block])))
-    kv = [(np.array(k), np.array(v)) for k, v in runner.cache.view()]
-    return np.concatenate(out, axis=0), kv
+from dspark_runtime.invariance import teacher_force  # noqa: E402  (re-exported for the tests)
 
 
 def compare(ref_logits, ref_kv, logits, kv, prompt_len: int, block: int = 1) -> dict:
@@ -87,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block", type=int, default=4, help="verify block size to compare (q = gamma + 1)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--row-multiple", type=int, default=1,
+                    help="pad every target call to a multiple of N rows (dspark_runtime.invariance); 1 = the raw graph")
     ap.add_argument("--allow-slow-precision", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
@@ -94,9 +85,11 @@ def main(argv=None) -> int:
     prompts = [(f"{ds}[{i}]", text) for ds, n in counts.items() if n for i, text in enumerate(load_prompts(ds, n))]
     if not prompts:
         ap.error("give at least one of --humaneval/--mbpp/--gsm8k/--mt-bench N")
-    eng = Engine.load(a.engine, threads=a.threads, allow_slow_precision=a.allow_slow_precision)
+    eng = Engine.load(a.engine, threads=a.threads, allow_slow_precision=a.allow_slow_precision,
+                      row_multiple=a.row_multiple)
     runner = eng.runner(a.role)
-    report = {"engine": a.engine, "role": a.role, "block": a.block, "max_new_tokens": a.max_new_tokens,
+    report = {"engine": a.engine, "role": a.role, "block": a.block, "row_multiple": a.row_multiple,
+              "max_new_tokens": a.max_new_tokens,
               "precision": getattr(eng.manifest.graphs[a.role], "precision", None), "prompts": []}
     for key, text in prompts:
         t0 = time.perf_counter()

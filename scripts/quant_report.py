@@ -57,9 +57,9 @@ def child(step: str, a: dict) -> dict:
         tab.save(Path(a["table"]))
         out = tab.summary()
     elif step == "quantize":
-        from dspark_export.quantize import CalibrationTable, quantize_int8
+        from dspark_export.quantize import CalibrationTable, quantize_qdq
 
-        rep = quantize_int8(eng / g.model_file, Path(a["dst"]), CalibrationTable.load(Path(a["table"])), "int8",
+        rep = quantize_qdq(eng / g.model_file, Path(a["dst"]), CalibrationTable.load(Path(a["table"])), "int8",
                             exclude=a["exclude"], log=lambda *x: None)
         out = {k: rep[k] for k in ("quantized", "excluded", "weight_bytes_out", "lm_head_quantized")}
     elif step == "score":

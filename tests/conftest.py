@@ -16,6 +16,21 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_graph(tiny_pair, tmp_path_factory):
+    """(graph path, GraphSpec, calibration token lists) of the tiny target exported with features
+    (tests/test_quantize.py, tests/test_fp8.py; read only)."""
+    import numpy as np
+
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
+
+    root = tmp_path_factory.mktemp("qgraph")
+    model = load_hf_model(tiny_pair[0])
+    spec = export_decoder(model, decoder_dims(model.config, (-1, 0)), root / "g.onnx")
+    rng = np.random.default_rng(0)
+    return root / "g.onnx", spec, [list(map(int, rng.integers(3, 300, 24))) for _ in range(3)]
+
+
+@pytest.fixture(scope="session")
 def tiny_engine_dir(tiny_pair, tmp_path_factory):
     """An engine directory built from the tiny pair (in-process export)."""
     from dspark_export.build import Recipe, build_engine

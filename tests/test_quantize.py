@@ -8,18 +8,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def tiny_graph(tiny_pair, tmp_path_factory):
-    """(graph path, GraphSpec, calibration token lists) of the tiny target exported with features."""
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
-
-    root = tmp_path_factory.mktemp("qgraph")
-    model = load_hf_model(tiny_pair[0])
-    spec = export_decoder(model, decoder_dims(model.config, (-1, 0)), root / "g.onnx")
-    rng = np.random.default_rng(0)
-    return root / "g.onnx", spec, [list(map(int, rng.integers(3, 300, 24))) for _ in range(3)]
-
-
 def _run(path, spec, ids):
     from dspark_runtime.backend import OrtDecoder
     from dspark_runtime.kvcache import causal_mask
@@ -78,13 +66,13 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
     """Our streaming writer against ONNX Runtime's own quantize_static on the same calibration feeds."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from dspark_export.quantize import calibrate_graph, quant_targets, quantize_int8
+    from dspark_export.quantize import calibrate_graph, quant_targets, quantize_qdq
 
     path, spec, ids = tiny_graph
     nodes = [t.node for t in quant_targets(onnx.load(str(path), load_external_data=False))[0]]
     feeds = []
     tab = calibrate_graph(path, spec, ids, verify_len=4, on_feeds=feeds.append, log=lambda *a: None)
-    rep = quantize_int8(path, tmp_path / "ours.onnx", tab, "int8", log=lambda *a: None)
+    rep = quantize_qdq(path, tmp_path / "ours.onnx", tab, "int8", log=lambda *a: None)
     assert rep["quantized"] == 15 and rep["lm_head_quantized"] and rep["excluded"] == []
 
     class Replay(CalibrationDataReader):
@@ -116,11 +104,11 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
 
 
 def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
-    from dspark_export.quantize import calibrate_graph, quantize_int8
+    from dspark_export.quantize import calibrate_graph, quantize_qdq
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=4, log=lambda *a: None)
-    rep = quantize_int8(path, tmp_path / "trt.onnx", tab, "int8-trt", log=lambda *a: None)
+    rep = quantize_qdq(path, tmp_path / "trt.onnx", tab, "int8-trt", log=lambda *a: None)
     assert "8-bit" in rep["weights"] and "int8 symmetric" in rep["activations"]
     proto = onnx.load(str(tmp_path / "trt.onnx"), load_external_data=False)
     zps = [t for t in proto.graph.initializer if t.name.endswith("zero_point")]
@@ -131,17 +119,17 @@ def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
 
 
 def test_exclusions_stay_fp32_and_missing_ranges_are_an_error(tiny_graph, tmp_path):
-    from dspark_export.quantize import CalibrationTable, calibrate_graph, quantize_int8
+    from dspark_export.quantize import CalibrationTable, calibrate_graph, quantize_qdq
     from dspark_runtime.errors import DSparkError
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=2, exclude=["down_proj"], log=lambda *a: None)
-    rep = quantize_int8(path, tmp_path / "x.onnx", tab, "int8", exclude=["down_proj"], log=lambda *a: None)
+    rep = quantize_qdq(path, tmp_path / "x.onnx", tab, "int8", exclude=["down_proj"], log=lambda *a: None)
     assert rep["quantized"] == 13 and rep["excluded"] == ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]
     with pytest.raises(DSparkError, match="no range for 2 MatMul input"):
-        quantize_int8(path, tmp_path / "y.onnx", tab, "int8", log=lambda *a: None)
+        quantize_qdq(path, tmp_path / "y.onnx", tab, "int8", log=lambda *a: None)
     with pytest.raises(DSparkError, match="not 'int4'"):
-        quantize_int8(path, tmp_path / "y.onnx", tab, "int4", log=lambda *a: None)
+        quantize_qdq(path, tmp_path / "y.onnx", tab, "int4", log=lambda *a: None)
     tab.save(tmp_path / "t.json")
     assert CalibrationTable.load(tmp_path / "t.json").ranges == tab.ranges
     (tmp_path / "bad.json").write_text("{}")
@@ -212,7 +200,7 @@ def test_a_weight_shared_with_an_excluded_matmul_keeps_its_fp32_copy(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import CalibrationTable, quantize_int8
+    from dspark_export.quantize import CalibrationTable, quantize_qdq
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((16, 8)).astype(np.float32)
@@ -224,7 +212,7 @@ def test_a_weight_shared_with_an_excluded_matmul_keeps_its_fp32_copy(tmp_path):
     onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "s.onnx"),
                     save_as_external_data=True, location="s.onnx.data", size_threshold=0)
     table = CalibrationTable(ranges={"x": [-3.0, 3.0]}, data_id="0" * 64, steps=[], prompts="hand-made")
-    rep = quantize_int8(tmp_path / "s.onnx", tmp_path / "q.onnx", table, "int8", exclude=["mm_keep"],
+    rep = quantize_qdq(tmp_path / "s.onnx", tmp_path / "q.onnx", table, "int8", exclude=["mm_keep"],
                         log=lambda *a: None)
     assert rep["quantized"] == 1 and rep["excluded"] == ["mm_keep"]
     x = np.clip(rng.standard_normal((4, 16)), -3, 3).astype(np.float32)

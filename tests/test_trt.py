@@ -368,3 +368,23 @@ def test_trt_rtx_half_engines(half, ccs, tiny_engine_dir, tmp_path, trt_build_lo
                                               f"target.capacity.{half}.onnx.data"]
     with pytest.raises(DSparkError, match="Turing \\(7.5\\) has no bf16"):
         TrtBuildSettings(half="bf16", compute_capabilities=("7.5",)).validate()
+
+
+@needs_rtx
+def test_trt_rtx_builds_the_streamed_fp8_graph(tiny_engine_dir, tmp_path, trt_build_log):
+    """The streaming writer stores FP8 weights behind DequantizeLinear (not ModelOpt's fp32 + Q + DQ):
+    TensorRT-RTX parses and builds that graph for the FP8 GPUs."""
+    from dspark_export.quantize import calibrate_graph, quantize_qdq
+    from dspark_export.trt import TrtBuildSettings, build_engine_file
+    from dspark_runtime.manifest import load_manifest
+
+    spec = load_manifest(tiny_engine_dir).graphs["target"].spec
+    src = tiny_engine_dir / "target.onnx"
+    table = calibrate_graph(src, spec, [list(range(3, 40)), list(range(50, 90))], threads=1)
+    rep = quantize_qdq(src, tmp_path / "target.fp8s.onnx", table, "fp8", exclude=(), log=lambda *a: None)
+    assert rep["checks"]["fp8_tensors"] >= 15 and rep["opset"]["to"] == 19
+    r = build_engine_file(tmp_path / "target.fp8s.onnx", spec, tmp_path / "fp8s.engine",
+                          TrtBuildSettings(profile=SMALL))
+    trt_build_log.append(("tiny target fp8 QDQ (streaming writer)", r))
+    assert r["precision"] == "fp8" and (tmp_path / "fp8s.engine").stat().st_size > 100_000
+    assert r["compute_capabilities"] == ["8.9", "12.0"]
