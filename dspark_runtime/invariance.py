@@ -79,7 +79,6 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
     activation rounding hides row-count differences until one crosses a rounding boundary (rare), these
     fp32 outputs show every one. Returns (session, feeds-maker) where ``feeds(x, q)`` builds the inputs for
     rows x float32 [M, hidden] and queries q float32 [heads, M, head_dim]."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

@@ -11,13 +11,27 @@ needs_modelopt = pytest.mark.skipif(modelopt_python() is None,
                                     reason=f"NVIDIA ModelOpt environment not found; create it with: {SETUP_HINT}")
 
 
+def _refused_on_cpu_then_lossless(engine_dir):
+    """An fp8 engine: refused on the CPU provider with the reason, and (allowed) speculative greedy output
+    equal to its own target-only output. Returns the speculative result."""
+    from dspark_runtime import Engine
+    from dspark_runtime.errors import DSparkError
+
+    eng = Engine.load(engine_dir, threads=1)
+    with pytest.raises(DSparkError, match="graph target.onnx is fp8.*compute capability >= 8.9.*6-10x slower"):
+        eng.generate("def add(a, b):", max_new_tokens=4, draft=None)
+    eng = Engine.load(engine_dir, threads=1, allow_slow_precision=True)
+    ref = eng.generate("def add(a, b):", max_new_tokens=16, draft=None)
+    spec = eng.generate("def add(a, b):", max_new_tokens=16, draft="lm", draft_length=3)
+    assert spec.token_ids == ref.token_ids  # lossless relative to the fp8 target
+    return spec
+
+
 @needs_modelopt
 def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine_dir, tmp_path, monkeypatch):
     import numpy as np
 
     from dspark_export.quantize import quantize_engine
-    from dspark_runtime import Engine
-    from dspark_runtime.errors import DSparkError
 
     import os
 
@@ -41,14 +55,7 @@ def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine
     fp8_zp = [t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN]
     assert fp8_zp and {e.value for t in proto.graph.initializer for e in t.external_data
                        if e.key == "location"} <= {"target.onnx.data"}
-    eng = Engine.load(tmp_path / "f8", threads=1)
-    with pytest.raises(DSparkError, match="fp8.*compute capability >= 8.9.*6-10x slower"):
-        eng.generate("def add(a, b):", max_new_tokens=4, draft=None)
-    eng = Engine.load(tmp_path / "f8", threads=1, allow_slow_precision=True)
-    ref = eng.generate("def add(a, b):", max_new_tokens=16, draft=None)
-    spec = eng.generate("def add(a, b):", max_new_tokens=16, draft="lm", draft_length=3)
-    assert spec.token_ids == ref.token_ids  # lossless relative to the fp8 target
-    assert np.isfinite(spec.stats.accepted_length_mean)
+    assert np.isfinite(_refused_on_cpu_then_lossless(tmp_path / "f8").stats.accepted_length_mean)
 
 
 def test_fp8_modelopt_asked_for_without_modelopt_names_the_setup(tiny_engine_dir, tmp_path, monkeypatch):
@@ -256,8 +263,6 @@ def test_streamed_fp8_engine_records_the_writer_and_is_refused_on_cpu_unless_ask
 
     from dspark_export import fp8
     from dspark_export.cli import cli
-    from dspark_runtime import Engine
-    from dspark_runtime.errors import DSparkError
     from dspark_runtime.manifest import load_manifest
 
     monkeypatch.setattr(fp8, "modelopt_python", lambda: None)
@@ -276,13 +281,7 @@ def test_streamed_fp8_engine_records_the_writer_and_is_refused_on_cpu_unless_ask
         assert 0.0 < v["prefill"]["rel_l2"] < 0.1 and v["prefill"]["top1_agreement"] >= 0.8
     saved = json.loads((tmp_path / "f8" / "manifest.json").read_text())
     assert saved["graphs"]["draft"]["quantization"]["writer"] == "stream"
-    eng = Engine.load(tmp_path / "f8", threads=1)
-    with pytest.raises(DSparkError, match="graph target.onnx is fp8.*compute capability >= 8.9.*6-10x slower"):
-        eng.generate("def add(a, b):", max_new_tokens=4, draft=None)
-    eng = Engine.load(tmp_path / "f8", threads=1, allow_slow_precision=True)
-    ref = eng.generate("def add(a, b):", max_new_tokens=16, draft=None)
-    spec = eng.generate("def add(a, b):", max_new_tokens=16, draft="lm", draft_length=3)
-    assert spec.token_ids == ref.token_ids  # lossless relative to the fp8 target
+    _refused_on_cpu_then_lossless(tmp_path / "f8")
     # explicit writer on the CLI; an unknown one is refused by the option
     r = CliRunner().invoke(cli, ["quantize", str(tiny_engine_dir), "-o", str(tmp_path / "bad"), "--precision", "fp8",
                                  "--fp8-writer", "fast"])

@@ -173,3 +173,15 @@ def test_profile_probes_and_stores_the_row_multiple(tiny_engine_dir, tmp_path):
     assert m in (1, 2, 4, 8) and probe["max_abs_difference"][str(m)] == 0.0 and probe["backend"] == "ort"
     assert probe["threads"] >= 1 and probe["onnxruntime"] and probe["machine"]
     assert Engine.load(d).row_multiple == m
+
+
+def test_probe_without_onnx_falls_back_to_the_graph_probe(tiny_engine_dir, monkeypatch):
+    import sys
+
+    from dspark_runtime import Engine
+
+    monkeypatch.setitem(sys.modules, "onnx", None)  # a runtime-only install: `import onnx` raises ImportError
+    eng = Engine.load(tiny_engine_dir, row_multiple=1)
+    res = eng.probe_row_invariance(tokens=8)
+    assert "kernel_max_abs_difference" not in res and "onnx package is not installed" in res["note"]
+    assert res["row_multiple"] in (1, 2, 4, 8) and eng.row_multiple == res["row_multiple"]
