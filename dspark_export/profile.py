@@ -32,6 +32,9 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
 
     from dspark_runtime.sysinfo import machine_description
 
+    if probe_only and not probe_rows:
+        raise ValueError("probe_only needs probe_rows=True (nothing would be measured)")
+
     eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None)
     probe = None
     if probe_rows:

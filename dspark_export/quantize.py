@@ -708,6 +708,10 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         plan[role] = want
     if not plan:
         raise DSparkError(f"nothing to do: {src_dir} already has precision {precision!r} for every graph it holds")
+    for key in ("row_invariance", "cost_table"):  # measured on the source's graphs: re-profile the new engine
+        if m.speculation.pop(key, None) is not None:
+            log(f"  dropped speculation.{key} (measured on the source engine's graphs); run `dspark-export profile "
+                f"{out_dir}` on the deployment machine")
     tok = Tokenizer(src_dir / m.tokenizer["dir"])
     calib_ids = None
     if any(p == "fp8" or (p in CALIBRATED and not (tables or {}).get(r)) for r, p in plan.items()):

@@ -141,7 +141,10 @@ def info(engine_dir):
                    f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
                    f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
     ri = sp.get("row_invariance")
-    if ri:
+    if ri and not ri.get("row_multiple"):
+        click.echo(f"  row padding: none; the probe ({ri.get('date', '?')}) found no padding that makes the target "
+                   "row-count invariant on that machine")
+    elif ri:
         click.echo(f"  row padding: target calls padded to a multiple of {ri.get('row_multiple') or 1} row(s) "
                    f"(probed {ri.get('date', '?')} on {ri.get('machine', '?')}, {ri.get('threads', '?')} threads, "
                    f"onnxruntime {ri.get('onnxruntime', '?')})")

@@ -57,7 +57,7 @@ class Engine:
         elif backend != "ort":
             raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
         self._runners: dict = {}
-        self.row_multiple = self._row_multiple(row_multiple)
+        self.row_multiple = self._row_multiple(row_multiple, threads)
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         spec = manifest.speculation
         dg = spec.get("draft_graph")
@@ -69,16 +69,36 @@ class Engine:
         self._heads = None
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
-    def _row_multiple(self, given: int | None) -> int:
+    def _target_sha256(self) -> str:
+        g = self.manifest.graphs["target"]
+        return g.files[0].sha256
+
+    def _row_multiple(self, given: int | None, threads: int) -> int:
         """The target's row padding (:mod:`dspark_runtime.invariance`): ``given``, else the probed value in
         the manifest (``speculation.row_invariance.row_multiple``, written by ``dspark-export profile`` for
-        the ONNX Runtime backend), else 1. Raises InputError for a value that is not a positive integer."""
+        the ONNX Runtime backend), else 1. A stored probe is ignored (with a warning) when it was made on
+        another target graph, and a warning says when it was made with another thread count. Raises
+        InputError for a value that is not a positive integer, or above 1 with the TensorRT backend (its
+        decode profile and CUDA graphs are sized for unpadded verify blocks; not probed)."""
+        import warnings
+
         if given is None:
             probe = self.manifest.speculation.get("row_invariance") or {}
             given = probe.get("row_multiple") if probe.get("backend", "ort") == self.backend else None
+            if given is not None and probe.get("target_sha256") not in (None, self._target_sha256()):
+                warnings.warn(f"{self.dir}: the stored row padding was probed on another target graph; ignored (run "
+                              "`dspark-export profile --row-probe-only` on this engine)", stacklevel=3)
+                given = None
+            elif given is not None and probe.get("threads") not in (None, threads):
+                warnings.warn(f"{self.dir}: the row padding ({given}) was probed with {probe['threads']} threads, this "
+                              f"engine runs {threads}; re-probe with `dspark-export profile --row-probe-only --threads "
+                              f"{threads}` if outputs must be bit-exact", stacklevel=3)
             given = 1 if given is None else given
         if isinstance(given, bool) or not isinstance(given, int) or given < 1:
             raise InputError(f"row_multiple must be a positive integer (1 = no padding), got {given!r}")
+        if given > 1 and self.backend != "ort":
+            raise InputError("row padding (row_multiple > 1) is for the ONNX Runtime backend; the TensorRT engines' "
+                             "decode profile and CUDA graphs are sized for unpadded verify blocks")
         return given
 
     def _use_tensorrt(self) -> None:
@@ -230,6 +250,7 @@ class Engine:
                         "alone can miss the rare differences of quantized graphs")
         res = probe_row_multiple(self.runner("target"), ids[:prompt_tokens], ids[prompt_tokens:], kernel_check=check)
         res["backend"] = self.backend
+        res["target_sha256"] = self._target_sha256()
         if note:
             res["note"] = note
         self.row_multiple = res["row_multiple"] or 1

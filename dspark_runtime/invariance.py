@@ -34,9 +34,10 @@ import numpy as np
 
 #: multiples tried by :func:`probe_row_multiple`, smallest first
 CANDIDATES = (1, 2, 4, 8)
-#: real rows per call that each candidate must make equivalent (1 = target-only decoding; 2..6 = verify
-#: blocks of draft length 1..5; odd and even counts both present)
-PROBE_BLOCKS = (1, 2, 3, 4, 5, 6)
+#: real rows per call that each candidate must make equivalent: 1 = target-only decoding, 2..17 = verify blocks
+#: of draft length 1..16 (the router's longest n-gram block; a DSpark block of 7 verifies 8 rows), so every
+#: candidate is compared across several padded sizes (m = 8: 8, 16 and 24 rows)
+PROBE_BLOCKS = tuple(range(1, 18))
 
 
 def padded_rows(q: int, multiple: int) -> int:
@@ -106,7 +107,7 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
     return sess, (lambda x, q: {"x": x[None], "q": q[None]})
 
 
-def kernel_row_difference(multiple: int, threads: int, *, rows: int = 12, blocks=PROBE_BLOCKS, seed: int = 1) -> float:
+def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1) -> float:
     """Max |difference| of the per-row results of :func:`kernel_probe_session`'s kernels when ``rows`` random
     rows are fed in calls of every size in ``blocks``, each call padded to a multiple of ``multiple`` rows
     (0.0 = the kernels are row-count invariant at that padding on this machine, with ``threads``)."""

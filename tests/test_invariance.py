@@ -84,7 +84,7 @@ def test_unpadded_runner_sees_the_row_count_dependence_and_padding_removes_it():
 def test_probe_finds_the_smallest_invariant_multiple(kind, expected):
     be = ParityBackend(eps=0.0 if kind == "none" else 1e-5, odd_only_when_single=kind == "single")
     r = DecoderRunner(be, row_multiple=3)
-    res = probe_row_multiple(r, [1, 2, 3], list(range(4, 12)))
+    res = probe_row_multiple(r, [1, 2, 3], list(range(4, 24)))
     assert res["row_multiple"] == expected
     assert res["max_abs_difference"][str(expected)] == 0.0
     if expected > 1:
@@ -99,7 +99,7 @@ def test_probe_reports_none_when_padding_cannot_help():
             out.logits += np.float32(1e-4 * len(self.calls))  # differs from call to call
             return out
 
-    res = probe_row_multiple(DecoderRunner(Noisy(eps=0.0)), [1, 2], list(range(3, 11)), candidates=(1, 2))
+    res = probe_row_multiple(DecoderRunner(Noisy(eps=0.0)), [1, 2], list(range(3, 23)), candidates=(1, 2))
     assert res["row_multiple"] is None and all(v > 0 for v in res["max_abs_difference"].values())
     with pytest.raises(ValueError, match="continuation tokens"):
         probe_row_multiple(DecoderRunner(ParityBackend()), [1], [2, 3])
@@ -182,6 +182,48 @@ def test_probe_without_onnx_falls_back_to_the_graph_probe(tiny_engine_dir, monke
 
     monkeypatch.setitem(sys.modules, "onnx", None)  # a runtime-only install: `import onnx` raises ImportError
     eng = Engine.load(tiny_engine_dir, row_multiple=1)
-    res = eng.probe_row_invariance(tokens=8)
+    res = eng.probe_row_invariance(tokens=18)
     assert "kernel_max_abs_difference" not in res and "onnx package is not installed" in res["note"]
     assert res["row_multiple"] in (1, 2, 4, 8) and eng.row_multiple == res["row_multiple"]
+
+
+def test_a_stored_probe_of_another_graph_or_thread_count_is_flagged(tiny_engine_dir, tmp_path):
+    import shutil
+    import warnings
+
+    from dspark_runtime import Engine
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    m = json.loads((d / "manifest.json").read_text())
+    sha = m["graphs"]["target"]["files"][0]["sha256"]
+    for probe, threads, expect_m, expect_warning in [
+            ({"row_multiple": 2, "target_sha256": sha, "threads": 1}, 1, 2, None),
+            ({"row_multiple": 2, "target_sha256": "0" * 64, "threads": 1}, 1, 1, "probed on another target graph"),
+            ({"row_multiple": 2, "target_sha256": sha, "threads": 2}, 1, 2, "probed with 2 threads")]:
+        m["speculation"]["row_invariance"] = probe
+        (d / "manifest.json").write_text(json.dumps(m))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng = Engine.load(d, threads=threads)
+        assert eng.row_multiple == expect_m
+        msgs = [str(w.message) for w in caught]
+        assert (any(expect_warning in x for x in msgs) if expect_warning else not msgs), msgs
+
+
+def test_quantize_drops_the_source_engines_probe_and_cost_table(tiny_engine_dir, tmp_path):
+    import shutil
+
+    from dspark_export.quantize import quantize_engine
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["speculation"]["row_invariance"] = {"row_multiple": 2}
+    m["speculation"]["cost_table"] = {"tokens": [1], "seconds": [0.1]}
+    (d / "manifest.json").write_text(json.dumps(m))
+    logs = []
+    quantize_engine(d, tmp_path / "q", "draft=int8", calibration_prompts=1, log=logs.append)
+    spec = json.loads((tmp_path / "q" / "manifest.json").read_text())["speculation"]
+    assert "row_invariance" not in spec and "cost_table" not in spec
+    assert any("dropped speculation.row_invariance" in x for x in logs)
