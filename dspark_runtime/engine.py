@@ -232,14 +232,18 @@ class Engine:
         :func:`~dspark_runtime.invariance.kernel_row_difference`, which needs the ``onnx`` package and is
         what catches the rare differences of quantized graphs) and use it from now on (``self.row_multiple``; ``dspark-export
         profile`` also stores it in the manifest). When no candidate is invariant the padding is left at 1
-        and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend"."""
+        and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend" and "target_sha256".
+        Raises InputError on the TensorRT backend (padding is refused there, see :meth:`_row_multiple`)."""
         from dspark_runtime.invariance import kernel_row_difference, probe_row_multiple
 
+        if self.backend != "ort":
+            raise InputError("the row probe is for the ONNX Runtime backend (TensorRT runs unpadded); load with "
+                             "backend='ort'")
         rng = np.random.default_rng(seed)
         hi = min(self.manifest.graphs["target"].spec.dims.vocab_size, 30000)
         ids = rng.integers(0, hi, size=prompt_tokens + tokens).tolist()
         check, note = None, None
-        if kernels and self.backend == "ort":  # the kernel probe runs ONNX Runtime's CPU kernels
+        if kernels:  # the kernel probe runs ONNX Runtime's CPU kernels
             try:
                 import onnx  # noqa: F401  (builds the probe graph; the export extra)
 
