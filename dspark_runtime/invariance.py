@@ -6,7 +6,7 @@ it is fed alone (target-only decoding: one row per call) or as one row of a veri
 rows per call) — DESIGN.md section 1, the exactness contract. Float kernels do not promise that: on
 ONNX Runtime's CPU provider a row's float result depends on how many rows the call has (measured on a
 2-core AVX2 machine, Qwen2.5-Coder-1.5B: one row alone differs from the same row in a block of 2 or 4,
-and a block of 3 from blocks of 2 or 4, while all even row counts agree bit for bit; fp32 logits
+and a block of 3 from blocks of 2 or 4, while the even row counts tried (2, 4, 6, 8) agree bit for bit; fp32 logits
 differ by up to 2e-5, and in an INT8 graph the activation
 quantizer occasionally turns that into a whole quantization step, |Δlogit| 1.8, and flips greedy
 tokens — ``scripts/chunk_invariance.py``, README "Precision").
@@ -14,15 +14,17 @@ tokens — ``scripts/chunk_invariance.py``, README "Precision").
 The fix needs no kernel change: **pad every call to a multiple of m rows** (``row_multiple``), the
 extra rows repeating the last token *after* the real ones, so causal masking keeps them invisible to
 the real rows, and their logits and KV entries are dropped. Every real row is then computed by the same
-kernel path whatever the call's real row count, and target-only decoding, verify blocks of any length
-and the prompt prefill fill the KV cache bit for bit alike. The attention reductions are unaffected by
-how many (trailing, fully masked) keys a call has: masked keys contribute exact zeros.
+kernel path whatever the call's real row count, so target-only decoding and verify blocks fill the KV
+cache bit for bit alike — checked by :func:`probe_row_multiple` for calls of 1-17 rows (:data:`PROBE_BLOCKS`),
+not for arbitrary lengths. The attention reductions are unaffected by how many (trailing, fully masked) keys a
+call has: masked keys contribute exact zeros.
 
 m is a property of the kernels on the deployment machine (CPU ISA, ONNX Runtime version, thread count),
 like the cost table, so it is measured there: :func:`probe_row_multiple` (run by ``dspark-export profile``,
 stored as ``speculation.row_invariance`` in the manifest, applied by ``Engine.load``). The cost is one
-extra row on odd-row calls: target-only decoding pays it on every token (+16 % per token fp32, +27 % INT8
-on the 2-core AVX2 machine); speculative rounds only when the verify block has an odd row count.
+extra row on odd-row calls: target-only decoding pays it on every token (about +16 % per token fp32,
++27 % INT8 in one teacher-forcing run on the 2-core AVX2 machine); speculative rounds only when the verify
+block has an odd row count.
 
 Scope: single-sequence decoding (``Engine.generate``, the CLI, ``generate_tokens``). The batched
 runtime packs several requests into one call, which also shifts where a request's keys sit in the
@@ -78,8 +80,8 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
     [1, heads, head_dim, keys]) @ V [1, heads, keys, head_dim]) — built in memory with ``onnx`` (the export
     extra; ImportError otherwise). Used by :func:`kernel_row_difference`: unlike a quantized graph, whose
     activation rounding hides row-count differences until one crosses a rounding boundary (rare), these
-    fp32 outputs show every one. Returns (session, feeds-maker) where ``feeds(x, q)`` builds the inputs for
-    rows x float32 [M, hidden] and queries q float32 [heads, M, head_dim]."""
+    fp32 outputs show every one. Returns the session; its inputs are ``x`` float32 [1, M, hidden] and ``q``
+    float32 [1, heads, M, head_dim], its outputs ``y`` and ``o``."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -103,15 +105,14 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess, (lambda x, q: {"x": x[None], "q": q[None]})
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1) -> float:
     """Max |difference| of the per-row results of :func:`kernel_probe_session`'s kernels when ``rows`` random
     rows are fed in calls of every size in ``blocks``, each call padded to a multiple of ``multiple`` rows
     (0.0 = the kernels are row-count invariant at that padding on this machine, with ``threads``)."""
-    sess, feeds = kernel_probe_session(threads)
+    sess = kernel_probe_session(threads)
     rng = np.random.default_rng(seed)
     hidden = sess.get_inputs()[0].shape[-1]
     heads, head_dim = sess.get_inputs()[1].shape[1], sess.get_inputs()[1].shape[-1]
@@ -125,7 +126,7 @@ def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks
             pad = padded_rows(n, multiple) - n
             xi = np.concatenate([x[s:s + n], np.repeat(x[s + n - 1:s + n], pad, axis=0)])
             qi = np.concatenate([q[:, s:s + n], np.repeat(q[:, s + n - 1:s + n], pad, axis=1)], axis=1)
-            y, o = sess.run(["y", "o"], feeds(xi, qi))
+            y, o = sess.run(["y", "o"], {"x": xi[None], "q": qi[None]})
             ys.append(y[0, :n])
             os_.append(o[0, :, :n])
         return np.concatenate(ys), np.concatenate(os_, axis=1)
