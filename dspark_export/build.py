@@ -36,7 +36,10 @@ from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, Gr
 # fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
 #   environment (dspark_export.fp8) or by the streaming QDQ writer (dspark_export.quantize; fp8_writer picks);
 #   the runtime refuses it on the CPU provider unless asked.
-PRECISIONS = ("fp32", "int8", "int8-trt", "int8-dynamic", "fp8")
+# int4: weight-only com.microsoft.MatMulNBits for ONNX Runtime CPU (dspark_export.nbits), from the GGUF's own
+#   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
+#   ("rtn" / "hqq"). The CPU default (engines/*.json).
+PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
 CALIBRATION_NOTE = ("calibration split (data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
@@ -57,6 +60,8 @@ class Recipe:
     target_feature_layers: list = field(default_factory=list)
     draft_length: int = 5
     calibration_prompts: int = 16  # calibration-split prompts for static quantization (int8, int8-trt)
+    # int4 weights: "auto" | "gguf" | "rtn" | "hqq", one for all graphs or per graph ("target=gguf,draft=rtn")
+    int4_source: str = "auto"
 
     @staticmethod
     def from_file(path: str | Path) -> "Recipe":
@@ -68,33 +73,71 @@ class Recipe:
             return Recipe(**d)
         except (ValueError, TypeError) as e:
             raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
-                              "target_feature_layers, draft_length, calibration_prompts") from e
+                              "target_feature_layers, draft_length, calibration_prompts, int4_source") from e
 
     def precision_for(self, role: str) -> str:
         """The precision of graph ``role`` ("target" or "draft"); raises DSparkError on a bad spec."""
-        spec = str(self.precision).strip()
-        if "=" not in spec:
-            choice = spec
-        else:
-            per = {}
-            for item in spec.split(","):
-                k, sep, v = item.partition("=")
-                if not sep or k.strip() not in ROLES:
-                    raise DSparkError(f"precision {spec!r}: write one precision, or role=precision pairs "
-                                      "such as 'target=int8,draft=fp32'")
-                per[k.strip()] = v.strip()
-            choice = per.get(role, "fp32")
+        choice = per_role(self.precision, role, "fp32", "precision", "target=int8,draft=fp32")
         if choice not in PRECISIONS:
             raise DSparkError(f"precision {choice!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+        return choice
+
+    def int4_source_for(self, role: str) -> str:
+        """The int4 weight source of graph ``role``: auto | gguf | rtn | hqq (see :func:`resolve_int4_source`)."""
+        from dspark_export.nbits import INT4_SOURCES
+
+        choice = per_role(self.int4_source, role, "auto", "int4_source", "target=gguf,draft=rtn")
+        if choice not in INT4_SOURCES:
+            raise DSparkError(f"int4 source {choice!r} is not supported; choose one of {', '.join(INT4_SOURCES)}")
         return choice
 
     def validate(self) -> None:
         for role in ROLES:
             self.precision_for(role)
+            self.int4_source_for(role)
         if not isinstance(self.draft_length, int) or self.draft_length < 1:
             raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
         if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:
             raise DSparkError(f"calibration_prompts must be a positive integer, got {self.calibration_prompts!r}")
+
+
+def per_role(spec, role: str, default: str, what: str, example: str) -> str:
+    """The value for graph ``role`` of a setting written once for all graphs (``"int8"``) or per graph
+    (``"target=int8,draft=fp32"``; roles not named get ``default``). Raises DSparkError on a malformed spec."""
+    spec = str(spec).strip()
+    if "=" not in spec:
+        return spec
+    per = {}
+    for item in spec.split(","):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in ROLES:
+            raise DSparkError(f"{what} {spec!r}: write one value, or role=value pairs such as {example!r}")
+        per[k.strip()] = v.strip()
+    return per.get(role, default)
+
+
+def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
+    """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
+
+    ``auto``: the target re-packs the GGUF it was converted from when that file is present (faithful: the
+    weights llama.cpp runs), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
+    output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` requires the file;
+    ``rtn``/``hqq`` use the float weights. Raises DSparkError when ``gguf`` is asked for and no GGUF is known.
+    """
+    from dspark_export.fetch import source_gguf
+
+    gguf = source_gguf(model_dir) if model_dir is not None else None
+    if requested == "auto":
+        if role == "target" and gguf is not None:
+            return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
+        return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
+                             else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
+    if requested == "gguf":
+        if gguf is None:
+            raise DSparkError(f"--int4-source gguf: {model_dir} records no GGUF it was converted from (or the file "
+                              "is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
+        return "gguf", gguf, "asked for"
+    return requested, None, "asked for"
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -114,7 +157,7 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
-                 calibration_ids=None, fp8_writer: str = "auto") -> dict:
+                 calibration_ids=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None) -> dict:
     """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
     "quantization"}.
 
@@ -143,7 +186,7 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
         _move_graph(out_path, fp32_path)
         validation = {"fp32": validate_decoder(ref, dims, fp32_path).to_json()}
         quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
-                                      fp8_writer=fp8_writer)
+                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf)
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement
@@ -171,7 +214,7 @@ def _move_graph(src: Path, dst: Path) -> None:
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
-                   exclude=None, fp8_writer: str = "auto", log=print) -> dict:
+                   exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, log=print) -> dict:
     """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
     ``quantization`` record.
 
@@ -187,12 +230,23 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     int8 (``table`` or ``calibration_ids``; FP8 weights stored quantized); ``"auto"`` (default) — ModelOpt
     when installed and ~8x the fp32 weights fits in the available memory, else ``"stream"``. The record
     says which (``"writer"``) and why (``"writer_reason"``).
+    ``int4``: MatMulNBits weight-only (:mod:`dspark_export.nbits`): ``int4_source`` ``"gguf"`` re-packs the blocks
+    of ``gguf`` (the GGUF the model was converted from; streamed, peak ≈ one weight), ``"rtn"`` / ``"hqq"`` run ONNX
+    Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration data.
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
     DSparkError when that cannot fit in this machine's RAM.
     Raises DSparkError for an unknown precision or fp8 writer, missing calibration data, a calibration
     table measured on another graph, or a failing quantizer.
     """
+    if precision == "int4":
+        from dspark_export import nbits
+
+        if int4_source == "gguf":
+            if gguf is None:
+                raise DSparkError("int4 from the GGUF needs the GGUF path")
+            return nbits.quantize_nbits_gguf(src, dst, gguf, log=log)
+        return nbits.quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
     writer = reason = None
     if precision == "fp8":
         from dspark_export.fp8 import choose_fp8_writer
@@ -253,11 +307,13 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
 
 
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
-                           precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto") -> dict:
+                           precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto",
+                           int4_source: str = "rtn", gguf=None) -> dict:
     """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
     args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
                        "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
-                       "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer})
+                       "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer,
+                       "int4_source": int4_source, "gguf": None if gguf is None else str(gguf)})
     result_path = out_path.with_suffix(".export.json")
     proc = subprocess.run([sys.executable, "-m", "dspark_export.build", args, str(result_path)])
     if proc.returncode != 0 or not result_path.is_file():
@@ -369,8 +425,12 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
         log(f"[{role}] exporting {mdir} -> {out_dir / (role + '.onnx')}")
         fn = _export_graph_isolated if isolate else export_graph
         precision = recipe.precision_for(role)
+        source, gguf = "rtn", None
+        if precision == "int4":
+            source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
+            log(f"[{role}] int4 weights from {source} ({why})")
         res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids, precision,
-                 calib_ids if precision in CALIBRATED else None, fp8_writer)
+                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
@@ -498,7 +558,8 @@ if __name__ == "__main__":  # worker for _export_graph_isolated
     a = json.loads(sys.argv[1])
     try:
         r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
-                         a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"))
+                         a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"),
+                         a.get("int4_source", "rtn"), a.get("gguf"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -16,6 +16,13 @@ _FP8_WRITER_OPTION = click.option(
          "(memory-bounded QDQ writer; FP8 weights stored quantized, peak ~ the graph structure plus one weight), or "
          "auto (ModelOpt when installed and 8x the fp32 weights fit in the available memory, else stream).")
 
+# `build` and `quantize`: where int4 weights come from (dspark_export.build.resolve_int4_source)
+_INT4_SOURCE_OPTION = click.option(
+    "--int4-source", default=None, metavar="auto|gguf|rtn|hqq",
+    help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
+         "fetched from: the weights llama.cpp runs), rtn / hqq (ONNX Runtime's quantizer on the float weights), auto "
+         "(default: gguf for a target fetched from a GGUF, rtn otherwise).")
+
 
 @click.group()
 @click.version_option(package_name="dspark")
@@ -54,7 +61,8 @@ def list_models():
 @click.option("--name", help="Engine name (default: the recipe's or the target's).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Engine directory (default engines/<name>).")
 @click.option("--precision", default=None,
-              help="fp32 | int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic | "
+              help="fp32 | int4 (MatMulNBits weight-only for ONNX Runtime CPU; weights: --int4-source) | "
+                   "int8 (static QDQ for ONNX Runtime CPU) | int8-trt (S8S8 QDQ for TensorRT) | int8-dynamic | "
                    "fp8 (E4M3 QDQ for TensorRT; writer: --fp8-writer), "
                    "for all graphs or per graph: 'target=int8,draft=fp32'.")
 @click.option("--calibration-prompts", type=int, default=None,
@@ -62,12 +70,13 @@ def list_models():
 @click.option("--feature-layers", default=None, help="Target layers whose hidden states the graph outputs, e.g. 1,13,25.")
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @_FP8_WRITER_OPTION
+@_INT4_SOURCE_OPTION
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
 @click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
 def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
-          fp8_writer, in_process, engine_format):
+          fp8_writer, int4_source, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (engines/<name>.json) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
 
@@ -85,6 +94,8 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
         r.name = name
     if precision:
         r.precision = precision
+    if int4_source is not None:
+        r.int4_source = int4_source
     if calibration_prompts is not None:
         r.calibration_prompts = calibration_prompts
     if draft_length is not None:
@@ -368,8 +379,8 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="New engine directory (the source engine is not modified; unchanged files are hard-linked).")
 @click.option("--precision", required=True,
-              help="int8 | int8-trt | int8-dynamic | fp8 (E4M3 for TensorRT; see --fp8-writer) for all decoder graphs, "
-                   "or per graph: 'target=int8,draft=int8'.")
+              help="int4 (MatMulNBits, see --int4-source) | int8 | int8-trt | int8-dynamic | fp8 (E4M3 for TensorRT; "
+                   "see --fp8-writer) for all decoder graphs, or per graph: 'target=int4,draft=int4'.")
 @click.option("--calibration", default=None,
               help="Tables from `calibrate-quant`: 'target=t.json,draft=d.json' (default: calibrate here).")
 @click.option("--calibration-prompts", type=int, default=16, show_default=True)
@@ -378,14 +389,15 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
                    "default: the built-in list for int8 (dspark_export.quantize.DEFAULT_EXCLUDE), none for fp8. "
                    "'' quantizes all.")
 @_FP8_WRITER_OPTION
-def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer):
+@_INT4_SOURCE_OPTION
+def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer, int4_source):
     """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
     from dspark_export.quantize import CalibrationTable, quantize_engine
 
     tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
     excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]
     quantize_engine(engine_dir, out_dir, precision, calibration_prompts=calibration_prompts, tables=tables,
-                    exclude=excl, fp8_writer=fp8_writer, log=click.echo)
+                    exclude=excl, fp8_writer=fp8_writer, int4_source=int4_source or "auto", log=click.echo)
 
 
 @cli.command()

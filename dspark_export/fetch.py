@@ -44,7 +44,7 @@ from dspark_runtime.manifest import sha256_file as _sha256
 
 from .paths import cache_root, models_dir
 
-__all__ = ["MODELS", "ModelSource", "PackagePart", "fetch_model", "model_path", "gguf_path"]
+__all__ = ["MODELS", "ModelSource", "PackagePart", "fetch_model", "model_path", "gguf_path", "source_gguf"]
 
 Log = Callable[[str], None]
 
@@ -149,6 +149,23 @@ def model_path(name: str) -> Path:
 def gguf_path(name: str) -> Path:
     """Where the joined GGUF of model ``name`` is kept: ``<cache>/gguf/<name>.gguf``."""
     return cache_root() / "gguf" / f"{_source(name).name}.gguf"
+
+
+def source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a converted model folder was made from (its ``dspark_source.json`` names the model), when that
+    file is still in the cache with the recorded size; None for folders not converted by :func:`fetch_model`
+    or a GGUF that was deleted (``keep_gguf=False``) or replaced."""
+    stamp = Path(model_dir) / "dspark_source.json"
+    if not stamp.is_file():
+        return None
+    try:
+        info = json.loads(stamp.read_text())
+        path = cache_root() / "gguf" / f"{info['name']}.gguf"
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not path.is_file() or (info.get("gguf_size") and path.stat().st_size != int(info["gguf_size"])):
+        return None
+    return path
 
 
 # --------------------------------------------------------------------------------------------

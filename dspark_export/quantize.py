@@ -395,6 +395,56 @@ class _ExternalData:
             f.close()
 
 
+class _ExternalWriter:
+    """Writes the initializers of a rewritten graph ``dst`` into one external file ``<dst name>.data`` beside it
+    (replacing ``dst`` and that file if present), one tensor at a time, offsets page-aligned. Use as a context
+    manager; ``bytes_out`` counts the tensor bytes written."""
+
+    def __init__(self, dst: Path):
+        self.dst = Path(dst)
+        self.data_name = self.dst.name + ".data"
+        self.bytes_out = 0
+        self._f = None
+
+    def __enter__(self):
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        for p in (self.dst, self.dst.with_name(self.data_name)):
+            if p.exists():
+                p.unlink()
+        self._f = open(self.dst.with_name(self.data_name), "wb")
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def put(self, arrays, name: str, dtype: int, dims):
+        """Append ``arrays`` (an iterable of numpy arrays, written in order as raw bytes) as external tensor
+        ``name`` of ONNX type ``dtype`` and shape ``dims``; returns its TensorProto."""
+        from onnx import TensorProto
+
+        f = self._f
+        f.write(b"\0" * ((-f.tell()) % _ALIGN))
+        off = f.tell()
+        for arr in arrays:
+            f.write(np.ascontiguousarray(arr).tobytes())
+        length = f.tell() - off
+        self.bytes_out += length
+        t = TensorProto(name=name, data_type=dtype, dims=[int(d) for d in dims])
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_name), ("offset", str(off)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    def copy(self, t, reader: "_ExternalData"):
+        """Initializer ``t`` unchanged: small inline tensors as they are, external ones streamed across."""
+        if reader.info(t) is None:
+            return t
+        size = reader.nbytes(t)
+        return self.put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8) for i in range(0, size, 64 << 20)),
+                        t.name, t.data_type, t.dims)
+
+
 def graph_weight_bytes(path: Path) -> int:
     """Bytes of all initializers of the ``.onnx`` graph ``path`` (external data lengths plus inline
     tensors), read from the graph's structure only (the weights are not loaded). Raises DSparkError when
@@ -481,35 +531,12 @@ def quantize_qdq(src: Path, dst: Path, table: CalibrationTable, precision: str =
     # a weight also read by a node left in fp32 (a shared or partly excluded weight) keeps its fp32 copy
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in by_weight}
     reader = _ExternalData(src.parent)
-    data_name = dst.name + ".data"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    for p in (dst, dst.with_name(data_name)):
-        if p.exists():
-            p.unlink()
-    bytes_in = bytes_out = 0
+    bytes_in = 0
     new_inits = []
-    with open(dst.with_name(data_name), "wb") as fout:
-
-        def put(arr_bytes_iter, name: str, dtype: int, dims) -> object:
-            """Append bytes (an iterable of arrays) to the data file as external tensor ``name``."""
-            nonlocal bytes_out
-            pad = (-fout.tell()) % _ALIGN
-            fout.write(b"\0" * pad)
-            off = fout.tell()
-            for arr in arr_bytes_iter:
-                fout.write(np.ascontiguousarray(arr).tobytes())
-            length = fout.tell() - off
-            bytes_out += length
-            t = TensorProto(name=name, data_type=dtype, dims=list(dims))
-            t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", data_name), ("offset", str(off)), ("length", str(length))):
-                e = t.external_data.add()
-                e.key, e.value = k, v
-            return t
-
+    writer = _ExternalWriter(dst)
+    with writer:
         for t in proto.graph.initializer:
-            size = reader.nbytes(t)
-            bytes_in += size
+            bytes_in += reader.nbytes(t)
             if t.name in by_weight:
                 k, n = t.dims
 
@@ -518,17 +545,14 @@ def quantize_qdq(src: Path, dst: Path, table: CalibrationTable, precision: str =
 
                 chunks = quantize_weight_chunks(rows, k, n, qmax, fp8=fp8)
                 _, scale = next(chunks)
-                new_inits.append(put((c for _, c in chunks), t.name + "_quantized", w_type, (k, n)))
+                new_inits.append(writer.put((c for _, c in chunks), t.name + "_quantized", w_type, (k, n)))
                 new_inits.append(numpy_helper.from_array(scale, t.name + "_scale"))
                 new_inits.append(numpy_helper.from_array(np.zeros(n, w_zero), t.name + "_zero_point"))
                 if t.name in shared:
-                    new_inits.append(put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8)
-                                          for i in range(0, size, 64 << 20)), t.name, t.data_type, t.dims))
-            elif reader.info(t) is None:
-                new_inits.append(t)  # small inline tensor: keep as is
+                    new_inits.append(writer.copy(t, reader))
             else:
-                new_inits.append(put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8)
-                                      for i in range(0, size, 64 << 20)), t.name, t.data_type, t.dims))
+                new_inits.append(writer.copy(t, reader))
+    bytes_out = writer.bytes_out
     reader.close()
     # activation Q (one per tensor) and DQ (one per consumer), weight DQ, in topological order
     act_q, nodes = {}, []
@@ -663,7 +687,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration_prompts: int = 16,
-                    tables: dict | None = None, exclude=None, fp8_writer: str = "auto", log=print):
+                    tables: dict | None = None, exclude=None, fp8_writer: str = "auto", int4_source: str = "auto",
+                    log=print):
     """Write ``out_dir``: a copy of the built engine ``src_dir`` whose graphs have the precisions of
     ``precision`` (as ``dspark-export build --precision``: one for all, or ``target=int8,draft=int8``).
 
@@ -674,6 +699,9 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     (``validation[precision]``: top-1 agreement, max |Δlogits|, relative L2 at prefill and verify).
     ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see
     :func:`dspark_export.build.quantize_graph`; the record's ``"writer"`` says which one ran).
+    ``int4_source``: ``"auto"`` | ``"gguf"`` | ``"rtn"`` | ``"hqq"`` for int4 graphs, one for all or per graph
+    (``"target=gguf,draft=rtn"``; see :func:`dspark_export.build.resolve_int4_source`: the GGUF is found from the
+    graph's fetched model).
     Returns the new Manifest. Raises DSparkError when ``out_dir`` is ``src_dir`` or a non-empty
     directory, when a graph to quantize is not fp32 or not a decoder (``causal_lm``), for a bad spec
     or an unknown fp8 writer.
@@ -686,7 +714,8 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     from dspark_runtime.tokenizer import Tokenizer
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
-    recipe = Recipe(name="-", target="-", precision=precision, calibration_prompts=calibration_prompts)
+    recipe = Recipe(name="-", target="-", precision=precision, calibration_prompts=calibration_prompts,
+                    int4_source=int4_source)
     recipe.validate()
     check_fp8_writer(fp8_writer)
     if out_dir.resolve() == src_dir.resolve():
@@ -731,8 +760,19 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         src = src_dir / g.model_file
         dst = out_dir / f"{role}.onnx"
         log(f"[{role}] {g.precision} -> {prec}: {src} -> {dst}")
+        source, gguf = "rtn", None
+        if prec == "int4":
+            from dspark_export.build import resolve_int4_source, resolve_model
+
+            try:
+                mdir = resolve_model(g.model_id)
+            except DSparkError:
+                mdir = None  # a model that is not fetched here: float weights only
+            source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
+            log(f"[{role}] int4 weights from {source} ({why})")
         q = quantize_graph(src, dst, prec, spec=g.spec, calibration_ids=calib_ids,
-                           table=(tables or {}).get(role), exclude=exclude, fp8_writer=fp8_writer, log=log)
+                           table=(tables or {}).get(role), exclude=exclude, fp8_writer=fp8_writer,
+                           int4_source=source, gguf=gguf, log=log)
         cand = OrtDecoder(dst, g.spec)
         agree = logit_agreement(OrtDecoder(src, g.spec), cand, [val_ids], verify_len=5)  # one graph at a time
         cand.deactivate()
