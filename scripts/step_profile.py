@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Where one decoder step spends its time: ONNX Runtime's own per-node profile of an engine graph, grouped.
+
+For each cached length in --past and each step size in --q, the graph runs --repeats times over a KV cache of
+that length (random values: the cost does not depend on them) with ONNX Runtime profiling on; the node events
+are grouped into: the LM head (the MatMul/MatMulNBits whose module is ``lm_head``), weight MatMuls
+(MatMulNBits, or MatMul with a weight initializer), attention (the score/value MatMuls, Softmax, the mask
+arithmetic), the growing-KV ``Concat`` copies, and everything else by op type. The wall time of a whole
+``session.run`` is measured beside it; "outside the nodes" is the difference (feeding inputs, copying outputs).
+
+    python scripts/step_profile.py --engine engines/qwen2.5-coder-1.5b-int4 --past 256,1024,2048 --q 1,2,8
+
+Medians over the repeats, milliseconds per step. Writes --json if given. One graph, one process; run nothing
+else on the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark_runtime.manifest import load_manifest  # noqa: E402
+from dspark_runtime.sysinfo import machine_description  # noqa: E402
+
+ATTENTION_OPS = {"Softmax", "Where", "Not", "Expand", "Equal", "Less", "LessOrEqual", "And", "Or", "Cast",
+                 "Trilu", "IsInf", "IsNaN"}
+
+
+def weight_inputs(graph_path: Path) -> tuple:
+    """(names of MatMul nodes with a weight initializer, name of the LM head node or None)."""
+    import onnx
+
+    from dspark_export.quantize import _module_name
+
+    proto = onnx.load(str(graph_path), load_external_data=False)
+    inits = {t.name for t in proto.graph.initializer}
+    weighted, head = set(), None
+    for n in proto.graph.node:
+        if n.op_type in ("MatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat") and \
+                any(i in inits for i in n.input[1:2]):
+            weighted.add(n.name)
+            if _module_name(n) == "lm_head" or "lm_head" in n.name:
+                head = n.name
+    return weighted, head
+
+
+def category(ev: dict, weighted: set, head: str | None) -> str:
+    op, name = ev["args"].get("op_name", "?"), ev["name"].rsplit("_kernel_time", 1)[0]
+    if head and (name == head or name.startswith(head)):
+        return "lm_head"
+    if op == "MatMulNBits" or name in weighted:
+        return "weight matmul"
+    if op in ("MatMul", "FusedMatMul"):
+        return "attention matmul"
+    if op in ATTENTION_OPS:
+        return "attention/mask other"
+    if op == "Concat":
+        return "Concat (KV copies)"
+    return op
+
+
+def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, weighted, head) -> dict:
+    import onnxruntime as ort
+
+    from dspark_runtime.graphspec import past_names
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
+    sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    d = spec.dims
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, d.vocab_size, (1, q)).astype(np.int64),
+             "position_ids": np.arange(past, past + q, dtype=np.int64)[None],
+             "attention_mask": np.tril(np.ones((q, past + q), bool), k=past)[None, None]}
+    for kn, vn in past_names(d.num_layers):
+        for n in (kn, vn):
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+    outs = spec.output_names
+    sess.run(outs, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sess.run(outs, feeds)
+        walls.append(time.perf_counter() - t)
+    trace_file = Path(sess.end_profiling())
+    trace = json.loads(trace_file.read_text())
+    trace_file.unlink()
+    runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    per_run = []
+    for r in runs[1:]:  # the first model_run is the warm-up
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        cats: dict = {}
+        for e in trace:
+            if e.get("cat") == "Node" and lo <= e["ts"] <= hi and e["name"].endswith("_kernel_time"):
+                c = category(e, weighted, head)
+                cats[c] = cats.get(c, 0.0) + e["dur"] / 1000.0
+        per_run.append(cats)
+    keys = sorted({k for c in per_run for k in c})
+    med = {k: statistics.median(c.get(k, 0.0) for c in per_run) for k in keys}
+    wall = statistics.median(walls) * 1000
+    return {"past": past, "q": q, "wall_ms": round(wall, 2), "nodes_ms": round(sum(med.values()), 2),
+            "outside_nodes_ms": round(wall - sum(med.values()), 2),
+            "by_category_ms": {k: round(v, 2) for k, v in sorted(med.items(), key=lambda kv: -kv[1])}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", required=True, type=Path)
+    ap.add_argument("--role", default="target")
+    ap.add_argument("--past", default="256,1024,2048")
+    ap.add_argument("--q", default="1,2,8")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    m = load_manifest(a.engine, verify=False)
+    g = m.graphs.get(a.role)
+    if g is None or g.spec.kind != "causal_lm":
+        ap.error(f"{a.engine} has no decoder graph {a.role!r}")
+    graph = a.engine / g.model_file
+    weighted, head = weight_inputs(graph)
+    rows = []
+    for past in (int(x) for x in a.past.split(",")):
+        for q in (int(x) for x in a.q.split(",")):
+            r = profile(graph, g.spec, past, q, a.repeats, a.threads, weighted, head)
+            rows.append(r)
+            top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["by_category_ms"].items())[:7])
+            print(f"past {past:5d} q {q:3d}: {r['wall_ms']:7.1f} ms/step (nodes {r['nodes_ms']:.1f}, outside "
+                  f"{r['outside_nodes_ms']:.1f}) | {top}", flush=True)
+    out = {"engine": str(a.engine), "role": a.role, "precision": g.precision, "machine": machine_description(),
+           "threads": a.threads, "repeats": a.repeats, "rows": rows}
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
