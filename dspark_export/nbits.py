@@ -250,14 +250,16 @@ class _Meta:
 
 
 def _nbits_nodes(helper, node_name: str, x: str, y: str, wname: str, enc: _Meta, accuracy_level: int,
-                 blocksums: dict, nodes: list) -> None:
+                 blocksums: dict, nodes: list, metadata=()) -> None:
     """Append the MatMulNBits node (and the correction) computing ``y = x @ W`` to ``nodes``.
-    ``blocksums``: activation -> its block-sum tensor, shared by the MatMuls that read the same input."""
+    ``blocksums``: activation -> its block-sum tensor, shared by the MatMuls that read the same input.
+    ``metadata``: the replaced MatMul's ``metadata_props`` (the torch module it was traced from), kept."""
     ins = [x, wname + "_Q", wname + "_scales", wname + "_zp"]
     out = y if not enc.correction else node_name + "_nbits"
-    nodes.append(helper.make_node("MatMulNBits", ins, [out], name=node_name + "_MatMulNBits", domain="com.microsoft",
-                                  K=enc.k, N=enc.n, bits=enc.bits, block_size=enc.block_size,
-                                  accuracy_level=accuracy_level))
+    mm = helper.make_node("MatMulNBits", ins, [out], name=node_name + "_MatMulNBits", domain="com.microsoft",
+                          K=enc.k, N=enc.n, bits=enc.bits, block_size=enc.block_size, accuracy_level=accuracy_level)
+    mm.metadata_props.extend(metadata)
+    nodes.append(mm)
     if not enc.correction:
         return
     key = (x, enc.block_size)
@@ -391,7 +393,8 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
             continue
         wname, q = hit
         meta = encoded[wname]
-        _nbits_nodes(helper, node.name, q.activation, node.output[0], wname, meta, accuracy_level, blocksums, nodes)
+        _nbits_nodes(helper, node.name, q.activation, node.output[0], wname, meta, accuracy_level, blocksums, nodes,
+                     node.metadata_props)
         if meta.correction:
             need_shapes.add((meta.k, meta.block_size))
     for k, blk in sorted(need_shapes):

@@ -33,20 +33,23 @@ ATTENTION_OPS = {"Softmax", "Where", "Not", "Expand", "Equal", "Less", "LessOrEq
                  "Trilu", "IsInf", "IsNaN"}
 
 
-def weight_inputs(graph_path: Path) -> tuple:
-    """(names of MatMul nodes with a weight initializer, name of the LM head node or None)."""
+def weight_inputs(graph_path: Path, vocab: int) -> tuple:
+    """(names of MatMul nodes with a weight initializer, name of the LM head node or None: the one traced from
+    ``lm_head``, else the weight MatMul with ``vocab`` outputs)."""
     import onnx
 
     from dspark_export.quantize import _module_name
 
     proto = onnx.load(str(graph_path), load_external_data=False)
-    inits = {t.name for t in proto.graph.initializer}
+    inits = {t.name: t for t in proto.graph.initializer}
     weighted, head = set(), None
     for n in proto.graph.node:
         if n.op_type in ("MatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat") and \
                 any(i in inits for i in n.input[1:2]):
             weighted.add(n.name)
-            if _module_name(n) == "lm_head" or "lm_head" in n.name:
+            w = inits[n.input[1]]
+            n_out = next((a.i for a in n.attribute if a.name == "N"), w.dims[-1] if w.dims else 0)
+            if _module_name(n) == "lm_head" or "lm_head" in n.name or (head is None and n_out == vocab):
                 head = n.name
     return weighted, head
 
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     if g is None or g.spec.kind != "causal_lm":
         ap.error(f"{a.engine} has no decoder graph {a.role!r}")
     graph = a.engine / g.model_file
-    weighted, head = weight_inputs(graph)
+    weighted, head = weight_inputs(graph, g.spec.dims.vocab_size)
     rows = []
     for past in (int(x) for x in a.past.split(",")):
         for q in (int(x) for x in a.q.split(",")):
