@@ -375,6 +375,14 @@ def _tool_versions() -> dict:
     return out
 
 
+def _build_machine() -> dict:
+    """The manifest's ``build_machine``: the CPU of this machine (:func:`dspark_runtime.sysinfo.cpu_features`),
+    on which the graphs are written and their validation figures measured."""
+    from dspark_runtime.sysinfo import cpu_features
+
+    return cpu_features()
+
+
 def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
                  fp8_writer: str = "auto") -> Manifest:
     """Build ``out_dir`` from ``recipe``: graphs, tokenizer, manifest. Returns the Manifest.
@@ -445,7 +453,7 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,
         speculation={"draft_graph": "draft" if draft_dir else None, "draft_length": recipe.draft_length},
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        schema_version=SCHEMA_VERSION)
+        schema_version=SCHEMA_VERSION, build_machine=_build_machine())
     if dspark_ckpt is not None:
         _add_dspark(manifest, out_dir, dspark_ckpt, target_dir, recipe.draft, isolate, log)
     _write_manifest(manifest, out_dir)
@@ -454,6 +462,10 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
 
 
 def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
+    """Write ``manifest`` into ``out_dir`` (recording this machine as ``build_machine`` when the manifest has
+    none, e.g. one of an engine built before it was recorded) and the size+mtime sidecar of its files."""
+    if not manifest.build_machine:
+        manifest.build_machine = _build_machine()
     manifest.write(out_dir)
     # Everything was hashed just now: record size+mtime so the first load need not re-hash 7 GB.
     seen = {f.path: [(out_dir / f.path).stat().st_size, (out_dir / f.path).stat().st_mtime_ns]

@@ -20,11 +20,14 @@ Schema version 1::
       "speculation": {"draft_graph": "draft", "draft_length": 5},
       "trt_engines": {                                  # optional (dspark-export build-trt)
         "target.capacity": TrtEngineEntry, ...
-      }
+      },
+      "build_machine": {"model": ..., "vendor": ..., "flags": [...], "cores": N}  # optional
     }
 
 A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``. ``trt_engines`` was added
 without a version bump: manifests without it load unchanged, and runtimes that predate it ignore it.
+``build_machine`` (the CPU the graphs were written and validated on,
+:func:`dspark_runtime.sysinfo.cpu_features`) likewise: written only when known, optional on read.
 """
 from __future__ import annotations
 
@@ -176,6 +179,7 @@ class Manifest:
     created: str = ""
     schema_version: int = SCHEMA_VERSION
     trt_engines: dict = field(default_factory=dict)  # key -> TrtEngineEntry
+    build_machine: dict = field(default_factory=dict)  # sysinfo.cpu_features() of the building machine
 
     def all_files(self) -> list:
         files = list(self.tokenizer.get("files", []))
@@ -193,6 +197,7 @@ class Manifest:
             "graphs": {k: g.to_json() for k, g in self.graphs.items()},
             "speculation": self.speculation,
             **({"trt_engines": {k: e.to_json() for k, e in self.trt_engines.items()}} if self.trt_engines else {}),
+            **({"build_machine": self.build_machine} if self.build_machine else {}),
         }
 
     def write(self, engine_dir: Path) -> Path:
@@ -217,7 +222,8 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         tok["files"] = [FileEntry(**f) for f in tok.get("files", [])]
         m = Manifest(name=d["name"], graphs=graphs, tokenizer=tok, speculation=d.get("speculation", {}),
                      tool_versions=d.get("tool_versions", {}), created=d.get("created", ""), schema_version=v,
-                     trt_engines={k: TrtEngineEntry.from_json(e) for k, e in d.get("trt_engines", {}).items()})
+                     trt_engines={k: TrtEngineEntry.from_json(e) for k, e in d.get("trt_engines", {}).items()},
+                     build_machine=dict(d.get("build_machine") or {}))
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed ({type(e).__name__}: {e}); rebuild the engine") from e
     if "target" not in m.graphs:
