@@ -6,10 +6,13 @@ verifier step over B = 1 + ℓ tokens, so SPS(B) = 1 / (t_draft + t_verify(B)) r
 the median of ``repeats`` runs, at a given context length (the verifier's cost grows with the KV
 cache), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
 deployment machine: re-profile there (``dspark generate --profile-on-load`` does it at load).
+Both stored records carry ``cpu`` (:func:`dspark_runtime.sysinfo.cpu_features`): ``Engine.load`` warns
+when this machine's CPU differs from it.
 """
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 from dspark_runtime.profile import PROFILE_POINTS, profile_runtime  # noqa: F401  (re-exported)
@@ -30,18 +33,20 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
     from dspark_runtime.manifest import load_manifest
 
-    from dspark_runtime.sysinfo import machine_description
+    from dspark_runtime.sysinfo import OtherCpuWarning, cpu_features, machine_description
 
     if probe_only and not probe_rows:
         raise ValueError("probe_only needs probe_rows=True (nothing would be measured)")
 
-    eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None)
+    with warnings.catch_warnings():  # records made on another CPU: being re-measured here
+        warnings.simplefilter("ignore", OtherCpuWarning)
+        eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None)
     probe = None
     if probe_rows:
         import onnxruntime
 
         probe = eng.probe_row_invariance()
-        probe.update(machine=machine_description(), threads=threads or DEFAULT_THREADS,
+        probe.update(machine=machine_description(), cpu=cpu_features(), threads=threads or DEFAULT_THREADS,
                      onnxruntime=onnxruntime.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     if probe_only:
         if write:
@@ -51,6 +56,7 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
         return {"row_invariance": probe}
     table = profile_runtime(eng, max_tokens=max_tokens, context=context, repeats=repeats, draft_rows=draft_rows)
     table["machine"] = machine_description()
+    table["cpu"] = cpu_features()  # Engine.load warns when the engine runs on another CPU
     table["threads"] = threads or DEFAULT_THREADS
     if write:
         m = load_manifest(engine_dir, verify=False)

@@ -112,8 +112,21 @@ def info(engine_dir):
     """Print the manifest summary: graphs, precision, validation figures."""
     from dspark_runtime.manifest import load_manifest
 
+    from dspark_runtime.sysinfo import cpu_difference, cpu_features
+
     m = load_manifest(engine_dir, verify=False)
+    here = cpu_features()
+
+    def cpu_line(rec) -> str:  # "<model> (<vendor>, N cores; ISA ...) — this machine's CPU" / "— NOT ...: <why>"
+        if not isinstance(rec, dict) or not rec:
+            return "not recorded"
+        diff = cpu_difference(rec, here)
+        return (f"{rec.get('model') or '?'} ({rec.get('vendor') or '?'}, {rec.get('cores', '?')} cores; ISA "
+                f"{' '.join(rec.get('flags') or []) or 'not recorded'}) — "
+                + ("this machine's CPU" if diff is None else f"NOT this machine's CPU: {diff}"))
+
     click.echo(f"{m.name} (schema v{m.schema_version}, built {m.created})")
+    click.echo(f"  build machine: {cpu_line(m.build_machine)}")
     for k, g in m.graphs.items():
         size = sum(f.size for f in g.files) / 2**30
         d = g.spec.dims
@@ -150,6 +163,17 @@ def info(engine_dir):
                    f"onnxruntime {ri.get('onnxruntime', '?')})")
     else:
         click.echo("  row padding: not probed (target calls unpadded; `dspark-export profile` probes it)")
+    if ri:
+        click.echo(f"    row probe CPU: {cpu_line(ri.get('cpu'))}")
+    ct = sp.get("cost_table")
+    if ct:
+        toks = ct.get("tokens") or []
+        span = f"{toks[0]}..{toks[-1]}" if toks else "?"
+        click.echo(f"  cost table: verify B = {span} tokens, measured on {ct.get('machine', '?')}, "
+                   f"{ct.get('threads', '?')} threads")
+        click.echo(f"    cost table CPU: {cpu_line(ct.get('cpu'))}")
+    else:
+        click.echo("  cost table: none (`dspark-export profile` measures it, for --draft-length scheduled)")
     for k, e in m.trt_engines.items():
         dec = next((p for p in e.profiles if p["name"] == "decode"), None)
         click.echo(f"  TensorRT engine {k}: {e.file.path} {e.file.size / 2**20:.1f} MiB, {e.flavour} {e.version}, "

@@ -58,6 +58,7 @@ class Engine:
             raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
         self._runners: dict = {}
         self.row_multiple = self._row_multiple(row_multiple, threads)
+        self._check_cpu(probe_used=row_multiple is None)
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         spec = manifest.speculation
         dg = spec.get("draft_graph")
@@ -101,6 +102,39 @@ class Engine:
                              "decode profile and CUDA graphs are sized for unpadded verify blocks")
         return given
 
+    def _check_cpu(self, probe_used: bool = True) -> None:
+        """Warn (once, :class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when the stored row padding probe
+        (``speculation.row_invariance``, when this engine uses it: ``probe_used`` and its backend and target
+        graph) or the cost table (``speculation.cost_table``) was measured on another CPU than this one
+        (:func:`~dspark_runtime.sysinfo.cpu_difference` of their ``cpu`` records): both depend on the ISA
+        paths of ONNX Runtime's kernels. Records without ``cpu`` (older engines) are not checked."""
+        import warnings
+
+        from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
+
+        spec = self.manifest.speculation
+        probe = spec.get("row_invariance") or {}
+        table = spec.get("cost_table") or {}
+        records = []
+        if (probe_used and isinstance(probe.get("cpu"), dict) and probe.get("backend", "ort") == self.backend
+                and probe.get("target_sha256") in (None, self._target_sha256())):
+            records.append(("the row padding probe (speculation.row_invariance)", probe["cpu"]))
+        if isinstance(table.get("cpu"), dict):
+            records.append(("the cost table (speculation.cost_table)", table["cpu"]))
+        if not records:
+            return
+        here = cpu_features()
+        diffs = [(what, d) for what, rec in records if (d := cpu_difference(rec, here)) is not None]
+        if not diffs:
+            return
+        if len(diffs) == 2 and diffs[0][1] == diffs[1][1]:
+            what = f"the row padding probe and the cost table were measured on another CPU ({diffs[0][1]})"
+        else:
+            what = "; ".join(f"{w} was measured on another CPU ({d})" for w, d in diffs)
+        warnings.warn(f"{self.dir}: {what}; row-count invariance and round costs depend on the CPU's ISA paths "
+                      f"in ONNX Runtime's kernels: run `dspark-export profile {self.dir}` on this machine",
+                      OtherCpuWarning, stacklevel=4)
+
     def _use_tensorrt(self) -> None:
         """Run the target and the draft LM on their capacity-layout TensorRT engines (the DSpark drafter graph
         stays on ONNX Runtime). Raises InputError when the target has no such engine."""
@@ -133,7 +167,9 @@ class Engine:
         their first use raises DSparkError saying why. ``row_multiple``: pad every target call to a multiple
         of this many rows so target-only and speculative decoding compute every position bit for bit alike
         (:mod:`dspark_runtime.invariance`); default: the value ``dspark-export profile`` probed and stored in
-        the manifest, else 1 (no padding).
+        the manifest, else 1 (no padding). Warns (:class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when that
+        probe or the stored cost table was measured on another CPU (model or ISA flags; re-run
+        ``dspark-export profile`` here).
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
