@@ -609,6 +609,7 @@ def quantize_qdq(src: Path, dst: Path, table: CalibrationTable, precision: str =
         wts = f"int8 symmetric per channel (axis 1), {'7-bit (reduce_range)' if reduce_range else '8-bit'}"
     rep = {"precision": precision, "method": f"static QDQ, {CALIBRATION_METHOD} activation ranges",
            "activations": acts, "weights": wts, "opset": {"from": opset_in, "to": opset_out}, "checks": checks,
+           **({} if signed else {"reduce_range": bool(reduce_range)}),
            "quantized": len(targets), "excluded": sorted({q.module for q in skipped}),
            "excluded_patterns": list(exclude),
            "lm_head_quantized": any(q.module == "lm_head" for q in targets),
@@ -707,7 +708,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     or an unknown fp8 writer.
     """
     from dspark_export.build import CALIBRATED, PRECISIONS, VALIDATION_TEXT, Recipe, \
-        _tool_versions, _write_manifest, quantize_graph
+        _build_machine, _tool_versions, _write_manifest, quantize_graph
     from dspark_runtime.backend import OrtDecoder
     from dspark_runtime.manifest import FileEntry, load_manifest
     from dspark_export.fp8 import check_fp8_writer
@@ -785,6 +786,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         g.quantization = {**q, "source": {"engine": str(src_dir), "graph_sha256": next(
             f.sha256 for f in m.all_files() if f.path == g.model_file)}}
     m.tool_versions = _tool_versions()
+    m.build_machine = _build_machine()  # the graphs and their validation figures are this machine's
     from datetime import datetime, timezone
 
     m.created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

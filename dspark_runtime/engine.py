@@ -112,6 +112,19 @@ class Engine:
 
         from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
 
+        eight_bit = [k for k, g in self.manifest.graphs.items()
+                     if g.precision == "int8" and (g.quantization or {}).get("reduce_range") is False]
+        if eight_bit and self.backend == "ort":
+            try:
+                from dspark_runtime.kernel_probe import u8s8_saturates
+
+                saturates = u8s8_saturates()
+            except ImportError:  # the probe builds its graph with onnx (the export extra)
+                saturates = False
+            if saturates:
+                warnings.warn(f"{self.dir}: graph(s) {', '.join(eight_bit)} hold 8-bit U8S8 weights, but this CPU's "
+                              "u8*s8 kernel saturates (no VNNI): their outputs will be wrong here; re-quantize with "
+                              "the default 7-bit weights (`dspark-export quantize`)", OtherCpuWarning, stacklevel=4)
         spec = self.manifest.speculation
         probe = spec.get("row_invariance") or {}
         table = spec.get("cost_table") or {}
