@@ -1,8 +1,24 @@
 #!/usr/bin/env python
 """Head-to-head comparison on one target: Hugging Face transformers (plain, assisted, prompt lookup)
-versus the DSpark runtime (target-only, draft LM, n-gram lookup), same held-out prompts, same
+versus the DSpark runtime (target-only, draft LM, n-gram lookup), and the peers users would pick
+instead (llama.cpp: llama-cpp-python plain and prompt lookup, its llama-speculative binary with the
+0.5B draft; ONNX Runtime GenAI: int4 plain and n-gram speculation), same held-out prompts, same
 max_new_tokens, greedy and/or sampled (``--temperature 0,1.0``: every system at each temperature, as
-its own variant ``name@T1``, all interleaved in one run).
+its own variant ``name@T1``, all interleaved in one run; the peers run greedy only).
+
+Peers: each in its own venv under --peer-dir (``scripts/peers/install.sh llama-cpp|ort-genai`` and
+``scripts/peers/install.sh ort-genai-model <target>``), never a project dependency; a selected peer
+system that is not installed is refused before anything runs, with the command that installs it. Its
+worker (scripts/peers/worker.py) runs under the peer's python and is fed the preflight's prompt token
+ids (llama-speculative, which only takes text, gets the chat-template text and its tokenization is
+checked equal to those ids). The llama.cpp peers run the Q4_K_M GGUF the models were fetched as,
+ort-genai its builder's int4 graph: other weights than the fp32 systems, so greedy outputs can part
+from ``hf``/``dspark-target`` at near-ties (reported); a peer's speculative variant is compared with
+its own target-only system (``= own baseline``).
+
+Resume: every finished (prompt, system) row is appended to --out-dir/progress.jsonl as it finishes;
+``--resume`` with the same settings skips the pairs already done (each chunk still runs its remaining
+systems in the rotated order) and refuses other settings, naming them.
 
 Prompts: the first N of the evaluation split (data/prompts/README.md) of each --datasets entry,
 first turn, each system's own rendering of the model's chat template (HF:
@@ -23,13 +39,15 @@ Metrics (per system, per prompt): new tokens; TTFT (request start -> first commi
 decode tokens/s = tokens committed after the first commit / time after it (prefill excluded, as
 ``GenerationStats.tokens_per_second``); tau (tokens committed per verify round) and acceptance rate
 (accepted / proposed draft tokens) where the system speculates; acceptance by draft position; peak
-RSS of the worker. HF times come from a timestamping streamer in the same ``generate`` call (no
+RSS of the worker; model load time; bytes of the model files the system loads ("model GB"). HF times come from a timestamping streamer in the same ``generate`` call (no
 second run). Greedy outputs are compared token for token with ``hf`` and with ``dspark-target``;
 any divergence is reported with its first differing position.
 
     python scripts/compare.py --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
         --engine engines/qwen2.5-coder-1.5b --datasets humaneval,mbpp,gsm8k,mt-bench --n 3 \\
         --max-new-tokens 128 --systems hf,hf-assisted,hf-pld,dspark-target,dspark-lm,dspark-ngram
+    # + the peers (after scripts/peers/install.sh all):
+    #   --systems ...,llama-cpp,llama-cpp-pld,llama-speculative,ort-genai,ort-genai-ngram
 
 Writes --out-dir (default scripts/results/compare/): compare.json (raw rows, summary, machine,
 settings, command line), REPORT.md and PNG plots. ``--report-only`` rebuilds REPORT.md and the plots
@@ -77,6 +95,11 @@ class System:
     backend: str
     options: dict = field(default_factory=dict)
     description: str = ""
+    # the peer (scripts/peers/install.sh NAME) whose own venv runs this system's worker; None: the project's
+    peer: str | None = None
+    # a peer's own target-only system (same weights): greedy, it must reproduce its tokens; compared as
+    # ``vs_baseline`` besides the REFERENCES (the project's systems have those as their baselines)
+    baseline: str | None = None
 
 
 SYSTEMS = {s.name: s for s in [
@@ -99,7 +122,29 @@ SYSTEMS = {s.name: s for s in [
     # and `dspark-export profile` on the engine: router priors and the cost table)
     System("dspark-router", "dspark", {"draft": "router", "draft_length": "scheduled"},
            "DSpark runtime, router (n-gram lookup or DSpark drafter per round), scheduled verify length"),
+    # ---- peers: what users would pick instead, each in its own venv (scripts/peers/install.sh), fed the
+    # preflight's prompt token ids; they run the Q4 GGUF the models were fetched as (llama.cpp) or an int4
+    # graph of ONNX Runtime GenAI's model builder: other weights than the fp32 systems, so greedy outputs
+    # differ from hf/dspark-target at near-ties (reported, not hidden); each is compared with its own
+    # target-only decoding as its baseline.
+    System("llama-cpp", "llama-cpp", {}, "llama.cpp (llama-cpp-python), Q4_K_M GGUF of the target, greedy, "
+           "logits_all=False", peer="llama-cpp"),
+    System("llama-cpp-pld", "llama-cpp", {"prompt_lookup": 10},
+           "llama-cpp-python with LlamaPromptLookupDecoding(num_pred_tokens=10, max_ngram_size 2) as draft_model "
+           "(the library then keeps logits for every position)", peer="llama-cpp", baseline="llama-cpp"),
+    System("llama-speculative", "llama-speculative", {},
+           "llama.cpp's llama-speculative binary: Q4_K_M 1.5B target, -md the 0.5B GGUF draft, --temp 0, its "
+           "default draft length (3), one process per prompt (prompt as chat-template text, its tokenization "
+           "checked equal to the preflight ids)", peer="llama-cpp", baseline="llama-cpp"),
+    System("ort-genai", "ort-genai", {}, "ONNX Runtime GenAI, int4 graph of its model builder (-p int4 -e cpu), "
+           "greedy (do_sample False)", peer="ort-genai"),
+    System("ort-genai-ngram", "ort-genai", {"speculative": {"ngram_size": 3, "max_draft_tokens": 4}},
+           "ONNX Runtime GenAI n-gram speculative decoding (set_speculative_options ngram_size 3, "
+           "max_draft_tokens 4: its documented starting point), same int4 graph", peer="ort-genai",
+           baseline="ort-genai"),
 ]}
+PEER_INSTALL = {"llama-cpp": "scripts/peers/install.sh llama-cpp",
+                "ort-genai": "scripts/peers/install.sh ort-genai"}
 REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
 
 
@@ -194,6 +239,11 @@ def add_correctness(rows: list, greedy: bool = True) -> None:
             other = ref.get((name, r["key"]))
             if other is not None:
                 r[f"vs_{name}"] = first_divergence(r["token_ids"], other)
+        sysdef = SYSTEMS.get(r["system"])
+        if sysdef is not None and sysdef.baseline:
+            other = ref.get((sysdef.baseline, r["key"]))
+            if other is not None:
+                r["vs_baseline"] = first_divergence(r["token_ids"], other)
 
 
 def _sum(rows, k):
@@ -224,7 +274,7 @@ def aggregate(rows: list) -> dict:
         hits = [sum((r.get("pos_hits") or [])[k] for r in spec if k < len(r.get("pos_hits") or [])) for k in range(m)]
         out["acceptance_by_position"] = [h / t if t else None for h, t in zip(hits, tries)]
         out["position_tries"] = tries
-    for name in REFERENCES:
+    for name in REFERENCES + ("baseline",):
         cmp = [r for r in ok if f"vs_{name}" in r]
         if cmp:
             out[f"identical_to_{name}"] = sum(r[f"vs_{name}"] is None for r in cmp)
@@ -267,12 +317,14 @@ def _ident(a, ref):
     return f"{a[f'identical_to_{ref}']}/{a[f'compared_to_{ref}']}"
 
 
-def table(block: dict, systems: list, with_memory: bool = False, loads: dict | None = None) -> str:
-    """A markdown table of one summary block ({system: agg})."""
+def table(block: dict, systems: list, with_memory: bool = False, loads: dict | None = None,
+          sizes: dict | None = None) -> str:
+    """A markdown table of one summary block ({system: agg}); ``with_memory`` adds peak RSS, the
+    median load time (``loads``, seconds) and the bytes of the model files loaded (``sizes``)."""
     head = ["system", "n", "new tok (mean)", "decode tok/s", "× hf", "× dspark-target", "e2e tok/s", "e2e × hf",
-            "tau", "acceptance", "TTFT ms (median)", "= hf", "= dspark-target"]
+            "tau", "acceptance", "TTFT ms (median)", "= hf", "= dspark-target", "= own baseline"]
     if with_memory:
-        head += ["peak RSS GB", "load s (median)"]
+        head += ["peak RSS GB", "load s (median)", "model GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
     for s in systems:
         a = block.get(s, {})
@@ -284,10 +336,11 @@ def table(block: dict, systems: list, with_memory: bool = False, loads: dict | N
                  _f(a.get("ratio_to_hf"), "{:.2f}×"), _f(a.get("ratio_to_dspark-target"), "{:.2f}×"),
                  _f(a.get("e2e_tokens_per_second")), _f(a.get("e2e_ratio_to_hf"), "{:.2f}×"),
                  _f(a.get("tau")), _f(a.get("acceptance_rate"), "{:.0%}"), _f(a.get("ttft_ms_median"), "{:.0f}"),
-                 _ident(a, "hf"), _ident(a, "dspark-target")]
+                 _ident(a, "hf"), _ident(a, "dspark-target"), _ident(a, "baseline")]
         if with_memory:
-            load = (loads or {}).get(s)
-            cells += [_f(a.get("peak_rss_mb") / 1024 if a.get("peak_rss_mb") else None), _f(load, "{:.1f}")]
+            load, size = (loads or {}).get(s), (sizes or {}).get(s)
+            cells += [_f(a.get("peak_rss_mb") / 1024 if a.get("peak_rss_mb") else None), _f(load, "{:.1f}"),
+                      _f(size / 1e9 if size else None)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -300,6 +353,15 @@ def worker_loads(result: dict) -> dict:
         if v:
             loads[s] = statistics.median(v)
     return loads
+
+
+def worker_sizes(result: dict) -> dict:
+    """{system: bytes of the model files its workers loaded} (the largest figure reported)."""
+    sizes = {}
+    for w in result.get("workers", []):
+        if w.get("model_bytes"):
+            sizes[w["system"]] = max(sizes.get(w["system"], 0), int(w["model_bytes"]))
+    return sizes
 
 
 def render_report(result: dict, plots: list | None = None) -> str:
@@ -315,7 +377,11 @@ def render_report(result: dict, plots: list | None = None) -> str:
            f"Run {result.get('date', '?')} on {result.get('machine', '?')}; {st['threads']} threads "
            f"(torch.set_num_threads / ORT intra-op); load average at start {_la(result.get('loadavg_start'))}, "
            f"at end {_la(result.get('loadavg_end'))}; {_f(result.get('wall_s'), '{:.0f}')} s in all.", "",
-           f"- target: `{st['target_name']}`, draft: `{st['draft_name']}`, engine: `{st['engine']}`",
+           f"- target: `{st['target_name']}`, draft: `{st['draft_name']}`"
+           + (f", engine: `{st['engine']}`" if st.get("engine") else "")
+           + (f"; peers from `{st['peer_models']['peer_dir']}` (target GGUF `{Path(st['peer_models']['target_gguf']).name}`"
+              f", draft GGUF `{Path(st['peer_models']['draft_gguf']).name}`, llama.cpp n_ctx {st.get('peer_n_ctx')})"
+              if st.get("peer_models") else ""),
            f"- prompts: first {st['n']} of the evaluation split of each of {', '.join(datasets)} "
            f"(data/prompts/README.md), first turn, chat template; {len({r['key'] for r in rows})} prompts",
            f"- {st['max_new_tokens']} new tokens max, {mode}; one worker process per (chunk of {st['chunk']} "
@@ -326,30 +392,49 @@ def render_report(result: dict, plots: list | None = None) -> str:
            f"- command: `{result.get('command', '')}`", ""]
     pc = result.get("prompt_check", {})
     if pc:
-        if pc.get("all_identical"):
+        if pc.get("hf_only"):
+            out.append(f"Prompt token ids: from the HF chat template for all {pc['n']} prompts (no DSpark system in "
+                       "this run to cross-check them); every peer is fed these ids.")
+        elif pc.get("all_identical"):
             out.append(f"Prompt token ids: HF chat template and DSpark give identical ids for all "
                        f"{pc['n']} prompts.")
         else:
             out.append(f"**Prompt token ids differ** between HF and DSpark for: {', '.join(pc.get('mismatched', []))}.")
         out.append("")
-    out += ["## All prompts", "", table(summ["all"], systems, with_memory=True, loads=loads), ""]
+    desc = st.get("descriptions", {})
+    if desc:
+        out += ["Systems:", ""] + [f"- `{v}`: {desc.get(split_variant(v)[0], '?')}" for v in systems] + [""]
+    if st.get("peer_versions"):
+        out += ["Peers: " + "; ".join(f"{k} {v}" for k, v in sorted(st["peer_versions"].items())), ""]
+    out += ["## All prompts", "", table(summ["all"], systems, with_memory=True, loads=loads,
+                                        sizes=worker_sizes(result)), ""]
     for ds in datasets:
         out += [f"## {ds}", "", table(summ["by_dataset"].get(ds, {}), systems), ""]
-    divs = [r for r in rows if any(r.get(f"vs_{ref}") is not None for ref in REFERENCES if f"vs_{ref}" in r)]
+    divs = [r for r in rows if any(r.get(f"vs_{ref}") is not None for ref in REFERENCES + ("baseline",))]
     out += ["## Output identity", ""]
     greedy_variants = [v for v in systems if split_variant(v)[1] == 0]
     if not greedy_variants:
         out.append("Sampled run: outputs are not expected to match; no identity check.")
     elif not divs:
-        out.append("Every greedy system's output is token-for-token identical to `hf` and `dspark-target` on every "
-                   "prompt." + (" Sampled variants are not compared token for token (different random streams)."
-                                if len(greedy_variants) < len(systems) else ""))
+        out.append("Every greedy system's output is token-for-token identical to `hf` and `dspark-target` (and to "
+                   "its own baseline, for the peers) on every prompt compared."
+                   + (" Sampled variants are not compared token for token (different random streams)."
+                      if len(greedy_variants) < len(systems) else ""))
     else:
-        out.append("| prompt | system | first diff vs hf | first diff vs dspark-target | new tokens |")
-        out.append("|---|---|---:|---:|---:|")
+        def cell(r, k):
+            return _f(r.get(k), "{}", "same") if k in r else "–"
+
+        out.append("| prompt | system | first diff vs hf | first diff vs dspark-target | first diff vs own baseline "
+                   "| new tokens |")
+        out.append("|---|---|---:|---:|---:|---:|")
         for r in divs:
-            out.append(f"| {r['key']} | {r['system']} | {_f(r.get('vs_hf'), '{}', 'same')} | "
-                       f"{_f(r.get('vs_dspark-target'), '{}', 'same')} | {r['new_tokens']} |")
+            out.append(f"| {r['key']} | {r['system']} | {cell(r, 'vs_hf')} | {cell(r, 'vs_dspark-target')} | "
+                       f"{cell(r, 'vs_baseline')} | {r['new_tokens']} |")
+        if any(SYSTEMS.get(r["system"]) and SYSTEMS[r["system"]].peer for r in divs):
+            out += ["", "The peers run other weights (llama.cpp: the Q4_K_M GGUF itself; ort-genai: its builder's "
+                    "int4 quantization of the fp32 checkpoint), so their greedy outputs part from the fp32 systems "
+                    "at near-ties; a peer's speculative variant is expected to match its own baseline (same "
+                    "weights), up to the batch-size dependence of its kernels."]
     errs = [r for r in rows if r.get("error")]
     if errs:
         out += ["", "## Failures", ""] + [f"- {r['system']} {r['key']}: {r['error']}" for r in errs]
@@ -372,7 +457,14 @@ def render_report(result: dict, plots: list | None = None) -> str:
             "- HF tau/acceptance are recorded by wrapping the candidate generator's `update_candidate_strategy`, "
             "which transformers calls once per round with the number of candidates and matches.",
             "- peak RSS: max `ru_maxrss` of the system's worker processes (model load included; mmapped weights "
-            "count). load s: model load + session creation per worker, excluded from every rate.",
+            "count; llama-speculative: its binary's processes). load s: model load + session creation per worker, "
+            "excluded from every rate (llama-speculative: per prompt, the process's wall time minus its encode "
+            "and decode time). model GB: bytes of the model files the system loads (graphs + weights, GGUF files).",
+            "- peers (scripts/peers/): each runs under its own venv and is fed the preflight's prompt token ids. "
+            "llama-speculative reports its own encode (prefill, both models) and decode times: TTFT = encode time "
+            "(its first token is sampled from the prompt's logits), decode tok/s = (tokens produced - 1) / decode "
+            "time; it finishes its last round past the token limit, so its output is cut to the limit for the "
+            "identity check. ort-genai-ngram tau counts n-gram lookup misses as rounds that proposed nothing.",
             f"- hf-assisted schedule as resolved: {json.dumps(st.get('hf_assisted_config', {}))}"]
     return "\n".join(out) + "\n"
 
@@ -457,6 +549,192 @@ def loadavg() -> list | None:
 
 def ids_digest(ids) -> str:
     return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# peers: their venvs and files (scripts/peers/install.sh), refused up front when missing
+
+
+PEER_WORKER = Path(__file__).resolve().parent / "peers" / "worker.py"
+
+
+def default_peer_dir() -> Path:
+    """``$DSPARK_PEER_DIR``, else ``${DSPARK_CACHE:-~/.cache/dspark}/peers`` (where install.sh puts them)."""
+    if os.environ.get("DSPARK_PEER_DIR"):
+        return Path(os.environ["DSPARK_PEER_DIR"]).expanduser()
+    cache = os.environ.get("DSPARK_CACHE")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "dspark") / "peers"
+
+
+def peer_python(peer_dir, peer: str) -> Path:
+    return Path(peer_dir) / peer / "venv" / "bin" / "python"
+
+
+def peer_files(peer_dir, target_name: str) -> dict:
+    """The files the peer systems load besides the GGUFs: the llama-speculative binary, the ort-genai model."""
+    d = Path(peer_dir)
+    return {"llama_speculative": d / "llama-cpp" / "bin" / "llama-speculative",
+            "ort_model": d / "ort-genai" / "models" / f"{target_name}-int4"}
+
+
+def install_command(cmd: str, peer_dir) -> str:
+    """``cmd`` with the DSPARK_PEER_DIR that makes install.sh write into ``peer_dir`` when it is not the default."""
+    if Path(peer_dir).expanduser().resolve() != default_peer_dir().resolve():
+        return f"DSPARK_PEER_DIR={shlex.quote(str(peer_dir))} {cmd}"
+    return cmd
+
+
+def peer_requirements(system: str, peer_dir, target_name: str, draft_name: str, target_gguf, draft_gguf) -> list:
+    """[(path that must exist, command that makes it)] for one system ([] for the project's systems)."""
+    sd = SYSTEMS[split_variant(system)[0]]
+    if sd.peer is None:
+        return []
+    files = peer_files(peer_dir, target_name)
+    need = [(peer_python(peer_dir, sd.peer), install_command(PEER_INSTALL[sd.peer], peer_dir))]
+    if sd.backend in ("llama-cpp", "llama-speculative"):
+        need.append((Path(target_gguf), f"dspark-export fetch {target_name}"))
+    if sd.backend == "llama-speculative":
+        need += [(files["llama_speculative"], install_command(PEER_INSTALL["llama-cpp"], peer_dir)),
+                 (Path(draft_gguf), f"dspark-export fetch {draft_name}")]
+    if sd.backend == "ort-genai":
+        need.append((files["ort_model"] / "genai_config.json",
+                     install_command(f"scripts/peers/install.sh ort-genai-model {target_name}", peer_dir)))
+    return need
+
+
+def check_peers(systems: list, peer_dir, target_name: str, draft_name: str, target_gguf, draft_gguf) -> list:
+    """One message per system whose peer (venv, binary, model) is missing, with the command that installs it."""
+    msgs = []
+    for s in systems:
+        miss = [(p, cmd) for p, cmd in peer_requirements(s, peer_dir, target_name, draft_name, target_gguf, draft_gguf)
+                if not Path(p).exists()]
+        if miss:
+            msgs.append(f"system {s} needs its peer ({SYSTEMS[split_variant(s)[0]].peer}): "
+                        + "; ".join(f"{p} is missing, run `{cmd}`" for p, cmd in miss))
+    return msgs
+
+
+def gguf_for(model_dir: Path, override: str | None = None) -> Path:
+    """The GGUF a fetched model was converted from (``<cache>/gguf/<name>.gguf``), or ``override``."""
+    if override:
+        return Path(override).expanduser().resolve()
+    try:
+        sys.path.insert(0, str(ROOT))
+        from dspark_export.fetch import gguf_path
+
+        return gguf_path(model_dir.name)
+    except Exception:  # not a known model name: the cache layout by folder name
+        return default_peer_dir().parent / "gguf" / f"{model_dir.name}.gguf"
+
+
+def peer_context(n_prompt_max: int, max_new_tokens: int) -> int:
+    """KV context of the llama.cpp peers: the longest prompt + the new tokens + a margin (llama-speculative
+    finishes its last round past -n), rounded up to 256, at least 2048; one value for the whole run."""
+    need = n_prompt_max + max_new_tokens + 64
+    return max(2048, -(-need // 256) * 256)
+
+
+# --------------------------------------------------------------------------------------------
+# resume: every finished (prompt, system) row is appended to <out-dir>/progress.jsonl as it finishes
+
+
+PROGRESS = "progress.jsonl"
+# the settings a resumed run must share with the interrupted one
+FINGERPRINT_KEYS = ("target", "draft_name", "engine", "datasets", "n", "max_new_tokens", "temperatures", "seed",
+                    "chunk", "threads", "systems", "system_options", "peer_models")
+
+
+def fingerprint(settings: dict, prompts: list) -> dict:
+    """What must match for --resume: the settings above and the prompts themselves (keys and texts)."""
+    fp = {k: settings.get(k) for k in FINGERPRINT_KEYS}
+    fp["prompts"] = hashlib.sha1(json.dumps([[p["key"], p["text"]] for p in prompts]).encode()).hexdigest()
+    return json.loads(json.dumps(fp))  # tuples -> lists, as read back from JSON
+
+
+def fingerprint_mismatch(saved: dict, current: dict) -> list:
+    """The keys whose values differ (sorted)."""
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+
+
+def read_progress(path: Path) -> dict:
+    """{"fingerprint", "rows" (the last row of each (system, key), errors included), "workers" (tag -> meta)}
+    from a progress file; a torn last line (killed mid-write) is ignored."""
+    fp, rows, workers = None, {}, {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "fingerprint" in obj:
+            fp = obj["fingerprint"]
+        elif "row" in obj:
+            r = obj["row"]
+            rows[(r["system"], r["key"])] = {**r, "_tag": obj.get("tag")}
+        elif "worker" in obj:
+            workers[obj.get("tag")] = obj["worker"]
+    return {"fingerprint": fp, "rows": rows, "workers": workers}
+
+
+def done_rows(progress: dict) -> list:
+    """The finished rows (no error) of a progress file, their peak RSS set from their worker when it finished."""
+    out = []
+    for r in progress["rows"].values():
+        if r.get("error"):
+            continue
+        r = dict(r)
+        w = progress["workers"].get(r.pop("_tag", None))
+        if w and w.get("peak_rss_mb") is not None:
+            r["peak_rss_mb"] = w["peak_rss_mb"]
+        out.append(r)
+    return out
+
+
+def schedule(chunks: list, systems: list, done: set) -> list:
+    """[(chunk number, system, prompts of that chunk not yet done by that system)], in run order: for chunk c
+    the systems rotated by c, as a fresh run; (chunk, system) pairs with nothing left are dropped."""
+    plan = []
+    for c, chunk in enumerate(chunks):
+        for s in rotate(systems, c):
+            todo = [p for p in chunk if (s, p["key"]) not in done]
+            if todo:
+                plan.append((c, s, todo))
+    return plan
+
+
+def open_progress(out_dir: Path, fp: dict, resume: bool) -> tuple:
+    """(path, finished rows, worker metas) of the run's progress file. ``resume``: the file's fingerprint must
+    equal ``fp`` (SystemExit naming the differing settings otherwise); a missing file starts afresh. Without
+    ``resume`` an existing file is moved aside (progress.<time>.jsonl) and a new one started."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PROGRESS
+    if resume and path.is_file():
+        prog = read_progress(path)
+        if prog["fingerprint"] is None:
+            raise SystemExit(f"error: {path} has no settings line; cannot resume from it (move it away to start afresh)")
+        bad = fingerprint_mismatch(prog["fingerprint"], fp)
+        if bad:
+            detail = "; ".join(f"{k}: was {json.dumps(prog['fingerprint'].get(k))[:120]}, now "
+                               f"{json.dumps(fp.get(k))[:120]}" for k in bad)
+            raise SystemExit(f"error: --resume with other settings than the run in {path}: {detail}. Re-run with the "
+                             "same settings, or drop --resume to start a new run (the old progress file is kept aside)")
+        rows = done_rows(prog)
+        return path, rows, [w for w in prog["workers"].values()]
+    if resume:
+        print(f"--resume: no {path}; starting a new run", file=sys.stderr)
+    elif path.is_file():
+        aside = out_dir / f"progress.{time.strftime('%Y%m%d-%H%M%S', time.localtime(path.stat().st_mtime))}.jsonl"
+        path.rename(aside)
+        print(f"moved the previous run's {path.name} to {aside.name} (use --resume to continue a run)", file=sys.stderr)
+    with open(path, "w") as f:
+        f.write(json.dumps({"fingerprint": fp}) + "\n")
+    return path, [], []
+
+
+def append_progress(path: Path, obj: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,8 +824,10 @@ def _hf_worker(job: dict, emit) -> dict:
     t1 = time.perf_counter()
     run(encode(WARMUP_PROMPT), 8, 0)
     warmup_s = time.perf_counter() - t1
+    folders = [Path(job["target"])] + ([Path(job["draft"])] if assistant is not None else [])
     meta = {"load_s": load_s, "warmup_s": warmup_s,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "model_bytes": sum(f.stat().st_size for d in folders for f in d.glob("*.safetensors"))}
     if assistant is not None:  # the schedule transformers resolves for the assistant (its defaults)
         ag = assistant.generation_config
         d = ag._get_default_generation_params()
@@ -608,23 +888,43 @@ def _dspark_worker(job: dict, emit) -> dict:
             row.update(rounds=s.num_rounds, proposed=s.proposed, accepted=s.accepted, tau=s.accepted_length_mean,
                        acceptance_rate=s.acceptance_rate if s.proposed else None, pos_tries=tries, pos_hits=hits)
         emit(p, row)
-    return {"load_s": load_s, "warmup_s": warmup_s}
+    return {"load_s": load_s, "warmup_s": warmup_s, "model_bytes": _engine_bytes(eng, draft)}
+
+
+def _engine_bytes(eng, draft) -> int | None:
+    """Bytes of the engine files a DSpark system loads: the target graph, the draft LM or DSpark drafter
+    graph its draft uses, and the drafter's heads file."""
+    try:
+        keys = set(eng._runners)  # activated DecoderRunners (target, draft LM)
+        if draft in ("dspark", "router", "auto") and getattr(eng, "dspark_graph", None):
+            keys.add(eng.dspark_graph)
+        total = sum(f.size for k in keys for f in eng.manifest.graphs[k].files)
+        heads = eng.manifest.speculation.get("dspark", {}).get("heads_file") if eng.dspark_graph in keys else None
+        if heads and (eng.dir / heads).is_file():
+            total += (eng.dir / heads).stat().st_size
+        return total
+    except Exception:  # an engine layout this helper does not know: no figure rather than a wrong one
+        return None
 
 
 def _tokenize_worker(job: dict, emit) -> dict:
-    """Preflight: prompt ids from the HF tokenizer's chat template and from the DSpark engine."""
+    """Preflight: prompt ids from the HF tokenizer's chat template and from the DSpark engine (when a DSpark
+    system runs; ``job["engine"]`` None otherwise), and the rendered chat-template text (llama-speculative)."""
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
-    from dspark_runtime import Engine
-
     tok = AutoTokenizer.from_pretrained(job["target"])
-    eng = Engine.load(job["engine"], threads=1)
+    eng = None
+    if job.get("engine"):
+        from dspark_runtime import Engine
+
+        eng = Engine.load(job["engine"], threads=1)
     for p in job["prompts"]:
-        hf = list(tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
-        ds = eng.encode_prompt(p["text"])
-        row = {"hf_ids": hf, "dspark_ids": ds, "first_diff": first_divergence(hf, ds)}
+        msgs = [{"role": "user", "content": p["text"]}]
+        hf = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ds = eng.encode_prompt(p["text"]) if eng is not None else hf
+        row = {"hf_ids": hf, "dspark_ids": ds, "first_diff": first_divergence(hf, ds), "rendered": rendered}
         emit(p, row)
     versions = {}
     for mod in ("transformers", "torch", "onnxruntime", "numpy"):
@@ -632,7 +932,7 @@ def _tokenize_worker(job: dict, emit) -> dict:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    manifest = {k: getattr(g, "model_id", None) for k, g in eng.manifest.graphs.items()}
+    manifest = {k: getattr(g, "model_id", None) for k, g in eng.manifest.graphs.items()} if eng is not None else {}
     return {"versions": versions, "engine_models": manifest}
 
 
@@ -644,6 +944,8 @@ def worker_main(job_path: str) -> int:
         row = {"system": job["system"], "dataset": p["dataset"], "index": p["index"], "key": p["key"], **row}
         out.write(json.dumps(row) + "\n")
         out.flush()
+        if job.get("progress"):  # the run's resume file: this (prompt, system) is done
+            append_progress(Path(job["progress"]), {"row": {**row, "peak_rss_mb": _peak_rss_mb()}, "tag": job.get("tag")})
         if job["backend"] != "tokenize":
             tps = row.get("tokens_per_second")
             tau = row.get("tau")
@@ -661,17 +963,20 @@ def worker_main(job_path: str) -> int:
 
 
 def run_worker(job: dict, tmp: Path, tag: str) -> tuple:
-    """Run one worker subprocess to completion; returns (rows, meta, error or None)."""
+    """Run one worker subprocess to completion; returns (rows, meta, error or None). A peer system's worker
+    is scripts/peers/worker.py under the peer's own python (``job["python"]``)."""
     jp = tmp / f"{tag}.json"
     job["out"] = str(tmp / f"{tag}.out.jsonl")
+    job["tag"] = tag
     jp.write_text(json.dumps(job))
+    argv = ([job["python"], str(PEER_WORKER), str(jp)] if job.get("python")
+            else [sys.executable, str(Path(__file__).resolve()), "--worker", str(jp)])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
     t = time.perf_counter()
     err_log = tmp / f"{tag}.stderr.txt"  # library warnings; its tail is shown when the worker fails
     with open(err_log, "w") as ef:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(jp)], env=env,
-                              stdout=sys.stderr, stderr=ef)
+        proc = subprocess.run(argv, env=env, stdout=sys.stderr, stderr=ef)
     rows, meta = [], {}
     if Path(job["out"]).is_file():
         for line in Path(job["out"]).read_text().splitlines():
@@ -721,15 +1026,61 @@ def write_outputs(result: dict, out_dir: Path, final: bool) -> None:
         (out_dir / "REPORT.md").write_text(render_report(result, plots))
 
 
+def peer_job_fields(system: str, settings: dict, peer_dir: Path) -> dict:
+    """What a peer system's worker job needs besides the common fields: its python and its files."""
+    sd = SYSTEMS[split_variant(system)[0]]
+    if sd.peer is None:
+        return {}
+    pm = settings["peer_models"]
+    return {"python": str(peer_python(peer_dir, sd.peer)), "target_gguf": pm["target_gguf"],
+            "draft_gguf": pm["draft_gguf"], "llama_speculative": pm["llama_speculative"],
+            "ort_model": pm["ort_model"], "n_ctx": settings["peer_n_ctx"]}
+
+
+def run_schedule(plan: list, chunks: list, result: dict, make_job, run, progress: Path, out_dir: Path,
+                 t_start: float) -> None:
+    """Run every (chunk, system, prompts) of ``plan`` (see :func:`schedule`), one worker at a time, appending
+    rows and worker records to ``result`` and the worker record to the progress file. ``make_job(system,
+    prompts)`` builds the job; ``run(job, tag)`` runs it and returns (rows, meta, error)."""
+    settings = result["settings"]
+    for c, s, todo in plan:
+        print(f"[chunk {c + 1}/{len(chunks)}] {s}: {len(todo)} prompts "
+              f"({time.perf_counter() - t_start:.0f} s elapsed)", file=sys.stderr, flush=True)
+        tag = f"c{c}-{s}"
+        rows, meta, err = run(make_job(s, todo), tag)
+        for r in rows:
+            r["peak_rss_mb"] = meta.get("peak_rss_mb", r.get("peak_rss_mb"))
+        done = {r["key"] for r in rows}
+        rows += [{"system": s, "dataset": p["dataset"], "index": p["index"], "key": p["key"], "error": err
+                  or "no result"} for p in todo if p["key"] not in done]
+        result["rows"] += rows
+        worker = {"system": s, "chunk": c, "tag": tag, **meta, "error": err}
+        result["workers"].append(worker)
+        append_progress(progress, {"worker": worker, "tag": tag})
+        if "hf_assisted_config" in meta:
+            settings["hf_assisted_config"] = meta["hf_assisted_config"]
+        if meta.get("attn_implementation"):
+            settings["hf_attn_implementation"] = meta["attn_implementation"]
+        if meta.get("versions") and SYSTEMS[split_variant(s)[0]].peer:
+            for k, v in meta["versions"].items():
+                settings.setdefault("peer_versions", {})[k] = v if isinstance(v, str) else " ".join(map(str, v))
+        if result.get("sessions"):
+            result["sessions"][-1]["wall_s"] = time.perf_counter() - t_start
+        write_outputs(result, out_dir, final=False)  # partial results survive a crash
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="fetched model name or HF folder")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="fetched model name or HF folder (hf-assisted)")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                    help="fetched model name or HF folder (hf-assisted; its GGUF: llama-speculative's -md)")
     ap.add_argument("--engine", default="engines/qwen2.5-coder-1.5b", help="DSpark engine directory of the same target")
     ap.add_argument("--datasets", default="humaneval,mbpp,gsm8k,mt-bench")
     ap.add_argument("--n", type=int, default=3, help="prompts per dataset (first N of its evaluation split)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of: {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(s for s in SYSTEMS if SYSTEMS[s].peer is None),
+                    help=f"comma list of: {', '.join(SYSTEMS)} (default: the project's and transformers' systems; "
+                         "the peers need scripts/peers/install.sh)")
     ap.add_argument("--temperature", default="0", help="comma list; 0 = greedy (default); '0,1.0' runs every "
                     "system greedy and at temperature 1.0 (variant name@T1) interleaved in one run")
     ap.add_argument("--sampled-systems", default=None, help="comma list: the systems to run at the non-zero "
@@ -740,6 +1091,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lm-draft-length", type=int, default=None, help="override dspark-lm gamma (3)")
     ap.add_argument("--ngram-draft-length", type=int, default=None, help="override dspark-ngram gamma (4)")
     ap.add_argument("--pld-tokens", type=int, default=None, help="override hf-pld prompt_lookup_num_tokens (10)")
+    ap.add_argument("--peer-dir", default=None, help="where scripts/peers/install.sh put the peers (default "
+                    "$DSPARK_PEER_DIR or ${DSPARK_CACHE:-~/.cache/dspark}/peers)")
+    ap.add_argument("--target-gguf", default=None, help="the llama.cpp peers' target GGUF (default: the GGUF "
+                    "--target was fetched as, <cache>/gguf/<name>.gguf)")
+    ap.add_argument("--draft-gguf", default=None, help="llama-speculative's draft GGUF (default: --draft's)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out-dir (its progress.jsonl): "
+                    "pairs (prompt, system) already done are skipped; the settings must be the same")
     ap.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "compare"))
     ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md + plots from --out-dir/compare.json")
     ap.add_argument("--notes", default=None, help="with --report-only: a markdown file (the analysis of the run) "
@@ -775,6 +1133,9 @@ def main(argv=None) -> int:
     bad = [s for s in sampled if s not in systems]
     if bad:
         ap.error(f"--sampled-systems {bad} are not in --systems")
+    peer_sampled = [s for s in sampled if SYSTEMS[s].peer] if any(t > 0 for t in temps) else []
+    if peer_sampled:
+        ap.error(f"the peers {peer_sampled} run greedy only; leave them out of --sampled-systems")
     variants = [variant_name(s, t) for t in temps for s in (systems if t == 0 else sampled)]
     datasets = [d.strip() for d in a.datasets.split(",") if d.strip()]
     bad = [d for d in datasets if d not in EVAL_START]
@@ -784,10 +1145,27 @@ def main(argv=None) -> int:
         ap.error("--n, --max-new-tokens and --chunk must be >= 1")
     target = resolve_model(a.target)
     draft = resolve_model(a.draft) if "hf-assisted" in systems else None
+    draft_name = draft.name if draft else Path(a.draft).name
     base_systems, systems = systems, variants
+    uses_dspark = any(SYSTEMS[s].backend == "dspark" for s in base_systems)
     engine = Path(a.engine).resolve()
-    if not (engine / "manifest.json").is_file():
+    if uses_dspark and not (engine / "manifest.json").is_file():
         raise SystemExit(f"error: {engine} is not an engine directory (no manifest.json); build it first")
+    # the peers: refused up front, with the command that installs what is missing
+    peer_dir = Path(a.peer_dir).expanduser() if a.peer_dir else default_peer_dir()
+    uses_peers = [s for s in base_systems if SYSTEMS[s].peer]
+    peer_models = None
+    if uses_peers:
+        target_gguf = gguf_for(target, a.target_gguf)
+        draft_gguf = gguf_for(draft if draft else Path(a.draft), a.draft_gguf)
+        msgs = check_peers(uses_peers, peer_dir, target.name, draft_name, target_gguf, draft_gguf)
+        if msgs:
+            raise SystemExit("error: peer systems not installed (peer dir " + str(peer_dir) + "):\n  "
+                             + "\n  ".join(msgs))
+        files = peer_files(peer_dir, target.name)
+        peer_models = {"peer_dir": str(peer_dir.resolve()), "target_gguf": str(target_gguf),
+                       "draft_gguf": str(draft_gguf), "llama_speculative": str(files["llama_speculative"]),
+                       "ort_model": str(files["ort_model"])}
     specs = {s: dict(SYSTEMS[s].options) for s in base_systems}
     if a.lm_draft_length and "dspark-lm" in specs:
         specs["dspark-lm"]["draft_length"] = a.lm_draft_length
@@ -800,15 +1178,15 @@ def main(argv=None) -> int:
     prompts = [{"dataset": ds, "index": i, "key": f"{ds}[{i}]", "text": text, "seed": a.seed + k}
                for k, (ds, i, text) in enumerate(jobs)]
     settings = {"target": str(target), "target_name": target.name, "draft": str(draft) if draft else None,
-                "draft_name": draft.name if draft else Path(a.draft).name, "engine": str(a.engine),
+                "draft_name": draft_name, "engine": str(a.engine) if uses_dspark else None,
                 "datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "temperatures": temps,
                 "seed": a.seed, "chunk": a.chunk, "threads": a.threads, "systems": systems,
                 "system_options": specs, "split": "evaluation (data/prompts/README.md)",
-                "descriptions": {s: SYSTEMS[s].description for s in base_systems}}
-    result = {"command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
-              else shlex.join(["compare.py", *argv]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(), "settings": settings,
-              "loadavg_start": loadavg(), "summary": {}, "rows": [], "workers": []}
+                "descriptions": {s: SYSTEMS[s].description for s in base_systems}, "peer_models": peer_models}
+    command = (shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
+               else shlex.join(["compare.py", *argv]))
+    result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+              "settings": settings, "loadavg_start": loadavg(), "summary": {}, "rows": [], "workers": []}
     la = result["loadavg_start"]
     if la and la[0] > 0.5:
         print(f"WARNING: load average {la[0]:.2f} at start: other processes compete for the CPU. torch's OpenMP "
@@ -818,16 +1196,18 @@ def main(argv=None) -> int:
     base = {"target": str(target), "draft": str(draft) if draft else None, "engine": str(engine),
             "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "threads": a.threads}
 
-    # preflight: identical prompt ids from both chat-template implementations
-    print(f"{len(prompts)} prompts x {len(systems)} systems; preflight: prompt token ids (HF vs DSpark)", file=sys.stderr)
-    rows, meta, err = run_worker({**base, "system": "tokenize", "backend": "tokenize", "options": {},
-                                  "prompts": prompts}, tmp, "tokenize")
+    # preflight: identical prompt ids from both chat-template implementations; the peers get these ids
+    print(f"{len(prompts)} prompts x {len(systems)} systems; preflight: prompt token ids"
+          + (" (HF vs DSpark)" if uses_dspark else " (HF chat template)"), file=sys.stderr)
+    rows, meta, err = run_worker({**base, "engine": str(engine) if uses_dspark else None, "system": "tokenize",
+                                  "backend": "tokenize", "options": {}, "prompts": prompts}, tmp, "tokenize")
     if err:
         raise SystemExit(f"error: preflight failed: {err}")
     settings["versions"] = meta.get("versions", {})
     settings["engine_models"] = meta.get("engine_models", {})
     mism = [r["key"] for r in rows if r["first_diff"] is not None]
-    result["prompt_check"] = {"n": len(rows), "all_identical": not mism, "mismatched": mism}
+    result["prompt_check"] = {"n": len(rows), "all_identical": not mism, "mismatched": mism,
+                              **({} if uses_dspark else {"hf_only": True})}
     if rows and rows[0]["first_diff"] is not None:
         r0 = rows[0]
         result["prompt_check"]["first_prompt"] = {"hf_ids": r0["hf_ids"], "dspark_ids": r0["dspark_ids"]}
@@ -839,40 +1219,50 @@ def main(argv=None) -> int:
     em = settings["engine_models"].get("target")
     if em and em != target.name:
         print(f"WARNING: engine target is {em!r}, HF target is {target.name!r}", file=sys.stderr)
+    by_key = {r["key"]: r for r in rows}
+    for p in prompts:  # the ids every peer is fed (HF chat template; = DSpark's where both were made)
+        p["ids"], p["rendered"] = by_key[p["key"]]["hf_ids"], by_key[p["key"]]["rendered"]
+    if uses_peers:
+        settings["peer_n_ctx"] = peer_context(max(len(p["ids"]) for p in prompts), a.max_new_tokens)
 
+    # resume: the pairs already done are kept; every chunk still runs its remaining systems in rotated order
+    fp = fingerprint(settings, prompts)
+    progress, old_rows, old_workers = open_progress(out_dir, fp, a.resume)
+    result["rows"], result["workers"] = list(old_rows), list(old_workers)
+    done = {(r["system"], r["key"]) for r in old_rows}
     chunks = [prompts[i:i + a.chunk] for i in range(0, len(prompts), a.chunk)]
+    plan = schedule(chunks, systems, done)
+    if a.resume:
+        print(f"--resume: {len(done)} of {len(prompts) * len(systems)} (prompt, system) pairs already done; "
+              f"{sum(len(t) for _, _, t in plan)} to run", file=sys.stderr)
+    prev = out_dir / "compare.json"
+    result["sessions"] = (json.loads(prev.read_text()).get("sessions", []) if a.resume and prev.is_file() else [])
+    prior_wall = sum(x.get("wall_s") or 0 for x in result["sessions"])
+    result["sessions"].append({"date": result["date"], "wall_s": 0.0, "resumed": a.resume,
+                               "pairs_run": sum(len(t) for _, _, t in plan)})
+
+    def make_job(s, todo):
+        name, temp = split_variant(s)
+        return {**base, "system": s, "backend": SYSTEMS[name].backend, "options": specs[name], "temperature": temp,
+                "prompts": todo, "progress": str(progress), **peer_job_fields(s, settings, peer_dir)}
+
     t_start = time.perf_counter()
-    for c, chunk in enumerate(chunks):
-        for s in rotate(systems, c):
-            name, temp = split_variant(s)
-            sysdef = SYSTEMS[name]
-            print(f"[chunk {c + 1}/{len(chunks)}] {s}: {len(chunk)} prompts "
-                  f"({time.perf_counter() - t_start:.0f} s elapsed)", file=sys.stderr, flush=True)
-            rows, meta, err = run_worker({**base, "system": s, "backend": sysdef.backend, "options": specs[name],
-                                          "temperature": temp, "prompts": chunk}, tmp, f"c{c}-{s}")
-            for r in rows:
-                r["peak_rss_mb"] = meta.get("peak_rss_mb")
-            done = {r["key"] for r in rows}
-            rows += [{"system": s, "dataset": p["dataset"], "index": p["index"], "key": p["key"], "error": err
-                      or "no result"} for p in chunk if p["key"] not in done]
-            result["rows"] += rows
-            result["workers"].append({"system": s, "chunk": c, **meta, "error": err})
-            if "hf_assisted_config" in meta:
-                settings["hf_assisted_config"] = meta["hf_assisted_config"]
-            if meta.get("attn_implementation"):
-                settings["hf_attn_implementation"] = meta["attn_implementation"]
-            write_outputs(result, out_dir, final=False)  # partial results survive a crash
-    result["wall_s"] = time.perf_counter() - t_start
+    run_schedule(plan, chunks, result, make_job, lambda job, tag: run_worker(job, tmp, tag), progress, out_dir,
+                 t_start)
+    session_wall = time.perf_counter() - t_start
+    result["sessions"][-1]["wall_s"] = session_wall
+    result["wall_s"] = prior_wall + session_wall
 
     add_correctness(result["rows"])
     result["summary"] = summarize(result["rows"], systems, datasets)
     result["loadavg_end"] = loadavg()
     write_outputs(result, out_dir, final=True)
-    print(table(result["summary"]["all"], systems, with_memory=True, loads=worker_loads(result)))
-    print(f"\nwrote {out_dir / 'compare.json'} and {out_dir / 'REPORT.md'} ({result['wall_s']:.0f} s)")
+    print(table(result["summary"]["all"], systems, with_memory=True, loads=worker_loads(result),
+                sizes=worker_sizes(result)))
+    print(f"\nwrote {out_dir / 'compare.json'} and {out_dir / 'REPORT.md'} ({session_wall:.0f} s this session)")
     errors = sum(1 for r in result["rows"] if r.get("error"))
     if errors:
-        print(f"{errors} prompt runs failed; worker logs kept in {tmp}", file=sys.stderr)
+        print(f"{errors} prompt runs failed; worker logs kept in {tmp}; `--resume` re-runs them", file=sys.stderr)
         return 1
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
