@@ -435,6 +435,23 @@ def render_report(result: dict, plots: list | None = None) -> str:
                     "int4 quantization of the fp32 checkpoint), so their greedy outputs part from the fp32 systems "
                     "at near-ties; a peer's speculative variant is expected to match its own baseline (same "
                     "weights), up to the batch-size dependence of its kernels."]
+    ws = [w for w in result.get("workers", []) if w.get("cpu_s") is not None and w.get("wall_s")]
+    if ws:
+        thr = st.get("threads") or 1
+        low = [w for w in ws if w["cpu_s"] / (w["wall_s"] * thr) < 0.6]
+        out += ["", "## Workers", "",
+                f"CPU use = CPU seconds of the worker (its children included) / (wall seconds x {thr} threads), load "
+                "and warm-up included: near 0.8-1.0 on an idle machine; much lower means other processes took the "
+                "cores, and llama.cpp's spinning thread pool in particular then slows down many times over.", "",
+                "| system | chunk | wall s | CPU use | load avg (1 min) at end | error |", "|---|---:|---:|---:|---:|---|"]
+        for w in ws:
+            la = w.get("loadavg") or [None]
+            out.append(f"| {w['system']} | {w.get('chunk', '?')} | {w['wall_s']:.0f} | "
+                       f"{w['cpu_s'] / (w['wall_s'] * thr):.0%} | {_f(la[0])} | {w.get('error') or ''} |")
+        if low:
+            out += ["", f"**{len(low)} of {len(ws)} workers ran with under 60% CPU use** "
+                    f"({', '.join(sorted({w['system'] for w in low}))}): their figures are not comparable; re-run them "
+                    "on an idle machine."]
     errs = [r for r in rows if r.get("error")]
     if errs:
         out += ["", "## Failures", ""] + [f"- {r['system']} {r['key']}: {r['error']}" for r in errs]
@@ -747,6 +764,14 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its waited-for children."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 class _TimingStreamer:
     """transformers streamer that timestamps every commit; the first put() is the prompt."""
 
@@ -957,6 +982,7 @@ def worker_main(job_path: str) -> int:
     meta = fn(job, emit)
     meta["peak_rss_mb"] = _peak_rss_mb()
     meta["loadavg"] = loadavg()  # ~threads when the worker had the machine to itself
+    meta["cpu_s"] = _cpu_s()
     out.write(json.dumps({"meta": meta}) + "\n")
     out.close()
     return 0

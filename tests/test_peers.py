@@ -335,3 +335,32 @@ def test_timing_row(worker):
     assert row["prompt_tokens"] == 3 and row["new_tokens"] == 3
     one = worker.timing_row([1], [7], 0.0, [0.2], 0.2)
     assert one["tokens_per_second"] is None and one["decode_tokens"] == 0
+
+
+def test_report_flags_contended_workers(cmp):
+    rows = [{"system": "llama-cpp", "dataset": "humaneval", "index": 0, "key": "humaneval[0]", "token_ids": [1, 2],
+             "new_tokens": 2, "ttft_ms": 100.0, "decode_tokens": 1, "decode_s": 0.1, "tokens_per_second": 10.0,
+             "peak_rss_mb": 1800.0},
+            {"system": "ort-genai", "dataset": "humaneval", "index": 0, "key": "humaneval[0]", "token_ids": [1, 3],
+             "new_tokens": 2, "ttft_ms": 100.0, "decode_tokens": 1, "decode_s": 0.05, "tokens_per_second": 20.0,
+             "peak_rss_mb": 1500.0}]
+    systems = ["llama-cpp", "ort-genai"]
+    cmp.add_correctness(rows)
+    result = {"settings": {"systems": systems, "datasets": ["humaneval"], "target_name": "tgt", "draft_name": "drf",
+                           "engine": None, "n": 1, "max_new_tokens": 2, "temperatures": [0.0], "seed": 0, "chunk": 4,
+                           "threads": 2, "descriptions": {s: cmp.SYSTEMS[s].description for s in systems},
+                           "peer_versions": {"llama_cpp_python": "0.3.36"}},
+              "summary": cmp.summarize(rows, systems, ["humaneval"]), "rows": rows,
+              "workers": [{"system": "llama-cpp", "chunk": 0, "wall_s": 100.0, "cpu_s": 60.0, "loadavg": [3.5],
+                           "load_s": 0.8, "model_bytes": 1_117_320_768},
+                          {"system": "ort-genai", "chunk": 0, "wall_s": 10.0, "cpu_s": 18.0, "loadavg": [2.0],
+                           "load_s": 1.2, "model_bytes": 1_915_806_236}],
+              "prompt_check": {"n": 1, "all_identical": True, "mismatched": [], "hf_only": True}}
+    rep = cmp.render_report(result)
+    assert "| llama-cpp | 0 | 100 | 30% | 3.50 |  |" in rep and "| ort-genai | 0 | 10 | 90% | 2.00 |  |" in rep
+    assert "**1 of 2 workers ran with under 60% CPU use** (llama-cpp)" in rep
+    assert "from the HF chat template for all 1 prompts" in rep
+    assert "Peers: llama_cpp_python 0.3.36" in rep
+    line = next(l for l in rep.splitlines() if l.startswith("| llama-cpp | 1 |"))
+    assert line.endswith("| 1.76 | 0.8 | 1.12 |")  # peak RSS GB, load s, model GB
+    assert "- `ort-genai`: ONNX Runtime GenAI, int4 graph" in rep

@@ -209,10 +209,10 @@ def _llama_speculative_worker(job, emit) -> dict:
         # max ru_maxrss over the binary's processes so far (each prompt is its own process)
         child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         stdout, stderr = out_b.decode("utf-8", "replace"), err_b.decode("utf-8", "replace")
-        if job.get("keep_logs"):
-            Path(job["keep_logs"]).mkdir(parents=True, exist_ok=True)
-            Path(job["keep_logs"], f"{p['key']}.stdout.txt").write_text(stdout)
-            Path(job["keep_logs"], f"{p['key']}.stderr.txt").write_text(stderr)
+        logs = Path(job.get("keep_logs") or Path(job["out"]).with_suffix(".logs"))  # beside the worker's output
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{p['key']}.stdout.txt").write_text(stdout)
+        (logs / f"{p['key']}.stderr.txt").write_text(stderr)
         st = lspec.parse_output(stdout, stderr)
         if proc.returncode != 0 or not st["ok"]:
             tail = [l for l in stderr.strip().splitlines() if l.strip()][-1:] or ["no output"]
@@ -345,6 +345,8 @@ def main(job_path: str) -> int:
     meta = BACKENDS[job["backend"]](job, emit)
     meta["peak_rss_mb"] = max(peak_rss_mb(), meta.get("child_peak_rss_mb") or 0)
     meta["loadavg"] = loadavg()
+    meta["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                           resource.getrusage(resource.RUSAGE_CHILDREN)))
     out.write(json.dumps({"meta": meta}) + "\n")
     out.close()
     if progress is not None:
