@@ -146,8 +146,10 @@ class LMDrafter:
         """Roll the cache back to its longest prefix shared with ``context``; return the rest.
 
         Committed context only grows, so the prefix up to the previous proposal's context is
-        known to match: compare only past it (O(gamma) per round, not O(context))."""
-        m = min(len(self._cached), len(context))
+        known to match: compare only past it (O(gamma) per round, not O(context)). At least the last
+        context token is returned (its logits give the next draft token), even when the cache already holds
+        the whole context: a router can commit exactly the tokens this drafter had drafted and cached."""
+        m = min(len(self._cached), len(context) - 1)
         n = min(self._known, m)
         while n < m and self._cached[n] == context[n]:
             n += 1

@@ -155,3 +155,24 @@ def test_draft_confidence_threshold_shortens_blocks_and_stays_exact(engine):
                                                 draft_confidence=0.5).token_ids
     with pytest.raises(InputError, match="draft_confidence must be a probability"):
         engine.generate("hi", draft_confidence=1.5)
+
+
+def test_lm_drafter_proposes_when_its_cache_already_holds_the_whole_context(engine):
+    """A router can commit exactly the tokens the draft LM had drafted and cached (it sent an n-gram block, the
+    target accepted it and the bonus token was the LM's next draft): the LM must still re-feed the anchor."""
+    from dspark_runtime.generate import LMDrafter
+    from dspark_runtime.sampling import SamplingParams
+
+    lm = LMDrafter(engine.runner(engine.lm_graph))
+    prompt = engine.encode_prompt("def add(a, b):")
+    lm.begin(prompt)
+    params = SamplingParams()
+    first, _ = lm.propose(list(prompt), 4, params, None)
+    # commit the first three drafts: the context now ends with a token the LM has already cached
+    context = list(prompt) + first[:3]
+    assert lm._cached[-1] == context[-1]
+    again, _ = lm.propose(context, 2, params, None)
+    assert again[0] == first[3]  # the same greedy continuation, from the re-fed anchor
+    fresh = LMDrafter(engine.runner(engine.lm_graph))
+    fresh.begin(context)
+    assert fresh.propose(context, 2, params, None)[0] == again
