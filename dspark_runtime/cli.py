@@ -45,7 +45,7 @@ def cli():
               show_default=True,
               help="Drafter: router (per round, n-gram prompt lookup or the engine's DSpark/LM drafter, whichever "
                    "is expected to commit more), the engine's DSpark drafter, its draft LM, n-gram prompt lookup, "
-                   "or auto (the router if the engine has a DSpark drafter, else the LM, else n-gram).")
+                   "or auto (the engine's draft LM when it has one, else the router over its DSpark drafter, else n-gram).")
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
