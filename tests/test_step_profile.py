@@ -16,4 +16,5 @@ def test_step_profile_groups_the_nodes_of_one_step(tiny_engine_dir, tmp_path):
         # the tiny graph has 2 layers x 7 weight MatMuls, the LM head, attention and the growing-KV Concats
         assert {"weight matmul", "lm_head", "attention matmul", "Concat (KV copies)"} <= set(cats)
         assert all(v >= 0 for v in cats.values())
-        assert 0 < r["nodes_ms"] <= r["wall_ms"] + 0.5
+        assert 0 < r["profiled_nodes_ms"] <= r["profiled_wall_ms"] + 0.5 and r["wall_ms"] > 0
+        assert abs(sum(r["by_category_share"].values()) - 1) < 0.01
