@@ -1110,7 +1110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", default="0", help="comma list; 0 = greedy (default); '0,1.0' runs every "
                     "system greedy and at temperature 1.0 (variant name@T1) interleaved in one run")
     ap.add_argument("--sampled-systems", default=None, help="comma list: the systems to run at the non-zero "
-                    "temperatures (default: all of --systems)")
+                    "temperatures (default: all of --systems but the peers, which run greedy only)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed base (prompt number added)")
     ap.add_argument("--chunk", type=int, default=4, help="prompts per worker process (interleaving granularity)")
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
@@ -1155,7 +1155,7 @@ def main(argv=None) -> int:
     if not temps or any(t < 0 for t in temps) or len(set(temps)) != len(temps):
         ap.error(f"--temperature {a.temperature!r}: give distinct temperatures >= 0, e.g. 0 or 0,1.0")
     sampled = ([s.strip() for s in a.sampled_systems.split(",") if s.strip()] if a.sampled_systems
-               else list(systems))
+               else [s for s in systems if not SYSTEMS[s].peer])  # the peers run greedy only
     bad = [s for s in sampled if s not in systems]
     if bad:
         ap.error(f"--sampled-systems {bad} are not in --systems")

@@ -364,3 +364,9 @@ def test_report_flags_contended_workers(cmp):
     line = next(l for l in rep.splitlines() if l.startswith("| llama-cpp | 1 |"))
     assert line.endswith("| 1.76 | 0.8 | 1.12 |")  # peak RSS GB, load s, model GB
     assert "- `ort-genai`: ONNX Runtime GenAI, int4 graph" in rep
+
+
+def test_peers_run_greedy_only(cmp, capsys):
+    with pytest.raises(SystemExit):
+        cmp.main(["--systems", "hf,llama-cpp", "--temperature", "0,1", "--sampled-systems", "hf,llama-cpp"])
+    assert "the peers ['llama-cpp'] run greedy only" in capsys.readouterr().err
