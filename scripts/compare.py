@@ -61,6 +61,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1272,6 +1273,10 @@ def main(argv=None) -> int:
         return {**base, "system": s, "backend": SYSTEMS[name].backend, "options": specs[name], "temperature": temp,
                 "prompts": todo, "progress": str(progress), **peer_job_fields(s, settings, peer_dir)}
 
+    def _terminate(signum, frame):  # SIGTERM as Ctrl-C: subprocess.run then kills the running worker
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     t_start = time.perf_counter()
     run_schedule(plan, chunks, result, make_job, lambda job, tag: run_worker(job, tmp, tag), progress, out_dir,
                  t_start)
