@@ -88,8 +88,12 @@ need_tools() {  # compilers and cmake for the native builds
 # ---------------------------------------------------------------------------------------------------
 # llama-cpp
 
-amx_flags() {  # ggml's AMX kernels crashed ("Illegal instruction") on AMX CPUs with a native build
-    if grep -qwE 'amx_tile|amx_int8|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+# ggml's AMX kernels crashed ("Illegal instruction") on AMX CPUs with a native build. Explicit -mno-* flags
+# win over -march=native wherever they stand on the command line (gcc: -mno-amx-* before
+# -march=sapphirerapids leaves __AMX_INT8__ undefined), so CFLAGS/CMAKE_C_FLAGS are enough.
+# CPUINFO overrides /proc/cpuinfo (tests).
+amx_flags() {
+    if grep -qwE 'amx_tile|amx_int8|amx_bf16' "${CPUINFO:-/proc/cpuinfo}" 2>/dev/null; then
         echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     fi
 }
