@@ -110,6 +110,13 @@ SYSTEMS = {s.name: s for s in [
     System("hf-pld", "hf", {"prompt_lookup_num_tokens": 10},
            "transformers prompt lookup decoding (prompt_lookup_num_tokens=10, max_matching_ngram_size default 2)"),
     System("dspark-target", "dspark", {"draft": None}, "DSpark runtime, target only"),
+    # our default configuration: whatever `--draft auto` picks on --engine (Engine.auto_draft), its default length
+    System("dspark-auto", "dspark", {"draft": "auto"}, "DSpark runtime, --draft auto (the engine's default "
+           "drafter and draft length)"),
+    # the fp32 graph of the same weights: the reference every other system's greedy agreement is measured against
+    System("dspark-fp32", "dspark", {"draft": None, "engine": "engines/qwen2.5-coder-1.5b-fp32"},
+           "DSpark runtime, fp32 target only (engines/qwen2.5-coder-1.5b-fp32: `dspark-export build "
+           "engines/qwen2.5-coder-1.5b.json --precision fp32 --name qwen2.5-coder-1.5b-fp32`)"),
     System("dspark-lm", "dspark", {"draft": "lm", "draft_length": 3}, "DSpark runtime, draft LM, gamma 3"),
     System("dspark-ngram", "dspark", {"draft": "ngram", "draft_length": 4},
            "DSpark runtime, n-gram prompt lookup, gamma 4"),
@@ -146,7 +153,7 @@ SYSTEMS = {s.name: s for s in [
 ]}
 PEER_INSTALL = {"llama-cpp": "scripts/peers/install.sh llama-cpp",
                 "ort-genai": "scripts/peers/install.sh ort-genai"}
-REFERENCES = ("hf", "dspark-target")  # greedy outputs are compared with these
+REFERENCES = ("hf", "dspark-target", "dspark-fp32")  # greedy outputs are compared with these
 
 
 def variant_name(system: str, temperature: float) -> str:
@@ -323,7 +330,7 @@ def table(block: dict, systems: list, with_memory: bool = False, loads: dict | N
     """A markdown table of one summary block ({system: agg}); ``with_memory`` adds peak RSS, the
     median load time (``loads``, seconds) and the bytes of the model files loaded (``sizes``)."""
     head = ["system", "n", "new tok (mean)", "decode tok/s", "× hf", "× dspark-target", "e2e tok/s", "e2e × hf",
-            "tau", "acceptance", "TTFT ms (median)", "= hf", "= dspark-target", "= own baseline"]
+            "tau", "acceptance", "TTFT ms (median)", "= hf", "= dspark-target", "= dspark-fp32", "= own baseline"]
     if with_memory:
         head += ["peak RSS GB", "load s (median)", "model GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
@@ -337,7 +344,7 @@ def table(block: dict, systems: list, with_memory: bool = False, loads: dict | N
                  _f(a.get("ratio_to_hf"), "{:.2f}×"), _f(a.get("ratio_to_dspark-target"), "{:.2f}×"),
                  _f(a.get("e2e_tokens_per_second")), _f(a.get("e2e_ratio_to_hf"), "{:.2f}×"),
                  _f(a.get("tau")), _f(a.get("acceptance_rate"), "{:.0%}"), _f(a.get("ttft_ms_median"), "{:.0f}"),
-                 _ident(a, "hf"), _ident(a, "dspark-target"), _ident(a, "baseline")]
+                 _ident(a, "hf"), _ident(a, "dspark-target"), _ident(a, "dspark-fp32"), _ident(a, "baseline")]
         if with_memory:
             load, size = (loads or {}).get(s), (sizes or {}).get(s)
             cells += [_f(a.get("peak_rss_mb") / 1024 if a.get("peak_rss_mb") else None), _f(load, "{:.1f}"),
