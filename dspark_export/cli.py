@@ -285,8 +285,12 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
                                  param_hint="--draft-rows")
     if row_probe_only and not row_probe:
         raise click.UsageError("--row-probe-only and --no-row-probe contradict each other; drop one")
+    from dspark_runtime.backend import shared_pool_default
+
+    # timed as `dspark generate` / `dspark serve` run (on the shared thread pool unless DSPARK_SHARED_THREAD_POOL=0)
     t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads,
-                       draft_rows=rows, probe_rows=row_probe, probe_only=row_probe_only)
+                       draft_rows=rows, probe_rows=row_probe, probe_only=row_probe_only,
+                       shared_thread_pool=shared_pool_default())
     probe = t.get("row_invariance")
     if probe is not None:
         diffs = ", ".join(f"x{m}: {d:.3g}" for m, d in probe["max_abs_difference"].items())

@@ -20,7 +20,7 @@ from dspark_runtime.profile import PROFILE_POINTS, profile_runtime  # noqa: F401
 
 def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256, repeats: int = 5,
                    threads: int | None = None, write: bool = True, draft_rows=(1,),
-                   probe_rows: bool = True, probe_only: bool = False) -> dict:
+                   probe_rows: bool = True, probe_only: bool = False, shared_thread_pool: bool = False) -> dict:
     """Profile ``engine_dir`` and (``write``) store the table as ``speculation.cost_table`` in its manifest.
 
     With ``probe_rows`` it first measures the target's row-count invariance on this machine
@@ -40,7 +40,8 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
 
     with warnings.catch_warnings():  # records made on another CPU: being re-measured here
         warnings.simplefilter("ignore", OtherCpuWarning)
-        eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None)
+        eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None,
+                          shared_thread_pool=shared_thread_pool)
     probe = None
     if probe_rows:
         import onnxruntime

@@ -68,7 +68,10 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
+    from dspark_runtime.backend import shared_pool_default
+
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
+                      shared_thread_pool=shared_pool_default(),
                       allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
     if profile_on_load:
         t = eng.profile()
@@ -230,7 +233,10 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     dl = _draft_length(draft_length)
     if dl == "auto":
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
-    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads)
+    from dspark_runtime.backend import shared_pool_default
+
+    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
+                      shared_thread_pool=shared_pool_default())
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,

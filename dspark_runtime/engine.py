@@ -168,7 +168,8 @@ class Engine:
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
              verify: bool = True, rehash: bool = False, backend: str = "ort",
-             allow_slow_precision: bool = False, row_multiple: int | None = None) -> "Engine":
+             allow_slow_precision: bool = False, row_multiple: int | None = None,
+             shared_thread_pool: bool = False) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -182,10 +183,23 @@ class Engine:
         (:mod:`dspark_runtime.invariance`); default: the value ``dspark-export profile`` probed and stored in
         the manifest, else 1 (no padding). Warns (:class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when that
         probe or the stored cost table was measured on another CPU (model or ISA flags; re-run
-        ``dspark-export profile`` here).
+        ``dspark-export profile`` here). ``shared_thread_pool``: run every session on one process-wide ONNX
+        Runtime thread pool whose threads spin (~15% faster speculative rounds on 2 cores; process-wide and
+        irreversible: other ONNX Runtime sessions made later in the process must set
+        ``use_per_session_threads = False``, see :func:`dspark_runtime.backend.enable_shared_thread_pool`). The
+        ``dspark`` CLI, the server and the benchmarks turn it on.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
+        if shared_thread_pool and backend == "ort":
+            from dspark_runtime.backend import enable_shared_thread_pool
+
+            size = enable_shared_thread_pool(threads)
+            if size != threads:
+                import warnings
+
+                warnings.warn(f"this process's shared ONNX Runtime thread pool has {size} threads; {engine_dir} "
+                              f"runs on it, not on {threads}", stacklevel=2)
         from dspark_runtime.artifact import is_tarball, unpacked_dir
 
         if is_tarball(engine_dir):

@@ -102,10 +102,9 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
          helper.make_tensor_value_info("o", f, [1, heads, "m", head_dim])],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(k, "k"), numpy_helper.from_array(v, "v")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    from dspark_runtime.backend import session_options
+
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
 
 
 def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1) -> float:

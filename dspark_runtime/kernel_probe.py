@@ -34,8 +34,9 @@ def _u8s8_session():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = min(model.ir_version, 8)
     onnx.checker.check_model(model)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    from dspark_runtime.backend import session_options
+
+    so = session_options(1)
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), b
 

@@ -56,10 +56,11 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from dspark_runtime import DSparkError, Engine
+    from dspark_runtime.backend import shared_pool_default
     from dspark_runtime.engine import DEFAULT_THREADS
 
     try:
-        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
+        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS, shared_thread_pool=shared_pool_default())
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -197,6 +198,7 @@ def concurrency_main(a) -> int:
     """Aggregate and per-request tokens/s of the batched runtime at several concurrency levels (issue 4)."""
     sys.path.insert(0, str(ROOT))
     from dspark_runtime import DSparkError, Engine
+    from dspark_runtime.backend import shared_pool_default
     from dspark_runtime.engine import DEFAULT_THREADS
 
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
@@ -207,7 +209,7 @@ def concurrency_main(a) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
+        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS, shared_thread_pool=shared_pool_default())
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

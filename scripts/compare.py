@@ -899,7 +899,10 @@ def _dspark_worker(job: dict, emit) -> dict:
 
     opts = job["options"]
     t0 = time.perf_counter()
-    eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"])
+    from dspark_runtime.backend import shared_pool_default
+
+    eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"],
+                      shared_thread_pool=shared_pool_default())
     draft = opts.get("draft")
     eng.runner("target")
     if draft is not None:

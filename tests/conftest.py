@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# The CLI and the scripts run every ONNX Runtime session on one process-wide thread pool
+# (dspark_runtime.backend.enable_shared_thread_pool), after which plain sessions in the same process are refused;
+# the tests make such sessions in-process, so the suite keeps per-session pools (tests/test_shared_pool.py runs
+# the shared pool in a subprocess).
+os.environ.setdefault("DSPARK_SHARED_THREAD_POOL", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -68,10 +68,15 @@ def test_precision_spec_parsing():
     assert r.precision_for("target") == "fp32" and r.precision_for("draft") == "int8-dynamic"
     assert Recipe(name="x", target="t", precision="int8-dynamic").precision_for("target") == "int8-dynamic"
     assert Recipe(name="x", target="t", precision="draft=int8-dynamic").precision_for("target") == "fp32"
-    with pytest.raises(DSparkError, match="not supported; choose one of fp32, int8, int8-trt, int8-dynamic, fp8"):
-        Recipe(name="x", target="t", precision="int4").validate()
-    with pytest.raises(DSparkError, match="role=precision pairs"):
+    with pytest.raises(DSparkError, match="not supported; choose one of fp32, int4, int8, int8-trt, int8-dynamic, fp8"):
+        Recipe(name="x", target="t", precision="int3").validate()
+    with pytest.raises(DSparkError, match="role=value pairs such as 'target=int8,draft=fp32'"):
         Recipe(name="x", target="t", precision="verifier=fp32").validate()
+    r = Recipe(name="x", target="t", precision="int4", int4_source="target=gguf,draft=rtn")
+    assert (r.int4_source_for("target"), r.int4_source_for("draft")) == ("gguf", "rtn")
+    assert Recipe(name="x", target="t", int4_source="draft=hqq").int4_source_for("target") == "auto"
+    with pytest.raises(DSparkError, match="int4 source 'gptq' is not supported; choose one of auto, gguf, rtn, hqq"):
+        Recipe(name="x", target="t", int4_source="gptq").validate()
 
 
 def test_int8_dynamic_draft_engine_is_exact(tiny_pair, tmp_path):
