@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evalsets import EVAL_START, ROOT, load_prompts, machine  # noqa: E402
+from evalsets import EVAL_START, ROOT, load_prompts, machine, round_stats  # noqa: E402
 WARMUP_PROMPT = "Write a one-line Python function that adds two numbers."
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
@@ -213,23 +213,6 @@ def position_counts_from_dspark(accepted_by_position, draft_length_histogram) ->
     tries = [sum(v for ell, v in hist.items() if ell > k) for k in range(n)]
     hits = [int(round(f * t)) for f, t in zip(accepted_by_position, tries)]
     return tries, hits
-
-
-def round_stats(rounds) -> dict:
-    """Speculation stats from per-round (candidates proposed, candidates accepted) pairs (HF's
-    assisted loop: one pair per target verify call, the first one fused with prefill)."""
-    rounds = [(int(p), int(a)) for p, a in rounds]
-    if not rounds:
-        return {"rounds": 0, "proposed": 0, "accepted": 0, "tau": None, "acceptance_rate": None,
-                "pos_tries": [], "pos_hits": []}
-    proposed = sum(p for p, _ in rounds)
-    accepted = sum(a for _, a in rounds)
-    m = max(p for p, _ in rounds)
-    return {"rounds": len(rounds), "proposed": proposed, "accepted": accepted,
-            "tau": (accepted + len(rounds)) / len(rounds),
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "pos_tries": [sum(p > k for p, _ in rounds) for k in range(m)],
-            "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}
 
 
 def add_correctness(rows: list, greedy: bool = True) -> None:

@@ -23,3 +23,21 @@ def load_prompts(dataset: str, n: int) -> list:
     lines = (PROMPTS / f"{dataset}.jsonl").read_text().splitlines()
     start, end = EVAL_START[dataset], EVAL_END[dataset] or len(lines)
     return [json.loads(l)["turns"][0] for l in lines[start:min(start + n, end)]]
+
+
+def round_stats(rounds) -> dict:
+    """Speculation stats from per-round (candidates proposed, candidates accepted) pairs: rounds, proposed,
+    accepted, tau (tokens committed per round, bonus included), acceptance rate, and per draft position the
+    rounds that proposed it (``pos_tries``) and accepted it (``pos_hits``)."""
+    rounds = [(int(p), int(a)) for p, a in rounds]
+    if not rounds:
+        return {"rounds": 0, "proposed": 0, "accepted": 0, "tau": None, "acceptance_rate": None,
+                "pos_tries": [], "pos_hits": []}
+    proposed = sum(p for p, _ in rounds)
+    accepted = sum(a for _, a in rounds)
+    m = max(p for p, _ in rounds)
+    return {"rounds": len(rounds), "proposed": proposed, "accepted": accepted,
+            "tau": (accepted + len(rounds)) / len(rounds),
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "pos_tries": [sum(p > k for p, _ in rounds) for k in range(m)],
+            "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}

@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # scripts/: evalsets (stdlib only)
 import llama_speculative as lspec  # noqa: E402
+from evalsets import round_stats  # noqa: E402
 
 WARMUP_IDS_NOTE = "warm-up: the first prompt's ids, 8 new tokens"
 
@@ -84,22 +86,6 @@ def timing_row(ids, new, t0, stamps, t_end) -> dict:
     ok = row["decode_tokens"] > 0 and row["decode_s"] > 0
     row["tokens_per_second"] = row["decode_tokens"] / row["decode_s"] if ok else None
     return row
-
-
-def round_stats(rounds) -> dict:
-    """As compare.round_stats: from (proposed, accepted) per verify round."""
-    rounds = [(int(p), int(a)) for p, a in rounds]
-    if not rounds:
-        return {"rounds": 0, "proposed": 0, "accepted": 0, "tau": None, "acceptance_rate": None,
-                "pos_tries": [], "pos_hits": []}
-    proposed = sum(p for p, _ in rounds)
-    accepted = sum(a for _, a in rounds)
-    m = max(p for p, _ in rounds)
-    return {"rounds": len(rounds), "proposed": proposed, "accepted": accepted,
-            "tau": (accepted + len(rounds)) / len(rounds),
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "pos_tries": [sum(p > k for p, _ in rounds) for k in range(m)],
-            "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}
 
 
 def common_prefix(a, b) -> int:
