@@ -410,7 +410,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     onnx.save_model(proto, str(dst))
     _check(dst)
     by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
-    rep = {"precision": "int4", "source": "gguf", "gguf": gguf_path.name, "accuracy_level": accuracy_level,
+    rep = {"precision": "int4", "int4_source": "gguf", "gguf": gguf_path.name, "accuracy_level": accuracy_level,
            "method": "GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a "
                      "block-sum correction)",
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
@@ -491,7 +491,7 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
     _check(dst)
     from dspark_export.quantize import graph_weight_bytes
 
-    rep = {"precision": "int4", "source": algorithm, "bits": bits, "block_size": block_size,
+    rep = {"precision": "int4", "int4_source": algorithm, "bits": bits, "block_size": block_size,
            "accuracy_level": accuracy_level,
            "method": f"ONNX Runtime MatMulNBitsQuantizer ({'symmetric RTN' if algorithm == 'rtn' else 'HQQ'}, "
                      f"{bits}-bit, block {block_size}) from the float weights",

@@ -785,6 +785,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         g.validation = {**g.validation, prec: {"reference": "fp32 graph", **agree}}
         g.quantization = {**q, "source": {"engine": str(src_dir), "graph_sha256": next(
             f.sha256 for f in m.all_files() if f.path == g.model_file)}}
+    m.name = out_dir.name  # a new engine: named after its directory, as `build` names it
     m.tool_versions = _tool_versions()
     m.build_machine = _build_machine()  # the graphs and their validation figures are this machine's
     from datetime import datetime, timezone

@@ -144,9 +144,23 @@ def info(engine_dir):
                 click.echo(f"    validation {prec}: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e} "
                            f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
                            f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+            elif isinstance(v.get("prefill"), dict):  # `dspark-export quantize`: teacher-forced against its fp32 graph
+                pre, ver = v["prefill"], v.get("verify", {})
+                click.echo(f"    validation {prec} vs {v.get('reference', 'fp32 graph')}: top-1 agreement prefill "
+                           f"{pre.get('top1_agreement', float('nan')):.0%} / verify "
+                           f"{ver.get('top1_agreement', float('nan')):.0%}, max |dlogits| "
+                           f"{pre.get('max_abs_logit_diff', float('nan')):.2f} / "
+                           f"{ver.get('max_abs_logit_diff', float('nan')):.2f}")
             else:
                 click.echo(f"    validation {prec}: max |dlogits| {v.get('max_abs_logit_diff', float('nan')):.2e}; "
                            f"argmax agreement {v.get('argmax_agreement', float('nan')):.0%}")
+        q = g.quantization or {}
+        if g.precision == "int4" and q:
+            what = (f"GGUF blocks of {q.get('gguf')} re-packed ("
+                    + ", ".join(f"{c['tensors']} {t}" for t, c in (q.get("gguf_types") or {}).items()) + ")"
+                    if q.get("int4_source", q.get("source")) == "gguf" else q.get("method", "?"))
+            click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
+                       f"{q.get('accuracy_level', '?')}")
     sp = m.speculation
     click.echo(f"  speculation: draft graph {sp.get('draft_graph') or 'none (n-gram lookup only)'}, "
                f"default draft length {sp.get('draft_length')}")

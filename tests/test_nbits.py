@@ -209,8 +209,8 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
                      tmp_path / "q4", isolate=False, log=lambda *a: None)
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
-    assert t.quantization["source"] == "gguf" and t.quantization["accuracy_level"] == 4
-    assert d.quantization["source"] == "rtn" and d.quantization["matmul_nbits"] == 15
+    assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
     import onnx
 
@@ -222,6 +222,14 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
         for draft, g in (("lm", 4), ("ngram", 3)):
             out = eng.generate(prompt, max_new_tokens=32, draft=draft, draft_length=g)
             assert out.token_ids == ref.token_ids
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import cli
+
+    info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
+    assert info.exit_code == 0, info.output
+    assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
+    assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     # gguf asked for where the model has no GGUF: a clear error
     from dspark_export.build import resolve_int4_source
 
