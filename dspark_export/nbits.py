@@ -319,7 +319,6 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     target_nodes = {q.node for _, qs in plan.values() for q in qs}
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
     reader = _ExternalData(src.parent)
-    inits = {t.name: t for t in proto.graph.initializer}
     counts, fallback, kept_fp32, max_err = {}, {}, [], 0.0
     encoded = {}  # weight -> _Meta
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evalsets import EVAL_START, ROOT, load_prompts, machine, round_stats  # noqa: E402
+from evalsets import EVAL_START, ROOT, ids_digest, load_prompts, loadavg, machine, round_stats  # noqa: E402
 WARMUP_PROMPT = "Write a one-line Python function that adds two numbers."
 DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
@@ -546,17 +546,6 @@ def make_plots(result: dict, out_dir: Path) -> list:
         plt.close(fig)
         names.append("tau_distribution.png")
     return names
-
-
-def loadavg() -> list | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
-def ids_digest(ids) -> str:
-    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------

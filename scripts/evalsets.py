@@ -41,3 +41,18 @@ def round_stats(rounds) -> dict:
             "acceptance_rate": accepted / proposed if proposed else None,
             "pos_tries": [sum(p > k for p, _ in rounds) for k in range(m)],
             "pos_hits": [sum(a > k for _, a in rounds) for k in range(m)]}
+
+
+def loadavg() -> list | None:
+    """The 1/5/15-minute load averages (/proc/loadavg), or None where there is none."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def ids_digest(ids) -> str:
+    """A short digest (16 hex digits of sha1) of a token-id list: names a prompt's ids in reports."""
+    import hashlib
+
+    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]

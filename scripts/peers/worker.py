@@ -40,26 +40,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # scripts/: evalsets (stdlib only)
 import llama_speculative as lspec  # noqa: E402
-from evalsets import round_stats  # noqa: E402
+from evalsets import ids_digest, loadavg, round_stats  # noqa: E402
 
 WARMUP_IDS_NOTE = "warm-up: the first prompt's ids, 8 new tokens"
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def loadavg():
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
-def ids_digest(ids) -> str:
-    import hashlib
-
-    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
 
 
 def file_bytes(paths) -> int:
