@@ -347,14 +347,15 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                 b = min(n, a + _ROW_CHUNK)
                 ref = np.ascontiguousarray(full[:, a:b].T)
                 rows = np.asarray(gt.data[a:b])
-                if qtype in _ENCODINGS:
-                    enc, _ = encode_gguf_rows(rows, qtype, k)
+                if qtype in _ENCODINGS:  # the encoding reproduces the GGUF's values (checked inside)
+                    enc, w = encode_gguf_rows(rows, qtype, k)
+                    d = float(np.abs(w - ref).max())
                 else:
                     from gguf import GGMLQuantizationType, quants
 
                     w = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(b - a, k)
                     enc = rtn8_rows(w.astype(np.float32))
-                d = float(np.abs(enc.dequantize().T - ref).max())
+                    d = float(np.abs(enc.dequantize().T - ref).max())
                 if qtype in _ENCODINGS and d > 1e-5 * max(1.0, float(np.abs(ref).max())):
                     raise DSparkError(f"the re-packed {gname} ({qtype}) differs from the graph's weight of "
                                       f"{qs[0].module} by {d:.3g}; the GGUF is not the one the model was "

@@ -59,6 +59,7 @@ class Engine:
         self._runners: dict = {}
         self.row_multiple = self._row_multiple(row_multiple, threads)
         self._check_cpu(probe_used=row_multiple is None)
+        self._check_int8_weights()
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
         spec = manifest.speculation
         dg = spec.get("draft_graph")
@@ -102,15 +103,13 @@ class Engine:
                              "decode profile and CUDA graphs are sized for unpadded verify blocks")
         return given
 
-    def _check_cpu(self, probe_used: bool = True) -> None:
-        """Warn (once, :class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when the stored row padding probe
-        (``speculation.row_invariance``, when this engine uses it: ``probe_used`` and its backend and target
-        graph) or the cost table (``speculation.cost_table``) was measured on another CPU than this one
-        (:func:`~dspark_runtime.sysinfo.cpu_difference` of their ``cpu`` records): both depend on the ISA
-        paths of ONNX Runtime's kernels. Records without ``cpu`` (older engines) are not checked."""
+    def _check_int8_weights(self) -> None:
+        """Warn (:class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when an INT8 graph holds 8-bit U8S8 weights
+        (``reduce_range`` False in its quantization record) and this CPU's u8·s8 kernel saturates
+        (:func:`~dspark_runtime.kernel_probe.u8s8_saturates`): its outputs would be wrong here."""
         import warnings
 
-        from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
+        from dspark_runtime.sysinfo import OtherCpuWarning
 
         eight_bit = [k for k, g in self.manifest.graphs.items()
                      if g.precision == "int8" and (g.quantization or {}).get("reduce_range") is False]
@@ -125,6 +124,17 @@ class Engine:
                 warnings.warn(f"{self.dir}: graph(s) {', '.join(eight_bit)} hold 8-bit U8S8 weights, but this CPU's "
                               "u8*s8 kernel saturates (no VNNI): their outputs will be wrong here; re-quantize with "
                               "the default 7-bit weights (`dspark-export quantize`)", OtherCpuWarning, stacklevel=4)
+
+    def _check_cpu(self, probe_used: bool = True) -> None:
+        """Warn (once, :class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when the stored row padding probe
+        (``speculation.row_invariance``, when this engine uses it: ``probe_used`` and its backend and target
+        graph) or the cost table (``speculation.cost_table``) was measured on another CPU than this one
+        (:func:`~dspark_runtime.sysinfo.cpu_difference` of their ``cpu`` records): both depend on the ISA
+        paths of ONNX Runtime's kernels. Records without ``cpu`` (older engines) are not checked."""
+        import warnings
+
+        from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
+
         spec = self.manifest.speculation
         probe = spec.get("row_invariance") or {}
         table = spec.get("cost_table") or {}

@@ -300,3 +300,19 @@ def test_u8s8_probe_sees_avx2_saturation_under_an_emulated_haswell():
                        text=True, timeout=300, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1048544", "2072640", "True"]  # 32 x 32767: the AVX2 kernel saturated
+
+
+def test_load_warns_when_8bit_u8s8_weights_meet_a_saturating_kernel(tiny_engine_dir, tmp_path, monkeypatch):
+    from dspark_runtime import kernel_probe
+
+    d = _engine_with(tiny_engine_dir, tmp_path)
+    raw = json.loads((d / "manifest.json").read_text())
+    raw["graphs"]["draft"]["precision"] = "int8"  # as an 8-bit int8 writer run on a VNNI machine records it
+    raw["graphs"]["draft"]["quantization"] = {"precision": "int8", "reduce_range": False}
+    (d / "manifest.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(kernel_probe, "u8s8_saturates", lambda: True)
+    _, msgs, _ = _load_warnings(d)
+    assert any("draft hold 8-bit U8S8 weights" in m and "saturates" in m for m in msgs), msgs
+    monkeypatch.setattr(kernel_probe, "u8s8_saturates", lambda: False)
+    _, msgs, _ = _load_warnings(d)
+    assert not any("U8S8" in m for m in msgs), msgs
