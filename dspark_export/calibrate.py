@@ -3,7 +3,7 @@
 The engine decodes calibration prompts (``data/prompts/README.md``: gsm8k 901–1000, math500 351–400,
 mbpp 181–200 — never evaluation prompts) greedily with its DSpark drafter at the full block size,
 recording every round's confidence logits and how many drafts the target accepted. Sequential
-Temperature Scaling (DESIGN.md §1 step 3; :func:`dspark_runtime.calibration.fit_sts`) then picks one
+Temperature Scaling (docs/design.md §1 step 3; :func:`dspark_runtime.calibration.fit_sts`) then picks one
 temperature per position so the cumulative survival product matches the measured prefix survival.
 The temperatures go into the engine's manifest (and ``sts.json`` beside the checkpoint when known).
 """

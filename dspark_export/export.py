@@ -6,7 +6,7 @@ dynamic axes and the validation checks below are all derived from that declarati
 
 The wrapper runs the model's own modules (embedding, rotary embedding, decoder layers, final
 norm, LM head) with a tiny explicit cache object, so the graph takes past keys/values as plain
-inputs and returns past+new keys/values (the *growing* layout, DESIGN.md section 2) plus the
+inputs and returns past+new keys/values (the *growing* layout, docs/design.md section 2) plus the
 hidden states of the requested layers (DeepSpec indexing: -1 = embedding output, i = output of
 decoder layer i), which DSpark drafters consume.
 """

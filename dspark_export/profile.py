@@ -2,7 +2,7 @@
 
 A speculative round costs the drafting pass (fixed: the DSpark block is drafted in full) plus one
 verifier step over B = 1 + ℓ tokens, so SPS(B) = 1 / (t_draft + t_verify(B)) rounds per second
-(DESIGN.md §1 step 4). ``profile_engine`` measures both on the engine at hand, after a warm-up, as
+(docs/design.md §1 step 4). ``profile_engine`` measures both on the engine at hand, after a warm-up, as
 the median of ``repeats`` runs, at a given context length (the verifier's cost grows with the KV
 cache), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
 deployment machine: re-profile there (``dspark generate --profile-on-load`` does it at load).

@@ -2,7 +2,7 @@
 
 For every ``causal_lm`` graph of an engine directory this writes
 
-* ``<key>.capacity.onnx``: the *capacity* KV-layout variant (DESIGN.md section 2), made by graph
+* ``<key>.capacity.onnx``: the *capacity* KV-layout variant (docs/design.md section 2), made by graph
   surgery on the exported graph (no re-export, no torch): the growing graph's
   ``present.i = Concat(past.i, new_i)`` stays inside the graph for attention, and ``new_i`` becomes the
   output ``new.i.key/value``. It shares the growing graph's weight file.

@@ -1,6 +1,6 @@
 """Batched speculative decoding: several requests per round, one verifier pass for all of them.
 
-One round (DESIGN.md section 1 steps 1-5; DSpark paper section 4 and Algorithm 1)::
+One round (docs/design.md section 1 steps 1-5; DSpark paper section 4 and Algorithm 1)::
 
     admit waiting requests (prefill each, pick its first token x0)       # requests join between rounds
     proposals = drafter.propose_batch(active)                            # one drafter pass for all rows

@@ -2,7 +2,7 @@
 
 Pure numpy, no torch, no model I/O. Source: the DSpark paper ("DSpark: Confidence-Scheduled
 Speculative Decoding with Semi-Autoregressive Generation", DeepSeek-AI and Peking University,
-2026, arXiv 2607.05147), section on Sequential Temperature Scaling; ``DESIGN.md`` section 1,
+2026, arXiv 2607.05147), section on Sequential Temperature Scaling; ``docs/design.md`` section 1,
 step 3. The ECE binning follows the public DeepSpec evaluator
 (``deepspec/eval/dspark/confidence_head.py``): equal-width bins, count-weighted.
 

@@ -1,7 +1,7 @@
 """The DSpark drafter at run time: the ``dspark_draft`` graph (ONNX Runtime) plus numpy Markov and
 confidence heads, driven by the target's own features (no second target pass).
 
-One round (DESIGN.md section 1 steps 1-3; DSpark paper section 3):
+One round (docs/design.md section 1 steps 1-3; DSpark paper section 3):
 1. Append the target features of the positions committed since the last round (the verify pass
    produced them; :attr:`DecoderRunner.features`) to the drafter's context K/V cache, and run the block
    [anchor, mask, ..., mask] at positions anchor_pos..anchor_pos+γ-1: one graph call gives the normed
@@ -128,7 +128,7 @@ class DSparkHeads:
 
     def draft(self, base: np.ndarray, hidden: np.ndarray, anchor: int, n: int, params: SamplingParams, rng,
               threshold: float | None = None) -> tuple:
-        """Draft ``n`` tokens of one block, left to right (DESIGN.md section 1 steps 2-3).
+        """Draft ``n`` tokens of one block, left to right (docs/design.md section 1 steps 2-3).
 
         Args:
             base: float32 [γ, V_out] base logits U_k of the block; hidden: float32 [γ, d] normed h_k.

@@ -1,6 +1,6 @@
 """The generation loop: target-only decoding and speculative decoding with a pluggable drafter.
 
-One speculative round (DESIGN.md section 1, steps 1 and 5; Leviathan et al. 2023, Chen et al.
+One speculative round (docs/design.md section 1, steps 1 and 5; Leviathan et al. 2023, Chen et al.
 2023)::
 
     drafts, q = drafter.propose(context, gamma)         # draft gamma tokens after the anchor x0
@@ -120,7 +120,7 @@ class LMDrafter:
     rejected drafts are rolled back (O(1)) and the missing committed tokens (the bonus token, and
     the last draft if all were accepted) are fed at the start of the next proposal.
 
-    ``confidence_threshold`` (static-threshold baseline, DESIGN.md section 1 step 4; the same rule
+    ``confidence_threshold`` (static-threshold baseline, docs/design.md section 1 step 4; the same rule
     as transformers' ``assistant_confidence_threshold``): stop drafting after the first token whose
     draft probability (softmax of the draft logits, max over the vocabulary) is below it. The
     decision uses the draft's own distribution only, never the target's, so sampling stays exact.

@@ -4,7 +4,7 @@ The exporter (``dspark_export.export``) derives the ONNX input/output names and 
 shapes from these declarations, the validator derives its checks from them, and the manifest
 records them; the runtime compares what it loads against them. Nothing here imports torch.
 
-Decoder graph ("causal_lm", DESIGN.md section 2, *growing* KV layout)
+Decoder graph ("causal_lm", docs/design.md section 2, *growing* KV layout)
 ----------------------------------------------------------------------
 inputs
   input_ids       int64   [batch, q_len]
@@ -21,7 +21,7 @@ outputs
 ``q_len`` is the candidate-length axis: prefill chunks and ``1 + verify length`` tokens use the
 same graph.
 
-*Capacity* KV layout (TensorRT with CUDA graphs, DESIGN.md section 2): the same decoder, but the
+*Capacity* KV layout (TensorRT with CUDA graphs, docs/design.md section 2): the same decoder, but the
 cache inputs are fixed-size buffers and only the new entries come out, so every input and output
 shape of a step depends on (batch, q_len, capacity bucket) alone and a captured CUDA graph can be
 replayed. Slots the request has not written are hidden by the mask; the runtime writes the new
@@ -200,7 +200,7 @@ NEW_LEN, CTX_LEN, MASK_LEN = "new_len", "ctx_len", "mask_len"
 def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> GraphSpec:
     """Declare the DSpark drafter graph ("dspark_draft", growing context-KV layout).
 
-    One call per round does both drafter stages that need weights (DESIGN.md section 1 step 1):
+    One call per round does both drafter stages that need weights (docs/design.md section 1 step 1):
 
     inputs
       features          float32 [batch, new_len, m * hidden_target]  target features of newly committed positions

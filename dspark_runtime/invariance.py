@@ -3,7 +3,7 @@
 
 Speculative decoding is lossless only if the target computes a position's logits identically whether
 it is fed alone (target-only decoding: one row per call) or as one row of a verify block (q = 1 + ℓ
-rows per call) — DESIGN.md section 1, the exactness contract. Float kernels do not promise that: on
+rows per call) — docs/design.md section 1, the exactness contract. Float kernels do not promise that: on
 ONNX Runtime's CPU provider a row's float result depends on how many rows the call has (measured on a
 2-core AVX2 machine, Qwen2.5-Coder-1.5B: one row alone differs from the same row in a block of 2 or 4,
 and a block of 3 from blocks of 2 or 4, while the even row counts tried (2, 4, 6, 8) agree bit for bit; fp32 logits

@@ -117,7 +117,7 @@ class TrtEngineEntry:
     """One serialized TensorRT engine built from a graph of the manifest.
 
     graph:        key of the source graph in ``Manifest.graphs`` ("target", "draft", ...).
-    kv_layout:    "growing" or "capacity" (the layout of ``spec``; DESIGN.md section 2).
+    kv_layout:    "growing" or "capacity" (the layout of ``spec``; docs/design.md section 2).
     onnx:         the ONNX file it was built from (relative path; for the capacity layout a graph that
                   shares the growing graph's weight file).
     file:         the engine (FileEntry: path, bytes, sha256).

@@ -4,7 +4,7 @@ batched runtime run all requests' tokens as **one packed row** with a block-diag
 Why packed rather than padded: a round verifies ``1 + l_r`` tokens for request ``r`` with ragged
 ``l_r`` (the scheduler picks them); packing them end to end costs ``B = sum_r (1 + l_r)`` token
 positions — exactly the verify batch size of the cost table and of the paper's Algorithm 1 — where
-padding would cost ``R * (1 + max_r l_r)``. The graph interface is unchanged (DESIGN.md section 2,
+padding would cost ``R * (1 + max_r l_r)``. The graph interface is unchanged (docs/design.md section 2,
 growing layout): ``input_ids``/``position_ids`` [1, B], a boolean mask [1, 1, B, S + B], and the
 past K/V [1, kv_heads, S, head_dim], where the S cached *slots* belong to different requests.
 

@@ -1,5 +1,5 @@
 """Profiling the round cost of an engine on the machine at hand: the cost table of the verify-length
-scheduler (DESIGN.md section 1 step 4; DSpark paper section 4, SPS(B) = 1 / (t_draft + t_verify(B))).
+scheduler (docs/design.md section 1 step 4; DSpark paper section 4, SPS(B) = 1 / (t_draft + t_verify(B))).
 
 Lives in the runtime because the table belongs to the deployment machine: ``Engine.profile()`` and
 ``dspark generate --profile-on-load`` re-measure it at load; ``dspark-export profile`` stores it in the

@@ -3,7 +3,7 @@ or the model drafter's block (DSpark, or a standalone draft LM), whichever is ex
 
 Sources: prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; transformers'
 ``prompt_lookup_num_tokens``) for the n-gram proposal; the DSpark paper (arXiv 2607.05147) section 3 and
-DESIGN.md section 1 steps 3-4 for calibrated per-position confidences, prefix survival and the verify-length
+docs/design.md section 1 steps 3-4 for calibrated per-position confidences, prefix survival and the verify-length
 scheduler that consumes them.
 
 Pieces (numpy only, no model I/O except through the wrapped drafter):
@@ -117,7 +117,7 @@ class AcceptanceStats:
     Estimates the conditional acceptance ``c_{b,k} = P(position k accepted | positions 1..k-1 accepted)`` of
     proposals in bucket ``b`` (e.g. an n-gram match length) from the source's own verification results, and
     the prefix survival ``a_j = prod_{k<=j} c_{b,k}`` -- the same quantity DSpark's calibrated confidence head
-    gives (DSpark paper section 3; DESIGN.md section 1 step 3), so the scheduler consumes it unchanged.
+    gives (DSpark paper section 3; docs/design.md section 1 step 3), so the scheduler consumes it unchanged.
 
     Counts: ``hits``, ``tries`` float64 [n_buckets, K] (K grows with the longest proposal seen). A round that
     sent ``l`` tokens of which the first ``n`` were accepted counts one try at positions 1..min(n+1, l) and a
@@ -276,7 +276,7 @@ def fit_ngram_counts(sequences, starts, gamma: int, max_ngram: int = 3, min_ngra
     second-to-last token) the lookup on ``sequence[:t+1]`` is scored against the tokens that really follow:
     a continuation of l tokens whose first n agree counts one try at positions 1..min(n+1, l) and a hit at
     1..n -- what verification would report, since greedy verification accepts exactly the tokens equal to
-    the target's greedy output (DESIGN.md section 1). Every position is an anchor (not only round starts),
+    the target's greedy output (docs/design.md section 1). Every position is an anchor (not only round starts),
     which slightly over-represents mid-block anchors; the estimate is per bucket and position, so that
     matters little.
 

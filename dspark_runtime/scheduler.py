@@ -3,7 +3,7 @@
 Pure numpy, no torch, no model I/O. Source: the DSpark paper ("DSpark: Confidence-Scheduled
 Speculative Decoding with Semi-Autoregressive Generation", DeepSeek-AI and Peking University,
 2026, arXiv 2607.05147), Algorithm 1 (greedy verify-length scheduling); see also
-``DESIGN.md`` section 1, step 4.
+``docs/design.md`` section 1, step 4.
 
 Notation (1-based positions, as in the paper). A round serves ``R`` requests. For request ``r``
 the drafter proposes ``gamma_r`` tokens ``x_{r,1} .. x_{r,gamma_r}`` and the calibrated

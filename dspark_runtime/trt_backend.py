@@ -1,4 +1,4 @@
-"""Native TensorRT backend for ``causal_lm`` engines with the *capacity* KV layout (DESIGN.md section 2).
+"""Native TensorRT backend for ``causal_lm`` engines with the *capacity* KV layout (docs/design.md section 2).
 
 Same interface as :class:`dspark_runtime.backend.OrtDecoder` (construct cheaply, ``activate()`` allocates,
 ``empty_kv`` / ``step`` / ``deactivate``), so :class:`~dspark_runtime.generate.DecoderRunner`, the drafters

@@ -2,7 +2,7 @@
 """Side-by-side benchmark: target-only vs speculative decoding on the same engine, same prompts,
 in one run (modes interleaved per prompt so machine drift hits both equally).
 
-Prompts: the first N of the evaluation split (DESIGN.md / data/prompts/README.md) of humaneval
+Prompts: the first N of the evaluation split (docs/design.md / data/prompts/README.md) of humaneval
 and mt-bench, first turn, chat template. Prints a table and writes JSON with per-prompt tau,
 acceptance rate, tokens/s of both modes, their ratio and whether the greedy outputs are identical.
 
