@@ -1,6 +1,6 @@
 """``dspark-export compare``: how far a quantized engine is from its fp32 reference, on held-out prompts.
 
-For each evaluation-split prompt (``data/prompts/README.md``; never calibration or training prompts) and
+For each evaluation-split prompt (``dspark_export/data/prompts/README.md``; never calibration or training prompts) and
 each engine (the reference, e.g. fp32, then the candidate, e.g. ``target=int8,draft=int8``):
 
 * target-only greedy decoding of ``max_new_tokens`` tokens (tokens/s, ms per token);
@@ -33,20 +33,20 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 DEFAULT_SETS = {"humaneval": 4, "mbpp": 4, "gsm8k": 2, "mt-bench": 2}
-# Evaluation split (data/prompts/README.md), 0-based start and end of each file.
+# Evaluation split (dspark_export/data/prompts/README.md), 0-based start and end of each file.
 EVAL_SPLIT = {"humaneval": (0, None), "mt-bench": (0, None), "gsm8k": (1000, 1319), "mbpp": (200, 257),
               "aime25": (0, None), "math500": (400, 500)}
 
 
 def eval_prompts(counts: dict) -> list:
     """[(dataset, 1-based line, first turn)] for the first ``counts[dataset]`` evaluation-split prompts."""
-    from dspark_export.paths import repo_root
+    from dspark_export.paths import prompt_file
 
     out = []
     for ds, n in counts.items():
         if ds not in EVAL_SPLIT:
             raise DSparkError(f"unknown prompt set {ds!r}; choose from {', '.join(EVAL_SPLIT)}")
-        lines = (repo_root() / "data" / "prompts" / f"{ds}.jsonl").read_text().splitlines()
+        lines = prompt_file(ds).read_text().splitlines()
         a, b = EVAL_SPLIT[ds]
         b = len(lines) if b is None else b
         out += [(ds, i + 1, json.loads(lines[i])["turns"][0]) for i in range(a, min(a + n, b))]
@@ -186,7 +186,7 @@ def compare_engines(ref_dir: Path, cand_dir: Path, *, counts: dict | None = None
     summary["prompts"] = len(rows)
     return {"reference": {"dir": str(engines["reference"]), "precision": precisions["reference"]},
             "candidate": {"dir": str(engines["candidate"]), "precision": precisions["candidate"]},
-            "settings": {"prompts": counts, "split": "evaluation (data/prompts/README.md)",
+            "settings": {"prompts": counts, "split": "evaluation (dspark_export/data/prompts/README.md)",
                          "max_new_tokens": max_new_tokens, "draft": draft, "draft_length": draft_length,
                          "threads": threads, "interleave": interleave, "greedy": True},
             "prompts": rows, "summary": summary}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from dspark_runtime.cli import run_cli
+from dspark_runtime.cli import engine_path_callback, run_cli
 from dspark_runtime.errors import DSparkError
 
 
@@ -53,8 +53,22 @@ def list_models():
         click.echo(f"{name:32s} {'fetched' if done else '-':8s} {src.description}")
 
 
+@cli.command("list-recipes")
+def list_recipes():
+    """The build recipes shipped with the package (`dspark-export build NAME`)."""
+    import json as _json
+
+    from dspark_export.paths import recipe_names, recipes_dir
+
+    for n in recipe_names():
+        d = _json.loads((recipes_dir() / f"{n}.json").read_text())
+        click.echo(f"{n:24s} target {d.get('target')}, draft {d.get('draft') or '-'}, precision "
+                   f"{d.get('precision', 'fp32')}")
+    click.echo(f"(in {recipes_dir()}; a recipe file of your own works too: `dspark-export build my.json`)")
+
+
 @cli.command()
-@click.argument("recipe", required=False, type=click.Path(path_type=Path))
+@click.argument("recipe", required=False)
 @click.option("--target", help="Target model: a fetched name or a Hugging Face folder (instead of a recipe).")
 @click.option("--draft", help="Draft: a draft LM (fetched name or folder, same tokenizer) or "
               "'dspark:<checkpoint folder>' (a DSpark drafter, DeepSpec layout).")
@@ -77,15 +91,21 @@ def list_models():
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
 def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
           fp8_writer, int4_source, in_process, engine_format):
-    """Export, validate and describe an engine: RECIPE (engines/<name>.json) or --target/--draft."""
+    """Export, validate and describe an engine: RECIPE (a packaged recipe's name, e.g. qwen2.5-coder-1.5b, or a
+    recipe file) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
+    from dspark_export.paths import recipe_names, resolve_recipe
 
     if recipe is not None:
-        r = Recipe.from_file(recipe)
+        path = resolve_recipe(recipe)
+        if str(path) != recipe:
+            click.echo(f"recipe: {path}")
+        r = Recipe.from_file(path)
     elif target:
         r = Recipe(name=name or Path(target).name, target=target)
     else:
-        raise DSparkError("give a recipe file (e.g. engines/qwen2.5-coder-1.5b.json) or --target MODEL")
+        raise DSparkError(f"give a recipe (a packaged one: {', '.join(recipe_names())}; or a recipe file) "
+                          "or --target MODEL")
     if target and recipe is not None:
         r.target = target
     if draft:
@@ -127,7 +147,7 @@ def _csv(value: str, what: str) -> tuple:
 
 
 @cli.command("build-trt")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--flavour", type=click.Choice(["auto", "rtx", "enterprise"]), default="auto", show_default=True,
               help="TensorRT for RTX (tensorrt_rtx_bindings: builds without a GPU) or enterprise tensorrt "
                    "(Hopper / datacenter Blackwell; builds on the GPU it targets). auto: RTX if installed.")
@@ -170,7 +190,7 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
 
 
 @cli.command("add-draft")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--target", required=True, help="The engine's target model (fetched name or folder): its frozen "
               "embedding and LM head complete a checkpoint that omits them.")
@@ -206,6 +226,7 @@ def add_draft(engine_dir, checkpoint, target, in_process):
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), default=None,
+              callback=engine_path_callback(),
               help="A built engine of TARGET (feature layers 1,13,25): extract features with its ONNX Runtime "
                    "graph (fp32, ~1.5x faster than torch here) instead of torch.")
 @click.option("--stdlib-tokens", type=int, default=40000, show_default=True,
@@ -217,7 +238,7 @@ def train_draft(target, out_dir, work_dir, answers_minutes, features_minutes, tr
                 stdlib_tokens, sharegpt_tokens):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss).
 
-    Data: the target's own greedy answers to the training split of data/prompts (never the evaluation
+    Data: the target's own greedy answers to the training split of the packaged prompt sets (never the evaluation
     split), the Python standard library's source and ShareGPT chat turns, teacher-forced through the target.
     """
     from dspark_export.build import resolve_model
@@ -238,7 +259,7 @@ def train_draft(target, out_dir, work_dir, answers_minutes, features_minutes, tr
 
 
 @cli.command()
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--prompts", "n_prompts", type=int, default=12, show_default=True,
               help="Calibration-split prompts to decode (never evaluation prompts).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -258,7 +279,7 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
 
 
 @cli.command()
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--max-tokens", type=int, default=8, show_default=True,
               help="Largest verify batch B profiled (batched serving: max batch x (gamma + 1), e.g. 64).")
 @click.option("--draft-rows", default="1", show_default=True,
@@ -314,7 +335,7 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
 
 
 @cli.command()
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Tarball to write (default: <engine name>.tar.gz here).")
 @click.option("--compress-level", type=click.IntRange(1, 9), default=1, show_default=True,
@@ -346,7 +367,7 @@ def _role_option(value, what):
 
 
 @cli.command("calibrate-quant")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--role", type=click.Choice(["target", "draft"]), default="target", show_default=True,
               help="Which fp32 decoder graph of the engine to calibrate.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), required=True,
@@ -379,7 +400,7 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 
 
 @cli.command()
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="New engine directory (the source engine is not modified; unchanged files are hard-linked).")
 @click.option("--precision", required=True,
@@ -405,8 +426,8 @@ def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, e
 
 
 @cli.command()
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.argument("candidate", type=click.Path(path_type=Path))
+@click.argument("reference", type=click.Path(path_type=Path), callback=engine_path_callback())
+@click.argument("candidate", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--humaneval", type=int, default=4, show_default=True, help="Evaluation-split prompts per set.")
 @click.option("--mbpp", type=int, default=4, show_default=True)
 @click.option("--gsm8k", type=int, default=2, show_default=True)

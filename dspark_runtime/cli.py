@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
-from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.errors import DSparkError, InputError, ManifestError
 
 
 def _draft_length(value):
@@ -18,6 +19,39 @@ def _draft_length(value):
         raise InputError(f"--draft-length must be an integer, 'auto' or 'scheduled', got {value!r}")
 
 
+def check_engine_path(path, tarball_ok: bool = False):
+    """``path`` unchanged unless it names a file where an engine directory is needed: then a ManifestError that
+    says so and how to get a directory (a build recipe: build it; a tarball: unpack it; manifest.json: pass its
+    folder). Missing paths and directories without a manifest are left to ``load_manifest``'s messages.
+    ``tarball_ok``: the command unpacks an engine tarball itself (``generate``, ``serve``)."""
+    if path is None or not Path(path).is_file():
+        return path
+    from dspark_runtime.artifact import is_tarball
+
+    p = Path(path)
+    if is_tarball(p):
+        if tarball_ok:
+            return path
+        raise ManifestError(f"{p} is an engine tarball, not an engine directory; unpack it with `dspark unpack {p}` "
+                            "and pass the directory it writes (`dspark generate` and `dspark serve` take the "
+                            "tarball itself)")
+    if p.name == "manifest.json":
+        fix = f"pass the folder that holds it ({p.parent})"
+    elif p.suffix == ".json":
+        raise ManifestError(f"{p} is a file, not an engine directory (a build recipe?); build it with "
+                            f"`dspark-export build {p}` and pass the directory it writes")
+    else:
+        fix = ("pass the directory `dspark-export build` wrote (it holds manifest.json, e.g. engines/<name>/), "
+               "or build one with `dspark-export build`")
+    raise ManifestError(f"{p} is a file, not an engine directory; {fix}")
+
+
+def engine_path_callback(tarball_ok: bool = False):
+    """A click callback running :func:`check_engine_path` on an engine directory option or argument, before
+    anything is loaded (shared by ``dspark`` and ``dspark-export``)."""
+    return lambda ctx, param, value: check_engine_path(value, tarball_ok)
+
+
 @click.group()
 @click.version_option(package_name="dspark")
 def cli():
@@ -25,7 +59,7 @@ def cli():
 
 
 @cli.command()
-@click.option("--engine", "engine_dir", required=True,
+@click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(tarball_ok=True),
               help="Engine directory (with manifest.json) or engine tarball (*.tar.gz from `dspark-export pack`).")
 @click.option("--prompt", required=True, help="Prompt text (wrapped in the chat template unless --raw).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -99,7 +133,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
 
 
 @cli.command()
-@click.option("--engine", "engine_dir", required=True, help="Engine directory.")
+@click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def verify(engine_dir):
     """Re-hash every file of the engine against its manifest (sha256)."""
     from dspark_runtime.manifest import load_manifest
@@ -109,8 +143,43 @@ def verify(engine_dir):
     click.echo(f"{engine_dir}: manifest v{m.schema_version} '{m.name}', {n} files OK")
 
 
+def speculation_lines(m) -> list:
+    """``dspark info``'s lines on speculation for manifest ``m``: the engine's drafters, what ``--draft auto``
+    runs and with how many draft tokens per round (as ``Engine.auto_draft`` and ``Engine.generate`` decide: the
+    draft LM at the manifest's draft_length when the engine has one, else the router over the DSpark drafter,
+    whose blocks are block_size tokens, else n-gram lookup at draft_length), and whether router priors exist."""
+    sp = m.speculation
+    dl = sp.get("draft_length")
+    dg = sp.get("draft_graph")
+    lm = dg if dg in m.graphs and m.graphs[dg].spec.kind == "causal_lm" else None
+    ds = next((k for k, g in m.graphs.items() if g.spec.kind == "dspark_draft"), None)
+    block = (sp.get("dspark") or {}).get("block_size", "?")
+    drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
+    lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
+    if lm:
+        auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
+    elif ds:
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
+                "to commit more (--draft-length N caps the block; 'scheduled' sizes it from the cost table)")
+    else:
+        auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
+    lines.append(f"  --draft auto: {auto}")
+    if lm or ds:  # --draft router works over either model drafter
+        r = sp.get("router")
+        if r:
+            what = (["n-gram acceptance by match extent"] if r.get("ngram") else []) + [
+                f"{k} acceptance by position" for k in (r.get("inner") or {})]
+            lines.append(f"  router priors: fitted ({', '.join(what) or 'empty'}; {r.get('sequences', '?')} "
+                         f"sequences; {r.get('fitted_on') or 'data not recorded'})")
+        else:
+            lines.append("  router priors: none (--draft router starts from its built-in priors; `dspark-export "
+                         "calibrate` fits them on the calibration split"
+                         + (")" if ds else " of an engine with a DSpark drafter)"))
+    return lines
+
+
 @cli.command()
-@click.option("--engine", "engine_dir", required=True, help="Engine directory.")
+@click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def info(engine_dir):
     """Print the manifest summary: graphs, precision, validation figures."""
     from dspark_runtime.manifest import load_manifest
@@ -162,8 +231,8 @@ def info(engine_dir):
             click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
                        f"{q.get('accuracy_level', '?')}")
     sp = m.speculation
-    click.echo(f"  speculation: draft graph {sp.get('draft_graph') or 'none (n-gram lookup only)'}, "
-               f"default draft length {sp.get('draft_length')}")
+    for line in speculation_lines(m):
+        click.echo(line)
     if sp.get("dspark"):
         d = sp["dspark"]
         click.echo(f"  DSpark drafter: graph {d.get('graph')}, block {d.get('block_size')}, Markov "
@@ -213,7 +282,8 @@ def unpack(tarball, dest):
 
 
 @cli.command()
-@click.option("--engine", "engine_dir", required=True, help="Engine directory (with manifest.json).")
+@click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(tarball_ok=True),
+              help="Engine directory (with manifest.json) or engine tarball (*.tar.gz from `dspark-export pack`).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
@@ -221,8 +291,9 @@ def unpack(tarball, dest):
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests accepted beyond --max-batch, waiting for a slot; more are answered 429.")
 @click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram", "none"]), default="auto",
-              show_default=True, help="Drafter (auto: the router — n-gram lookup or the DSpark drafter per request "
-              "and round — on an engine with a DSpark drafter, else the draft LM, else n-gram); none = target-only.")
+              show_default=True, help="Drafter (auto: the engine's draft LM when it has one, else the router — "
+              "n-gram lookup or the DSpark drafter per request and round — over its DSpark drafter, else n-gram; "
+              "`dspark info` says which); none = target-only.")
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'scheduled' (DSpark + cost table).")
 @click.option("--draft-confidence", type=float, default=None, help="Static confidence threshold (see generate).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")

@@ -47,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft", default="auto")
     a = ap.parse_args(argv)
-    lines = (ROOT / "data" / "prompts" / "humaneval.jsonl").read_text().splitlines()[: a.n]
+    lines = (ROOT / "dspark_export" / "data" / "prompts" / "humaneval.jsonl").read_text().splitlines()[: a.n]
     same = 0
     for i, line in enumerate(lines):
         prompt = json.loads(line)["turns"][0]

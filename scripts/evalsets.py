@@ -5,8 +5,9 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "data" / "prompts"
-# Evaluation split (data/prompts/README.md): all of humaneval and mt-bench; gsm8k 1001-1319; mbpp 201-257.
+PROMPTS = ROOT / "dspark_export" / "data" / "prompts"  # the package data (dspark_export.paths.prompts_dir)
+# Evaluation split (dspark_export/data/prompts/README.md): all of humaneval and mt-bench; gsm8k 1001-1319;
+# mbpp 201-257.
 EVAL_START = {"humaneval": 0, "mt-bench": 0, "gsm8k": 1000, "mbpp": 200, "aime25": 0, "math500": 400}
 EVAL_END = {"humaneval": None, "mt-bench": None, "gsm8k": 1319, "mbpp": 257, "aime25": None, "math500": 500}
 

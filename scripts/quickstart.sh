@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 # smollm2 (98 MB) is for the slow tests (`pytest -m slow`)
 .venv/bin/dspark-export fetch qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct smollm2-135m-instruct
 if [ ! -f engines/qwen2.5-coder-1.5b/manifest.json ]; then
-  .venv/bin/dspark-export build engines/qwen2.5-coder-1.5b.json
+  .venv/bin/dspark-export build qwen2.5-coder-1.5b  # the packaged recipe dspark_export/recipes/qwen2.5-coder-1.5b.json
 fi
 # the DSpark drafter trained on this CPU ships in git (engines/drafters/, 58 MB fp16): compile it beside the 0.5B draft
 if ! grep -q '"dspark_draft"' engines/qwen2.5-coder-1.5b/manifest.json; then

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def _humaneval(n):
-    lines = (ROOT / "data" / "prompts" / "humaneval.jsonl").read_text().splitlines()[:n]
+    lines = (ROOT / "dspark_export" / "data" / "prompts" / "humaneval.jsonl").read_text().splitlines()[:n]
     return [json.loads(l)["turns"][0] for l in lines]
 
 
