@@ -1,7 +1,6 @@
 """The library entry point: ``Engine.load(dir).generate(prompt, ...)``."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -14,9 +13,11 @@ from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, 
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import RouterDrafter, router_priors
 from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.sysinfo import usable_cpus
 from dspark_runtime.tokenizer import Tokenizer
 
-DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+#: intra-op threads per session unless told: the CPUs this process may use (affinity, cgroup quota), at most 8
+DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
 
 
 def _streamable_length(text: str, stop) -> int:

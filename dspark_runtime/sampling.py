@@ -86,6 +86,17 @@ def process_logits(
       probable token is always kept. The comparison is exact on the float64 probabilities
       computed here (no tolerance).
 
+    The result is the one a full stable sort of the vocabulary gives (the reference kept in
+    ``scripts/sampling_bench.py``), bit for bit on the kept tokens' float64 values, but the
+    cuts use partial selection: ``np.argpartition`` for the k largest (on the float32 logits
+    themselves where ``logits / temperature`` cannot merge two of them, see
+    :func:`_rank_keys`), and for top-p a candidate set of the ``m`` most probable tokens with
+    ``m`` growing (at least doubling) from :data:`TOP_P_START` until the candidates strictly
+    above the m-th value reach ``top_p`` (a sort of whole rows, by value only, when ``m`` would
+    exceed half the row; see :func:`_nucleus`). The normalising sums still run over the whole
+    row in numpy's pairwise order, as the full-sort version does, so the probabilities are the
+    same float64 numbers. Cost at a 151,936-token vocabulary: ``scripts/sampling_bench.py``.
+
     Greedy (``temperature == 0``): a one-hot row (point mass, 1.0 at ``np.argmax`` of the raw
     logits, ties to the lowest id, 0.0 elsewhere); top-k/top-p are ignored. A point mass
     is a valid distribution, so greedy goes through :func:`sample` and
@@ -102,24 +113,33 @@ def process_logits(
         raise ValueError(f"logits must have shape [..., vocab] with vocab >= 1, got {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"logits must be a floating array, got dtype {x.dtype}")
-    if np.isnan(x).any() or np.isposinf(x).any():
+    vocab = x.shape[-1]
+    rows = x.reshape(-1, vocab)  # [R, vocab] (a view when x is contiguous)
+    row_max = np.max(rows, axis=-1)  # [R]; NaN propagates, +inf / -inf show as the maximum
+    if np.isnan(row_max).any() or np.isposinf(row_max).any():
         raise ValueError("logits contain NaN or +inf")
-    if np.isneginf(x).all(axis=-1).any():
+    if np.isneginf(row_max).any():
         raise ValueError("a logits row is entirely -inf: no token can be chosen")
 
     if params.greedy:
         probs = np.zeros(x.shape, dtype=np.float64)
         np.put_along_axis(probs, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
         return probs
+    if rows.shape[0] == 0:
+        return np.zeros(x.shape, dtype=np.float64)
 
-    z = x.astype(np.float64) / float(params.temperature)
-    vocab = z.shape[-1]
-    if 0 < params.top_k < vocab:
-        z = _mask_top_k(z, int(params.top_k))
-    probs = _softmax(z)
-    if params.top_p < 1.0:
-        probs = _mask_top_p(probs, float(params.top_p))
-    return probs
+    temperature = float(params.temperature)
+    # max(logits / T) == fl(max(logits) / T): correctly rounded division is monotone.
+    z_max = row_max.astype(np.float64) / temperature  # [R]
+    top_k = int(params.top_k)
+    top_p = float(params.top_p)
+    if 0 < top_k < vocab:
+        probs = _top_k_probs(rows, top_k, temperature, z_max, top_p)
+    else:
+        probs = _softmax_rows(rows, temperature, z_max)
+        if top_p < 1.0:
+            probs = _top_p_dense(probs, top_p)
+    return probs.reshape(x.shape)
 
 
 def sample(
@@ -158,40 +178,165 @@ def sample(
     return idx
 
 
-def _softmax(
-    z: np.ndarray,  # float64 [..., vocab]; -inf allowed, at least one finite per row
-) -> np.ndarray:  # float64 [..., vocab]
-    e = np.exp(z - np.max(z, axis=-1, keepdims=True))
-    return e / np.sum(e, axis=-1, keepdims=True)
+#: first candidate-set size of the top-p search (:func:`_nucleus`; at least doubled until the nucleus is found)
+TOP_P_START = 1024
 
 
-def _descending_order(
-    v: np.ndarray,  # float64 [..., vocab]
-) -> np.ndarray:  # int64 [..., vocab]; descending by value, ties to the lowest index
-    # A stable sort of the negated values keeps equal values in index order.
-    return np.argsort(-v, axis=-1, kind="stable")
+def _softmax_rows(
+    rows: np.ndarray,  # float [R, vocab]; logits, -inf allowed, a finite entry per row
+    temperature: float,  # > 0
+    z_max: np.ndarray,  # float64 [R]; max(rows / temperature) per row
+) -> np.ndarray:  # float64 [R, vocab]; exp(z - max) / sum, the sum in numpy's pairwise order
+    z = rows.astype(np.float64)  # a new array: every step below is in place
+    z /= temperature
+    z -= z_max[:, None]
+    np.exp(z, out=z)
+    z /= np.sum(z, axis=-1, keepdims=True)
+    return z
 
 
-def _mask_top_k(
-    z: np.ndarray,  # float64 [..., vocab]; scaled logits
+def _rank_keys(
+    rows: np.ndarray,  # float [R, vocab]; logits
+    temperature: float,  # > 0
+) -> np.ndarray:  # float [R, vocab]; ranked like rows / temperature in float64, ties included
+    """The array to rank for top-k: the logits themselves when ``x / temperature`` in float64
+    keeps their order and their ties exactly (float16/float32 logits and a temperature in
+    [1e-250, 1e250]: every quotient of a nonzero float32 is then a normal float64, and two
+    float32 values a relative 2**-24 apart cannot round to one float64), else the float64
+    scaled logits (float64 input, extreme temperatures)."""
+    if rows.dtype in (np.float16, np.float32) and 1e-250 <= temperature <= 1e250:
+        return rows
+    return rows.astype(np.float64) / temperature
+
+
+def _top_k_columns(
+    keys: np.ndarray,  # float [R, vocab]; ranking keys, no NaN
     k: int,  # 1 <= k < vocab
-) -> np.ndarray:  # float64 [..., vocab]; all but exactly k entries per row set to -inf
-    order = _descending_order(z)
-    keep = np.zeros(z.shape, dtype=bool)
-    np.put_along_axis(keep, order[..., :k], True, axis=-1)
-    return np.where(keep, z, -np.inf)
+) -> np.ndarray:  # int64 [R, k]; per row the k largest keys' columns, ties to the lowest, ascending
+    vocab = keys.shape[-1]
+    part = np.argpartition(keys, vocab - k, axis=-1)[:, vocab - k:]  # [R, k]; ties arbitrary
+    kth = np.take_along_axis(keys, part[:, :1], axis=-1)  # [R, 1]; the k-th largest key
+    cols = np.sort(part, axis=-1)
+    tied = np.flatnonzero(np.count_nonzero(keys >= kth, axis=-1) > k)  # ties straddle the cut
+    for r in tied:  # keep everything above the k-th key, then the lowest-id equal ones
+        above = np.flatnonzero(keys[r] > kth[r, 0])
+        equal = np.flatnonzero(keys[r] == kth[r, 0])[: k - above.size]
+        cols[r] = np.sort(np.concatenate([above, equal]))
+    return cols
 
 
-def _mask_top_p(
-    probs: np.ndarray,  # float64 [..., vocab]; rows sum to 1
+def _top_k_probs(
+    rows: np.ndarray,  # float [R, vocab]; logits
+    k: int,  # 1 <= k < vocab
+    temperature: float,  # > 0
+    z_max: np.ndarray,  # float64 [R]; max(rows / temperature)
+    top_p: float,  # in (0, 1]; 1 = no top-p
+) -> np.ndarray:  # float64 [R, vocab]
+    """softmax over the k kept tokens (then top-p among them). The numerators are computed on
+    the k kept logits only; the sums run over a dense row with zeros elsewhere, in the pairwise
+    order a dense softmax of the masked row uses, so the values are the full-sort ones."""
+    cols = _top_k_columns(_rank_keys(rows, temperature), k)  # [R, k] ascending token ids
+    rr = np.arange(rows.shape[0])[:, None]  # [R, 1]
+    e = np.take_along_axis(rows, cols, axis=-1).astype(np.float64)  # [R, k]
+    e /= temperature
+    e -= z_max[:, None]  # the top token is kept, so its max is the row's
+    np.exp(e, out=e)
+    out = np.zeros(rows.shape, dtype=np.float64)
+    out[rr, cols] = e
+    probs_k = e / np.sum(out, axis=-1, keepdims=True)  # [R, k]
+    if top_p >= 1.0:
+        out[rr, cols] = probs_k
+        return out
+    out[rr, cols] = 0.0
+    kr, kc = _nucleus(probs_k, top_p)
+    return _renormalised(out, kr, cols[kr, kc], probs_k[kr, kc])
+
+
+def _top_p_dense(
+    probs: np.ndarray,  # float64 [R, vocab]; rows sum to 1
     top_p: float,  # in (0, 1)
-) -> np.ndarray:  # float64 [..., vocab]; nucleus kept, renormalised
-    order = _descending_order(probs)
-    sorted_probs = np.take_along_axis(probs, order, axis=-1)
-    before = np.cumsum(sorted_probs, axis=-1)  # mass up to and including rank j
-    before = np.concatenate([np.zeros_like(before[..., :1]), before[..., :-1]], axis=-1)
-    keep_sorted = before < top_p  # rank 0 always kept (0 < top_p)
-    keep = np.zeros(probs.shape, dtype=bool)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    kept = np.where(keep, probs, 0.0)
-    return kept / np.sum(kept, axis=-1, keepdims=True)
+) -> np.ndarray:  # float64 [R, vocab]; nucleus kept, renormalised
+    kr, kc = _nucleus(probs, top_p)
+    return _renormalised(np.zeros(probs.shape, dtype=np.float64), kr, kc, probs[kr, kc])
+
+
+def _renormalised(
+    out: np.ndarray,  # float64 [R, vocab]; zeros, filled here
+    rows: np.ndarray,  # int64 [N]; row of each kept entry
+    cols: np.ndarray,  # int64 [N]; token id of each kept entry
+    vals: np.ndarray,  # float64 [N]; its probability before renormalising
+) -> np.ndarray:  # out with out[rows, cols] = vals / (the dense row sum of the kept values)
+    out[rows, cols] = vals
+    total = np.sum(out, axis=-1)  # [R]; pairwise over the dense row, as the full-sort version
+    out[rows, cols] = vals / total[rows]
+    return out
+
+
+def _nucleus(
+    vals: np.ndarray,  # float64 [R, n]; non-negative; columns in ascending token-id order
+    top_p: float,  # in (0, 1)
+) -> tuple[np.ndarray, np.ndarray]:  # (rows int64 [N], cols int64 [N]) of the kept entries
+    """The top-p set of each row: in descending value order, ties to the lowest column, every
+    entry whose preceding mass (the running float64 sum in that order) is < top_p.
+
+    The running sums need the values in descending order only, not which of two equal values
+    comes first (swapping equal terms leaves every partial sum as it is), so a plain value sort
+    gives the full stable sort's sums; the cut is then a value ``b`` (the last kept rank's):
+    everything above ``b`` is kept and, of the entries equal to ``b``, the lowest columns.
+
+    Only a candidate set is sorted: the ``m`` largest by ``np.argpartition``, ``t`` the m-th
+    largest value. Every entry above ``t`` is a candidate, so the candidates above ``t`` are the
+    row's first ranks. The row is decided when their mass reaches ``top_p`` (the next rank is out
+    whatever it is) or when ``t == 0`` (nothing outside has mass); otherwise ``m`` doubles for
+    the undecided rows (a cheap unsorted sum tells which cannot be decided yet; when none can,
+    ``m`` grows by at least ``(top_p - mass above t) / t``, the fewest entries of value <= t that
+    could make up the rest), and once ``2 * m > n`` they are sorted whole."""
+    n = vals.shape[-1]
+    kept_rows, kept_cols = [], []
+    pending = np.arange(vals.shape[0])  # [P] rows not decided yet
+    m = min(TOP_P_START, n)
+    while pending.size:
+        v = vals if pending.size == vals.shape[0] else vals[pending]  # [P, n]
+        if 2 * m > n:  # sort whole rows
+            cand = None
+            cv = v
+            done = np.ones(pending.size, dtype=bool)
+        else:
+            part = np.argpartition(v, n - m, axis=-1)  # [P, n]; the m largest at the end
+            kth = np.take_along_axis(v, part[:, n - m:n - m + 1], axis=-1)  # [P, 1]
+            cand = part[:, n - m:]  # [P, m] columns, in no order
+            cv = np.take_along_axis(v, cand, axis=-1)  # [P, m]
+            above_mass = np.sum(np.where(cv > kth, cv, 0.0), axis=-1)  # [P], any order
+            # Rounding of the two summation orders differs by far less than 1e-6.
+            maybe = (above_mass >= top_p - 1e-6) | (kth[:, 0] == 0.0)
+            if not maybe.any():  # every entry outside is <= t: at least (top_p - mass) / t more needed
+                short = (top_p - above_mass) / kth[:, 0]
+                m = max(2 * m, m + int(min(float(np.max(short)), float(n))))
+                continue
+            cv, cand, kth = cv[maybe], cand[maybe], kth[maybe]
+            done = np.zeros(pending.size, dtype=bool)
+            done[np.flatnonzero(maybe)] = True  # refined below
+        sv = np.sort(cv, axis=-1)[:, ::-1]  # [D, w] descending
+        csum = np.cumsum(sv, axis=-1)  # running mass up to and including each rank
+        n_keep = 1 + np.count_nonzero(csum[:, :-1] < top_p, axis=-1)  # [D]; rank 0 always kept
+        rr = np.arange(sv.shape[0])
+        if cand is not None:
+            above = np.count_nonzero(cv > kth, axis=-1)  # [D] candidates strictly above t
+            decided = ((above > 0) & (csum[rr, np.maximum(above, 1) - 1] >= top_p)) | (kth[:, 0] == 0.0)
+            done[np.flatnonzero(done)[~decided]] = False
+            cv, cand, n_keep, sv, rr = cv[decided], cand[decided], n_keep[decided], sv[decided], rr[:decided.sum()]
+        bound = sv[rr, n_keep - 1][:, None]  # [D, 1] the last kept value
+        keep = cv > bound  # [D, w]; all of them are candidates (bound > t, or bound == t == 0)
+        need = n_keep - np.count_nonzero(keep, axis=-1)  # [D] entries equal to bound to keep
+        positive = bound[:, 0] > 0.0  # a zero bound: the equal entries add nothing, leave them
+        for d in np.flatnonzero(positive & (need > 0)):
+            equal = np.flatnonzero(cv[d] == bound[d, 0])  # positions in cv
+            if cand is not None:  # the lowest token ids among the tied candidates
+                equal = equal[np.argsort(cand[d, equal], kind="stable")]
+            keep[d, equal[: need[d]]] = True
+        i, j = np.nonzero(keep)
+        kept_rows.append(pending[done][i])
+        kept_cols.append(j if cand is None else cand[i, j])
+        pending = pending[~done]
+        m *= 2
+    return np.concatenate(kept_rows), np.concatenate(kept_cols)

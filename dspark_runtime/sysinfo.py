@@ -7,9 +7,13 @@ INT8 graphs runs VPMADDUBSW on AVX2 (whose int16 pair sums saturate), VPDPBUSD o
 AVX-512 VNNI (exact) or AMX tiles; fp32 GEMMs have AVX2/FMA and AVX-512 variants with different
 blockings. Row-count invariance and round costs measured on one CPU therefore do not transfer to another;
 :func:`cpu_difference` says whether two records describe the same CPU.
+
+:func:`usable_cpus` is how many CPUs this process may really use (affinity mask and cgroup CPU quota), the
+basis of the default thread counts.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -30,6 +34,13 @@ ARM_FLAGS = frozenset({
 #: ``CPU implementer`` codes of /proc/cpuinfo on aarch64 (it has no vendor string)
 ARM_IMPLEMENTERS = {"0x41": "ARM", "0x42": "Broadcom", "0x46": "Fujitsu", "0x48": "HiSilicon", "0x4e": "NVIDIA",
                     "0x51": "Qualcomm", "0x61": "Apple", "0xc0": "Ampere"}
+
+
+#: where the cgroup file systems are mounted, and this process's cgroup membership (lines ``id:controllers:path``)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+#: the cgroup v1 ``cpu`` controller's mount directory names under :data:`CGROUP_ROOT`
+_V1_CPU_DIRS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
 
 
 class OtherCpuWarning(UserWarning):
@@ -53,6 +64,134 @@ def machine_description() -> str:
     except (OSError, StopIteration, ValueError):
         pass
     return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+
+
+def usable_cpus(cgroup_root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> int:
+    """How many CPUs this process can keep busy: ``min(affinity, ceil(quota / period))``, at least 1.
+
+    ``affinity``: ``len(os.sched_getaffinity(0))`` where the platform has it (Linux; ``taskset``, ``docker
+    --cpuset-cpus`` and Kubernetes' static CPU manager narrow it), else ``os.cpu_count()`` (1 when unknown).
+    ``quota / period``: the tightest CPU bandwidth limit of :func:`cgroup_cpu_limit` (``docker --cpus``,
+    Kubernetes CPU limits), which ``os.cpu_count()`` and the affinity mask do not show: a container limited
+    to 2 CPUs on a 64-core host sees 64 of both. No limit (or no readable cgroup files) leaves the affinity.
+
+    ``cgroup_root`` / ``proc_cgroup``: where the cgroup file systems are mounted and the file listing this
+    process's cgroups (default :data:`CGROUP_ROOT`, :data:`PROC_SELF_CGROUP`; tests pass fakes). Never raises:
+    unreadable or malformed files count as no limit.
+    """
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    count = None
+    if getaffinity is not None:
+        try:
+            count = len(getaffinity(0))
+        except OSError:
+            count = None
+    if not count:
+        count = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root, proc_cgroup)
+    if limit is not None:
+        count = min(count, limit)
+    return max(1, count)
+
+
+def cgroup_cpu_limit(cgroup_root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> int | None:
+    """``ceil(quota / period)`` of the tightest cgroup CPU quota over this process, or None for no quota.
+
+    cgroup v2: ``cpu.max`` (``"<quota> <period>"`` in microseconds, quota ``max`` = unlimited). cgroup v1:
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota -1 = unlimited) under ``cpu``, ``cpu,cpuacct`` or
+    ``cpuacct,cpu``. Each is read at the mount root (a container's own cgroup, with a cgroup namespace or
+    a private mount) and, where ``proc_cgroup`` names this process's cgroup and that directory exists, there
+    and in every ancestor up to the root (a quota on a parent limits its children too); the smallest limit
+    wins. Missing, unreadable or malformed files are skipped. Never raises.
+
+    Args:
+        cgroup_root: the cgroup mount point (default :data:`CGROUP_ROOT`, ``/sys/fs/cgroup``).
+        proc_cgroup: the membership file (default :data:`PROC_SELF_CGROUP`, ``/proc/self/cgroup``).
+    """
+    root = Path(CGROUP_ROOT if cgroup_root is None else cgroup_root)
+    v2_rel, v1_rel = _own_cgroups(Path(PROC_SELF_CGROUP if proc_cgroup is None else proc_cgroup))
+    limits = []
+    for d in _cgroup_dirs(root, v2_rel):
+        limits.append(_v2_limit(d / "cpu.max"))
+    for name in _V1_CPU_DIRS:
+        for d in _cgroup_dirs(root / name, v1_rel):
+            limits.append(_v1_limit(d / "cpu.cfs_quota_us", d / "cpu.cfs_period_us"))
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
+
+
+def _own_cgroups(
+    proc_cgroup: Path,  # /proc/self/cgroup: lines "hierarchy-id:controllers:path"
+) -> tuple[str, str]:  # (v2 path, v1 cpu-controller path), relative ("" when unknown)
+    v2 = v1 = ""
+    try:
+        text = proc_cgroup.read_text()
+    except (OSError, UnicodeDecodeError):
+        return v2, v1
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path.strip("/")
+        elif "cpu" in controllers.split(","):
+            v1 = path.strip("/")
+    return v2, v1
+
+
+def _cgroup_dirs(
+    base: Path,  # a cgroup mount directory
+    rel: str,  # this process's cgroup path below it ("" = the root)
+) -> list[Path]:  # the process's own cgroup directory (where it exists) and its ancestors, then base
+    dirs = []
+    parts = [p for p in rel.split("/") if p and p not in (".", "..")]
+    own = base.joinpath(*parts) if parts else base
+    if parts and own.is_dir():
+        for i in range(len(parts), 0, -1):
+            dirs.append(base.joinpath(*parts[:i]))
+    dirs.append(base)
+    return dirs
+
+
+def _read_words(path: Path) -> list[str] | None:
+    try:
+        return path.read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _ceil_ratio(quota: int, period: int) -> int | None:
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def _v2_limit(
+    cpu_max: Path,  # cgroup v2 cpu.max: "<quota|max> <period>"
+) -> int | None:
+    words = _read_words(cpu_max)
+    if not words or words[0] == "max":
+        return None
+    try:
+        quota = int(words[0])
+        period = int(words[1]) if len(words) > 1 else 100_000
+    except ValueError:
+        return None
+    return _ceil_ratio(quota, period)
+
+
+def _v1_limit(
+    quota_file: Path,  # cgroup v1 cpu.cfs_quota_us (-1 = unlimited)
+    period_file: Path,  # cgroup v1 cpu.cfs_period_us
+) -> int | None:
+    q, p = _read_words(quota_file), _read_words(period_file)
+    if not q or not p:
+        return None
+    try:
+        return _ceil_ratio(int(q[0]), int(p[0]))
+    except ValueError:
+        return None
 
 
 def cpu_features(text: str | None = None) -> dict:
