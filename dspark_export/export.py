@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,93 @@ class _ExplicitCache:
         v = torch.cat([pv, value_states], dim=-2)
         self.present[layer_idx] = (k, v)
         return k, v
+
+
+# Model types whose eager attention is plain softmax(q k^T * scaling + mask) v over repeated KV heads
+# (no softcapping, no sinks): for them the export uses the grouped form below, the same function.
+GQA_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+GQA_ATTENTION = "dspark_gqa"
+
+
+def grouped_query_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Grouped-query attention without repeating the KV heads (the transformers attention interface).
+
+    query float32 [b, H, q, d]; key, value [b, kv, t, d] with H = g * kv; attention_mask additive
+    float32 [b, 1, q, t] or None. Returns (attn_output [b, q, H, d], None). The same function as
+    transformers' eager attention (``repeat_kv`` then softmax(q k^T * scaling + mask) v, softmax in
+    float32), computed per KV head on its g query heads stacked as g*q rows, so the exported graph
+    never materialises g copies of the cache (an Expand of [b, H, t, d] per layer and step: ~700 MB
+    of writes per step at 2,048 cached positions on Qwen2.5-1.5B; docs/design.md section 2).
+    """
+    b, h, q, d = query.shape
+    kv, t = key.shape[1], key.shape[2]
+    g = h // kv
+    qg = query.reshape(b, kv, g * q, d)
+    w = torch.matmul(qg, key.transpose(2, 3)) * scaling  # [b, kv, g*q, t]
+    w = w.reshape(b, kv, g, q, t)
+    if attention_mask is not None:
+        w = w + attention_mask[:, :, None, :, :t]
+    w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(w.reshape(b, kv, g * q, t), value)  # [b, kv, g*q, d]
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), None
+
+
+def _register_gqa() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_ATTENTION, grouped_query_attention)
+
+
+def rms_norm_div_form(self, hidden_states):
+    """RMSNorm (Qwen2/Llama/Mistral/Qwen3: ``weight * x / sqrt(mean(x^2) + eps)``, in float32) written with a
+    division, the form ONNX Runtime's SimplifiedLayerNormFusion recognises: every norm of the graph becomes one
+    ``SimplifiedLayerNormalization`` node instead of five (transformers writes ``x * rsqrt(...)``, exported as
+    Sqrt + Reciprocal + Mul, which the fusion does not match). Equal to transformers' form to float rounding."""
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x / torch.sqrt(variance + self.variance_epsilon)).to(dtype)
+
+
+class _ExportForms:
+    """Context manager: while exporting, the model's layers use ``attention`` as their attention function
+    (None: their own) and, for the model types in :data:`GQA_MODEL_TYPES`, their RMSNorms the division form;
+    on exit the model is as it was (the torch reference keeps transformers' own functions)."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+        self.attention = export_attention(model)
+        self.prev = None
+        self.norms = []
+        if self.config.model_type in GQA_MODEL_TYPES:
+            self.norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")
+                          and hasattr(m, "variance_epsilon") and getattr(m, "weight", None) is not None]
+
+    def __enter__(self):
+        if self.attention is not None:
+            self.prev = self.config._attn_implementation_internal
+            self.config._attn_implementation_internal = self.attention
+        for m in self.norms:
+            m.forward = types.MethodType(rms_norm_div_form, m)
+        return self
+
+    def __exit__(self, *exc):
+        if self.attention is not None:
+            self.config._attn_implementation_internal = self.prev
+        for m in self.norms:
+            del m.forward  # back to the class's forward
+        return False
+
+
+def export_attention(model) -> str | None:
+    """The attention function the export uses for ``model``: the grouped form for the model types in
+    :data:`GQA_MODEL_TYPES` whose heads are grouped (None: the model's own eager attention)."""
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if cfg.model_type not in GQA_MODEL_TYPES or heads == kv:
+        return None
+    _register_gqa()
+    return GQA_ATTENTION
 
 
 class DecoderWrapper(nn.Module):
@@ -171,7 +259,7 @@ def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
     t0 = time.perf_counter()
     # torch.onnx notes every torchvision op it cannot register; irrelevant to decoders
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), _ExportForms(model):
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:
             prog = torch.onnx.export(

@@ -49,6 +49,41 @@ def test_export_matches_torch_with_dynamic_axes(family, tmp_path):
         ref_next = model(torch.tensor([[31, 32, 33]])).logits[0, -1].numpy()
     assert np.abs(step.logits[2, 0] - ref_next).max() < 1e-4
     assert step.kv[0][0].shape == (3, dims.num_kv_heads, 5, dims.head_dim)
+    # grouped-query attention: the cache's KV heads are never repeated (no Expand in the graph)
+    assert not [n for n in proto.graph.node if n.op_type == "Expand"]
+    # every RMSNorm is one fused node after ONNX Runtime's graph optimizations (2 per layer + the final norm)
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(tmp_path / "g.onnx"), so)
+    fused = onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node
+    assert sum(n.op_type == "SimplifiedLayerNormalization" for n in fused) == 2 * dims.num_layers + 1
+    assert not [n for n in fused if n.op_type in ("Reciprocal", "Pow")]
+
+
+def test_grouped_attention_equals_eager_attention():
+    """The export's grouped form is transformers' eager attention (repeat_kv), to float rounding."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    from dspark_export.export import grouped_query_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, q, t, d = 2, 6, 2, 3, 7, 16
+    query, key, value = (torch.randn(b, n, s, d, generator=g) for n, s in ((h, q), (kv, t), (kv, t)))
+    mask = torch.zeros(b, 1, q, t)
+    mask[1, :, :, :2] = torch.finfo(torch.float32).min  # row 1: two padding keys
+    mask[:, :, 0, -2:] = torch.finfo(torch.float32).min  # causal-style: query 0 cannot see the last 2
+
+    class M(torch.nn.Module):
+        num_key_value_groups = h // kv
+        training = False
+
+    want, _ = eager_attention_forward(M(), query, key, value, mask, scaling=d ** -0.5)
+    got, _ = grouped_query_attention(M(), query, key, value, mask, scaling=d ** -0.5)
+    assert got.shape == want.shape == (b, q, h, d)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(got[0], got[1])  # the masks mattered
 
 
 def test_feature_layer_out_of_range_is_a_clear_error(tiny_pair):
