@@ -3,7 +3,7 @@
 Two steps, each usable on its own:
 
 1. **Calibration** (:func:`calibrate_graph`, ``dspark-export calibrate-quant``): real calibration-split
-   prompts (``data/prompts/README.md``: gsm8k 901–1000, math500 351–400, mbpp 181–200 — never evaluation
+   prompts (``dspark_export/data/prompts/README.md``: gsm8k 901–1000, math500 351–400, mbpp 181–200 — never evaluation
    prompts) run through the fp32 graph in the shapes the runtime uses: a *prefill* of the prompt (past 0,
    q = prompt length), greedy *decode* steps (q = 1 on the cache) and a *verify* step (the greedy
    continuation fed as one q = ``verify_len`` chunk on the prompt's cache). A calibration set of verify

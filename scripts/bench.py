@@ -2,7 +2,7 @@
 """Side-by-side benchmark: target-only vs speculative decoding on the same engine, same prompts,
 in one run (modes interleaved per prompt so machine drift hits both equally).
 
-Prompts: the first N of the evaluation split (docs/design.md / data/prompts/README.md) of humaneval
+Prompts: the first N of the evaluation split (docs/design.md / dspark_export/data/prompts/README.md) of humaneval
 and mt-bench, first turn, chat template. Prints a table and writes JSON with per-prompt tau,
 acceptance rate, tokens/s of both modes, their ratio and whether the greedy outputs are identical.
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         "draft_confidence": a.draft_confidence,
         "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                          ("mbpp", a.mbpp)) if n},
-        "split": "evaluation (data/prompts/README.md)",
+        "split": "evaluation (dspark_export/data/prompts/README.md)",
         "target_only_tps": agg(base_rows, "target_only_tps"), "speculative_tps": first["speculative_tps"],
         "ratio": first["ratio"], "tau_mean": first["tau_mean"], "acceptance_rate_mean": first["acceptance_rate_mean"],
         "identical": first["identical"], "n": first["n"], "drafters": per,

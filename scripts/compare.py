@@ -20,7 +20,7 @@ Resume: every finished (prompt, system) row is appended to --out-dir/progress.js
 ``--resume`` with the same settings skips the pairs already done (each chunk still runs its remaining
 systems in the rotated order) and refuses other settings, naming them.
 
-Prompts: the first N of the evaluation split (data/prompts/README.md) of each --datasets entry,
+Prompts: the first N of the evaluation split (dspark_export/data/prompts/README.md) of each --datasets entry,
 first turn, each system's own rendering of the model's chat template (HF:
 ``tokenizer.apply_chat_template(add_generation_prompt=True)``; DSpark: ``Engine.encode_prompt``).
 A preflight step checks that both give identical prompt token ids (it stops if the first prompt
@@ -71,9 +71,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dspark_runtime.engine import DEFAULT_THREADS  # noqa: E402  (affinity and cgroup quota, at most 8)
 from evalsets import EVAL_START, ROOT, ids_digest, load_prompts, loadavg, machine, round_stats  # noqa: E402
 WARMUP_PROMPT = "Write a one-line Python function that adds two numbers."
-DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def render_report(result: dict, plots: list | None = None) -> str:
               f", draft GGUF `{Path(st['peer_models']['draft_gguf']).name}`, llama.cpp n_ctx {st.get('peer_n_ctx')})"
               if st.get("peer_models") else ""),
            f"- prompts: first {st['n']} of the evaluation split of each of {', '.join(datasets)} "
-           f"(data/prompts/README.md), first turn, chat template; {len({r['key'] for r in rows})} prompts",
+           f"(dspark_export/data/prompts/README.md), first turn, chat template; {len({r['key'] for r in rows})} prompts",
            f"- {st['max_new_tokens']} new tokens max, {mode}; one worker process per (chunk of {st['chunk']} "
            "prompts, system), one at a time, system order rotated per chunk",
            f"- transformers {st.get('versions', {}).get('transformers', '?')}, torch "
@@ -1190,7 +1190,7 @@ def main(argv=None) -> int:
                 "draft_name": draft_name, "engine": str(a.engine) if uses_dspark else None,
                 "datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "temperatures": temps,
                 "seed": a.seed, "chunk": a.chunk, "threads": a.threads, "systems": systems,
-                "system_options": specs, "split": "evaluation (data/prompts/README.md)",
+                "system_options": specs, "split": "evaluation (dspark_export/data/prompts/README.md)",
                 "descriptions": {s: SYSTEMS[s].description for s in base_systems}, "peer_models": peer_models}
     command = (shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
                else shlex.join(["compare.py", *argv]))

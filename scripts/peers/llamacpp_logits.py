@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("gguf")
     ap.add_argument("ids_json")
     ap.add_argument("out_dir")
-    ap.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 8))
+    ap.add_argument("--threads", type=int, default=min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8),
+                    help="threads (default: the CPUs this process may use, at most 8)")
     ap.add_argument("--n-batch", type=int, default=512, help="tokens per llama_decode call (default 512)")
     a = ap.parse_args(argv)
     entries = load_ids(Path(a.ids_json))
