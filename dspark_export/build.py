@@ -1,6 +1,10 @@
 """``dspark-export build``: export the target (verifier) and draft graphs, validate them against
 torch, copy the tokenizer, and write ``<engine_dir>/manifest.json``.
 
+``build`` over an existing engine directory and ``add-draft`` are transactions
+(:func:`dspark_export.txn.engine_transaction`): the new files are written beside the old ones and replace
+them only when everything succeeded; on any error, Ctrl-C included, the directory is left as it was.
+
 A *recipe* (``engines/<name>.json``, tracked in git) names the models and settings::
 
     {"name": "qwen2.5-coder-1.5b", "target": "qwen2.5-coder-1.5b-instruct",
@@ -25,7 +29,7 @@ from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import GraphSpec
-from dspark_runtime.manifest import SCHEMA_VERSION, VERIFIED_NAME, FileEntry, GraphEntry, Manifest
+from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, record_verified
 
 # fp32: the exported graph as is.
 # int8: static QDQ for ONNX Runtime CPU (U8 activations / S8 per-channel weights, calibrated on the
@@ -389,7 +393,12 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
 
     ``isolate``: export each graph in its own process (default; keeps one model in memory).
     ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see :func:`quantize_graph`).
-    Raises DSparkError on any failure (missing model, unknown fp8 writer, export or validation failure).
+    Over an existing engine directory this is a transaction (:func:`dspark_export.txn.engine_transaction`):
+    the new engine is written beside the old one, which it replaces only once complete (the old engine's files
+    that the new manifest does not list are then deleted; other files are kept). A new directory is removed
+    again when the build fails.
+    Raises DSparkError on any failure (missing model, unknown fp8 writer, export or validation failure, a full
+    disk); the directory is then as it was.
     """
     from dspark_export.fp8 import check_fp8_writer
 
@@ -409,15 +418,25 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
             raise DSparkError(f"target_feature_layers {recipe.target_feature_layers} differ from the DSpark "
                               f"drafter's target_layer_ids {ids}; drop the field or make them equal")
         recipe.target_feature_layers = list(ids)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (out_dir / "manifest.json", out_dir / VERIFIED_NAME):
-        if stale.exists():
-            stale.unlink()  # a half-rebuilt directory must not look valid
+    from dspark_export.txn import engine_transaction
+
     t0 = time.perf_counter()
-    tokenizer = _copy_tokenizer(target_dir, out_dir)
+    with engine_transaction(out_dir) as txn:  # an existing engine stays as it was unless this succeeds
+        manifest = _build_into(txn.stage, out_dir, recipe, target_dir, draft_dir, dspark_ckpt, isolate, log,
+                               fp8_writer)
+        _commit(txn, manifest)
+    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return manifest
+
+
+def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, draft_dir, dspark_ckpt, isolate: bool,
+                log, fp8_writer: str) -> Manifest:
+    """Write every file of the engine ``recipe`` describes into ``stage`` (an empty folder; the files move to
+    ``out_dir`` at commit) and return its Manifest."""
+    tokenizer = _copy_tokenizer(target_dir, stage)
     from dspark_runtime.tokenizer import Tokenizer
 
-    tok = Tokenizer(out_dir / "tokenizer")
+    tok = Tokenizer(stage / "tokenizer")
     val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
                          if tok.chat_template else VALIDATION_TEXT)
     calib_ids = None
@@ -437,14 +456,14 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
         if precision == "int4":
             source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
             log(f"[{role}] int4 weights from {source} ({why})")
-        res = fn(mdir, out_dir / f"{role}.onnx", feats, val_ids, precision,
+        res = fn(mdir, stage / f"{role}.onnx", feats, val_ids, precision,
                  calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
                 f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
         log(f"[{role}] hashing files")
-        files = [FileEntry.of(out_dir, f"{role}.onnx"), FileEntry.of(out_dir, f"{role}.onnx.data")]
+        files = [FileEntry.of(stage, f"{role}.onnx"), FileEntry.of(stage, f"{role}.onnx.data")]
         graphs[role] = GraphEntry(role=role, model_id=str(recipe.target if role == "target" else recipe.draft),
                                   format="onnx", precision=precision, files=files,
                                   spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
@@ -455,22 +474,27 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         schema_version=SCHEMA_VERSION, build_machine=_build_machine())
     if dspark_ckpt is not None:
-        _add_dspark(manifest, out_dir, dspark_ckpt, target_dir, recipe.draft, isolate, log)
-    _write_manifest(manifest, out_dir)
-    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+        _add_dspark(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log)
     return manifest
 
 
+def _commit(txn, manifest: Manifest) -> None:
+    """Commit ``txn`` (:meth:`dspark_export.txn.EngineTransaction.commit`) with ``manifest``, recording this
+    machine as ``build_machine`` when the manifest has none (one of an engine built before it was recorded)."""
+    if not manifest.build_machine:
+        manifest.build_machine = _build_machine()
+    txn.commit(manifest)
+
+
 def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
-    """Write ``manifest`` into ``out_dir`` (recording this machine as ``build_machine`` when the manifest has
-    none, e.g. one of an engine built before it was recorded) and the size+mtime sidecar of its files."""
+    """Write ``manifest`` into the new engine directory ``out_dir`` (``quantize``; atomically), recording this
+    machine as ``build_machine`` when the manifest has none, and record its files as hashed (the caller hashed
+    or verified them), so the first load need not hash 7 GB again. Commands that change an existing engine
+    directory use :func:`dspark_export.txn.engine_transaction` instead. Raises OSError when it cannot write."""
     if not manifest.build_machine:
         manifest.build_machine = _build_machine()
     manifest.write(out_dir)
-    # Everything was hashed just now: record size+mtime so the first load need not re-hash 7 GB.
-    seen = {f.path: [(out_dir / f.path).stat().st_size, (out_dir / f.path).stat().st_mtime_ns]
-            for f in manifest.all_files()}
-    (out_dir / VERIFIED_NAME).write_text(json.dumps(seen))
+    record_verified(out_dir, manifest.all_files())
 
 
 def dspark_checkpoint(draft: str | None) -> Path | None:
@@ -504,7 +528,7 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     if list(feats) != list(cfg.target_layer_ids):
         raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
                           f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
-    log(f"[{role}] exporting DSpark drafter {ckpt} -> {out_dir / (role + '.onnx')}")
+    log(f"[{role}] exporting DSpark drafter {ckpt} -> {role}.onnx")
     if isolate:
         result = out_dir / f"{role}.export.json"
         args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir),
@@ -546,23 +570,25 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
 def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
     """Add (or replace) the DSpark drafter of a built engine: graph ``dspark`` beside any draft LM, so one
     engine serves ``draft="dspark"``, ``"lm"`` and ``"ngram"``. The target graph is kept and must already
-    output the drafter's ``target_layer_ids`` features."""
+    output the drafter's ``target_layer_ids`` features. Returns the new Manifest.
+
+    A transaction (:func:`dspark_export.txn.engine_transaction`): the drafter is exported beside the old files
+    and replaces them only when the export succeeded. Raises ManifestError for a directory that is not an
+    engine, DSparkError when the target's feature layers differ from the drafter's or the export fails; the
+    engine directory is then unchanged.
+    """
+    from dspark_export.txn import engine_transaction
     from dspark_runtime.manifest import load_manifest
 
     engine_dir = Path(engine_dir)
-    manifest = load_manifest(engine_dir, verify=False)
-    old = manifest.speculation.get("dspark", {}).get("graph")
-    if old == "draft":  # the engine's only drafter was a DSpark one: replace it in place
-        role = "draft"
-    else:
-        role = "dspark"
-    for stale in (f"{role}.onnx", f"{role}.onnx.data"):
-        if (engine_dir / stale).exists():
-            (engine_dir / stale).unlink()
-    manifest.graphs.pop(role, None)
-    (engine_dir / "manifest.json").unlink()
-    _add_dspark(manifest, engine_dir, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)
-    _write_manifest(manifest, engine_dir)
+    load_manifest(engine_dir, verify=False)  # a clear error for a directory that is not an engine
+    with engine_transaction(engine_dir) as txn:
+        manifest = load_manifest(engine_dir, verify=False)
+        old = manifest.speculation.get("dspark", {}).get("graph")
+        role = "draft" if old == "draft" else "dspark"  # the only drafter was a DSpark one: replace it
+        manifest.graphs.pop(role, None)
+        _add_dspark(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)
+        _commit(txn, manifest)
     return manifest
 
 

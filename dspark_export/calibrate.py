@@ -6,6 +6,8 @@ recording every round's confidence logits and how many drafts the target accepte
 Temperature Scaling (docs/design.md §1 step 3; :func:`dspark_runtime.calibration.fit_sts`) then picks one
 temperature per position so the cumulative survival product matches the measured prefix survival.
 The temperatures go into the engine's manifest (and ``sts.json`` beside the checkpoint when known).
+The manifest and ``calibration.json`` are replaced in one transaction
+(:func:`dspark_export.txn.engine_transaction`): an error or Ctrl-C leaves the engine directory as it was.
 """
 from __future__ import annotations
 
@@ -86,9 +88,14 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     """Fit STS temperatures for the engine's DSpark drafter and write them to its manifest.
 
     Returns {"temperatures", "report" (per position ECE before/after), "rounds", "prompts"}.
+    The manifest and ``<engine_dir>/calibration.json`` change together or not at all; ``sts.json`` beside the
+    checkpoint is written (atomically) after them. Raises DSparkError when the engine has no DSpark drafter,
+    no full draft round was recorded, or the engine directory cannot be written (read-only, full disk; it is
+    then unchanged).
     """
+    from dspark_export.txn import engine_transaction
     from dspark_runtime.engine import Engine
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.manifest import atomic_write_text, load_manifest
 
     engine_dir = Path(engine_dir)
     eng = Engine.load(engine_dir)
@@ -107,22 +114,23 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     res = {"temperatures": [float(t) for t in temps], "report": report, "rounds": int(len(logits)),
            "prompts": fitted_on, "max_new_tokens": max_new_tokens, "router": router,
            "sequences": [{"token_ids": list(map(int, q)), "prompt_tokens": int(n)} for q, n in sequences]}
-    m = load_manifest(engine_dir, verify=False)
-    m.speculation["dspark"]["sts_temperatures"] = res["temperatures"]
-    m.speculation["dspark"]["calibration"] = {"rounds": res["rounds"], "ece": [
-        {k: r[k] for k in ("position", "ece_before", "ece_after")} for r in report]}
-    m.speculation["router"] = router
-    m.write(engine_dir)
+    with engine_transaction(engine_dir) as txn:
+        m = load_manifest(engine_dir, verify=False)
+        m.speculation["dspark"]["sts_temperatures"] = res["temperatures"]
+        m.speculation["dspark"]["calibration"] = {"rounds": res["rounds"], "ece": [
+            {k: r[k] for k in ("position", "ece_before", "ece_after")} for r in report]}
+        m.speculation["router"] = router
+        txn.add("calibration.json").write_text(json.dumps(res, indent=2) + "\n")
+        txn.commit(m)
     ng = np.asarray(router["ngram"]["hits"]) / np.maximum(np.asarray(router["ngram"]["tries"]), 1)
     log("n-gram lookup acceptance at position 1 by match extent "
         + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
                     for i, lo in enumerate(router["ngram"]["edges"])))
-    (engine_dir / "calibration.json").write_text(json.dumps(res, indent=2) + "\n")
     model_id = m.graphs[m.speculation["dspark"]["graph"]].model_id
     if model_id.startswith("dspark:"):
         ck = Path(model_id[len("dspark:"):])
         if ck.is_dir():
-            (ck / "sts.json").write_text(json.dumps({"temperatures": res["temperatures"],
-                                                     "fitted_on": res["prompts"], "rounds": res["rounds"],
-                                                     "router": router}, indent=2) + "\n")
+            atomic_write_text(ck / "sts.json", json.dumps({"temperatures": res["temperatures"],
+                                                           "fitted_on": res["prompts"], "rounds": res["rounds"],
+                                                           "router": router}, indent=2) + "\n")
     return res

@@ -7,7 +7,8 @@ the median of ``repeats`` runs, at a given context length (the verifier's cost g
 cache), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
 deployment machine: re-profile there (``dspark generate --profile-on-load`` does it at load).
 Both stored records carry ``cpu`` (:func:`dspark_runtime.sysinfo.cpu_features`): ``Engine.load`` warns
-when this machine's CPU differs from it.
+when this machine's CPU differs from it. The manifest is replaced in one transaction
+(:func:`dspark_export.txn.engine_transaction`) after the measurements: an error or Ctrl-C leaves it as it was.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
     speculative greedy output is bit for bit the target-only output) and times the cost table with that
     padding in effect. The table is returned with the probe under "row_invariance". ``probe_only``: probe
     and store ``row_invariance`` only, keeping the manifest's cost table (returns {"row_invariance": probe}).
+
+    Raises ValueError for ``probe_only`` without ``probe_rows``, ManifestError/DSparkError when the engine does
+    not load, DSparkError when the manifest cannot be written (read-only directory, full disk; it is then
+    unchanged).
     """
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
-    from dspark_runtime.manifest import load_manifest
-
     from dspark_runtime.sysinfo import OtherCpuWarning, cpu_features, machine_description
 
     if probe_only and not probe_rows:
@@ -51,20 +54,25 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
                      onnxruntime=onnxruntime.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     if probe_only:
         if write:
-            m = load_manifest(engine_dir, verify=False)
-            m.speculation["row_invariance"] = probe
-            m.write(Path(engine_dir))
+            _store(engine_dir, {"row_invariance": probe})
         return {"row_invariance": probe}
     table = profile_runtime(eng, max_tokens=max_tokens, context=context, repeats=repeats, draft_rows=draft_rows)
     table["machine"] = machine_description()
     table["cpu"] = cpu_features()  # Engine.load warns when the engine runs on another CPU
     table["threads"] = threads or DEFAULT_THREADS
     if write:
-        m = load_manifest(engine_dir, verify=False)
-        m.speculation["cost_table"] = table
-        if probe is not None:
-            m.speculation["row_invariance"] = probe
-        m.write(Path(engine_dir))
+        _store(engine_dir, {"cost_table": table, **({"row_invariance": probe} if probe is not None else {})})
     if probe is not None:
         table = {**table, "row_invariance": probe}
     return table
+
+
+def _store(engine_dir: Path, records: dict) -> None:
+    """Set ``speculation[k] = v`` for each of ``records`` in the manifest of ``engine_dir``, in one transaction."""
+    from dspark_export.txn import engine_transaction
+    from dspark_runtime.manifest import load_manifest
+
+    with engine_transaction(engine_dir) as txn:
+        m = load_manifest(engine_dir, verify=False)
+        m.speculation.update(records)
+        txn.commit(m)

@@ -470,9 +470,13 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
     """Build TensorRT engines for the graphs of the built ``engine_dir`` and record them in its manifest
     (``trt_engines``; replaces earlier entries of the same key). Returns the updated Manifest.
 
+    A transaction (:func:`dspark_export.txn.engine_transaction`): the capacity-layout and 16-bit graphs and the
+    engines are written beside the old files and recorded only when every engine was built; on any failure
+    (Ctrl-C and a full disk included) the directory is left as it was.
     Raises DSparkError for an unknown graph key, a graph kind without a TensorRT path, or a failed build.
     """
-    from dspark_export.build import _write_manifest
+    from dspark_export.build import _commit
+    from dspark_export.txn import engine_transaction
 
     settings.validate()
     engine_dir = Path(engine_dir)
@@ -486,18 +490,20 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
         if manifest.graphs[key].spec.kind != "causal_lm":
             raise DSparkError(f"graph {key!r} is a {manifest.graphs[key].spec.kind} graph; TensorRT engines are "
                               "built for causal_lm graphs (target, draft LM) only so far")
-    (engine_dir / "manifest.json").unlink()  # a half-updated directory must not look valid
     build = build_engine_file_isolated if isolate else build_engine_file
-    try:
+    with engine_transaction(engine_dir) as txn:
+        st = txn.stage  # new files go here; the graphs they are made from are linked in beside them
         for key in keys:
             g = manifest.graphs[key]
-            src = engine_dir / g.model_file
+            for f in g.files:
+                txn.link(f.path)
+            src = st / g.model_file
             for layout in settings.kv_layouts:
                 extra = []
                 if layout == KV_LAYOUT_CAPACITY:
                     onnx_rel = f"{key}.capacity.onnx"
-                    spec = to_capacity_layout(src, engine_dir / onnx_rel, g.spec)
-                    extra = [FileEntry.of(engine_dir, onnx_rel)]
+                    spec = to_capacity_layout(src, st / onnx_rel, g.spec)
+                    extra = [FileEntry.of(st, onnx_rel)]
                     entry_key, eng_rel = f"{key}.capacity", f"{key}.capacity.engine"
                 else:
                     onnx_rel, spec, entry_key, eng_rel = g.model_file, g.spec, key, f"{key}.engine"
@@ -505,13 +511,13 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
                     h = settings.half
                     half_rel = onnx_rel.removesuffix(".onnx") + f".{h}.onnx"
                     log(f"[{entry_key}] converting {onnx_rel} to {h} -> {half_rel}")
-                    _run(to_half, isolate, engine_dir / onnx_rel, engine_dir / half_rel, h)
+                    _run(to_half, isolate, st / onnx_rel, st / half_rel, h)
                     onnx_rel = half_rel
-                    extra += [FileEntry.of(engine_dir, half_rel), FileEntry.of(engine_dir, half_rel + ".data")]
+                    extra += [FileEntry.of(st, half_rel), FileEntry.of(st, half_rel + ".data")]
                     entry_key, eng_rel = entry_key + f".{h}", eng_rel.removesuffix(".engine") + f".{h}.engine"
                 log(f"[{entry_key}] building TensorRT engine {eng_rel} ({layout} KV layout) from {onnx_rel}")
-                r = build(engine_dir / onnx_rel, spec, engine_dir / eng_rel, settings)
-                f = FileEntry.of(engine_dir, eng_rel)
+                r = build(st / onnx_rel, spec, st / eng_rel, settings)
+                f = FileEntry.of(st, eng_rel)
                 manifest.trt_engines[entry_key] = TrtEngineEntry(
                     graph=key, kv_layout=layout, onnx=onnx_rel, file=f, extra_files=extra, flavour=r["flavour"],
                     version=r["version"], profiles=r["profiles"], profile_settings=settings.profile.to_json(),
@@ -520,10 +526,8 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
                 log(f"[{entry_key}] {r['flavour']} {r['version']}, {r['precision']}, compute capabilities "
                     f"{', '.join(r['compute_capabilities'])}: {f.size / 1e6:.1f} MB in {r['build_seconds']:.1f} s, "
                     f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
-    finally:
-        _write_manifest(manifest, engine_dir)
-    manifest.tool_versions[r["flavour"]] = r["version"]
-    _write_manifest(manifest, engine_dir)
+        manifest.tool_versions[r["flavour"]] = r["version"]
+        _commit(txn, manifest)
     return manifest
 
 

@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.manifest import MANIFEST_NAME, load_manifest, parse_manifest, sha256_file, verify_files
+from dspark_runtime.manifest import (MANIFEST_NAME, cache_root, load_manifest, parse_manifest, record_verified,
+                                     sha256_file, verify_files)
 
 TARBALL_SUFFIXES = (".tar.gz", ".tgz")
 
@@ -116,11 +117,12 @@ def unpack(tarball: str | Path, dest: str | Path, check_sidecar: bool = True) ->
                     target.parent.mkdir(parents=True, exist_ok=True)
                     with tar.extractfile(m) as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst, 1 << 22)
-                verify_files(work, manifest, rehash=True)
+                verify_files(work, manifest, rehash=True, record=False)
                 final = dest / root
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(work, final)
+                record_verified(final, manifest.all_files())  # hashed just now: the first load need not
             except BaseException:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
@@ -136,7 +138,7 @@ def unpacked_dir(tarball: str | Path, cache: str | Path | None = None) -> Path:
     tarball = Path(tarball)
     if not tarball.is_file():
         raise ManifestError(f"engine tarball {tarball} does not exist")
-    root = Path(cache or os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark") / "engines"
+    root = Path(cache or cache_root()) / "engines"
     h = hashlib.sha256()
     st = tarball.stat()
     h.update(f"{tarball.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())

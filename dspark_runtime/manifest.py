@@ -28,6 +28,17 @@ A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``. ``trt_
 without a version bump: manifests without it load unchanged, and runtimes that predate it ignore it.
 ``build_machine`` (the CPU the graphs were written and validated on,
 :func:`dspark_runtime.sysinfo.cpu_features`) likewise: written only when known, optional on read.
+
+The manifest is written atomically (:func:`atomic_write_text`: a temporary file beside it, fsync, rename,
+fsync of the directory), so a reader sees the old manifest or the new one, never half of one.
+
+Trusted hashes: loading checks every listed file's sha256, which is ~9 GB of reading for a 1.5B fp32 engine.
+A file hashed once (at build, at load, by ``dspark verify``) is recorded in the user's cache
+(:func:`trusted_records_path`: ``$DSPARK_CACHE/verified/``, default ``~/.cache/dspark``), keyed by its absolute
+path, size and mtime (ns) together with the sha256 it had; later loads skip hashing a file whose path, size,
+mtime and manifest sha256 all match its record. Nothing is written into the engine directory, so a read-only
+one (a mounted image, a container layer) is hashed once, not on every load. A replaced or modified file
+changes size or mtime and is hashed again; ``rehash=True`` (``dspark verify``, ``pack``) hashes everything.
 """
 from __future__ import annotations
 
@@ -42,8 +53,56 @@ from dspark_runtime.graphspec import KV_LAYOUTS, GraphSpec
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-# Sidecar written after a full hash: path -> [size, mtime_ns]. Lets load skip re-hashing 7 GB.
+# The sidecar of trusted hashes that earlier versions wrote into the engine directory. No longer read or
+# written (records live in the user's cache, see trusted_records_path); a committed change of the engine
+# directory (dspark_export.txn) deletes a stale one.
 VERIFIED_NAME = ".dspark-verified.json"
+TRUSTED_DIR = "verified"  # under cache_root(): one JSON file of trusted-hash records per engine directory
+
+
+def cache_root() -> Path:
+    """Root of the DSpark cache: ``$DSPARK_CACHE`` when set, else ``~/.cache/dspark``."""
+    env = os.environ.get("DSPARK_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text`` so that readers (and a crash) see the old or the new
+    content, never a mix: write a temporary file in the same directory, fsync it, ``os.replace`` it over
+    ``path``, fsync the directory.
+
+    Raises OSError (e.g. ENOSPC, EROFS) when the temporary file cannot be written or renamed; ``path`` is
+    then unchanged and the temporary file removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(d: Path) -> None:
+    """fsync directory ``d`` (makes renames in it durable); a filesystem that cannot is ignored."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, on_progress=None, chunk: int = 1 << 22) -> str:
@@ -200,9 +259,19 @@ class Manifest:
             **({"build_machine": self.build_machine} if self.build_machine else {}),
         }
 
+    def text(self) -> str:
+        """The manifest as written to ``manifest.json`` (indented JSON, trailing newline)."""
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
     def write(self, engine_dir: Path) -> Path:
+        """Write ``<engine_dir>/manifest.json`` atomically (:func:`atomic_write_text`); returns its path.
+
+        Raises OSError when it cannot be written (the old manifest is then unchanged). Commands that change
+        other files of an engine directory too go through :func:`dspark_export.txn.engine_transaction`,
+        which calls this as its commit point.
+        """
         p = Path(engine_dir) / MANIFEST_NAME
-        p.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        atomic_write_text(p, self.text())
         return p
 
 
@@ -242,41 +311,112 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
     return m
 
 
-def verify_files(engine_dir: Path, manifest: Manifest, rehash: bool = False) -> None:
-    """Check every file the manifest lists: present, right size and right sha256.
+def trusted_records_path(engine_dir: Path) -> Path:
+    """The cache file of trusted-hash records for ``engine_dir``:
+    ``<cache_root()>/verified/<sha256 of the directory's real path, 32 hex digits>.json``."""
+    key = hashlib.sha256(os.path.realpath(engine_dir).encode()).hexdigest()[:32]
+    return cache_root() / TRUSTED_DIR / f"{key}.json"
 
-    A file whose size and mtime match the sidecar written after its last full hash is trusted
-    unless ``rehash``. Raises ManifestError naming the file and the fix.
+
+def _file_key(p: Path) -> str:
+    return os.path.realpath(p)
+
+
+def _read_records(engine_dir: Path) -> dict:
+    """{absolute file path: [size, mtime_ns, sha256]} recorded for ``engine_dir`` ({} when none/unreadable)."""
+    try:
+        d = json.loads(trusted_records_path(engine_dir).read_text())
+        files = d.get("files", {}) if isinstance(d, dict) else {}
+        return {k: v for k, v in files.items() if isinstance(v, list) and len(v) == 3}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_records(engine_dir: Path, records: dict) -> None:
+    """Store ``records`` for ``engine_dir`` (atomically) and drop the record files of engine directories that
+    no longer exist. Best effort: an unwritable cache only means hashing again next time."""
+    p = trusted_records_path(engine_dir)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(p, json.dumps({"engine_dir": os.path.realpath(engine_dir), "files": records}))
+    except OSError:
+        return
+    try:
+        for other in p.parent.glob("*.json"):
+            if other == p:
+                continue
+            try:
+                d = json.loads(other.read_text())
+                gone = not Path(d["engine_dir"]).is_dir()
+            except (OSError, ValueError, KeyError, TypeError):
+                gone = True
+            if gone:
+                other.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def record_verified(engine_dir: Path, files) -> None:
+    """Record the files ``files`` (FileEntry list, paths relative to ``engine_dir``) as hashed just now with
+    their manifest sha256, at their current size and mtime, so the next load need not hash them again.
+
+    Call it only for files whose content was hashed (or written and hashed) by the caller. Files that are
+    missing or whose size differs from the entry are skipped. Never raises for an unwritable cache.
     """
     engine_dir = Path(engine_dir)
-    side_path = engine_dir / VERIFIED_NAME
-    try:
-        seen = json.loads(side_path.read_text()) if side_path.exists() and not rehash else {}
-    except (OSError, ValueError):
-        seen = {}
-    updated = dict(seen)
-    for f in manifest.all_files():
+    records = _read_records(engine_dir)
+    for f in files:
         p = engine_dir / f.path
-        if not p.is_file():
-            raise ManifestError(f"{p} is missing (listed in the manifest); rebuild or re-unpack the engine")
-        st = p.stat()
-        if st.st_size != f.size:
-            raise ManifestError(f"{p} has {st.st_size} bytes but the manifest says {f.size}: the file is "
-                                "truncated or corrupted; rebuild or re-unpack the engine")
-        if seen.get(f.path) == [st.st_size, st.st_mtime_ns] and not rehash:
-            continue
-        digest = sha256_file(p)
-        if digest != f.sha256:
-            raise ManifestError(f"{p} is corrupted: sha256 {digest[:16]}… does not match the manifest's "
-                                f"{f.sha256[:16]}…; rebuild or re-unpack the engine")
-        updated[f.path] = [st.st_size, st.st_mtime_ns]
-    if updated != seen:
         try:
-            tmp = side_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(updated))
-            os.replace(tmp, side_path)
+            st = p.stat()
         except OSError:
-            pass  # read-only engine dir: we just hash again next time
+            continue
+        if st.st_size == f.size:
+            records[_file_key(p)] = [st.st_size, st.st_mtime_ns, f.sha256]
+    _write_records(engine_dir, records)
+
+
+def verify_files(engine_dir: Path, manifest: Manifest, rehash: bool = False, record: bool = True) -> None:
+    """Check every file the manifest lists: present, right size and right sha256.
+
+    A file recorded in the user's cache (:func:`trusted_records_path`) with its current absolute path, size,
+    mtime and the manifest's sha256 is trusted without hashing, unless ``rehash``. Files hashed here are
+    recorded (``record``; best effort, nothing is written into ``engine_dir``). Raises ManifestError naming
+    the file and the fix.
+    """
+    engine_dir = Path(engine_dir)
+    seen = _read_records(engine_dir)
+    records = dict(seen)
+    changed = False
+    try:
+        keys = set()
+        for f in manifest.all_files():
+            p = engine_dir / f.path
+            if not p.is_file():
+                raise ManifestError(f"{p} is missing (listed in the manifest); rebuild or re-unpack the engine")
+            st = p.stat()
+            if st.st_size != f.size:
+                raise ManifestError(f"{p} has {st.st_size} bytes but the manifest says {f.size}: the file is "
+                                    "truncated or corrupted; rebuild or re-unpack the engine")
+            key = _file_key(p)
+            keys.add(key)
+            rec = [st.st_size, st.st_mtime_ns, f.sha256]
+            if not rehash and seen.get(key) == rec:
+                continue
+            digest = sha256_file(p)
+            if digest != f.sha256:
+                changed |= records.pop(key, None) is not None
+                raise ManifestError(f"{p} is corrupted: sha256 {digest[:16]}… does not match the manifest's "
+                                    f"{f.sha256[:16]}…; rebuild or re-unpack the engine")
+            changed |= records.get(key) != rec
+            records[key] = rec
+        stale = set(records) - keys  # files the manifest no longer lists
+        for k in stale:
+            del records[k]
+        changed |= bool(stale)
+    finally:
+        if record and changed:  # also when a file failed: keep what was checked before it
+            _write_records(engine_dir, records)
 
 
 def load_manifest(engine_dir: str | Path, verify: bool = True, rehash: bool = False) -> Manifest:
