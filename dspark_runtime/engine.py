@@ -390,7 +390,7 @@ class Engine:
             draft = self.auto_draft()
         if draft == "draft":
             draft = self.draft_kind or "lm"
-        target = PackedRunner(self._backends["target"].activate())
+        target = PackedRunner(self._backends["target"].activate(), row_multiple=self.row_multiple)
         if draft in (None, "none"):
             drafter = None
         elif draft == "dspark":

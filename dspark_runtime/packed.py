@@ -36,11 +36,20 @@ class PackedRunner:
     Args:
         backend: an activated (or lazily activating) :class:`OrtDecoder` of a ``causal_lm`` graph.
         compact_ratio: compact when free slots exceed this fraction of the array (and 64 slots).
+        row_multiple: every call is padded to a multiple of this many rows, as the single-request runner
+            (:class:`~dspark_runtime.generate.DecoderRunner`) pads its calls: the probed row padding
+            (:mod:`dspark_runtime.invariance`) under which the verifier's results do not depend on the call's row
+            count. A padding row repeats the call's last token one position on and sees only itself; its slot is
+            dropped after the call (the backend copies the trimmed arrays on the next call, as it does for the
+            single runner); it never reaches a request's logits, features or length.
     """
 
-    def __init__(self, backend: OrtDecoder, compact_ratio: float = 0.25):
+    def __init__(self, backend: OrtDecoder, compact_ratio: float = 0.25, row_multiple: int = 1):
+        if int(row_multiple) < 1:
+            raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {row_multiple!r}")
         self.backend = backend
         self.compact_ratio = compact_ratio
+        self.row_multiple = int(row_multiple)
         self._kv = backend.empty_kv(1)
         self._owner = np.zeros(0, dtype=np.int64)  # request index per slot, -1 = free
         self._pos = np.zeros(0, dtype=np.int64)  # position in its request's sequence
@@ -147,14 +156,25 @@ class PackedRunner:
             ids.append(np.asarray(toks, dtype=np.int64))
             pos.append(np.arange(n0, n0 + q, dtype=np.int64))
             own.append(np.full(q, self._index[rid], dtype=np.int64))
+        pad = (-sum(len(t) for _, t in segments)) % self.row_multiple
+        if pad:  # padding rows: the last token again, one position on each, owned by no request
+            ids.append(np.full(pad, ids[-1][-1], dtype=np.int64))
+            pos.append(pos[-1][-1] + 1 + np.arange(pad, dtype=np.int64))
+            own.append(np.full(pad, -1, dtype=np.int64))
         ids, pos, own = np.concatenate(ids), np.concatenate(pos), np.concatenate(own)
         self.compact()
         key_own = np.concatenate([self._owner, own])
         key_pos = np.concatenate([self._pos, pos])
-        mask = (key_own[None, :] == own[:, None]) & (key_pos[None, :] <= pos[:, None])
+        mask = (key_own[None, :] == own[:, None]) & (key_pos[None, :] <= pos[:, None]) & (own[:, None] >= 0)
+        if pad:  # a padding row sees only its own key (free slots are never visible)
+            n = own.size
+            mask[n - pad:, key_own.size - pad:] = np.eye(pad, dtype=bool)
         out = self.backend.step(ids[None], pos[None], mask[None, None], self._kv)
         self._kv = out.kv
         self._owner, self._pos = key_own, key_pos
+        if pad:  # drop the padding slots (the last ones), as the single runner drops its padding positions
+            self._kv = [(k[:, :, :-pad], v[:, :, :-pad]) for k, v in self._kv]
+            self._owner, self._pos = key_own[:-pad], key_pos[:-pad]
         results, off = [], 0
         for rid, toks in segments:
             q = len(toks)

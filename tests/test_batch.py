@@ -72,6 +72,41 @@ def test_packed_step_matches_single_sequences(lm_engine):
         pr.rollback("b", 99)
 
 
+def test_packed_calls_are_row_padded_like_single_calls(lm_engine):
+    """With the probed row padding (here forced to 2), every packed call has an even row count, as the single
+    runner's calls; padding rows leave no trace: the logits are bit-identical to the padded single runner's, the
+    requests' lengths count real tokens only and the padding slots are dropped."""
+    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.packed import PackedRunner
+
+    be = lm_engine._backends["target"].activate()
+    rows = []
+    real_step = be.step
+
+    def spy(ids, *a, **k):
+        rows.append(ids.shape[1])
+        return real_step(ids, *a, **k)
+
+    pr = PackedRunner(be, compact_ratio=0.0, row_multiple=2)
+    pr.add("a")
+    single = DecoderRunner(be, row_multiple=2)
+    be.step = spy
+    try:
+        la = pr.step([("a", [5, 6, 7])])[0]
+        lb = pr.step([("a", [8])])[0]
+        pr.add("b")
+        lc, _ = pr.step([("a", [9]), ("b", [20, 21])])
+    finally:
+        del be.step
+    assert rows == [4, 2, 4]
+    assert np.array_equal(la, single.step([5, 6, 7])) and np.array_equal(lb, single.step([8]))
+    assert np.array_equal(lc, single.step([9]))
+    assert pr.length("a") == 5 and pr.length("b") == 2
+    assert pr.slots == pr.live_slots == 7  # the padding slots were dropped
+    with pytest.raises(Exception, match="row_multiple"):
+        PackedRunner(be, row_multiple=0)
+
+
 @pytest.mark.parametrize("draft,gamma", [(None, None), ("ngram", 4), ("lm", 3), ("lm", 1)])
 def test_batched_greedy_equals_solo_target_only(lm_engine, solo, draft, gamma):
     """6 prompts through a batch of at most 4: requests join as others finish; each output equals the prompt
