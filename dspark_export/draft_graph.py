@@ -44,7 +44,7 @@ class DraftGraphWrapper(nn.Module):
         masks = anchor_ids.expand(-1, c.block_size - 1) * 0 + c.mask_token_id
         block_ids = torch.cat([anchor_ids, masks], dim=1)
         h = m.block_hidden(block_ids, block_positions, present, attention_mask)
-        outs = [h, m.lm_head(h)]
+        outs = [h, m.base_logits(h)]  # lm_head (+ Gemma-4's final logit soft cap)
         for k, v in present:
             outs += [k, v]
         return tuple(outs)
@@ -178,12 +178,26 @@ def target_frozen_weights(target_dir: Path):
     return emb, head if head is not None else emb
 
 
+def _omits_frozen(checkpoint: Path) -> bool:
+    """Whether the checkpoint's safetensors lack the frozen embedding or LM head (names read, no tensor)."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            names |= set(s.keys())
+    return not {"embed_tokens.weight", "lm_head.weight"} <= names
+
+
 def export_dspark(checkpoint: Path, target_dir: Path, out_dir: Path, role: str = "draft") -> dict:
     """Checkpoint -> ``{role}.onnx`` (+ .data) and ``dspark_heads.npz`` in ``out_dir``; returns manifest parts.
 
-    Returns {"spec", "validation", "config" (the DeepSpec config dict), "heads"}.
+    Returns {"spec", "validation", "config" (the DeepSpec config dict), "heads"}. The target's embedding and
+    LM head are read only when the checkpoint omits its frozen copies (DeepSpec's checkpoints hold them).
     """
-    emb, head = target_frozen_weights(target_dir)
+    emb = head = None
+    if _omits_frozen(Path(checkpoint)):
+        emb, head = target_frozen_weights(target_dir)
     model = load_checkpoint(checkpoint, target_embed=emb, target_lm_head=head).eval()
     del emb, head
     path = Path(out_dir) / f"{role}.onnx"

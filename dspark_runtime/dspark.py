@@ -11,9 +11,18 @@ One round (docs/design.md section 1 steps 1-3; DSpark paper section 3):
    (greedy) or a sample from the processed distribution (its probabilities are kept for rejection
    sampling).
 3. Confidence c_k = σ((wᵀ[h_k; W1[x_{k-1}]] + b) / T_k) with the STS temperatures T_k from the manifest;
-   prefix survival a_j = Π_{k≤j} c_k. With a static threshold the block is cut before the first position
-   whose survival falls below it; the decision uses the draft's own quantities only, so sampling stays
-   lossless.
+   prefix survival a_j = Π_{k≤j} c_k. A static threshold P cuts the block by one of two named rules
+   (:data:`THRESHOLD_RULES`); both decide on the draft's own quantities only, so sampling stays lossless:
+
+   - ``"survival"`` (ours, the default): cut before the first position j whose *calibrated running
+     product* a_j = Π_{k≤j} σ(z_k / T_k) falls below P (a_j estimates the probability that drafts 1..j
+     are all accepted, so P is a floor on that estimate).
+   - ``"deepspec"`` (DeepSpec's rule, ``deepspec/eval/dspark/draft_ops.py`` ``_confident_prefix_length``):
+     cut before the first position k whose *own* raw confidence σ(z_k) (no STS temperature, no product)
+     falls below P; P <= 0 keeps the whole block.
+
+   The same P gives different block lengths under the two rules (the product only falls, so ``survival``
+   cuts no later than ``deepspec`` when T_k = 1).
 """
 from __future__ import annotations
 
@@ -25,6 +34,19 @@ from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import GraphSpec
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
+
+# Static-threshold rules (module docstring, step 3): "survival" = ours, on the calibrated running product a_j;
+# "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
+THRESHOLD_RULES = ("survival", "deepspec")
+
+
+def check_threshold_rule(rule: str) -> str:
+    """``rule`` if it names a static-threshold rule; raises DSparkError naming the choices otherwise."""
+    if rule not in THRESHOLD_RULES:
+        raise DSparkError(f"unknown confidence threshold rule {rule!r}; choose one of {list(THRESHOLD_RULES)} "
+                          "('survival': calibrated prefix survival, ours; 'deepspec': each position's own "
+                          "confidence, DeepSpec's)")
+    return rule
 
 
 class OrtDSparkGraph(OrtDecoder):
@@ -127,31 +149,41 @@ class DSparkHeads:
         return full
 
     def draft(self, base: np.ndarray, hidden: np.ndarray, anchor: int, n: int, params: SamplingParams, rng,
-              threshold: float | None = None) -> tuple:
+              threshold: float | None = None, threshold_rule: str = "survival") -> tuple:
         """Draft ``n`` tokens of one block, left to right (docs/design.md section 1 steps 2-3).
 
         Args:
             base: float32 [γ, V_out] base logits U_k of the block; hidden: float32 [γ, d] normed h_k.
             anchor: the anchor token (x_0); n: tokens to draft (<= γ).
             params, rng: sampling (greedy = argmax; else a sample from the processed distribution).
-            threshold: cut the block before the first position whose prefix survival falls below it.
+            threshold: static threshold P; None = no cut.
+            threshold_rule: ``"survival"`` (ours): cut before the first position whose calibrated prefix
+                survival a_j falls below P; ``"deepspec"`` (DeepSpec's): cut before the first position whose
+                own raw confidence σ(z_k) falls below P (P <= 0: no cut). See the module docstring.
         Returns:
             (tokens list[int] target ids, qs list of float [V] processed draft distributions (sampling only),
             survival list[float] a_1.. (one per position scored, possibly one past the last token when the
             threshold cut), confidence logits list[float]).
         """
+        deepspec = check_threshold_rule(threshold_rule) == "deepspec"
         tokens, qs, surv, confs = [], [], [], []
         prev, state, a = anchor, None, 1.0
         temps = self.temperatures
         for k in range(n):
             logits, conf, state = self.step(base[k], hidden[k], prev, state)
+            own = None
             if conf is not None:
                 confs.append(conf)
                 t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
                 a *= float(_sigmoid(conf / t))
+                own = float(_sigmoid(conf))
             surv.append(a)
-            if threshold is not None and a < threshold:
-                break
+            if threshold is not None:
+                if deepspec:
+                    if own is not None and threshold > 0.0 and own < threshold:
+                        break
+                elif a < threshold:
+                    break
             if params.greedy:
                 tok = self.to_target(int(np.argmax(logits)))
             else:
@@ -174,20 +206,24 @@ class DSparkDrafter:
         graph: the drafter graph backend.
         heads: Markov/confidence heads.
         target: the target's ``DecoderRunner`` (its ``features`` feed the context).
-        confidence_threshold: static survival threshold (cut the block before the first position whose
-            prefix survival a_j falls below it); None = always the full length asked for.
+        confidence_threshold: static threshold P; None = always the full length asked for.
+        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`): ``"survival"`` (ours: before the first
+            position whose calibrated prefix survival a_j < P) or ``"deepspec"`` (DeepSpec's: before the first
+            position whose own raw confidence σ(z_k) < P).
 
     After each ``propose``, ``last_survival`` holds a_1..a_γ (float64 [γ]) for schedulers and metrics.
     """
 
     name = "dspark"
 
-    def __init__(self, graph: OrtDSparkGraph, heads: DSparkHeads, target, confidence_threshold: float | None = None):
+    def __init__(self, graph: OrtDSparkGraph, heads: DSparkHeads, target, confidence_threshold: float | None = None,
+                 threshold_rule: str = "survival"):
         self.graph = graph
         self.heads = heads
         self.target = target
         self.block_size = graph.block_size
         self.confidence_threshold = confidence_threshold
+        self.threshold_rule = check_threshold_rule(threshold_rule)
         self._kv = graph.empty_kv(1)
         self._ctx = 0  # committed positions already in the context cache
         self.last_survival = np.zeros(0)
@@ -223,7 +259,8 @@ class DSparkDrafter:
                                                 mask, self._kv)
         self._ctx = anchor_pos
         tokens, qs, surv, confs = self.heads.draft(base[0], hidden[0], context[-1], max(0, min(gamma, g)),
-                                                   params, rng, self.confidence_threshold)
+                                                   params, rng, self.confidence_threshold,
+                                                   self.threshold_rule)
         self.last_survival = np.asarray(surv)
         self.last_conf_logits = np.asarray(confs[:len(tokens)])
         if self.cost is not None and len(surv) == len(tokens) and tokens:

@@ -39,6 +39,7 @@ __all__ = [
     "schedule_global",
     "schedule_greedy",
     "schedule_threshold",
+    "schedule_threshold_deepspec",
 ]
 
 
@@ -389,10 +390,13 @@ def schedule_threshold(
     survival: Sequence[np.ndarray],  # R arrays, float [gamma_r]; non-increasing
     threshold: float,  # in [0, 1]
 ) -> list[int]:  # l_r = number of leading positions with a_{r,j} >= threshold
-    """Baseline: a static confidence threshold, independent of cost and batch.
+    """Baseline: a static confidence threshold, independent of cost and batch (our rule, "survival").
 
     ``l_r`` is the number of leading positions ``j`` with ``a_{r,j} >= threshold`` (the scan
-    stops at the first position below it, so the rule is non-anticipating too).
+    stops at the first position below it, so the rule is non-anticipating too). The cut is on
+    the calibrated *running product* a_{r,j}; DeepSpec's rule cuts on each position's own
+    confidence instead (:func:`schedule_threshold_deepspec`), so the same threshold gives
+    different lengths.
 
     Raises:
         ValueError: ``threshold`` is not in ``[0, 1]``, or ``survival`` is invalid (see
@@ -409,6 +413,39 @@ def schedule_threshold(
     for a in arrays:
         below = np.flatnonzero(a < thr)
         lengths.append(int(below[0]) if below.size else int(a.shape[0]))
+    return lengths
+
+
+def schedule_threshold_deepspec(
+    confidence: Sequence[np.ndarray],  # R arrays, float [gamma_r]: each position's own c_{r,j}
+    threshold: float,  # in [0, 1]
+) -> list[int]:  # l_r = index of the first position with c_{r,j} < threshold (gamma_r if none)
+    """DeepSpec's static threshold (``deepspec/eval/dspark/draft_ops.py``, ``_confident_prefix_length``).
+
+    ``l_r`` is the number of leading positions before the first ``j`` whose *own* confidence
+    ``c_{r,j} = sigmoid(z_{r,j})`` (raw, not a running product, no calibration) is below
+    ``threshold``; ``threshold <= 0`` keeps every position. Compare :func:`schedule_threshold`.
+
+    Raises:
+        ValueError: ``threshold`` is not in ``[0, 1]``, or a confidence row is not 1-D
+            probabilities in ``[0, 1]``.
+    """
+    try:
+        thr = float(threshold)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}") from exc
+    if not 0.0 <= thr <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    rows = list(confidence)
+    if not rows:
+        raise ValueError("confidence is empty: schedule at least one request")
+    lengths = []
+    for r, row in enumerate(rows):
+        c = np.asarray(row, dtype=np.float64)
+        if c.ndim != 1 or not np.all(np.isfinite(c)) or np.any(c < 0) or np.any(c > 1):
+            raise ValueError(f"confidence[{r}] must be 1-D probabilities in [0, 1], got {c.tolist()}")
+        below = np.flatnonzero(c < thr) if thr > 0.0 else np.zeros(0, dtype=np.int64)
+        lengths.append(int(below[0]) if below.size else int(c.shape[0]))
     return lengths
 
 

@@ -193,3 +193,28 @@ def test_loss_trains_a_tiny_drafter_toward_the_target():
         last_m = met
     assert last_m["loss"] < 0.5 * first["loss"]
     assert last_m["acc_pos"][0] > 0.9 and last_m["acc_pos"][0] > first["acc_pos"][0]
+
+
+def test_gemma4_drafter_round_trip_and_bf16_load(tmp_path):
+    """A Gemma-4 DSpark drafter (DeepSpec's layer: k=v, sandwich norms, layer_scalar, soft cap) written by
+    save_checkpoint loads back bit-exact, and dtype=bfloat16 gives bf16 parameters holding the stored values."""
+    from test_deepspec_compat import GEMMA
+
+    m = _random_model(GEMMA)
+    with torch.no_grad():
+        m.layers[0].layer_scalar.fill_(0.75)
+    save_checkpoint(m, tmp_path, dtype=torch.bfloat16, include_frozen=True)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "layers.0.layer_scalar" in keys and "layers.1.pre_feedforward_layernorm.weight" in keys
+    assert "layers.0.self_attn.v_proj.weight" not in keys  # attention_k_eq_v: keys double as values
+    back = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    a, b = m.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k].to(torch.bfloat16), b[k]), k
+    assert float(back.layers[0].layer_scalar) == 0.75
+    cfg2 = json.loads((tmp_path / "config.json").read_text())
+    assert cfg2["architectures"] == ["Gemma4DSparkModel"] and cfg2["head_dim"] == 8 and cfg2["global_head_dim"] == 16
