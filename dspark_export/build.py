@@ -42,11 +42,11 @@ from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manif
 #   the runtime refuses it on the CPU provider unless asked.
 # int4: weight-only com.microsoft.MatMulNBits for ONNX Runtime CPU (dspark_export.nbits), from the GGUF's own
 #   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
-#   ("rtn" / "hqq"). The CPU default (engines/*.json).
+#   ("rtn" / "hqq"). The CPU default (the packaged recipes, dspark_export/recipes/*.json).
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
-CALIBRATION_NOTE = ("calibration split (data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
+CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
                     "mbpp, gsm8k, mbpp, math500 in turn)")
 VALIDATION_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -71,7 +71,7 @@ class Recipe:
     def from_file(path: str | Path) -> "Recipe":
         path = Path(path)
         if not path.is_file():
-            raise DSparkError(f"recipe {path} not found; see engines/*.json for examples")
+            raise DSparkError(f"recipe {path} not found; `dspark-export list-recipes` shows the packaged ones (dspark_export/recipes/*.json)")
         try:
             d = json.loads(path.read_text())
             return Recipe(**d)

@@ -1,6 +1,6 @@
 """``dspark-export calibrate``: fit the DSpark confidence head's STS temperatures on the calibration split.
 
-The engine decodes calibration prompts (``data/prompts/README.md``: gsm8k 901–1000, math500 351–400,
+The engine decodes calibration prompts (``dspark_export/data/prompts/README.md``: gsm8k 901–1000, math500 351–400,
 mbpp 181–200 — never evaluation prompts) greedily with its DSpark drafter at the full block size,
 recording every round's confidence logits and how many drafts the target accepted. Sequential
 Temperature Scaling (docs/design.md §1 step 3; :func:`dspark_runtime.calibration.fit_sts`) then picks one
@@ -108,7 +108,7 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     logits, acc = record_rounds(eng, prompts, max_new_tokens, log, sequences)
     temps = fit_sts(logits, acc)
     report = survival_ece_report(logits, acc, temps)
-    fitted_on = ("calibration split (data/prompts/README.md): " + ", ".join(
+    fitted_on = ("calibration split (dspark_export/data/prompts/README.md): " + ", ".join(
         f"{k} lines {a + 1}-{b}" for k, (a, b) in CALIB_SPLIT.items()) + f"; first {len(prompts)}")
     router = fit_router(sequences, acc, gamma=logits.shape[1], fitted_on=fitted_on)
     res = {"temperatures": [float(t) for t in temps], "report": report, "rounds": int(len(logits)),
