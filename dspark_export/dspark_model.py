@@ -146,6 +146,7 @@ IGNORED_FIELDS = {
     "dtype": "storage dtype; each tensor's own dtype is read and cast to load_checkpoint(dtype=...)",
     "transformers_version": "provenance",
     "_name_or_path": "provenance",
+    "_model_name_or_path": "provenance (the GGUF a target was converted from)",
     "num_anchors": "training only (anchors sampled per sequence)",
     "_attn_implementation": "attention kernel choice (eager/sdpa/flex): the same function",
     "pretraining_tp": "Llama's tensor-parallel split of the target's matmuls (the same function); the drafter "

@@ -510,3 +510,22 @@ def test_scheduler_deepspec_threshold_rule():
     assert schedule_threshold_deepspec(c, 0.0) == [5, 2, 2]
     with pytest.raises(ValueError, match="threshold must be in"):
         schedule_threshold_deepspec(c, 1.5)
+
+
+def test_the_shipped_drafter_checkpoint_loads():
+    """The DSpark drafter committed in engines/drafters (README command 1 compiles it into the engine): its config
+    and every tensor pass the strict loader (it omits the frozen embedding / LM head, taken from the target)."""
+    from pathlib import Path
+
+    from dspark_export.dspark_model import expected_shapes, load_config
+    from safetensors import safe_open
+
+    ckpt = Path(__file__).resolve().parents[1] / "engines" / "drafters" / "qwen2.5-coder-1.5b-dspark"
+    c = load_config(ckpt)
+    assert c.block_size >= 2 and c.frozen_from_target
+    want = expected_shapes(c, include_frozen=False)
+    got = {}
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            got.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    assert got == {k: tuple(v) for k, v in want.items()}
