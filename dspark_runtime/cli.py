@@ -73,6 +73,10 @@ def cli():
 @click.option("--draft-confidence", type=float, default=None,
               help="Static threshold: LM draft - end a block after the first draft token below this "
                    "probability; DSpark - cut before the first position whose prefix survival is below it.")
+@click.option("--draft-confidence-rule", type=click.Choice(["survival", "deepspec"]), default="survival",
+              show_default=True,
+              help="How the DSpark drafter applies --draft-confidence: survival (ours: the calibrated prefix "
+                   "survival) or deepspec (DeepSpec's rule: the first position whose own confidence is below it).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram"]), default="auto",
@@ -97,7 +101,7 @@ def cli():
                    "compute each position bit for bit alike (default: what `dspark-export profile` probed on this "
                    "machine and stored in the manifest, else 1 = no padding).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             stop, raw, draft, no_speculation, as_json, threads, backend, stream, allow_slow_precision,
+             draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, stream, allow_slow_precision,
              profile_on_load, row_multiple):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
@@ -114,7 +118,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     streaming = stream and not as_json
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
-                       draft_confidence=draft_confidence,
+                       draft_confidence=draft_confidence, draft_confidence_rule=draft_confidence_rule,
                        stop=list(stop) or None, raw=raw,
                        stream=(lambda t: click.echo(t, nl=False)) if streaming else None)
     s = res.stats

@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.backend import OrtDecoder
-from dspark_runtime.dspark import DSparkDrafter, DSparkHeads, OrtDSparkGraph
+from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
 from dspark_runtime.manifest import Manifest, load_manifest
@@ -238,8 +238,12 @@ class Engine:
                                                row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
-    def _drafter(self, draft, confidence_threshold=None):
-        """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only."""
+    def _drafter(self, draft, confidence_threshold=None, confidence_rule: str = "survival"):
+        """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only. ``confidence_rule``
+        (:data:`dspark_runtime.dspark.THRESHOLD_RULES`) is how the DSpark drafter applies ``confidence_threshold``;
+        a rule other than "survival" with a drafter that is not DSpark raises InputError."""
+        if confidence_rule not in THRESHOLD_RULES:
+            raise InputError(f"unknown draft_confidence_rule {confidence_rule!r}; choose one of {list(THRESHOLD_RULES)}")
         if draft in (None, "none"):
             return None
         if draft == "auto":
@@ -255,14 +259,18 @@ class Engine:
             except ValueError as e:
                 raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
                                   "`dspark-export calibrate` on this engine") from None
-            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold), **priors)
+            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold, confidence_rule), **priors)
         if draft == "dspark":
             if self.dspark_graph is None:
                 raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
                                  "--draft dspark:<checkpoint>` (or `dspark-export add-draft`), or use "
                                  "draft='lm'/'ngram'")
             return DSparkDrafter(self._backends[self.dspark_graph].activate(), self.dspark_heads(),
-                                 self.runner("target"), confidence_threshold)
+                                 self.runner("target"), confidence_threshold, threshold_rule=confidence_rule)
+        if confidence_rule != "survival":
+            raise InputError(f"draft_confidence_rule={confidence_rule!r} applies to the DSpark drafter only (draft "
+                             f"{draft!r} ends a block after its first draft token below draft_confidence); use "
+                             "draft='dspark' or 'router' over a DSpark drafter, or drop the rule")
         if draft == "lm":
             if self.lm_graph is None:
                 raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
@@ -470,8 +478,8 @@ class Engine:
 
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
-                 draft_confidence: float | None = None, seed: int | None = None, stop: list | None = None,
-                 raw: bool = False,
+                 draft_confidence: float | None = None, draft_confidence_rule: str = "survival",
+                 seed: int | None = None, stop: list | None = None, raw: bool = False,
                  stream: Callable[[str], None] | None = None) -> GenerationResult:
         """Generate a completion.
 
@@ -492,6 +500,9 @@ class Engine:
             draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first
                 draft token whose draft probability is below it. DSpark: cut the block before the first
                 position whose calibrated prefix survival falls below it. None = the full block.
+            draft_confidence_rule: how the DSpark drafter applies ``draft_confidence``: "survival" (ours, above)
+                or "deepspec" (DeepSpec's rule: cut before the first position whose own confidence is below it,
+                uncalibrated). Other drafters: "survival" only.
             seed: RNG seed for sampling (same seed, same output).
             stop: strings that end generation (excluded from the text).
             stream: called with each new piece of text as tokens are committed.
@@ -515,7 +526,7 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        drafter = self._drafter(draft, draft_confidence)
+        drafter = self._drafter(draft, draft_confidence, draft_confidence_rule)
         if getattr(drafter, "block_size", None) and draft_length in (None, "scheduled"):
             gamma = drafter.block_size  # a DSpark block (also inside the router) drafts block_size tokens in one pass
         if scheduled:

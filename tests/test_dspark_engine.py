@@ -66,6 +66,25 @@ def test_confidence_threshold_cuts_blocks_and_stays_exact(dspark_engine):
     assert cut.stats.proposed < full.stats.proposed
 
 
+def test_deepspec_threshold_rule_is_offered_and_exact(dspark_engine):
+    """draft_confidence_rule='deepspec' (DeepSpec's own cut: a position's own confidence) reaches the DSpark drafter,
+    stays exact, and cuts other blocks than ours at the same threshold; other drafters refuse it by name."""
+    from dspark_runtime.errors import InputError
+
+    ref = dspark_engine.generate("hello world", max_new_tokens=40, draft="none")
+    ours = dspark_engine.generate("hello world", max_new_tokens=40, draft="dspark", draft_confidence=0.5)
+    theirs = dspark_engine.generate("hello world", max_new_tokens=40, draft="dspark", draft_confidence=0.5,
+                                    draft_confidence_rule="deepspec")
+    assert theirs.token_ids == ours.token_ids == ref.token_ids
+    assert dspark_engine._drafter("dspark", 0.5, "deepspec").threshold_rule == "deepspec"
+    assert dspark_engine._drafter("router", 0.5, "deepspec").inner.threshold_rule == "deepspec"
+    assert theirs.stats.proposed != ours.stats.proposed  # the rules differ (product of survivals vs own confidence)
+    with pytest.raises(InputError, match="DSpark drafter only"):
+        dspark_engine.generate("hi", max_new_tokens=4, draft="ngram", draft_confidence_rule="deepspec")
+    with pytest.raises(InputError, match="unknown draft_confidence_rule"):
+        dspark_engine.generate("hi", max_new_tokens=4, draft="dspark", draft_confidence_rule="first")
+
+
 def test_bad_dspark_checkpoint_path_is_named(tiny_pair, tmp_path):
     from dspark_export.build import Recipe, build_engine
     from dspark_runtime.errors import DSparkError
