@@ -212,6 +212,18 @@ def _undo(ed: Path, st: Path, done: list, made_dirs: list) -> bool:
     return ok
 
 
+def _discard(txn, created: list) -> None:
+    """Remove an uncommitted transaction's stage folder (``txn`` None: none to remove) and the directories the
+    transaction created (innermost first, only if empty)."""
+    if txn is not None:
+        shutil.rmtree(txn.stage, ignore_errors=True)
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
 @contextmanager
 def _sigint_held():
     """Hold SIGINT (Ctrl-C) while the block runs (main thread only); yields ``interrupted()``. A held Ctrl-C
@@ -321,13 +333,7 @@ def engine_transaction(engine_dir):
         txn = EngineTransaction(ed, stage, _old_files(ed))
         yield txn
     except BaseException as exc:
-        if txn is not None and not txn.committed and not txn.keep_stage:
-            shutil.rmtree(txn.stage, ignore_errors=True)
-        for d in reversed(created):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+        _discard(txn if txn is not None and not txn.committed and not txn.keep_stage else None, created)
         if not isinstance(exc, DSparkError) and _no_space(exc):
             raise DSparkError(f"no space left on the device of {ed} ({exc}); the engine directory was left as it "
                               "was. Free space there (the command writes its new files beside the old ones before "
@@ -335,12 +341,7 @@ def engine_transaction(engine_dir):
         raise
     else:
         if not txn.committed:
-            shutil.rmtree(txn.stage, ignore_errors=True)
-            for d in reversed(created):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+            _discard(txn, created)
     finally:
         if lock_fd is not None:
             os.close(lock_fd)

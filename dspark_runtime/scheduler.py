@@ -386,6 +386,17 @@ def schedule_fixed(n_requests: int, gamma: int) -> list[int]:
     return [int(gamma)] * int(n_requests)
 
 
+def _check_threshold(threshold) -> float:
+    """``threshold`` as a float in [0, 1]; raises ValueError naming it otherwise."""
+    try:
+        thr = float(threshold)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}") from exc
+    if not 0.0 <= thr <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    return thr
+
+
 def schedule_threshold(
     survival: Sequence[np.ndarray],  # R arrays, float [gamma_r]; non-increasing
     threshold: float,  # in [0, 1]
@@ -402,12 +413,7 @@ def schedule_threshold(
         ValueError: ``threshold`` is not in ``[0, 1]``, or ``survival`` is invalid (see
             :func:`schedule_greedy`).
     """
-    try:
-        thr = float(threshold)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}") from exc
-    if not 0.0 <= thr <= 1.0:
-        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    thr = _check_threshold(threshold)
     arrays = _check_survival(survival)
     lengths = []
     for a in arrays:
@@ -430,12 +436,7 @@ def schedule_threshold_deepspec(
         ValueError: ``threshold`` is not in ``[0, 1]``, or a confidence row is not 1-D
             probabilities in ``[0, 1]``.
     """
-    try:
-        thr = float(threshold)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}") from exc
-    if not 0.0 <= thr <= 1.0:
-        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    thr = _check_threshold(threshold)
     rows = list(confidence)
     if not rows:
         raise ValueError("confidence is empty: schedule at least one request")
