@@ -53,6 +53,7 @@ log = logging.getLogger("dspark.server")
 DEFAULT_MAX_CONTEXT = 4096  # when neither the manifest nor the caller gives one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM): logits / 1e-300 would overflow
 MAX_STOP_STRINGS = 8
+SHUTDOWN_GRACE_S = 5.0  # after the drain deadline, how long handlers get to send their "cancelled" answers
 API_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -267,15 +268,20 @@ class EngineWorker:
         """Cancel ``job`` (its client went away); its slots are freed before the next round."""
         self._cmds.put(("cancel", job))
 
-    def stop(self, drain_s: float = 0.0, join_s: float = 60.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to ``drain_s`` seconds, cancel the rest
-        (their handlers get a "cancelled" outcome) and end the thread."""
+    def begin_stop(self, drain_s: float = 0.0) -> None:
+        """Stop accepting (new submissions get 503) and return at once; in-flight requests may finish for up
+        to ``drain_s`` seconds, then the rest are cancelled (their handlers get a "cancelled" outcome and
+        answer it) and the thread ends. A later call can only bring the deadline forward."""
         with self._lock:
             self._accepting = False
-        if self.thread is None:
-            return
-        self._cmds.put(("stop", time.monotonic() + max(0.0, drain_s)))
-        self.thread.join(join_s)
+        if self.thread is not None:
+            self._cmds.put(("stop", time.monotonic() + max(0.0, drain_s)))
+
+    def stop(self, drain_s: float = 0.0, join_s: float = 60.0) -> None:
+        """:meth:`begin_stop`, then wait up to ``join_s`` seconds for the thread to end."""
+        self.begin_stop(drain_s)
+        if self.thread is not None:
+            self.thread.join(join_s)
 
     # -- the engine thread
 
@@ -292,22 +298,24 @@ class EngineWorker:
             req = self.gen.submit(job.prompt_ids, max_new_tokens=job.max_tokens, params=job.params,
                                   gamma=self.gamma, seed=job.seed, stop=job.stop or None, on_tokens=on_tokens)
         except DSparkError as e:
-            job.push("error", APIError(400, str(e)))
             self._release()
+            job.push("error", APIError(400, str(e)))
             return
         except Exception as e:  # noqa: BLE001 - never leave a client hanging
             log.exception("submit failed")
-            job.push("error", APIError(500, f"internal error: {e}", "server_error"))
             self._release()
+            job.push("error", APIError(500, f"internal error: {e}", "server_error"))
             return
         job.req = req
         self._jobs[req.rid] = job
 
     def _done(self, job: Job, reason: str | None = None) -> None:
+        # the slot is released before the handler hears of it: a client that sends its next request as soon
+        # as it has its answer must never find the slot still taken (a spurious 429 at exactly capacity)
         req = job.req
         self._jobs.pop(req.rid, None)
-        job.push("done", Outcome(list(req.token_ids), reason or req.finish_reason, req.stats))
         self._release()
+        job.push("done", Outcome(list(req.token_ids), reason or req.finish_reason, req.stats))
 
     def _cancel(self, job: Job) -> None:
         if job.req is None or job.req.rid not in self._jobs:
@@ -325,8 +333,8 @@ class EngineWorker:
             except Exception:  # noqa: BLE001
                 pass
             self._jobs.pop(job.req.rid, None)
-            job.push("error", err)
             self._release()
+            job.push("error", err)
 
     def _snapshot(self) -> None:
         g = self.gen
@@ -353,7 +361,7 @@ class EngineWorker:
                     elif kind == "cancel":
                         self._cancel(arg)
                     elif kind == "stop":
-                        stop_at = arg
+                        stop_at = arg if stop_at is None else min(stop_at, arg)
                 if stop_at is not None and (not self.gen.busy or time.monotonic() >= stop_at):
                     for job in list(self._jobs.values()):
                         self._cancel(job)
@@ -548,6 +556,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     app = FastAPI(title="DSpark", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="OpenAI-compatible completions over DSpark speculative decoding.")
     app.state.worker, app.state.metrics, app.state.max_context, app.state.model_name = worker, metrics, ctx, name
+    app.state.shutdown_drain_s = shutdown_drain_s
 
     def _count_invalid(request: Request, outcome: str = "invalid") -> None:
         if request.url.path in API_PATHS:
@@ -840,6 +849,32 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
 # ---------------------------------------------------------------------------------------- running
 
 
+def _draining_server(config, app, drain_s: float | None = None):
+    """A ``uvicorn.Server`` whose shutdown first tells the app's engine thread to stop taking work and to
+    cancel, ``drain_s`` seconds later (default: the app's ``shutdown_drain_s``), whatever is still running.
+
+    uvicorn itself would wait ``timeout_graceful_shutdown`` seconds and then cancel the handlers of open
+    requests, which answers a non-streamed request with a bare 500 and cuts a stream mid-body; the engine
+    thread's own drain only started after that (at the lifespan's end), when nothing was left to drain.
+    Draining from the start of the shutdown instead ends each open request with its own clean answer before
+    uvicorn's timeout: it finishes, or gets a 503 ``cancelled`` body or an SSE error event then ``[DONE]``.
+    ``timeout_graceful_shutdown`` must leave handlers time after the drain deadline (see
+    :data:`SHUTDOWN_GRACE_S`)."""
+    import uvicorn
+
+    worker = getattr(getattr(app, "state", None), "worker", None)
+    if drain_s is None:
+        drain_s = getattr(app.state, "shutdown_drain_s", 0.0) if worker is not None else 0.0
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            if isinstance(worker, EngineWorker):
+                worker.begin_stop(drain_s)
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(config)
+
+
 class ServerThread:
     """Run an app with uvicorn in a background thread on an already-bound loopback socket (tests,
     embedding). Use as a context manager; ``url`` is ``http://host:port``.
@@ -847,7 +882,10 @@ class ServerThread:
     Args:
         app: the ASGI app (``create_app(...)``).
         host: address to bind; port 0 picks a free port.
-        timeout_graceful_shutdown: seconds uvicorn waits for open connections at shutdown.
+        timeout_graceful_shutdown: seconds uvicorn waits for open connections at shutdown (None: no limit).
+            Open requests get the app's ``shutdown_drain_s`` to finish, at most this less a grace (the
+            smaller of :data:`SHUTDOWN_GRACE_S` and half of it) in which their handlers answer the
+            cancellation cleanly.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float | None = 10,
@@ -860,7 +898,11 @@ class ServerThread:
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=timeout_graceful_shutdown)
-        self.server = uvicorn.Server(config)
+        drain = getattr(getattr(app, "state", None), "shutdown_drain_s", 0.0)
+        if timeout_graceful_shutdown is not None:
+            t = float(timeout_graceful_shutdown)
+            drain = max(0.0, min(drain, t - min(SHUTDOWN_GRACE_S, t / 2)))
+        self.server = _draining_server(config, app, drain)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="dspark-uvicorn", daemon=True)
 
@@ -879,7 +921,8 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Graceful shutdown (uvicorn closes the listener, waits for open requests, runs the lifespan exit)."""
+        """Graceful shutdown (uvicorn closes the listener, the engine thread drains open requests, uvicorn
+        waits for them, runs the lifespan exit)."""
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
@@ -894,11 +937,26 @@ class ServerThread:
 def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
           log_level: str = "info", **app_kwargs) -> None:
     """Serve ``engine`` with uvicorn until interrupted (``dspark serve``). ``app_kwargs`` go to :func:`create_app`.
-    On SIGINT/SIGTERM uvicorn stops accepting, waits up to ``shutdown_timeout`` s for open requests, then
-    the engine thread cancels what is left and stops."""
+
+    On SIGINT/SIGTERM uvicorn stops accepting and the engine thread stops taking work; open requests may
+    finish for up to ``shutdown_timeout`` s, then the rest are cancelled and each gets a clean answer (a 503
+    ``cancelled`` body, or an SSE error event then ``[DONE]``) within :data:`SHUTDOWN_GRACE_S` more; then
+    the process exits (uvicorn re-raises the signal it handled: a SIGTERM'd server ends by that signal)."""
+    import sys
+
     import uvicorn
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    shutdown_timeout = max(0.0, float(shutdown_timeout))
+    app_kwargs.setdefault("shutdown_drain_s", shutdown_timeout)
     app = create_app(engine, **app_kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=app.state.shutdown_drain_s + SHUTDOWN_GRACE_S)
+    server = _draining_server(config, app)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the SIGINT uvicorn handled, re-raised after the graceful shutdown
+        pass
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the server did not start (e.g. the port is taken)
