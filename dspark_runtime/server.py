@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_runtime.engine import _streamable_length
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.sampling import SamplingParams
 
 log = logging.getLogger("dspark.server")
@@ -519,12 +519,12 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     """The FastAPI app serving ``engine`` (a loaded :class:`~dspark_runtime.engine.Engine`).
 
     Args:
-        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto": the router — per
-            request and round n-gram lookup or the DSpark drafter — on an engine with a DSpark drafter, else its
-            draft LM, else n-gram lookup; None/"none": target-only).
+        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto":
+            :meth:`Engine.auto_draft` — the engine's draft LM when it has one, else the router over its DSpark
+            drafter, else n-gram lookup; None/"none": target-only).
         max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
         max_context: prompt + max_tokens limit; default: the manifest's ``max_position_embeddings``
-            (else 4096).
+            (else 4096); a larger value than that raises InputError.
         default_max_tokens: max_tokens when a request gives none (capped by the context left).
         model_name: the id served in /v1/models and responses (default: the manifest's name).
         shutdown_drain_s: at shutdown, how long in-flight requests may still finish before they are cancelled.
@@ -537,7 +537,12 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                        max_batch=max_batch)
     worker = EngineWorker(gen, max_queue=max_queue)
     metrics = ServerMetrics(worker)
-    ctx = int(max_context or engine_max_context(engine) or DEFAULT_MAX_CONTEXT)
+    model_ctx = engine_max_context(engine)
+    if max_context is not None and model_ctx is not None and int(max_context) > model_ctx:
+        raise InputError(f"max_context {max_context} is beyond what the engine's model was trained for "
+                         f"(max_position_embeddings {model_ctx}): positions past it give unreliable output; pass "
+                         f"--max-context {model_ctx} or less")
+    ctx = int(max_context or model_ctx or DEFAULT_MAX_CONTEXT)
     name = model_name or engine.manifest.name
     vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
     created = int(time.time())

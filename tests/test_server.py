@@ -468,3 +468,16 @@ def test_dspark_serve_cli(tiny_engine_dir, engine, solo, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--engine", str(tiny_engine_dir), "--draft", "dspark", "--threads", "1"])
     assert e.value.code == 2 and "no DSpark drafter" in capsys.readouterr().err
+
+
+def test_max_context_beyond_the_model_is_refused(engine):
+    """--max-context larger than the model's max_position_embeddings is refused, naming both (positions the model
+    never saw give unreliable output); at the limit it is accepted."""
+    from dspark_runtime.errors import InputError
+    from dspark_runtime.server import create_app, engine_max_context
+
+    limit = engine_max_context(engine)
+    assert limit == 1024  # tests/tiny_models.py
+    with pytest.raises(InputError, match="max_position_embeddings 1024.*--max-context 1024"):
+        create_app(engine, max_context=limit + 1)
+    assert create_app(engine, max_context=limit).state.max_context == limit
