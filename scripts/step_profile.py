@@ -13,6 +13,12 @@ runtime's settings, and each category is also given as its share of the profiled
 
 Medians over the repeats, milliseconds per step. Writes --json if given. One graph, one process; run nothing
 else on the cores.
+
+``--against OTHER_ENGINE``: no profile; the unprofiled step of both engines' graphs (same role), loaded in one
+process on the runtime's shared thread pool and timed alternately, repeat by repeat, for each (past, q) — a
+before/after comparison of two builds in one run:
+
+    python scripts/step_profile.py --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
 """
 from __future__ import annotations
 
@@ -89,22 +95,13 @@ def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: in
 def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, weighted, head) -> dict:
     import onnxruntime as ort
 
-    from dspark_runtime.graphspec import past_names
-
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
     sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
-    d = spec.dims
-    rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(0, d.vocab_size, (1, q)).astype(np.int64),
-             "position_ids": np.arange(past, past + q, dtype=np.int64)[None],
-             "attention_mask": np.tril(np.ones((q, past + q), bool), k=past)[None, None]}
-    for kn, vn in past_names(d.num_layers):
-        for n in (kn, vn):
-            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+    feeds = _feeds(spec, past, q)
     outs = spec.output_names
     sess.run(outs, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
     walls = []
@@ -136,6 +133,47 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
             "by_category_share": {k: round(v / nodes, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])}}
 
 
+def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
+    """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost)."""
+    from dspark_runtime.graphspec import past_names
+
+    d = spec.dims
+    rng = np.random.default_rng(seed)
+    feeds = {"input_ids": rng.integers(0, d.vocab_size, (1, q)).astype(np.int64),
+             "position_ids": np.arange(past, past + q, dtype=np.int64)[None],
+             "attention_mask": np.tril(np.ones((q, past + q), bool), k=past)[None, None]}
+    for kn, vn in past_names(d.num_layers):
+        for n in (kn, vn):
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+    return feeds
+
+
+def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int) -> list:
+    """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
+    process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
+    from dspark_runtime.backend import OrtDecoder, enable_shared_thread_pool
+
+    enable_shared_thread_pool(threads)
+    decs = {}
+    for i, e in enumerate(engines):
+        g = load_manifest(e, verify=False).graphs[role]
+        decs[i] = (OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any").activate(), g.spec)
+    rows = []
+    for past in pasts:
+        for q in qs:
+            feeds = {k: _feeds(spec, past, q) for k, (_, spec) in decs.items()}
+            walls = {k: [] for k in decs}
+            for k, (dec, spec) in decs.items():
+                dec.session.run(spec.output_names, feeds[k])  # warm-up
+            for _ in range(repeats):
+                for k, (dec, spec) in decs.items():
+                    t = time.perf_counter()
+                    dec.session.run(spec.output_names, feeds[k])
+                    walls[k].append(time.perf_counter() - t)
+            rows.append({"past": past, "q": q, "ms": [round(statistics.median(walls[k]) * 1000, 2) for k in decs]})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", required=True, type=Path)
@@ -145,7 +183,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--against", type=Path, help="a second engine: interleaved wall-time comparison, no profile")
     a = ap.parse_args(argv)
+    if a.against is not None:
+        rows = against([a.engine, a.against], a.role, [int(x) for x in a.past.split(",")],
+                       [int(x) for x in a.q.split(",")], a.repeats, a.threads)
+        e0, e1 = str(a.engine), str(a.against)
+        print(f"{'past':>5s} {'q':>3s} {a.engine.name[:28]:>28s} {a.against.name[:28]:>28s}  change")
+        for r in rows:
+            m0, m1 = r["ms"]
+            print(f"{r['past']:5d} {r['q']:3d} {m0:25.1f} ms {m1:25.1f} ms  {m1 / m0 - 1:+.0%}", flush=True)
+        out = {"engines": [e0, e1], "role": a.role, "machine": machine_description(), "threads": a.threads,
+               "repeats": a.repeats, "rows": rows}
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     m = load_manifest(a.engine, verify=False)
     g = m.graphs.get(a.role)
     if g is None or g.spec.kind != "causal_lm":

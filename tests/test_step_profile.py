@@ -18,3 +18,23 @@ def test_step_profile_groups_the_nodes_of_one_step(tiny_engine_dir, tmp_path):
         assert all(v >= 0 for v in cats.values())
         assert 0 < r["profiled_nodes_ms"] <= r["profiled_wall_ms"] + 0.5 and r["wall_ms"] > 0
         assert abs(sum(r["by_category_share"].values()) - 1) < 0.01
+
+
+def test_against_times_two_engines_alternately(tiny_engine_dir, tmp_path):
+    """--against: both engines' target steps timed in one process (a subprocess here: the shared thread pool is
+    process-wide), one row per (past, q) with a positive median for each engine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_profile.py"
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(script), "--engine", str(tiny_engine_dir), "--against",
+                        str(tiny_engine_dir), "--past", "8,32", "--q", "2", "--repeats", "2", "--threads", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert [(row["past"], row["q"]) for row in rep["rows"]] == [(8, 2), (32, 2)]
+    assert all(len(row["ms"]) == 2 and all(v > 0 for v in row["ms"]) for row in rep["rows"])
+    assert rep["engines"] == [str(tiny_engine_dir)] * 2
+    assert "change" in r.stdout
