@@ -23,6 +23,7 @@ def smollm_engine(tmp_path_factory):
     pytest.importorskip("torch")
     from dspark_export.build import Recipe, build_engine
     from dspark_export.fetch import model_path
+    from dspark_export.paths import resolve_recipe
 
     if not (model_path("smollm2-135m-instruct") / "config.json").is_file():
         pytest.skip("smollm2-135m-instruct not fetched: run `dspark-export fetch smollm2-135m-instruct`")
@@ -31,7 +32,7 @@ def smollm_engine(tmp_path_factory):
         out = prebuilt
     else:
         out = tmp_path_factory.mktemp("eng") / "smollm2"
-        build_engine(Recipe.from_file(ROOT / "engines" / "smollm2-135m.json"), out, isolate=True)
+        build_engine(Recipe.from_file(resolve_recipe("smollm2-135m")), out, isolate=True)
     from dspark_runtime import Engine
 
     return Engine.load(out)
