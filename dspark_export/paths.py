@@ -3,18 +3,12 @@ build recipes shipped inside the package (``dspark_export/data/prompts/``, ``dsp
 data, so an installed wheel has them too), and the source checkout when running from one."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.manifest import cache_root  # noqa: F401  (the one cache root; re-exported here)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def cache_root() -> Path:
-    """Root of the DSpark cache (``$DSPARK_CACHE`` overrides ``~/.cache/dspark``)."""
-    env = os.environ.get("DSPARK_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
 
 
 def models_dir() -> Path:

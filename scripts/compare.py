@@ -559,8 +559,9 @@ def default_peer_dir() -> Path:
     """``$DSPARK_PEER_DIR``, else ``${DSPARK_CACHE:-~/.cache/dspark}/peers`` (where install.sh puts them)."""
     if os.environ.get("DSPARK_PEER_DIR"):
         return Path(os.environ["DSPARK_PEER_DIR"]).expanduser()
-    cache = os.environ.get("DSPARK_CACHE")
-    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "dspark") / "peers"
+    from dspark_runtime.manifest import cache_root
+
+    return cache_root() / "peers"
 
 
 def peer_python(peer_dir, peer: str) -> Path:

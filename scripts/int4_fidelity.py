@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from evalsets import ROOT, load_prompts, machine  # noqa: E402
+from compare import default_peer_dir  # noqa: E402
 
 
 def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
@@ -105,8 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32", type=Path, help="the fp32 engine of the same model")
     ap.add_argument("--gguf", type=Path, help="the GGUF for llama.cpp (skip llama.cpp when not given)")
     ap.add_argument("--peer-python", type=Path,
-                    default=Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "peers" /
-                    "llama-cpp" / "venv" / "bin" / "python")
+                    default=default_peer_dir() / "llama-cpp" / "venv" / "bin" / "python")
     ap.add_argument("--datasets", default="humaneval,mbpp,gsm8k,mt-bench")
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--continuation", type=int, default=64)
