@@ -152,17 +152,18 @@ def speculation_lines(m) -> list:
     runs and with how many draft tokens per round (as ``Engine.auto_draft`` and ``Engine.generate`` decide: the
     draft LM at the manifest's draft_length when the engine has one, else the router over the DSpark drafter,
     whose blocks are block_size tokens, else n-gram lookup at draft_length), and whether router priors exist."""
+    from dspark_runtime.engine import auto_draft_choice, manifest_drafters
+
     sp = m.speculation
     dl = sp.get("draft_length")
-    dg = sp.get("draft_graph")
-    lm = dg if dg in m.graphs and m.graphs[dg].spec.kind == "causal_lm" else None
-    ds = next((k for k, g in m.graphs.items() if g.spec.kind == "dspark_draft"), None)
+    lm, ds = manifest_drafters(m)
+    choice = auto_draft_choice(lm, ds)
     block = (sp.get("dspark") or {}).get("block_size", "?")
     drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
     lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
-    if lm:
+    if choice == "lm":
         auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
-    elif ds:
+    elif choice == "router":
         auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
                 "to commit more (--draft-length N caps the block; 'scheduled' sizes it from the cost table)")
     else:

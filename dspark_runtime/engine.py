@@ -20,6 +20,21 @@ from dspark_runtime.tokenizer import Tokenizer
 DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
 
 
+def manifest_drafters(manifest: Manifest) -> tuple:
+    """(the draft LM's graph key or None, the DSpark drafter's graph key or None) of an engine manifest: the
+    ``causal_lm`` graph named by ``speculation.draft_graph`` and the ``dspark_draft`` graph, where present."""
+    dg = manifest.speculation.get("draft_graph")
+    lm = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
+    ds = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
+    return lm, ds
+
+
+def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None) -> str:
+    """What ``draft="auto"`` runs given the engine's drafters: the draft LM when there is one (measured fastest on
+    the CPU, :meth:`Engine.auto_draft`), else the router over the DSpark drafter, else n-gram lookup."""
+    return "lm" if lm_graph else ("router" if dspark_graph else "ngram")
+
+
 def _streamable_length(text: str, stop) -> int:
     """How much of ``text`` may be streamed: everything before the first stop string, and never a
     tail that could still grow into one."""
@@ -62,11 +77,8 @@ class Engine:
         self._check_cpu(probe_used=row_multiple is None)
         self._check_int8_weights()
         self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
-        spec = manifest.speculation
-        dg = spec.get("draft_graph")
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
-        self.lm_graph = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
-        self.dspark_graph = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
+        self.lm_graph, self.dspark_graph = manifest_drafters(manifest)
         self.draft_graph = self.dspark_graph or self.lm_graph
         self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
         self._heads = None
@@ -227,9 +239,9 @@ class Engine:
         DSpark drafter, else n-gram lookup. Measured on the 1.5B int4 target with the 0.5B int4 draft (2-core
         CPU, 4 held-out prompts, 128 tokens): the LM at gamma 3 1.62x target-only, the router over the
         CPU-trained DSpark drafter 0.80x (on the fp32 target: 2.11x vs 2.04x transformers)."""
-        if self.lm_graph is not None and self.lm_graph in self._backends:
-            return "lm"
-        return "router" if self.has_draft else "ngram"
+        have = self._backends
+        return auto_draft_choice(self.lm_graph if self.lm_graph in have else None,
+                                 self.dspark_graph if self.dspark_graph in have else None)
 
     def runner(self, key: str) -> DecoderRunner:
         """The DecoderRunner of graph ``key`` ("target" or "draft"), activating its session."""
