@@ -411,7 +411,7 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
     if draft_dir is not None:
         _check_same_vocab(target_dir, draft_dir)
     if dspark_ckpt is not None:
-        from dspark_export.dspark_model import load_config
+        from dspark_export.dspark_config import load_config
 
         ids = load_config(dspark_ckpt).target_layer_ids
         if recipe.target_feature_layers and list(recipe.target_feature_layers) != list(ids):
@@ -522,7 +522,7 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     from dspark_runtime.graphspec import GraphSpec as _GS
 
     feats = manifest.graphs["target"].spec.dims.feature_layers
-    from dspark_export.dspark_model import load_config
+    from dspark_export.dspark_config import load_config
 
     cfg = load_config(ckpt)
     if list(feats) != list(cfg.target_layer_ids):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_export.dspark_model import (DraftConfigError, DSparkConfig, DSparkDrafter, block_mask,
-                                        expected_shapes, load_checkpoint, save_checkpoint)
+from dspark_export.dspark_config import DraftConfigError, DSparkConfig
+from dspark_export.dspark_model import DSparkDrafter, block_mask, expected_shapes, load_checkpoint, save_checkpoint
 
 # A hand-specified DeepSpec config: a (tiny) copy of a Qwen3 target config plus the DSpark fields.
 DEEPSPEC_CONFIG = {
