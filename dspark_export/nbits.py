@@ -38,7 +38,9 @@ the kernel (what llama.cpp does too: its K-quant dot products take Q8_K activati
 8-bit weights need 4 on the CPU provider (0 takes a ~100× slower path, measured).
 
 Output: the graph with MatMulNBits nodes and its weights in one external ``.data`` file, written one tensor at a
-time (peak memory ≈ the graph structure plus one dequantized weight in row chunks).
+time (peak memory ≈ the graph structure plus one dequantized weight in row chunks). Both writers then merge the
+MatMulNBits nodes that read the same activation (q/k/v, gate/up) into one each, bit-identically
+(:mod:`dspark_export.nbits_fuse`).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_export.nbits_fuse import fuse_shared_inputs
 from dspark_runtime.errors import DSparkError
 
 INT4_SOURCES = ("auto", "gguf", "rtn", "hqq")
@@ -408,6 +411,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     proto.graph.initializer.extend(new_inits)
     _add_ms_opset(proto, helper)
     onnx.save_model(proto, str(dst))
+    merged = fuse_shared_inputs(dst, log=log)
     _check(dst)
     by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
     rep = {"precision": "int4", "int4_source": "gguf", "gguf": gguf_path.name, "accuracy_level": accuracy_level,
@@ -415,6 +419,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                      "block-sum correction)",
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
            "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
+           "merged_shared_inputs": merged,
            "weight_bytes_in": bytes_in, "weight_bytes_out": writer.bytes_out,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  {rep['matmul_nbits']} MatMulNBits from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"
@@ -488,6 +493,7 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
             if nd.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in nd.attribute):
                 nd.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
         onnx.save_model(proto, str(dst))
+    merged = fuse_shared_inputs(dst, log=log)
     _check(dst)
     from dspark_export.quantize import graph_weight_bytes
 
@@ -495,7 +501,8 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
            "accuracy_level": accuracy_level,
            "method": f"ONNX Runtime MatMulNBitsQuantizer ({'symmetric RTN' if algorithm == 'rtn' else 'HQQ'}, "
                      f"{bits}-bit, block {block_size}) from the float weights",
-           "matmul_nbits": n, "weight_bytes_in": graph_weight_bytes(src), "weight_bytes_out": graph_weight_bytes(dst),
+           "matmul_nbits": n, "merged_shared_inputs": merged, "weight_bytes_in": graph_weight_bytes(src),
+           "weight_bytes_out": graph_weight_bytes(dst),
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  {n} MatMulNBits ({rep['method']}); weights {rep['weight_bytes_in'] / 2**30:.2f} -> "
         f"{rep['weight_bytes_out'] / 2**30:.2f} GiB in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")

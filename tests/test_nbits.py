@@ -176,6 +176,8 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
     assert rep["gguf_types"]["Q4_K"]["tensors"] == 4 and rep["gguf_types"]["Q6_K"]["tensors"] == 3
     assert rep["max_abs_weight_diff_vs_fp32_graph"] < 1e-6
     assert rep["weight_bytes_out"] < rep["weight_bytes_in"]
+    # gate (Q4_K) and up (Q4_1) are both 4-bit blocks of 32 with a correction: merged in each of the 2 layers
+    assert rep["merged_shared_inputs"]["groups"] == 2 and rep["merged_shared_inputs"]["matmul_nbits_nodes"] == [15, 13]
     ids = np.array([[5, 17, 42, 99, 7, 3]], np.int64)
     outs = []
     for p in (tmp_path / "g.onnx", tmp_path / "q.onnx"):
@@ -237,3 +239,66 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
     assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
+
+
+# ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
+def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
+    """q/k/v-like projections (4-bit with the block-min correction, each + bias), one 8-bit projection of the
+    same input (another encoding: not merged), and gate/up-like projections without correction (bias into the
+    kernel): the merged graph computes exactly what the separate nodes did, with fewer nodes."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark_export.nbits_fuse import fuse_shared_inputs
+
+    rng = np.random.default_rng(3)
+    k = 512
+    nodes, inits, outs, blocksums = [], [], [], {}
+
+    def proj(name, x, y, qtype, n, bias):
+        enc, _ = encode_gguf_rows(random_rows(qtype, n, k, rng), qtype, k)
+        inits.extend([numpy_helper.from_array(enc.packed, name + "_Q"),
+                      numpy_helper.from_array(enc.scales.reshape(-1), name + "_scales"),
+                      numpy_helper.from_array(enc.packed_zero_points(), name + "_zp")])
+        if enc.correction is not None:
+            inits.append(numpy_helper.from_array(enc.correction, name + "_corr"))
+        out = y + "_pre" if bias else y
+        _nbits_nodes(helper, name, x, out, name, _Meta(enc.bits, enc.block_size, k, n, enc.correction is not None),
+                     4, blocksums, nodes)
+        if bias:
+            inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name + "_b"))
+            nodes.append(helper.make_node("Add", [out, name + "_b"], [y]))
+        outs.append(y)
+
+    for name, n in (("q", 256), ("k", 64), ("v", 64)):
+        proj(name, "x", name + "_y", "Q4_K", n, True)
+    proj("v8", "x", "v8_y", "Q6_K", 64, False)
+    nodes.append(helper.make_node("Mul", ["q_y", "q_y"], ["h"]))
+    nodes.append(helper.make_node("Concat", ["h", "h"], ["h2"], axis=-1))
+    k = 512
+    for name in ("gate", "up"):
+        proj(name, "h2", name + "_y", "Q4_0", 128, True)
+    inits += [numpy_helper.from_array(np.array([0, 0, 512 // 32, 32], np.int64), "__nbits_shape_512_32"),
+              numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, 512])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "g.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="g.onnx.data", size_threshold=1024)
+
+    def run(x):
+        s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return s.run(outs, {"x": x})
+
+    xs = [rng.standard_normal((1, m, 512)).astype(np.float32) for m in (1, 2, 5)]
+    before = [run(x) for x in xs]
+    rep = fuse_shared_inputs(path, log=lambda *a: None)
+    assert rep["groups"] == 2 and rep["matmul_nbits_nodes"] == [6, 3]
+    after = [run(x) for x in xs]
+    for b, a in zip(before, after):
+        for yb, ya in zip(b, a):
+            np.testing.assert_array_equal(ya, yb)
+    ops = [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+    assert ops.count("Sub") == 1 and ops.count("Split") == 2 and ops.count("Add") == 1  # q/k/v's bias after the Sub
+    assert fuse_shared_inputs(path, log=lambda *a: None)["groups"] == 0  # nothing left to merge
