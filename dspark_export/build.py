@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import GraphSpec
+from dspark_runtime.graphspec import KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, GraphSpec
 from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, record_verified
 
 # fp32: the exported graph as is.
@@ -44,6 +44,7 @@ from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manif
 #   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
 #   ("rtn" / "hqq"). The CPU default (the packaged recipes, dspark_export/recipes/*.json).
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
+SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
 CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
 CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
@@ -66,6 +67,9 @@ class Recipe:
     calibration_prompts: int = 16  # calibration-split prompts for static quantization (int8, int8-trt)
     # int4 weights: "auto" | "gguf" | "rtn" | "hqq", one for all graphs or per graph ("target=gguf,draft=rtn")
     int4_source: str = "auto"
+    # KV layout of the decoder graphs: "growing" or "scatter" (one batch row per request: a request's output does
+    # not depend on its batch; ONNX Runtime fp32 / int4 / int8-dynamic only, see dspark_runtime.graphspec)
+    kv_layout: str = "growing"
 
     @staticmethod
     def from_file(path: str | Path) -> "Recipe":
@@ -77,7 +81,8 @@ class Recipe:
             return Recipe(**d)
         except (ValueError, TypeError) as e:
             raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
-                              "target_feature_layers, draft_length, calibration_prompts, int4_source") from e
+                              "target_feature_layers, draft_length, calibration_prompts, int4_source, "
+                              "kv_layout") from e
 
     def precision_for(self, role: str) -> str:
         """The precision of graph ``role`` ("target" or "draft"); raises DSparkError on a bad spec."""
@@ -96,9 +101,15 @@ class Recipe:
         return choice
 
     def validate(self) -> None:
+        if self.kv_layout not in (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER):
+            raise DSparkError(f"kv_layout {self.kv_layout!r} is not supported; choose growing or scatter")
         for role in ROLES:
-            self.precision_for(role)
+            p = self.precision_for(role)
             self.int4_source_for(role)
+            if self.kv_layout == KV_LAYOUT_SCATTER and p not in SCATTER_PRECISIONS:
+                raise DSparkError(f"the {role} graph is {p}, which needs the growing KV layout (its calibration and "
+                                  "TensorRT paths run growing graphs); use kv_layout growing, or precision "
+                                  f"{' / '.join(SCATTER_PRECISIONS)} with scatter")
         if not isinstance(self.draft_length, int) or self.draft_length < 1:
             raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
         if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:
@@ -161,7 +172,8 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
-                 calibration_ids=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None) -> dict:
+                 calibration_ids=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None,
+                 kv_layout: str = KV_LAYOUT_GROWING) -> dict:
     """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
     "quantization"}.
 
@@ -177,24 +189,24 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
     model = load_hf_model(model_dir)
     dims = decoder_dims(model.config, feature_layers)
     ref = torch_reference(model, dims, validation_ids)
-    spec = export_decoder(model, dims, out_path)
+    spec = export_decoder(model, dims, out_path, kv_layout=kv_layout)
     cfg = model.config.to_dict()
     del model
     gc.collect()
     # validation: {precision: report}, always with the fp32 graph's strict check
     quantization = {}
     if precision == "fp32":
-        validation = {"fp32": validate_decoder(ref, dims, out_path).to_json()}
+        validation = {"fp32": validate_decoder(ref, dims, out_path, kv_layout=kv_layout).to_json()}
     else:
         fp32_path = out_path.with_name(out_path.stem + ".fp32.onnx")
         _move_graph(out_path, fp32_path)
-        validation = {"fp32": validate_decoder(ref, dims, fp32_path).to_json()}
+        validation = {"fp32": validate_decoder(ref, dims, fp32_path, kv_layout=kv_layout).to_json()}
         quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
                                       fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf)
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement
-        validation[precision] = validate_decoder(ref, dims, out_path, strict=False).to_json()
+        validation[precision] = validate_decoder(ref, dims, out_path, strict=False, kv_layout=kv_layout).to_json()
     keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
             "tie_word_embeddings", "torch_dtype", "dtype")
@@ -312,12 +324,13 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
 
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
                            precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto",
-                           int4_source: str = "rtn", gguf=None) -> dict:
+                           int4_source: str = "rtn", gguf=None, kv_layout: str = KV_LAYOUT_GROWING) -> dict:
     """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
     args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
                        "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
                        "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer,
-                       "int4_source": int4_source, "gguf": None if gguf is None else str(gguf)})
+                       "int4_source": int4_source, "gguf": None if gguf is None else str(gguf),
+                       "kv_layout": kv_layout})
     result_path = out_path.with_suffix(".export.json")
     proc = subprocess.run([sys.executable, "-m", "dspark_export.build", args, str(result_path)])
     if proc.returncode != 0 or not result_path.is_file():
@@ -457,7 +470,7 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
             source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
             log(f"[{role}] int4 weights from {source} ({why})")
         res = fn(mdir, stage / f"{role}.onnx", feats, val_ids, precision,
-                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf)
+                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf, recipe.kv_layout)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
@@ -597,7 +610,7 @@ if __name__ == "__main__":  # worker for _export_graph_isolated
     try:
         r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
                          a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"),
-                         a.get("int4_source", "rtn"), a.get("gguf"))
+                         a.get("int4_source", "rtn"), a.get("gguf"), a.get("kv_layout", KV_LAYOUT_GROWING))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -85,12 +85,16 @@ def list_recipes():
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @_FP8_WRITER_OPTION
 @_INT4_SOURCE_OPTION
+@click.option("--kv-layout", "kv_layout", type=click.Choice(["growing", "scatter"]), default=None,
+              help="KV layout of the decoder graphs (default: the recipe's, else growing). scatter: one batch row "
+                   "per request, so `dspark serve` gives each request exactly its solo output (fp32 / int4 / "
+                   "int8-dynamic); growing: needed for static int8, fp8 and TensorRT.")
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
 @click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
 def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
-          fp8_writer, int4_source, in_process, engine_format):
+          fp8_writer, int4_source, kv_layout, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (a packaged recipe's name, e.g. qwen2.5-coder-1.5b, or a
     recipe file) or --target/--draft."""
     from dspark_export.build import Recipe, build_engine
@@ -116,6 +120,8 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
         r.precision = precision
     if int4_source is not None:
         r.int4_source = int4_source
+    if kv_layout is not None:
+        r.kv_layout = kv_layout
     if calibration_prompts is not None:
         r.calibration_prompts = calibration_prompts
     if draft_length is not None:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import DecoderDims, GraphSpec, causal_lm_spec, past_names
+from dspark_runtime.graphspec import (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, DecoderDims, GraphSpec, causal_lm_spec,
+                                      past_names)
 
 OPSET = 18
 # torch.export specialises axes of size 0 or 1: trace with sizes that are neither.
@@ -85,6 +86,24 @@ class _ExplicitCache:
         v = torch.cat([pv, value_states], dim=-2)
         self.present[layer_idx] = (k, v)
         return k, v
+
+
+class _ScatterCache:
+    """The *scatter* layout's cache (docs in :mod:`dspark_runtime.graphspec`): writes the new keys/values into the
+    past slot buffers at each row's positions and attends over the whole buffers; the graph's K/V outputs are the
+    new entries only."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor):
+        self.past = past
+        self.position_ids = position_ids  # [b, q]
+        self.present: list = [None] * len(past)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        pk, pv = self.past[layer_idx]
+        b, h, q, d = key_states.shape
+        idx = self.position_ids[:, None, :, None].expand(b, h, q, d)
+        self.present[layer_idx] = (key_states, value_states)
+        return pk.scatter(2, idx, key_states), pv.scatter(2, idx, value_states)
 
 
 # Model types whose eager attention is plain softmax(q k^T * scaling + mask) v over repeated KV heads
@@ -181,15 +200,16 @@ class DecoderWrapper(nn.Module):
     turned into an additive float mask (0 where True, the dtype's minimum where False).
     """
 
-    def __init__(self, model, dims: DecoderDims):
+    def __init__(self, model, dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING):
         super().__init__()
         self.model = model
         self.dims = dims
+        self.kv_layout = kv_layout
 
     def forward(self, input_ids, position_ids, attention_mask, *past_flat):
         base = self.model.model
         past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(self.dims.num_layers)]
-        cache = _ExplicitCache(past)
+        cache = _ScatterCache(past, position_ids) if self.kv_layout == KV_LAYOUT_SCATTER else _ExplicitCache(past)
         min_val = torch.finfo(torch.float32).min
         mask = torch.where(attention_mask, torch.zeros((), dtype=torch.float32), torch.full((), min_val))
         h = base.embed_tokens(input_ids)
@@ -212,16 +232,19 @@ class DecoderWrapper(nn.Module):
         return tuple(outs)
 
 
-def _example_inputs(dims: DecoderDims, batch: int, q: int, past: int, ids=None):
+def _example_inputs(dims: DecoderDims, batch: int, q: int, past: int, ids=None, kv_layout: str = KV_LAYOUT_GROWING):
     g = torch.Generator().manual_seed(0)
     if ids is None:
         ids = torch.randint(0, dims.vocab_size, (batch, q), generator=g)
     pos = torch.arange(past, past + q).unsqueeze(0).expand(batch, q).contiguous()
-    mask = torch.ones(batch, 1, q, past + q, dtype=torch.bool).tril(diagonal=past)
+    # scatter: slot buffers with room for the new positions and one masked slot after them
+    slots = past + q + 1 if kv_layout == KV_LAYOUT_SCATTER else past
+    mask = torch.ones(batch, 1, q, slots + (0 if kv_layout == KV_LAYOUT_SCATTER else q), dtype=torch.bool)
+    mask = mask.tril(diagonal=past)
     kv = []
     for _ in range(dims.num_layers):
         for _ in range(2):
-            kv.append(torch.randn(batch, dims.num_kv_heads, past, dims.head_dim, generator=g) * 0.1)
+            kv.append(torch.randn(batch, dims.num_kv_heads, slots, dims.head_dim, generator=g) * 0.1)
     return (ids, pos, mask, *kv)
 
 
@@ -242,15 +265,20 @@ def _rename_dynamic_dims(model_proto: onnx.ModelProto, spec: GraphSpec) -> None:
                     d.dim_param = want
 
 
-def export_decoder(model, dims: DecoderDims, out_path: Path) -> GraphSpec:
+def export_decoder(model, dims: DecoderDims, out_path: Path, kv_layout: str = KV_LAYOUT_GROWING) -> GraphSpec:
     """Export ``model`` as a decoder graph to ``out_path`` (+ ``out_path.data`` external weights).
 
-    Returns the GraphSpec the graph was exported with. Uses ``torch.onnx.export(dynamo=True)``,
-    opset 18, dynamic batch / q_len / past_len axes. Raises DSparkError on a trace failure.
+    ``kv_layout``: "growing" (past in, past + new out) or "scatter" (slot buffers in, new entries out; see
+    :mod:`dspark_runtime.graphspec`). Returns the GraphSpec the graph was exported with. Uses
+    ``torch.onnx.export(dynamo=True)``, opset 18, dynamic batch / q_len / cache axes. Raises DSparkError on a
+    trace failure or another layout.
     """
-    spec = causal_lm_spec(dims)
-    wrapper = DecoderWrapper(model, dims).eval()
-    args = _example_inputs(dims, TRACE_BATCH, TRACE_Q, TRACE_PAST)
+    if kv_layout not in (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER):
+        raise DSparkError(f"the exporter writes the growing or scatter KV layout, not {kv_layout!r} (the capacity "
+                          "layout is made from a growing graph by `dspark-export build-trt`)")
+    spec = causal_lm_spec(dims, kv_layout)
+    wrapper = DecoderWrapper(model, dims, kv_layout).eval()
+    args = _example_inputs(dims, TRACE_BATCH, TRACE_Q, TRACE_PAST, kv_layout=kv_layout)
     dyn = torch.export.Dim.DYNAMIC
     shapes = [{ax: dyn for ax in t.dynamic_axes()} for t in spec.inputs]
     dynamic_shapes = (*shapes[:3], tuple(shapes[3:]))  # forward(ids, pos, mask, *past)
@@ -339,7 +367,7 @@ def torch_reference(model, dims: DecoderDims, token_ids: list[int]) -> TorchRefe
 
 
 def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, tolerance: float = 1e-2,
-                     n_verify: int = 5, strict: bool = True) -> ValidationReport:
+                     n_verify: int = 5, strict: bool = True, kv_layout: str = KV_LAYOUT_GROWING) -> ValidationReport:
     """Run the ONNX graph (ONNX Runtime CPU) on the reference's token ids and compare.
 
     The prompt is fed with an empty past (past_len = 0), then its last ``n_verify`` tokens as a
@@ -351,13 +379,24 @@ def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, to
 
     if len(ref.token_ids) < n_verify + 2:
         raise DSparkError("validation prompt too short")
-    dec = OrtDecoder(onnx_path, causal_lm_spec(dims), threads=2).activate()
+    dec = OrtDecoder(onnx_path, causal_lm_spec(dims, kv_layout), threads=2).activate()
     ids = np.asarray(ref.token_ids, dtype=np.int64)[None]
     n = ids.shape[1] - n_verify
-    out1 = dec.step(ids[:, :n], np.arange(n)[None], _causal_mask(n, 0), dec.empty_kv(1))
-    out2 = dec.step(ids[:, n:], np.arange(n, n + n_verify)[None], _causal_mask(n_verify, n), out1.kv)
+    if kv_layout == KV_LAYOUT_SCATTER:
+        from dspark_runtime.slots import SlotRunner
+
+        sr = SlotRunner(dec)
+        sr.add(0)
+        logits = [sr.step([(0, list(ids[0, :n]))])[0], sr.step([(0, list(ids[0, n:]))])[0]]
+        feats = sr.features(0)
+        got_f = None if feats is None else np.array(feats)
+    else:
+        out1 = dec.step(ids[:, :n], np.arange(n)[None], _causal_mask(n, 0), dec.empty_kv(1))
+        out2 = dec.step(ids[:, n:], np.arange(n, n + n_verify)[None], _causal_mask(n_verify, n), out1.kv)
+        logits = [out1.logits[0], out2.logits[0]]
+        got_f = None if out1.features is None else np.concatenate([out1.features[0], out2.features[0]], axis=0)
     dec.deactivate()
-    got = np.concatenate([out1.logits[0], out2.logits[0]], axis=0)
+    got = np.concatenate(logits, axis=0)
     want = ref.logits
     pre_diff = float(np.abs(got[:n] - want[:n]).max())
     ver_diff = float(np.abs(got[n:] - want[n:]).max())
@@ -365,7 +404,6 @@ def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, to
     ver_agree = float((got[n:].argmax(-1) == want[n:].argmax(-1)).mean())
     feat_diff = None
     if ref.features is not None:
-        got_f = np.concatenate([out1.features[0], out2.features[0]], axis=0)
         feat_diff = float(np.abs(got_f - ref.features).max())
     rep = ValidationReport(pre_diff, pre_agree, ver_diff, ver_agree, feat_diff, tolerance)
     if strict and (max(pre_diff, ver_diff) > tolerance or min(pre_agree, ver_agree) < 1.0):

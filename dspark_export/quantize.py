@@ -735,6 +735,11 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         if g.precision != "fp32" or g.spec.kind != "causal_lm":
             raise DSparkError(f"the {role} graph is {g.precision} {g.spec.kind}; only fp32 decoder graphs "
                               "(causal_lm) can be quantized: start from an fp32 engine")
+        if g.spec.kv_layout != "growing":
+            raise DSparkError(f"the {role} graph has the {g.spec.kv_layout} KV layout; `dspark-export quantize` "
+                              "calibrates and compares growing-layout graphs: build the quantized engine directly "
+                              "(`dspark-export build --precision int4`), or start from an engine built with "
+                              "`--kv-layout growing`")
         plan[role] = want
     if not plan:
         raise DSparkError(f"nothing to do: {src_dir} already has precision {precision!r} for every graph it holds")

@@ -490,6 +490,10 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
         if manifest.graphs[key].spec.kind != "causal_lm":
             raise DSparkError(f"graph {key!r} is a {manifest.graphs[key].spec.kind} graph; TensorRT engines are "
                               "built for causal_lm graphs (target, draft LM) only so far")
+        if manifest.graphs[key].spec.kv_layout != KV_LAYOUT_GROWING:
+            raise DSparkError(f"graph {key!r} has the {manifest.graphs[key].spec.kv_layout} KV layout; TensorRT "
+                              "engines are built from growing-layout graphs: build the engine with "
+                              "`--kv-layout growing` (recipe field kv_layout) for TensorRT")
     build = build_engine_file_isolated if isolate else build_engine_file
     with engine_transaction(engine_dir) as txn:
         st = txn.stage  # new files go here; the graphs they are made from are linked in beside them

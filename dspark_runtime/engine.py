@@ -9,7 +9,8 @@ import numpy as np
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
-from dspark_runtime.generate import DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, generate_tokens
+from dspark_runtime.generate import (DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, decoder_runner,
+                                     generate_tokens)
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import RouterDrafter, router_priors
 from dspark_runtime.sampling import SamplingParams
@@ -244,10 +245,11 @@ class Engine:
                                  self.dspark_graph if self.dspark_graph in have else None)
 
     def runner(self, key: str) -> DecoderRunner:
-        """The DecoderRunner of graph ``key`` ("target" or "draft"), activating its session."""
+        """The one-sequence runner of graph ``key`` ("target" or "draft"; a DecoderRunner, or its scatter-layout twin
+        SlotSequence), activating its session."""
         if key not in self._runners:
-            self._runners[key] = DecoderRunner(self._backends[key].activate(),
-                                               row_multiple=self.row_multiple if key == "target" else 1)
+            self._runners[key] = decoder_runner(self._backends[key].activate(),
+                                                row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
     def _drafter(self, draft, confidence_threshold=None, confidence_rule: str = "survival"):
@@ -395,7 +397,7 @@ class Engine:
         Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
         """
         from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram, BatchedRouter
-        from dspark_runtime.packed import PackedRunner
+        from dspark_runtime.packed import batch_runner
 
         if self.backend != "ort":
             raise InputError("batched decoding packs KV slots on the host and runs on ONNX Runtime only so far; "
@@ -410,7 +412,7 @@ class Engine:
             draft = self.auto_draft()
         if draft == "draft":
             draft = self.draft_kind or "lm"
-        target = PackedRunner(self._backends["target"].activate(), row_multiple=self.row_multiple)
+        target = batch_runner(self._backends["target"].activate(), row_multiple=self.row_multiple)
         if draft in (None, "none"):
             drafter = None
         elif draft == "dspark":
@@ -433,7 +435,7 @@ class Engine:
         elif draft == "lm":
             if self.lm_graph is None:
                 raise InputError("this engine has no draft LM graph; use draft='ngram' or 'dspark'")
-            drafter = BatchedLM(PackedRunner(self._backends[self.lm_graph].activate()), draft_confidence)
+            drafter = BatchedLM(batch_runner(self._backends[self.lm_graph].activate()), draft_confidence)
         elif draft == "ngram":
             drafter = BatchedNgram()
         else:

@@ -96,6 +96,17 @@ class DecoderRunner:
         self.cache.rollback(length)
 
 
+def decoder_runner(backend, row_multiple: int = 1):
+    """The one-sequence runner for ``backend``'s ``causal_lm`` graph: a :class:`DecoderRunner` for the growing and
+    capacity KV layouts, a :class:`~dspark_runtime.slots.SlotSequence` (same interface) for the scatter layout."""
+    spec = getattr(backend, "spec", None)
+    if spec is not None and spec.kv_layout == "scatter":
+        from dspark_runtime.slots import SlotSequence
+
+        return SlotSequence(backend, row_multiple=row_multiple)
+    return DecoderRunner(backend, row_multiple=row_multiple)
+
+
 class Drafter(Protocol):
     """A source of draft blocks.
 

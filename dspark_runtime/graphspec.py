@@ -34,6 +34,22 @@ inputs
 outputs
   logits, features  as above
   new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]      keys (after RoPE) / values of the q_len tokens
+
+*Scatter* KV layout (one batch row per request, exact whatever shares the call): the cache inputs are per-row
+slot buffers indexed by position; the graph writes each row's new keys/values into its buffer at that row's
+``position_ids`` (``ScatterElements`` on the slot axis) and attends over the whole buffer, so row r always sees
+[its cached keys][its new keys][masked slots] — the same contiguous key block at offset 0 that a call of that
+request alone sees (ONNX Runtime's CPU Softmax/MatMul give bit-identical results for such a block whatever masked
+slots follow it; a masked gap *inside* the block, which a shared past of mixed lengths forces, does not).
+
+inputs
+  input_ids, position_ids  int64 [batch, q_len]        position_ids < slots
+  attention_mask  bool    [batch, 1, q_len, slots]
+  past.{i}.key/value float32 [batch, kv_heads, slots, head_dim]  slot buffers (slot = position)
+outputs
+  logits, features  as above
+  new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries; the runtime writes them into its
+                                                                 buffers at the same positions
 """
 from __future__ import annotations
 
@@ -41,10 +57,12 @@ from dataclasses import asdict, dataclass, field
 
 KV_LAYOUT_GROWING = "growing"
 KV_LAYOUT_CAPACITY = "capacity"
-KV_LAYOUTS = (KV_LAYOUT_GROWING, KV_LAYOUT_CAPACITY)
+KV_LAYOUT_SCATTER = "scatter"
+KV_LAYOUTS = (KV_LAYOUT_GROWING, KV_LAYOUT_CAPACITY, KV_LAYOUT_SCATTER)
 
 BATCH, Q_LEN, PAST_LEN, TOTAL_LEN = "batch", "q_len", "past_len", "total_len"
 CAPACITY, KV_LEN = "capacity", "kv_len"
+SLOTS = "slots"
 
 
 @dataclass(frozen=True)
@@ -150,11 +168,15 @@ def new_names(num_layers: int) -> list[tuple[str, str]]:
 def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> GraphSpec:
     """Declare the decoder graph (verifier or draft LM) for ``dims``.
 
-    ``kv_layout``: "growing" (past in, past + new out) or "capacity" (cache buffers in, new entries
-    out); see the module docstring. Raises ValueError for another layout.
+    ``kv_layout``: "growing" (past in, past + new out), "capacity" (cache buffers in, new entries
+    out) or "scatter" (slot buffers in, new entries written into them inside the graph, new entries out); see the
+    module docstring. Raises ValueError for another layout.
     """
     if kv_layout == KV_LAYOUT_CAPACITY:
         return _causal_lm_capacity_spec(dims)
+    if kv_layout == KV_LAYOUT_SCATTER:
+        return _causal_lm_layout_spec(dims, KV_LAYOUT_SCATTER, mask_len=SLOTS, cache_len=SLOTS, out_len=Q_LEN,
+                                      out_names=new_names(dims.num_layers))
     if kv_layout != KV_LAYOUT_GROWING:
         raise ValueError(f"unknown KV layout {kv_layout!r}; choose one of {KV_LAYOUTS}")
     return _causal_lm_layout_spec(dims, KV_LAYOUT_GROWING, mask_len=TOTAL_LEN, cache_len=PAST_LEN,

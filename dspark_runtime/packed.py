@@ -202,3 +202,14 @@ class PackedRunner:
         for s in range(0, len(tokens), chunk):
             logits = self.step([(rid, tokens[s:s + chunk])])[0]
         return logits[-1]
+
+
+def batch_runner(backend, row_multiple: int = 1):
+    """The several-requests runner for ``backend``'s ``causal_lm`` graph: a :class:`~dspark_runtime.slots.SlotRunner`
+    (one batch row per request: a request's logits do not depend on its batch) for the scatter KV layout, a
+    :class:`PackedRunner` (one packed row; see ``scripts/batch_invariance.py`` for its rounding) for the growing one."""
+    if backend.spec.kv_layout == "scatter":
+        from dspark_runtime.slots import SlotRunner
+
+        return SlotRunner(backend, row_multiple=row_multiple)
+    return PackedRunner(backend, row_multiple=row_multiple)

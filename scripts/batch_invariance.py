@@ -52,8 +52,8 @@ LAYOUTS = ("packed-alone", "masked-front", "longer-neighbour", "neighbours")
 def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
     """Max |logit difference| against the single runner, per layout (see the module docstring)."""
     from dspark_runtime.engine import Engine
-    from dspark_runtime.generate import DecoderRunner
-    from dspark_runtime.packed import PackedRunner
+    from dspark_runtime.generate import decoder_runner
+    from dspark_runtime.packed import PackedRunner, batch_runner
 
     eng = Engine.load(engine_dir, threads=threads)
     be = eng._backends["target"].activate()
@@ -63,11 +63,13 @@ def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
     steps = [list(rng.integers(3, vocab, q)) for q in STEPS]
     rm = eng.row_multiple
 
-    single = DecoderRunner(be, row_multiple=rm)
+    single = decoder_runner(be, row_multiple=rm)
     ref = [single.step(prompt)] + [single.step(s) for s in steps]
 
     def packed(layout: str) -> list:
-        pr = PackedRunner(be, compact_ratio=0.0, row_multiple=rm)
+        pr = batch_runner(be, row_multiple=rm)  # the batched runtime's runner for this graph's KV layout
+        if isinstance(pr, PackedRunner):
+            pr.compact_ratio = 0.0
         for rid in ("b", "a", "c"):
             pr.add(rid)
         if layout == "masked-front":
@@ -87,7 +89,8 @@ def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
                 out.append(pr.step([("a", s)])[0])
         return out
 
-    res = {"engine": str(engine_dir), "precision": eng.manifest.graphs["target"].precision, "row_multiple": rm}
+    res = {"engine": str(engine_dir), "precision": eng.manifest.graphs["target"].precision, "row_multiple": rm,
+           "kv_layout": be.spec.kv_layout, "batch_runner": type(batch_runner(be)).__name__}
     for layout in LAYOUTS:
         got = packed(layout)
         res[layout] = max(float(np.abs(a - b).max()) for a, b in zip(ref, got))

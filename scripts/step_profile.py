@@ -134,17 +134,25 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
 
 
 def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
-    """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost)."""
+    """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
+    Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.slots: past + q rounded up to
+    SLOT_STEP slots, the rest masked)."""
     from dspark_runtime.graphspec import past_names
+    from dspark_runtime.slots import SLOT_STEP
 
     d = spec.dims
     rng = np.random.default_rng(seed)
+    cache = past
+    mask = np.tril(np.ones((q, past + q), bool), k=past)
+    if spec.kv_layout == "scatter":
+        cache = -(-(past + q) // SLOT_STEP) * SLOT_STEP
+        mask = np.tril(np.ones((q, cache), bool), k=past)
     feeds = {"input_ids": rng.integers(0, d.vocab_size, (1, q)).astype(np.int64),
              "position_ids": np.arange(past, past + q, dtype=np.int64)[None],
-             "attention_mask": np.tril(np.ones((q, past + q), bool), k=past)[None, None]}
+             "attention_mask": mask[None, None]}
     for kn, vn in past_names(d.num_layers):
         for n in (kn, vn):
-            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, cache, d.head_dim)).astype(np.float32) * 0.1
     return feeds
 
 

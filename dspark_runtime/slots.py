@@ -1,0 +1,268 @@
+"""Slot KV cache for the *scatter* layout: one batch row per request, one slot per position, the same graph
+call for one request or many — and a request's logits bit-identical whatever else shares the call.
+
+Why (the one-core issue; ``scripts/batch_invariance.py``): in the packed layout (:mod:`dspark_runtime.packed`)
+a request's cached keys are slots of one row shared with other requests, so its key block has masked gaps and an
+offset that depend on its neighbours, and ONNX Runtime's CPU Softmax/MatMul round differently for each (up to 2.2 in
+the logits of the 1.5B int4 target). In the scatter layout row r holds exactly [its n_r cached keys][its new keys]
+[masked slots], a contiguous block at offset 0 whatever the other rows hold, which those kernels compute bit for bit
+as a call of request r alone does (trailing masked slots do not change the result; measured, see the probe).
+
+Buffers: per layer (key, value) float32 ``[rows, kv_heads, slots, head_dim]``; a request owns one row; a position p
+of it lives in slot p. A call passes the buffers of the requests it steps — a contiguous range of rows as a view
+(no copy), otherwise a gathered copy — the graph writes the new entries at the rows' positions internally and
+returns them, and this class writes them into its buffers at the same slots. Rolling back only moves a length
+(stale slots stay masked until overwritten). ``slots`` grows in steps of :data:`SLOT_STEP` as requests lengthen
+(one copy each time), rows double when requests join.
+
+Row padding: a call has ``Q`` query rows per request (the longest segment, rows of shorter segments padded with
+their last token one position on, masked from every real query; their new entries are never written). ``Q`` is
+raised until ``batch * Q`` is a multiple of ``row_multiple`` (:mod:`dspark_runtime.invariance`: the probed row
+count under which the weight kernels' results do not depend on the call's size).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+SLOT_STEP = 128  # slots are added in multiples of this many positions
+
+
+class SlotRunner:
+    """Requests' views of one scatter-layout ``causal_lm`` graph (``spec.kv_layout == "scatter"``).
+
+    Same interface as :class:`~dspark_runtime.packed.PackedRunner` (``add``, ``remove``, ``step(segments)``,
+    ``rollback``, ``length``, ``features``, ``prefill``): a single request is a set of one.
+
+    Args:
+        backend: an :class:`~dspark_runtime.backend.OrtDecoder` of a scatter-layout graph.
+        row_multiple: ``batch * Q`` of every call is padded to a multiple of this (1 = no padding).
+        max_slots: refuse to grow a request past this many positions (the graph's context limit), or None.
+    Raises DSparkError when the graph is not a scatter-layout causal_lm graph.
+    """
+
+    def __init__(self, backend, row_multiple: int = 1, max_slots: int | None = None):
+        spec = backend.spec
+        if spec.kind != "causal_lm" or spec.kv_layout != "scatter":
+            raise DSparkError(f"SlotRunner needs a scatter-layout causal_lm graph, got {spec.kind}/{spec.kv_layout}; "
+                              "re-export the graph with kv_layout='scatter'")
+        if int(row_multiple) < 1:
+            raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {row_multiple!r}")
+        self.backend = backend
+        self.row_multiple = int(row_multiple)
+        self.max_slots = max_slots
+        d = spec.dims
+        self._shape = (d.num_kv_heads, d.head_dim)
+        self._layers = d.num_layers
+        self._kv = self._alloc(0, 0)
+        self._row: dict = {}     # rid -> row
+        self._length: dict = {}  # rid -> cached positions
+        self._feats: dict = {}   # rid -> float32 [capacity, F]
+
+    def _alloc(self, rows: int, slots: int) -> list:
+        kv, d = self._shape
+        return [(np.zeros((rows, kv, slots, d), np.float32), np.zeros((rows, kv, slots, d), np.float32))
+                for _ in range(self._layers)]
+
+    def _resize(self, rows: int, slots: int) -> None:
+        old = self._kv
+        r0, s0 = old[0][0].shape[0], old[0][0].shape[2]
+        if rows <= r0 and slots <= s0:
+            return
+        rows, slots = max(rows, r0), max(slots, s0)
+        new = self._alloc(rows, slots)
+        for (ok, ov), (nk, nv) in zip(old, new):
+            nk[:r0, :, :s0] = ok
+            nv[:r0, :, :s0] = ov
+        self._kv = new
+
+    # -- requests
+    def add(self, rid) -> None:
+        """Register request ``rid`` (length 0) in a free row. Raises DSparkError if it is already here."""
+        if rid in self._row:
+            raise DSparkError(f"request {rid!r} is already in the slot cache")
+        used = set(self._row.values())
+        row = next(i for i in range(len(used) + 1) if i not in used)
+        rows = self._kv[0][0].shape[0]
+        if row >= rows:
+            self._resize(max(1, 2 * rows), self._kv[0][0].shape[2])
+        self._row[rid] = row
+        self._length[rid] = 0
+
+    def remove(self, rid) -> None:
+        """Forget request ``rid`` (its row is reused by the next ``add``); no-op for an unknown id."""
+        self._row.pop(rid, None)
+        self._length.pop(rid, None)
+        self._feats.pop(rid, None)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._row
+
+    @property
+    def requests(self) -> list:
+        return list(self._row)
+
+    def length(self, rid) -> int:
+        """Cached positions of request ``rid``."""
+        return self._length[rid]
+
+    def features(self, rid) -> np.ndarray | None:
+        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None."""
+        f = self._feats.get(rid)
+        return None if f is None else f[: self._length[rid]]
+
+    def rollback(self, rid, length: int) -> None:
+        """Keep the first ``length`` positions of ``rid`` (O(1)). Raises ValueError outside 0..length(rid)."""
+        if not 0 <= length <= self._length[rid]:
+            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
+        self._length[rid] = length
+
+    @property
+    def slots(self) -> int:
+        """Slots per row of the buffers."""
+        return int(self._kv[0][0].shape[2])
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return int(sum(k.nbytes + v.nbytes for k, v in self._kv))
+
+    # -- the graph call
+    def step(self, segments: list) -> list:
+        """Feed every ``(rid, tokens)`` of ``segments`` after that request's cached positions, in one call.
+
+        Returns float32 [q_r, vocab] logits per segment, in order. Raises DSparkError for an unknown or repeated
+        request, an empty segment, or a request growing past ``max_slots``.
+        """
+        if not segments:
+            return []
+        seen = set()
+        for rid, toks in segments:
+            if rid not in self._row:
+                raise DSparkError(f"request {rid!r} is not in the slot cache; add() it first")
+            if rid in seen:
+                raise DSparkError(f"request {rid!r} appears twice in one step")
+            if not len(toks):
+                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
+            seen.add(rid)
+        order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
+        segs = [segments[i] for i in order]
+        b = len(segs)
+        q_max = max(len(t) for _, t in segs)
+        qq = q_max
+        while (b * qq) % self.row_multiple:
+            qq += 1
+        need = max(self._length[rid] + qq for rid, _ in segs)
+        if self.max_slots is not None and max(self._length[rid] + len(t) for rid, t in segs) > self.max_slots:
+            raise DSparkError(f"a request would hold more than {self.max_slots} positions (the context limit)")
+        if need > self.slots:
+            self._resize(self._kv[0][0].shape[0], -(-need // SLOT_STEP) * SLOT_STEP)
+        rows = np.array([self._row[rid] for rid, _ in segs])
+        ids = np.empty((b, qq), np.int64)
+        pos = np.empty((b, qq), np.int64)
+        for r, (rid, toks) in enumerate(segs):
+            t = list(toks)
+            ids[r] = t + [t[-1]] * (qq - len(t))
+            pos[r] = np.arange(self._length[rid], self._length[rid] + qq)
+        slot = np.arange(self.slots)
+        mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
+        if rows[-1] - rows[0] == b - 1:  # a contiguous range of rows: views, no copy
+            kv = [(k[rows[0]:rows[-1] + 1], v[rows[0]:rows[-1] + 1]) for k, v in self._kv]
+        else:
+            kv = [(k[rows], v[rows]) for k, v in self._kv]
+        out = self.backend.step(ids, pos, mask, kv)
+        results = [None] * b
+        for r, (rid, toks) in enumerate(segs):
+            q, n0, row = len(toks), self._length[rid], rows[r]
+            for (k, v), (nk, nv) in zip(self._kv, out.kv):
+                k[row, :, n0:n0 + q] = nk[r, :, :q]
+                v[row, :, n0:n0 + q] = nv[r, :, :q]
+            if out.features is not None:
+                self._store_features(rid, n0, out.features[r, :q])
+            self._length[rid] = n0 + q
+            results[r] = out.logits[r, :q]
+        back = [None] * b
+        for j, i in enumerate(order):
+            back[i] = results[j]
+        return back
+
+    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
+        buf = self._feats.get(rid)
+        end = start + f.shape[0]
+        if buf is None or buf.shape[0] < end:
+            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
+            if buf is not None:
+                grown[:start] = buf[:start]
+            buf = self._feats[rid] = grown
+        buf[start:end] = f
+
+    def prefill(self, rid, tokens: list, chunk: int = 256) -> np.ndarray:
+        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step([(rid, tokens[s:s + chunk])])[0]
+        return logits[-1]
+
+
+class _SlotCacheView:
+    """What :class:`~dspark_runtime.kvcache.KVCache` offers to readers of a runner's cache: ``length`` and
+    ``view()`` — per layer (key, value) [1, kv_heads, length, head_dim] of one request's slots (views)."""
+
+    def __init__(self, runner: SlotRunner, rid):
+        self._runner, self._rid = runner, rid
+
+    @property
+    def length(self) -> int:
+        return self._runner.length(self._rid)
+
+    def view(self) -> list:
+        r, n = self._runner._row[self._rid], self.length
+        return [(k[r:r + 1, :, :n], v[r:r + 1, :, :n]) for k, v in self._runner._kv]
+
+
+class SlotSequence:
+    """One sequence's view of a scatter-layout graph, with the interface of
+    :class:`~dspark_runtime.generate.DecoderRunner` (``step``, ``prefill``, ``rollback``, ``reset``, ``length``,
+    ``features``, ``cache``, a settable ``row_multiple``): a :class:`SlotRunner` holding one request, so a request
+    decoded alone runs exactly the calls it would run as one row of a batch.
+    """
+
+    _RID = 0
+
+    def __init__(self, backend, row_multiple: int = 1):
+        self.backend = backend
+        self.slots = SlotRunner(backend, row_multiple=row_multiple)
+        self.slots.add(self._RID)
+        self.cache = _SlotCacheView(self.slots, self._RID)
+
+    @property
+    def row_multiple(self) -> int:
+        return self.slots.row_multiple
+
+    @row_multiple.setter
+    def row_multiple(self, m: int) -> None:
+        if int(m) < 1:
+            raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {m!r}")
+        self.slots.row_multiple = int(m)
+
+    @property
+    def features(self) -> np.ndarray | None:
+        return self.slots.features(self._RID)
+
+    @property
+    def length(self) -> int:
+        return self.slots.length(self._RID)
+
+    def reset(self) -> None:
+        self.slots.rollback(self._RID, 0)
+
+    def step(self, tokens) -> np.ndarray:
+        """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab]."""
+        return self.slots.step([(self._RID, list(tokens))])[0]
+
+    def prefill(self, tokens, chunk: int = 256) -> np.ndarray:
+        """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
+        return self.slots.prefill(self._RID, list(tokens), chunk)
+
+    def rollback(self, length: int) -> None:
+        self.slots.rollback(self._RID, length)

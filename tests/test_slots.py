@@ -1,0 +1,123 @@
+"""The scatter KV layout (one batch row per request, slot = position): the graph computes what the growing graph
+computes, and a request's logits are bit-identical whatever other requests share the call (fp32 and int4) —
+the property the packed layout lacks (scripts/batch_invariance.py)."""
+import numpy as np
+import pytest
+
+from dspark_runtime.errors import DSparkError
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    """A tiny Qwen2 target exported in the growing and the scatter layout, fp32, plus the scatter graph in int4
+    (ONNX Runtime's RTN quantizer: MatMulNBits with int8 activations, where the packed layout's rounding
+    differences grow)."""
+    from tiny_models import make_pair
+
+    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
+    from dspark_export.nbits import quantize_nbits_rtn
+
+    root = tmp_path_factory.mktemp("slots")
+    target, _ = make_pair(root)
+    model = load_hf_model(target)
+    dims = decoder_dims(model.config, (0,))
+    out = {"growing": (export_decoder(model, dims, root / "g.onnx"), root / "g.onnx"),
+           "scatter": (export_decoder(model, dims, root / "s.onnx", kv_layout="scatter"), root / "s.onnx")}
+    quantize_nbits_rtn(root / "s.onnx", root / "s4.onnx", log=lambda *a: None)
+    out["scatter-int4"] = (out["scatter"][0], root / "s4.onnx")
+    return out
+
+
+def _backend(graphs, key):
+    from dspark_runtime.backend import OrtDecoder
+
+    spec, path = graphs[key]
+    return OrtDecoder(path, spec, threads=1).activate()
+
+
+PROMPT = [5, 17, 42, 99, 7, 3, 11, 200, 31, 8, 64, 2, 77, 150, 9, 1, 4, 19, 23]
+STEPS = [[12], [13, 14], [15, 16, 17, 18], [19], [20, 21, 22], [23]]
+
+
+def test_scatter_graph_computes_what_the_growing_graph_computes(graphs):
+    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.slots import SlotRunner
+
+    grow = DecoderRunner(_backend(graphs, "growing"))
+    sr = SlotRunner(_backend(graphs, "scatter"))
+    sr.add(0)
+    ref = [grow.prefill(PROMPT)]
+    got = [sr.prefill(0, PROMPT)]
+    for t in STEPS:
+        ref.append(grow.step(t))
+        got.append(sr.step([(0, t)])[0])
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(sr.features(0), grow.features, atol=2e-5, rtol=0)
+    # rollback (a rejected draft) then feed other tokens: same as the growing cache
+    grow.rollback(grow.length - 3)
+    sr.rollback(0, sr.length(0) - 3)
+    np.testing.assert_allclose(sr.step([(0, [40, 41])])[0], grow.step([40, 41]), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("key", ["scatter", "scatter-int4"])
+@pytest.mark.parametrize("row_multiple", [1, 2])
+def test_a_requests_logits_do_not_depend_on_its_batch(graphs, key, row_multiple):
+    """Request A teacher-forced alone, then with two neighbours of other lengths stepping other token counts,
+    in several row orders and slot sizes: every logit bit-identical."""
+    from dspark_runtime.slots import SlotRunner
+
+    be = _backend(graphs, key)
+    alone = SlotRunner(be, row_multiple=row_multiple)
+    alone.add("a")
+    ref = [alone.prefill("a", PROMPT)]
+    ref += [alone.step([("a", t)])[0] for t in STEPS]
+
+    rng = np.random.default_rng(0)
+    mixed = SlotRunner(be, row_multiple=row_multiple)
+    for rid, n in (("x", 41), ("y", 3)):  # neighbours first: A gets row 2, then a middle row after x leaves
+        mixed.add(rid)
+        mixed.prefill(rid, list(rng.integers(1, 300, n)))
+    mixed.add("a")
+    got = [mixed.step([("y", [7, 8]), ("a", PROMPT), ("x", [9])])[1][-1]]
+    for i, t in enumerate(STEPS):
+        if i == 2:  # x leaves, z joins (into x's row): rows of the call are no longer contiguous
+            mixed.remove("x")
+            mixed.add("z")
+            mixed.prefill("z", list(rng.integers(1, 300, 150)))  # grows the slots past the first step
+        others = [(r, list(rng.integers(1, 300, 1 + (i + j) % 4))) for j, r in enumerate(mixed.requests) if r != "a"]
+        segs = others[:1] + [("a", t)] + others[1:]
+        got.append(mixed.step(segs)[1])
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(b, a)
+    assert mixed.length("a") == alone.length("a") == len(PROMPT) + sum(map(len, STEPS))
+
+
+def test_row_padding_and_refusals(graphs):
+    from dspark_runtime.slots import SlotRunner
+
+    be = _backend(graphs, "scatter")
+    shapes = []
+    real = be.step
+
+    def spy(ids, *a, **k):
+        shapes.append(ids.shape)
+        return real(ids, *a, **k)
+
+    sr = SlotRunner(be, row_multiple=4, max_slots=64)
+    sr.add(1)
+    sr.add(2)
+    be.step = spy
+    try:
+        sr.step([(1, [5])])
+        sr.step([(1, [6, 7, 8]), (2, [9])])
+    finally:
+        del be.step
+    assert shapes == [(1, 4), (2, 4)]  # batch * Q a multiple of 4
+    assert sr.length(1) == 4 and sr.length(2) == 1  # padding never counts
+    with pytest.raises(DSparkError, match="appears twice"):
+        sr.step([(1, [1]), (1, [2])])
+    with pytest.raises(DSparkError, match="context limit"):
+        sr.step([(2, list(range(1, 70)))])
+    with pytest.raises(DSparkError, match="scatter-layout"):
+        SlotRunner(_backend(graphs, "growing"))
