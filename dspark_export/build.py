@@ -45,6 +45,7 @@ from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manif
 #   ("rtn" / "hqq"). The CPU default (the packaged recipes, dspark_export/recipes/*.json).
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
+AUTO_SCATTER_PRECISIONS = ("int4", "int8-dynamic")  # kv_layout "auto" picks scatter when every graph is one of these
 CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
 CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
@@ -67,9 +68,12 @@ class Recipe:
     calibration_prompts: int = 16  # calibration-split prompts for static quantization (int8, int8-trt)
     # int4 weights: "auto" | "gguf" | "rtn" | "hqq", one for all graphs or per graph ("target=gguf,draft=rtn")
     int4_source: str = "auto"
-    # KV layout of the decoder graphs: "growing" or "scatter" (one batch row per request: a request's output does
-    # not depend on its batch; ONNX Runtime fp32 / int4 / int8-dynamic only, see dspark_runtime.graphspec)
-    kv_layout: str = "growing"
+    # KV layout of the decoder graphs: "auto" | "growing" | "scatter" (one batch row per request: a request's output
+    # does not depend on its batch; ONNX Runtime fp32 / int4 / int8-dynamic only, see dspark_runtime.graphspec).
+    # auto (resolved by validate()): scatter when every graph is int4 or int8-dynamic — the CPU deployment, which
+    # nothing is built from afterwards — growing otherwise (fp32 engines are what `quantize` and `build-trt` start
+    # from, and static int8 / int8-trt / fp8 calibrate and run growing graphs)
+    kv_layout: str = "auto"
 
     @staticmethod
     def from_file(path: str | Path) -> "Recipe":
@@ -101,8 +105,12 @@ class Recipe:
         return choice
 
     def validate(self) -> None:
-        if self.kv_layout not in (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER):
-            raise DSparkError(f"kv_layout {self.kv_layout!r} is not supported; choose growing or scatter")
+        """Check every field; resolves ``kv_layout`` "auto" to the layout the precisions allow. Raises DSparkError."""
+        if self.kv_layout not in ("auto", KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER):
+            raise DSparkError(f"kv_layout {self.kv_layout!r} is not supported; choose auto, growing or scatter")
+        if self.kv_layout == "auto":
+            ok = all(self.precision_for(r) in AUTO_SCATTER_PRECISIONS for r in ROLES)
+            self.kv_layout = KV_LAYOUT_SCATTER if ok else KV_LAYOUT_GROWING
         for role in ROLES:
             p = self.precision_for(role)
             self.int4_source_for(role)

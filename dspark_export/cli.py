@@ -85,10 +85,11 @@ def list_recipes():
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @_FP8_WRITER_OPTION
 @_INT4_SOURCE_OPTION
-@click.option("--kv-layout", "kv_layout", type=click.Choice(["growing", "scatter"]), default=None,
-              help="KV layout of the decoder graphs (default: the recipe's, else growing). scatter: one batch row "
-                   "per request, so `dspark serve` gives each request exactly its solo output (fp32 / int4 / "
-                   "int8-dynamic); growing: needed for static int8, fp8 and TensorRT.")
+@click.option("--kv-layout", "kv_layout", type=click.Choice(["auto", "growing", "scatter"]), default=None,
+              help="KV layout of the decoder graphs (default auto: scatter for int4 / int8-dynamic engines, growing "
+                   "otherwise). scatter: one batch row per request, so `dspark serve` gives each request exactly its "
+                   "solo output (fp32 / int4 / int8-dynamic); growing: what `quantize`, static int8, fp8 and "
+                   "TensorRT start from.")
 @click.option("--in-process", is_flag=True, help="Export in this process instead of one subprocess per graph.")
 @click.option("--engine-format", type=click.Choice(["onnx", "trt", "both"]), default="onnx", show_default=True,
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
@@ -136,6 +137,8 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
         from dspark_runtime.trt_import import import_tensorrt
 
         import_tensorrt()
+        if r.kv_layout == "auto":  # TensorRT engines are built from growing graphs
+            r.kv_layout = "growing"
     build_engine(r, out, isolate=not in_process, log=click.echo, fp8_writer=fp8_writer)
     if engine_format != "onnx":
         from dspark_export.trt import TrtBuildSettings, build_trt

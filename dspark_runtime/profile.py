@@ -53,7 +53,8 @@ def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats:
         d = engine._drafter(kind)
         ctx = prompt + [int(rng.integers(0, hi))]
         times = []
-        gamma = getattr(d, "block_size", max_tokens)
+        # a DSpark block, or the draft LM's own draft length (its round drafts that many tokens, one step each)
+        gamma = getattr(d, "block_size", None) or engine.default_draft_length
         for r in range(repeats + 1):
             d.begin(prompt)
             if kind == "dspark":

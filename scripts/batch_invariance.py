@@ -32,6 +32,11 @@ a verify block differed from the same position computed alone (1.2e-6, tiny fp32
 longer equal target-only. What the rule asks for: every request's keys at offset 0 of its own row with its new keys
 right after its cached ones, i.e. a graph that writes the new keys at each row's own positions (a scatter into the
 past buffer) instead of appending them after a common past length.
+
+That is the *scatter* KV layout (dspark_runtime/slots.py; int4 engines get it by default): the probe then runs the
+engine's own batched runner (``SlotRunner``, one batch row per request) in each layout. Measured 2026-12-01, same
+machine, 1.5B int4 target built both ways (scripts/results/batch-invariance-scatter.json): packed 0 / 1.3 / 2.2 / 2.2,
+scatter **0 / 0 / 0 / 0**.
 """
 from __future__ import annotations
 

@@ -63,3 +63,8 @@ def test_scatter_is_refused_for_precisions_that_need_the_growing_layout():
     with pytest.raises(DSparkError, match="kv_layout"):
         Recipe(name="x", target="t", kv_layout="capacity").validate()
     Recipe(name="x", target="t", precision="target=int4,draft=fp32", kv_layout="scatter").validate()  # accepted
+    for precision, layout in (("int4", "scatter"), ("int8-dynamic", "scatter"), ("fp32", "growing"),
+                              ("target=int4,draft=fp32", "growing"), ("int8", "growing")):
+        r = Recipe(name="x", target="t", precision=precision)  # kv_layout "auto"
+        r.validate()
+        assert r.kv_layout == layout, precision

@@ -212,6 +212,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
     assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
     assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
     import onnx
