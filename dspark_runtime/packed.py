@@ -27,7 +27,69 @@ from dspark_runtime.errors import DSparkError
 MAX_PACKED_PREFILL = 256  # prompt tokens per packed prefill step (logits are [tokens, vocab] float32)
 
 
-class PackedRunner:
+class RequestBook:
+    """What every several-requests runner keeps per request: its cached length and its target features by position
+    (float32 [capacity, F], grown by doubling), with the queries, the rollback check and the chunked prefill on top of
+    the subclass's ``step(segments)``. Subclasses set ``self._length`` / ``self._feats`` entries in ``add`` and
+    ``step`` and free their own KV slots in ``remove`` / ``rollback``."""
+
+    def __init__(self):
+        self._length: dict = {}  # rid -> committed cached positions
+        self._feats: dict = {}  # rid -> float32 [capacity, F] target features by position
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._length
+
+    @property
+    def requests(self) -> list:
+        """The registered request ids, in the order they were added."""
+        return list(self._length)
+
+    def length(self, rid) -> int:
+        """Cached positions of request ``rid``."""
+        return self._length[rid]
+
+    def features(self, rid) -> np.ndarray | None:
+        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
+        outputs none. Rolled back with the cache."""
+        f = self._feats.get(rid)
+        return None if f is None else f[: self._length[rid]]
+
+    def _check_segments(self, segments: list) -> None:
+        """Raise DSparkError for a segment of an unknown or repeated request id, or an empty one."""
+        seen = set()
+        for rid, toks in segments:
+            if rid not in self._length:
+                raise DSparkError(f"request {rid!r} is not in the cache; add() it first")
+            if rid in seen:
+                raise DSparkError(f"request {rid!r} appears twice in one step")
+            if not len(toks):
+                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
+            seen.add(rid)
+
+    def _check_rollback(self, rid, length: int) -> None:
+        if not 0 <= length <= self._length[rid]:
+            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
+
+    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
+        buf = self._feats.get(rid)
+        end = start + f.shape[0]
+        if buf is None or buf.shape[0] < end:
+            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
+            if buf is not None:
+                grown[:start] = buf[:start]
+            buf = self._feats[rid] = grown
+        buf[start:end] = f
+
+    def prefill(self, rid, tokens: list, chunk: int = MAX_PACKED_PREFILL) -> np.ndarray:
+        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step([(rid, tokens[s:s + chunk])])[0]
+        return logits[-1]
+
+
+class PackedRunner(RequestBook):
     """Several requests' views of one ``causal_lm`` graph, packed into a single row.
 
     Requests are identified by any hashable id. ``add(rid)`` registers one (length 0), ``step(segments)``
@@ -47,6 +109,7 @@ class PackedRunner:
     def __init__(self, backend: OrtDecoder, compact_ratio: float = 0.25, row_multiple: int = 1):
         if int(row_multiple) < 1:
             raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {row_multiple!r}")
+        super().__init__()
         self.backend = backend
         self.compact_ratio = compact_ratio
         self.row_multiple = int(row_multiple)
@@ -54,8 +117,6 @@ class PackedRunner:
         self._owner = np.zeros(0, dtype=np.int64)  # request index per slot, -1 = free
         self._pos = np.zeros(0, dtype=np.int64)  # position in its request's sequence
         self._index: dict = {}  # rid -> small int used in _owner
-        self._length: dict = {}  # rid -> committed cached positions
-        self._feats: dict = {}  # rid -> float32 [capacity, F] target features by position
         self._next = 0
 
     # -- requests
@@ -77,29 +138,11 @@ class PackedRunner:
         self._length.pop(rid, None)
         self._feats.pop(rid, None)
 
-    def __contains__(self, rid) -> bool:
-        return rid in self._index
-
-    @property
-    def requests(self) -> list:
-        return list(self._index)
-
-    def length(self, rid) -> int:
-        """Cached positions of request ``rid``."""
-        return self._length[rid]
-
-    def features(self, rid) -> np.ndarray | None:
-        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
-        outputs none. Rolled back with the cache."""
-        f = self._feats.get(rid)
-        return None if f is None else f[: self._length[rid]]
-
     def rollback(self, rid, length: int) -> None:
         """Keep the first ``length`` positions of ``rid``; frees the slots past them.
 
         Raises ValueError if ``length`` is negative or beyond the request's cached positions."""
-        if not 0 <= length <= self._length[rid]:
-            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
+        self._check_rollback(rid, length)
         if length < self._length[rid]:
             self._owner[(self._owner == self._index[rid]) & (self._pos >= length)] = -1
         self._length[rid] = length
@@ -142,16 +185,9 @@ class PackedRunner:
         """
         if not segments:
             return []
-        seen = set()
+        self._check_segments(segments)
         ids, pos, own = [], [], []
         for rid, toks in segments:
-            if rid not in self._index:
-                raise DSparkError(f"request {rid!r} is not in the packed cache; add() it first")
-            if rid in seen:
-                raise DSparkError(f"request {rid!r} appears twice in one packed step")
-            if not len(toks):
-                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
-            seen.add(rid)
             n0, q = self._length[rid], len(toks)
             ids.append(np.asarray(toks, dtype=np.int64))
             pos.append(np.arange(n0, n0 + q, dtype=np.int64))
@@ -186,22 +222,6 @@ class PackedRunner:
             off += q
         return results
 
-    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
-        buf = self._feats.get(rid)
-        end = start + f.shape[0]
-        if buf is None or buf.shape[0] < end:
-            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
-            if buf is not None:
-                grown[:start] = buf[:start]
-            buf = self._feats[rid] = grown
-        buf[start:end] = f
-
-    def prefill(self, rid, tokens: list, chunk: int = MAX_PACKED_PREFILL) -> np.ndarray:
-        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
-        logits = None
-        for s in range(0, len(tokens), chunk):
-            logits = self.step([(rid, tokens[s:s + chunk])])[0]
-        return logits[-1]
 
 
 def batch_runner(backend, row_multiple: int = 1):

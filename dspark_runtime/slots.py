@@ -25,15 +25,17 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.packed import RequestBook
 
 SLOT_STEP = 128  # slots are added in multiples of this many positions
 
 
-class SlotRunner:
+class SlotRunner(RequestBook):
     """Requests' views of one scatter-layout ``causal_lm`` graph (``spec.kv_layout == "scatter"``).
 
     Same interface as :class:`~dspark_runtime.packed.PackedRunner` (``add``, ``remove``, ``step(segments)``,
-    ``rollback``, ``length``, ``features``, ``prefill``): a single request is a set of one.
+    ``rollback``; ``length``, ``features``, ``prefill`` from their common :class:`~dspark_runtime.packed.RequestBook`):
+    a single request is a set of one.
 
     Args:
         backend: an :class:`~dspark_runtime.backend.OrtDecoder` of a scatter-layout graph.
@@ -49,6 +51,7 @@ class SlotRunner:
                               "re-export the graph with kv_layout='scatter'")
         if int(row_multiple) < 1:
             raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {row_multiple!r}")
+        super().__init__()
         self.backend = backend
         self.row_multiple = int(row_multiple)
         self.max_slots = max_slots
@@ -57,8 +60,6 @@ class SlotRunner:
         self._layers = d.num_layers
         self._kv = self._alloc(0, 0)
         self._row: dict = {}     # rid -> row
-        self._length: dict = {}  # rid -> cached positions
-        self._feats: dict = {}   # rid -> float32 [capacity, F]
 
     def _alloc(self, rows: int, slots: int) -> list:
         kv, d = self._shape
@@ -96,26 +97,9 @@ class SlotRunner:
         self._length.pop(rid, None)
         self._feats.pop(rid, None)
 
-    def __contains__(self, rid) -> bool:
-        return rid in self._row
-
-    @property
-    def requests(self) -> list:
-        return list(self._row)
-
-    def length(self, rid) -> int:
-        """Cached positions of request ``rid``."""
-        return self._length[rid]
-
-    def features(self, rid) -> np.ndarray | None:
-        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None."""
-        f = self._feats.get(rid)
-        return None if f is None else f[: self._length[rid]]
-
     def rollback(self, rid, length: int) -> None:
         """Keep the first ``length`` positions of ``rid`` (O(1)). Raises ValueError outside 0..length(rid)."""
-        if not 0 <= length <= self._length[rid]:
-            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
+        self._check_rollback(rid, length)
         self._length[rid] = length
 
     @property
@@ -136,15 +120,7 @@ class SlotRunner:
         """
         if not segments:
             return []
-        seen = set()
-        for rid, toks in segments:
-            if rid not in self._row:
-                raise DSparkError(f"request {rid!r} is not in the slot cache; add() it first")
-            if rid in seen:
-                raise DSparkError(f"request {rid!r} appears twice in one step")
-            if not len(toks):
-                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
-            seen.add(rid)
+        self._check_segments(segments)
         order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
         segs = [segments[i] for i in order]
         b = len(segs)
@@ -185,23 +161,6 @@ class SlotRunner:
         for j, i in enumerate(order):
             back[i] = results[j]
         return back
-
-    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
-        buf = self._feats.get(rid)
-        end = start + f.shape[0]
-        if buf is None or buf.shape[0] < end:
-            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
-            if buf is not None:
-                grown[:start] = buf[:start]
-            buf = self._feats[rid] = grown
-        buf[start:end] = f
-
-    def prefill(self, rid, tokens: list, chunk: int = 256) -> np.ndarray:
-        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
-        logits = None
-        for s in range(0, len(tokens), chunk):
-            logits = self.step([(rid, tokens[s:s + chunk])])[0]
-        return logits[-1]
 
 
 class _SlotCacheView:
