@@ -191,7 +191,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     ~5× slower than fp32), and it spares training the LM-head product for p_t.
     """
     from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.kvcache import causal_mask
+    from dspark_runtime.generate import decoder_runner
     from dspark_runtime.manifest import load_manifest
 
     m = load_manifest(engine_dir, verify=False)
@@ -209,15 +209,14 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
             continue
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             break
-        backend.activate()
+        runner = decoder_runner(backend.activate())  # one call per sequence, in the graph's own KV layout
         feats, logits = [], []
         ts = time.perf_counter()
         for ids, _ in shard:
-            L = len(ids)
-            out = backend.step(np.asarray(ids, np.int64)[None], np.arange(L, dtype=np.int64)[None],
-                               causal_mask(L, 0), backend.empty_kv(1))
-            feats.append(out.features[0].astype(np.float16))
-            logits.append(out.logits[0][:, vocab].astype(np.float16))
+            runner.reset()
+            lg = runner.step(list(ids))
+            feats.append(np.asarray(runner.features).astype(np.float16))
+            logits.append(lg[:, vocab].astype(np.float16))
         nt = _write_shard(out_dir, k, shard, feats, "tlogits", logits)
         done_tokens += nt
         dt = time.perf_counter() - ts

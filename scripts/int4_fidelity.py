@@ -38,20 +38,19 @@ def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
     import resource
 
     from dspark_runtime.backend import OrtDecoder
+    from dspark_runtime.generate import decoder_runner
     from dspark_runtime.manifest import load_manifest
 
     m = load_manifest(engine, verify=False)
     g = m.graphs["target"]
     t0 = time.perf_counter()
     dec = OrtDecoder(engine / g.model_file, g.spec, threads=threads, precision=g.precision)
-    dec.activate()
+    runner = decoder_runner(dec.activate())  # one full-sequence call, in the graph's own KV layout
     load_s = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     for name, ids in seqs.items():
-        n = len(ids)
-        o = dec.step(np.asarray([ids], np.int64), np.arange(n, dtype=np.int64)[None],
-                     np.tril(np.ones((n, n), bool))[None, None], dec.empty_kv(1))
-        np.save(out / f"{name}.npy", o.logits[0].astype(np.float32))
+        runner.reset()
+        np.save(out / f"{name}.npy", np.asarray(runner.step(list(ids)), np.float32))
     dec.deactivate()
     return {"load_s": round(load_s, 1), "seconds": round(time.perf_counter() - t0, 1),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
