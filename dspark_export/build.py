@@ -38,7 +38,7 @@ from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manif
 #   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
 #   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
 # fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
-#   environment (dspark_export.fp8) or by the streaming QDQ writer (dspark_export.quantize; fp8_writer picks);
+#   environment (dspark_export.fp8) or by the streaming QDQ writer (dspark_export.qdq; fp8_writer picks);
 #   the runtime refuses it on the CPU provider unless asked.
 # int4: weight-only com.microsoft.MatMulNBits for ONNX Runtime CPU (dspark_export.nbits), from the GGUF's own
 #   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
@@ -242,11 +242,11 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
     ``quantization`` record.
 
-    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.quantize.quantize_qdq`), memory-bounded
+    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.qdq.quantize_qdq`), memory-bounded
     (peak ≈ the largest weight plus the graph structure), with activation ranges from ``table`` (a
-    :class:`~dspark_export.quantize.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
+    :class:`~dspark_export.qdq_calibrate.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
     lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
-    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.quantize.DEFAULT_EXCLUDE`;
+    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.qdq.DEFAULT_EXCLUDE`;
     for fp8 none: every weight MatMul).
     ``fp8``: FP8 E4M3 QDQ by the writer ``fp8_writer`` names (:func:`dspark_export.fp8.choose_fp8_writer`):
     ``"modelopt"`` — NVIDIA ModelOpt in its own environment (:func:`dspark_export.fp8.quantize_fp8`; needs
@@ -286,7 +286,8 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
         rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
         return {**rep, "writer_reason": reason}
     if precision in CALIBRATED:
-        from dspark_export.quantize import DEFAULT_EXCLUDE, calibrate_graph, quantize_qdq
+        from dspark_export.qdq import DEFAULT_EXCLUDE, quantize_qdq
+        from dspark_export.qdq_calibrate import calibrate_graph
         from dspark_runtime.manifest import sha256_file
 
         exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
@@ -462,7 +463,7 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
                          if tok.chat_template else VALIDATION_TEXT)
     calib_ids = None
     if any(recipe.precision_for(r) in CALIBRATED for r in ROLES):
-        from dspark_export.quantize import calibration_token_ids
+        from dspark_export.qdq_calibrate import calibration_token_ids
 
         calib_ids = calibration_token_ids(tok, recipe.calibration_prompts)
     graphs = {}

@@ -391,7 +391,7 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
     inputs of every weight MatMul (so the table serves any --exclude).
     The table is reused by `dspark-export quantize --calibration`."""
     from dspark_export.build import CALIBRATION_NOTE
-    from dspark_export.quantize import calibrate_graph, calibration_token_ids
+    from dspark_export.qdq_calibrate import calibrate_graph, calibration_token_ids
     from dspark_runtime.manifest import load_manifest
     from dspark_runtime.tokenizer import Tokenizer
 
@@ -420,13 +420,14 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 @click.option("--calibration-prompts", type=int, default=16, show_default=True)
 @click.option("--exclude", default=None,
               help="Comma-separated regular expressions of modules kept fp32 (e.g. 'down_proj,lm_head'); "
-                   "default: the built-in list for int8 (dspark_export.quantize.DEFAULT_EXCLUDE), none for fp8. "
+                   "default: the built-in list for int8 (dspark_export.qdq.DEFAULT_EXCLUDE), none for fp8. "
                    "'' quantizes all.")
 @_FP8_WRITER_OPTION
 @_INT4_SOURCE_OPTION
 def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer, int4_source):
     """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
-    from dspark_export.quantize import CalibrationTable, quantize_engine
+    from dspark_export.qdq_calibrate import CalibrationTable
+    from dspark_export.quantize import quantize_engine
 
     tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
     excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]

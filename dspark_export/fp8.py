@@ -11,7 +11,7 @@ Python is found through ``$DSPARK_MODELOPT_PYTHON``, else ``$DSPARK_CACHE/venvs/
 ``~/.cache/dspark``), else ``/work/venvs/modelopt``.
 
 Calibration: DSpark runs the calibration-split prompts through the fp32 graph in prefill, decode and
-verify shapes (:func:`dspark_export.quantize.calibrate_graph`), records every step's inputs, and ModelOpt
+verify shapes (:func:`dspark_export.qdq_calibrate.calibrate_graph`), records every step's inputs, and ModelOpt
 replays them on ONNX Runtime's CPU provider (``calibration_eps=["cpu"]``, ``calibration_method="max"``).
 Only the MatMuls with a weight initializer (the linear layers and the LM head) are quantized
 (``op_types_to_quantize=["MatMul"]`` restricted to those nodes; attention MatMuls stay in fp32,
@@ -21,7 +21,7 @@ asked (``allow_slow_precision``), because it executes it correctly but 6-10x slo
 
 Memory: ModelOpt loads the whole graph with its weights (and writes intermediate copies next to the
 output), so its peak is a small multiple of the fp32 weights (measured: 17.75 GB for the 2.35 GiB 0.5B
-graph, ~7.5x) — unlike the streaming QDQ writer (:func:`dspark_export.quantize.quantize_qdq`), which also
+graph, ~7.5x) — unlike the streaming QDQ writer (:func:`dspark_export.qdq.quantize_qdq`), which also
 writes fp8 with a peak of the graph structure plus one weight. :func:`choose_fp8_writer` picks between the
 two (``fp8_writer="auto"|"modelopt"|"stream"``, ``--fp8-writer``).
 """
@@ -86,7 +86,7 @@ def choose_fp8_writer(src: Path, writer: str = "auto", log=print) -> tuple:
     when the available memory cannot be read). The choice and its reason are logged.
     Returns (writer, reason: str). Raises DSparkError for an unknown writer name or a missing graph.
     """
-    from dspark_export.quantize import graph_weight_bytes
+    from dspark_export.onnx_io import graph_weight_bytes
 
     check_fp8_writer(writer)
     if writer != "auto":
@@ -171,14 +171,15 @@ def quantize_fp8(src: Path, dst: Path, spec, calibration_ids: list, *, exclude=(
     Args:
         src: fp32 ``causal_lm`` graph (never modified; ModelOpt's intermediate files go to a temp folder).
         spec: its GraphSpec. calibration_ids: token-id lists of calibration-split prompts.
-        exclude: module-name patterns kept fp32 (as :func:`dspark_export.quantize.quant_targets`).
+        exclude: module-name patterns kept fp32 (as :func:`dspark_export.onnx_io.quant_targets`).
         python: the ModelOpt environment's Python (default :func:`modelopt_python`).
     Returns the manifest's quantization record (method, settings, calibration summary, checks, time,
     peak RSS of the ModelOpt process). Raises DSparkError when ModelOpt is not installed or fails.
     """
     import onnx
 
-    from dspark_export.quantize import calibrate_graph, quant_targets
+    from dspark_export.onnx_io import quant_targets
+    from dspark_export.qdq_calibrate import calibrate_graph
 
     python = python or modelopt_python()
     if python is None:

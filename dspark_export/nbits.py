@@ -297,7 +297,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import _ExternalData, _ExternalWriter, peak_rss_gb, quant_targets
+    from dspark_export.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
 
     src, dst, gguf_path = Path(src), Path(dst), Path(gguf_path)
     if not gguf_path.is_file():
@@ -321,11 +321,11 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                           "model was converted from? Use --int4-source rtn otherwise")
     target_nodes = {q.node for _, qs in plan.values() for q in qs}
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
-    reader = _ExternalData(src.parent)
+    reader = ExternalData(src.parent)
     counts, fallback, kept_fp32, max_err = {}, {}, [], 0.0
     encoded = {}  # weight -> _Meta
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
-    writer = _ExternalWriter(dst)
+    writer = ExternalWriter(dst)
     new_inits = []
     with writer:
         for t in proto.graph.initializer:
@@ -461,7 +461,7 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
-    from dspark_export.quantize import peak_rss_gb
+    from dspark_export.onnx_io import peak_rss_gb
 
     src, dst = Path(src), Path(dst)
     t0 = time.perf_counter()
@@ -495,7 +495,7 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
         onnx.save_model(proto, str(dst))
     merged = fuse_shared_inputs(dst, log=log)
     _check(dst)
-    from dspark_export.quantize import graph_weight_bytes
+    from dspark_export.onnx_io import graph_weight_bytes
 
     rep = {"precision": "int4", "int4_source": algorithm, "bits": bits, "block_size": block_size,
            "accuracy_level": accuracy_level,

@@ -85,7 +85,7 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import _ExternalData, _ExternalWriter
+    from dspark_export.onnx_io import ExternalData, ExternalWriter
 
     path = Path(path)
     proto = onnx.load(str(path), load_external_data=False)
@@ -184,10 +184,10 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
     tmp = path.parent / f".fuse-{os.getpid()}-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    reader = _ExternalData(path.parent)
+    reader = ExternalData(path.parent)
     new_inits = []
     try:
-        with _ExternalWriter(tmp / path.name) as writer:
+        with ExternalWriter(tmp / path.name) as writer:
             for t in list(proto.graph.initializer):
                 if t.name not in skip:
                     new_inits.append(writer.copy(t, reader))

@@ -49,7 +49,7 @@ def child(step: str, a: dict) -> dict:
     t0 = time.perf_counter()
     out = {}
     if step == "calibrate":
-        from dspark_export.quantize import calibrate_graph, calibration_token_ids
+        from dspark_export.qdq_calibrate import calibrate_graph, calibration_token_ids
 
         ids = calibration_token_ids(tok, a["prompts"])
         tab = calibrate_graph(eng / g.model_file, g.spec, ids, log=lambda *x: None,
@@ -57,7 +57,8 @@ def child(step: str, a: dict) -> dict:
         tab.save(Path(a["table"]))
         out = tab.summary()
     elif step == "quantize":
-        from dspark_export.quantize import CalibrationTable, quantize_qdq
+        from dspark_export.qdq import quantize_qdq
+        from dspark_export.qdq_calibrate import CalibrationTable
 
         rep = quantize_qdq(eng / g.model_file, Path(a["dst"]), CalibrationTable.load(Path(a["table"])), "int8",
                             exclude=a["exclude"], log=lambda *x: None)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         return 0
     if not a.engine:
         ap.error("--engine is required")
-    from dspark_export.quantize import DEFAULT_EXCLUDE
+    from dspark_export.qdq import DEFAULT_EXCLUDE
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ def weight_inputs(graph_path: Path, vocab: int) -> tuple:
     ``lm_head``, else the weight MatMul with ``vocab`` outputs)."""
     import onnx
 
-    from dspark_export.quantize import _module_name
+    from dspark_export.onnx_io import module_name
 
     proto = onnx.load(str(graph_path), load_external_data=False)
     inits = {t.name: t for t in proto.graph.initializer}
@@ -56,7 +56,7 @@ def weight_inputs(graph_path: Path, vocab: int) -> tuple:
             weighted.add(n.name)
             w = inits[n.input[1]]
             n_out = next((a.i for a in n.attribute if a.name == "N"), w.dims[-1] if w.dims else 0)
-            if _module_name(n) == "lm_head" or "lm_head" in n.name or (head is None and n_out == vocab):
+            if module_name(n) == "lm_head" or "lm_head" in n.name or (head is None and n_out == vocab):
                 head = n.name
     return weighted, head
 

@@ -1,4 +1,4 @@
-"""FP8 (E4M3) QDQ graphs: the streaming writer (dspark_export.quantize.quantize_qdq, checked against a numpy
+"""FP8 (E4M3) QDQ graphs: the streaming writer (dspark_export.qdq.quantize_qdq, checked against a numpy
 fake-quantization with ml_dtypes), the writer choice, and NVIDIA ModelOpt in its own environment (skipped
 when it is not installed)."""
 import onnx
@@ -86,7 +86,9 @@ def test_streamed_fp8_graph_matches_a_numpy_fake_quantization(tiny_graph, tmp_pa
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import _session_over_weights, calibrate_graph, quant_targets, quantize_qdq
+    from dspark_export.onnx_io import quant_targets, session_over_weights
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import calibrate_graph
 
     path, spec, ids = tiny_graph
     feeds = []
@@ -144,7 +146,7 @@ def test_streamed_fp8_graph_matches_a_numpy_fake_quantization(tiny_graph, tmp_pa
     extra = sorted(set(acts) | set(mm_out.values()) - {"logits"})
     for name in extra:
         proto.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
-    sess = _session_over_weights(proto, tmp_path, threads=1)
+    sess = session_over_weights(proto, tmp_path, threads=1)
     names = ["logits"] + extra
     for feed in (feeds[0], feeds[5]):  # a prefill (q=24) and a verify step (q=4) on a cache
         got = dict(zip(names, sess.run(names, feed)))
@@ -178,7 +180,8 @@ def test_fp8_saturates_guards_zero_columns_and_keeps_activation_matmuls_fp32(tmp
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import CalibrationTable, quantize_qdq
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import CalibrationTable
     from dspark_runtime.errors import DSparkError
 
     rng = np.random.default_rng(3)
@@ -218,7 +221,7 @@ def test_fp8_saturates_guards_zero_columns_and_keeps_activation_matmuls_fp32(tmp
 def test_auto_picks_stream_without_modelopt_or_memory_and_rejects_unknown_writers(tiny_graph, monkeypatch, tmp_path):
     from dspark_export import fp8
     from dspark_export.build import quantize_graph
-    from dspark_export.quantize import graph_weight_bytes
+    from dspark_export.onnx_io import graph_weight_bytes
     from dspark_runtime.errors import DSparkError
 
     path = tiny_graph[0]

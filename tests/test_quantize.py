@@ -18,7 +18,7 @@ def _run(path, spec, ids):
 
 
 def test_weight_quantization_streams_in_chunks_and_matches_the_formula():
-    from dspark_export.quantize import quantize_weight_chunks
+    from dspark_export.qdq import quantize_weight_chunks
 
     w = np.random.default_rng(1).standard_normal((37, 11)).astype(np.float32)
     w[:, 3] = 0.0  # an all-zero column must not divide by zero
@@ -32,7 +32,7 @@ def test_weight_quantization_streams_in_chunks_and_matches_the_formula():
 
 
 def test_activation_qparams():
-    from dspark_export.quantize import activation_qparams
+    from dspark_export.qdq import activation_qparams
 
     s, zp = activation_qparams(-1.0, 3.0, signed=False)
     assert zp.dtype == np.uint8 and zp == 64 and s == pytest.approx(4 / 255)
@@ -43,7 +43,8 @@ def test_activation_qparams():
 
 
 def test_calibration_covers_prefill_decode_and_verify(tiny_graph):
-    from dspark_export.quantize import calibrate_graph, quant_targets
+    from dspark_export.onnx_io import quant_targets
+    from dspark_export.qdq_calibrate import calibrate_graph
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=4, log=lambda *a: None)
@@ -66,7 +67,9 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
     """Our streaming writer against ONNX Runtime's own quantize_static on the same calibration feeds."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from dspark_export.quantize import calibrate_graph, quant_targets, quantize_qdq
+    from dspark_export.onnx_io import quant_targets
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import calibrate_graph
 
     path, spec, ids = tiny_graph
     nodes = [t.node for t in quant_targets(onnx.load(str(path), load_external_data=False))[0]]
@@ -104,7 +107,8 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
 
 
 def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
-    from dspark_export.quantize import calibrate_graph, quantize_qdq
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import calibrate_graph
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=4, log=lambda *a: None)
@@ -119,7 +123,8 @@ def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
 
 
 def test_exclusions_stay_fp32_and_missing_ranges_are_an_error(tiny_graph, tmp_path):
-    from dspark_export.quantize import CalibrationTable, calibrate_graph, quantize_qdq
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import calibrate_graph, CalibrationTable
     from dspark_runtime.errors import DSparkError
 
     path, spec, ids = tiny_graph
@@ -200,7 +205,8 @@ def test_a_weight_shared_with_an_excluded_matmul_keeps_its_fp32_copy(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.quantize import CalibrationTable, quantize_qdq
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import CalibrationTable
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((16, 8)).astype(np.float32)

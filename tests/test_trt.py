@@ -374,7 +374,8 @@ def test_trt_rtx_half_engines(half, ccs, tiny_engine_dir, tmp_path, trt_build_lo
 def test_trt_rtx_builds_the_streamed_fp8_graph(tiny_engine_dir, tmp_path, trt_build_log):
     """The streaming writer stores FP8 weights behind DequantizeLinear (not ModelOpt's fp32 + Q + DQ):
     TensorRT-RTX parses and builds that graph for the FP8 GPUs."""
-    from dspark_export.quantize import calibrate_graph, quantize_qdq
+    from dspark_export.qdq import quantize_qdq
+    from dspark_export.qdq_calibrate import calibrate_graph
     from dspark_export.trt import TrtBuildSettings, build_engine_file
     from dspark_runtime.manifest import load_manifest
 

@@ -1,0 +1,199 @@
+"""Graph and weight I/O shared by the quantizers (QDQ, int4, FP8): which MatMuls carry weights, their module
+names, reading initializers from a graph's external data without loading it, writing a rewritten graph's weights
+one tensor at a time, and a session over a weightless graph that reads the original weights from disk."""
+from __future__ import annotations
+
+import json
+import re
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+ALIGN = 4096  # external data offsets page-aligned (lets ONNX Runtime map them)
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far, GiB (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def module_name(node) -> str:
+    """A readable name for a MatMul node: the torch module it was traced from (``layers.3.mlp.down_proj``,
+    ``lm_head``) when the exporter recorded it, else the node name."""
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = [s for s in json.loads(p.value.replace("'", '"')) if s]
+            except ValueError:
+                break
+            mods = [s for s in scopes if "." in s or s.startswith("model")]
+            if mods:
+                return re.sub(r"^(model\.)+", "", mods[-1])
+    return node.name
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """One MatMul to quantize: node name, readable module name, activation input, weight initializer."""
+
+    node: str
+    module: str
+    activation: str
+    weight: str
+
+
+def quant_targets(proto, exclude=()) -> tuple[list, list]:
+    """The MatMuls of ``proto`` that take a 2-D float32 weight initializer as input B.
+
+    ``exclude``: regular expressions matched (``re.search``) against the module name
+    (e.g. ``"down_proj"``, ``"lm_head"``) or the node name; matches stay fp32.
+    Returns (targets, excluded) lists of :class:`QuantTarget`.
+    """
+    from onnx import TensorProto
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    pats = [re.compile(p) for p in exclude]
+    out, skipped = [], []
+    for n in proto.graph.node:
+        if n.op_type != "MatMul" or len(n.input) != 2:
+            continue
+        a, w = n.input
+        t = inits.get(w)
+        if t is None or a in inits or len(t.dims) != 2 or t.data_type != TensorProto.FLOAT:
+            continue  # activations on both sides (attention), or not a float weight
+        q = QuantTarget(n.name, module_name(n), a, w)
+        (skipped if any(p.search(q.module) or p.search(q.node) for p in pats) else out).append(q)
+    return out, skipped
+
+
+def session_over_weights(proto, weights_dir: Path, threads: int):
+    """An ONNX Runtime CPU session for ``proto`` (loaded without its weights) reading the external
+    weights from ``weights_dir`` — the file on disk is not copied."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))
+    try:
+        return ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise DSparkError(f"ONNX Runtime could not load the calibration graph over {weights_dir}: {e}") from e
+
+
+class ExternalData:
+    """Reads initializers of a graph loaded with ``load_external_data=False``: inline ``raw_data`` or
+    byte ranges of the external files beside the graph, read with plain file reads (a memory map would
+    count every page touched in the process's resident memory)."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self._files: dict = {}
+
+    @staticmethod
+    def info(t) -> dict | None:
+        if t.data_location != 1:  # onnx.TensorProto.EXTERNAL
+            return None
+        return {e.key: e.value for e in t.external_data}
+
+    def _file(self, loc: str):
+        if loc not in self._files:
+            p = self.base / loc
+            if not p.is_file():
+                raise DSparkError(f"external weights {p} not found; the graph's .data file must sit beside it")
+            self._files[loc] = open(p, "rb")
+        return self._files[loc]
+
+    def nbytes(self, t) -> int:
+        e = self.info(t)
+        return int(e["length"]) if e is not None else len(t.raw_data) or int(np.prod(t.dims)) * 4
+
+    def read(self, t, start: int = 0, length: int | None = None) -> bytes:
+        """``length`` bytes of the initializer's data from byte ``start`` (all of it by default)."""
+        e = self.info(t)
+        if e is None:
+            from onnx import numpy_helper
+
+            b = numpy_helper.to_array(t).tobytes()
+            return b[start:None if length is None else start + length]
+        f = self._file(e["location"])
+        total = int(e["length"])
+        length = total - start if length is None else min(length, total - start)
+        f.seek(int(e.get("offset", 0)) + start)
+        b = f.read(length)
+        if len(b) != length:
+            raise DSparkError(f"external weights {e['location']} are truncated at tensor {t.name!r}; "
+                              "re-export the graph")
+        return b
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+class ExternalWriter:
+    """Writes the initializers of a rewritten graph ``dst`` into one external file ``<dst name>.data`` beside it
+    (replacing ``dst`` and that file if present), one tensor at a time, offsets page-aligned. Use as a context
+    manager; ``bytes_out`` counts the tensor bytes written."""
+
+    def __init__(self, dst: Path):
+        self.dst = Path(dst)
+        self.data_name = self.dst.name + ".data"
+        self.bytes_out = 0
+        self._f = None
+
+    def __enter__(self):
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        for p in (self.dst, self.dst.with_name(self.data_name)):
+            if p.exists():
+                p.unlink()
+        self._f = open(self.dst.with_name(self.data_name), "wb")
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def put(self, arrays, name: str, dtype: int, dims):
+        """Append ``arrays`` (an iterable of numpy arrays, written in order as raw bytes) as external tensor
+        ``name`` of ONNX type ``dtype`` and shape ``dims``; returns its TensorProto."""
+        from onnx import TensorProto
+
+        f = self._f
+        f.write(b"\0" * ((-f.tell()) % ALIGN))
+        off = f.tell()
+        for arr in arrays:
+            f.write(np.ascontiguousarray(arr).tobytes())
+        length = f.tell() - off
+        self.bytes_out += length
+        t = TensorProto(name=name, data_type=dtype, dims=[int(d) for d in dims])
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_name), ("offset", str(off)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    def copy(self, t, reader: "ExternalData"):
+        """Initializer ``t`` unchanged: small inline tensors as they are, external ones streamed across."""
+        if reader.info(t) is None:
+            return t
+        size = reader.nbytes(t)
+        return self.put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8) for i in range(0, size, 64 << 20)),
+                        t.name, t.data_type, t.dims)
+
+
+def graph_weight_bytes(path: Path) -> int:
+    """Bytes of all initializers of the ``.onnx`` graph ``path`` (external data lengths plus inline
+    tensors), read from the graph's structure only (the weights are not loaded). Raises DSparkError when
+    the graph is missing."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise DSparkError(f"graph {path} not found")
+    proto = onnx.load(str(path), load_external_data=False)
+    reader = ExternalData(path.parent)  # nbytes reads only the tensors' metadata, no file is opened
+    return sum(reader.nbytes(t) for t in proto.graph.initializer)
