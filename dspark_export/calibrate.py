@@ -46,7 +46,7 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
     which conditions on all earlier positions being accepted). Rounds cut short by the token budget
     (fewer than γ drafts) are dropped.
     """
-    drafter = engine._drafter("dspark")
+    drafter = engine.drafter("dspark")
     gamma = drafter.block_size
     rows, accs = [], []
     for i, p in enumerate(prompts):

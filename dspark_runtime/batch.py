@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark_runtime.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.errors import DSparkError, InputError
-from dspark_runtime.generate import GenerationStats, _select, _Stopper, ngram_lookup
+from dspark_runtime.generate import GenerationStats, Stopper, ngram_lookup, select_token
 from dspark_runtime.packed import PackedRunner
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
@@ -53,7 +53,7 @@ class BatchRequest:
     params: SamplingParams
     gamma: int
     rng: np.random.Generator
-    stopper: _Stopper
+    stopper: Stopper
     on_tokens: Callable | None = None
     out: list = field(default_factory=list)
     keep: int = 0
@@ -498,7 +498,7 @@ class BatchedGenerator:
         params.validate()
         req = BatchRequest(rid=self._next_id, prompt=list(prompt), max_new_tokens=max_new_tokens, params=params,
                            gamma=gamma, rng=np.random.default_rng(seed),
-                           stopper=_Stopper(self.eos_ids, max_new_tokens, stop or [], self.decode),
+                           stopper=Stopper(self.eos_ids, max_new_tokens, stop or [], self.decode),
                            on_tokens=on_tokens, t_submit=time.perf_counter())
         req.stats = GenerationStats(prompt_tokens=len(prompt), drafter=getattr(self.drafter, "name", "none"))
         self._next_id += 1
@@ -528,7 +528,7 @@ class BatchedGenerator:
         self.target.add(req.rid)
         logits = self.target.prefill(req.rid, req.prompt)
         self.stats.prefill_tokens += len(req.prompt)
-        req.out = [_select(logits, req.params, req.rng)]
+        req.out = [select_token(logits, req.params, req.rng)]
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
         req.keep, reason = req.stopper.check(req.out, 0)

@@ -252,7 +252,12 @@ class Engine:
                                                 row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
-    def _drafter(self, draft, confidence_threshold=None, confidence_rule: str = "survival"):
+    def graph_backend(self, key: str):
+        """The activated backend of graph ``key`` (``"target"``, ``"draft"``, the DSpark graph's key): an
+        :class:`~dspark_runtime.backend.OrtDecoder` or a TensorRT decoder. Raises KeyError for a graph the engine lacks."""
+        return self._backends[key].activate()
+
+    def drafter(self, draft, confidence_threshold=None, confidence_rule: str = "survival"):
         """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only. ``confidence_rule``
         (:data:`dspark_runtime.dspark.THRESHOLD_RULES`) is how the DSpark drafter applies ``confidence_threshold``;
         a rule other than "survival" with a drafter that is not DSpark raises InputError."""
@@ -273,7 +278,7 @@ class Engine:
             except ValueError as e:
                 raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
                                   "`dspark-export calibrate` on this engine") from None
-            return RouterDrafter(self._drafter(self.draft_kind, confidence_threshold, confidence_rule), **priors)
+            return RouterDrafter(self.drafter(self.draft_kind, confidence_threshold, confidence_rule), **priors)
         if draft == "dspark":
             if self.dspark_graph is None:
                 raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
@@ -540,7 +545,7 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        drafter = self._drafter(draft, draft_confidence, draft_confidence_rule)
+        drafter = self.drafter(draft, draft_confidence, draft_confidence_rule)
         if getattr(drafter, "block_size", None) and draft_length in (None, "scheduled"):
             gamma = drafter.block_size  # a DSpark block (also inside the router) drafts block_size tokens in one pass
         if scheduled:

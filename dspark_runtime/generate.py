@@ -283,14 +283,17 @@ class DraftSchedule:
         self.gamma = min(self.gamma + 2, self.max_length) if accepted == proposed else max(1, self.gamma - 1)
 
 
-def _select(logits: np.ndarray, params: SamplingParams, rng) -> int:
+def select_token(logits: np.ndarray, params: SamplingParams, rng) -> int:
+    """The next token from ``logits`` float [vocab]: the argmax when greedy, else a sample of the processed
+    distribution (temperature, top-k, top-p) drawn with ``rng``."""
     if params.greedy:
         return int(np.argmax(logits))
     return sample(process_logits(logits, params), rng)
 
 
-class _Stopper:
-    """EOS, max_new_tokens and stop strings. ``check(tokens)`` -> (keep_count, reason or None)."""
+class Stopper:
+    """When a request ends: EOS, max_new_tokens and stop strings (one request's; the single and the batched loops
+    share it). ``check(tokens, start)`` -> (keep_count, reason or None)."""
 
     def __init__(self, eos_ids, max_new_tokens: int, stop: list, decode: Callable):
         self.eos, self.max_new, self.stop, self.decode = set(eos_ids), max_new_tokens, stop, decode
@@ -331,11 +334,11 @@ def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int,
     """
     rng = np.random.default_rng(seed)
     stats = GenerationStats(prompt_tokens=len(prompt), drafter=getattr(drafter, "name", "none"))
-    stopper = _Stopper(eos_ids, max_new_tokens, stop or [], decode)
+    stopper = Stopper(eos_ids, max_new_tokens, stop or [], decode)
     t0 = time.perf_counter()
     target.reset()
     last_logits = target.prefill(prompt)
-    x0 = _select(last_logits, params, rng)
+    x0 = select_token(last_logits, params, rng)
     out = [x0]
     stats.ttft_ms = (time.perf_counter() - t0) * 1e3
     t_dec = time.perf_counter()
@@ -352,7 +355,7 @@ def generate_tokens(target: DecoderRunner, prompt: list, *, max_new_tokens: int,
         before = len(out)
         if drafter is None:
             logits = target.step([out[-1]])[-1]
-            out.append(_select(logits, params, rng))
+            out.append(select_token(logits, params, rng))
             stats.num_rounds += 1
         else:
             gamma = max(1, min(schedule.gamma, max_new_tokens - len(out)))

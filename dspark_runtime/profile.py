@@ -50,7 +50,7 @@ def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats:
     kind = drafter or engine.draft_kind
     t_draft = 0.0
     if kind in ("dspark", "lm"):
-        d = engine._drafter(kind)
+        d = engine.drafter(kind)
         ctx = prompt + [int(rng.integers(0, hi))]
         times = []
         # a DSpark block, or the draft LM's own draft length (its round drafts that many tokens, one step each)
@@ -101,7 +101,7 @@ def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> flo
     the numpy heads of every row)."""
     from dspark_runtime.sampling import SamplingParams
 
-    graph = engine._backends[engine.dspark_graph].activate()
+    graph = engine.graph_backend(engine.dspark_graph)
     heads = engine.dspark_heads()
     dims = graph.spec.dims
     g = graph.block_size

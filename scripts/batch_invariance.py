@@ -61,7 +61,7 @@ def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
     from dspark_runtime.packed import PackedRunner, batch_runner
 
     eng = Engine.load(engine_dir, threads=threads)
-    be = eng._backends["target"].activate()
+    be = eng.graph_backend("target")
     rng = np.random.default_rng(seed)
     vocab = be.spec.dims.vocab_size
     prompt, other1, other2 = (list(rng.integers(3, vocab, n)) for n in (37, 23, 51))

@@ -879,7 +879,7 @@ def _dspark_worker(job: dict, emit) -> dict:
     draft = opts.get("draft")
     eng.runner("target")
     if draft is not None:
-        eng._drafter(draft)  # activates the draft session now, so its creation counts as load time
+        eng.drafter(draft)  # activates the draft session now, so its creation counts as load time
     load_s = time.perf_counter() - t0
     kw = dict(temperature=job["temperature"], draft=draft, draft_length=opts.get("draft_length"))
     t1 = time.perf_counter()

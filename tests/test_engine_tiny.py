@@ -131,13 +131,13 @@ def test_bad_generation_arguments(engine, kwargs, message):
 def test_stopper_ignores_tokens_past_max_new_tokens():
     """A speculative round can commit more tokens than max_new_tokens allows: an EOS or a stop
     string in the overshoot must not count."""
-    from dspark_runtime.generate import _Stopper
+    from dspark_runtime.generate import Stopper
 
     dec = lambda ids: "".join(chr(97 + i) for i in ids)  # 0 -> "a", 1 -> "b", ...
-    st = _Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
+    st = Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
     assert st.check([0, 1, 2, 3, 9], 0) == (3, "length")  # "cd" and EOS lie past token 3
     assert st.check([0, 9, 2], 0) == (2, "eos")
-    st2 = _Stopper(eos_ids=[], max_new_tokens=10, stop=["cd"], decode=dec)
+    st2 = Stopper(eos_ids=[], max_new_tokens=10, stop=["cd"], decode=dec)
     assert st2.check([0, 1], 0) == (2, None)
     assert st2.check([0, 1, 2, 3, 4], 2) == (4, "stop")
 

@@ -348,7 +348,7 @@ def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
     assert got.stats.accepted > 0
     # the build copied the checkpoint's calibrated router priors (sts.json, see conftest) into the manifest,
     # and the engine's router starts from them
-    r = dspark_engine._drafter("router")
+    r = dspark_engine.drafter("router")
     assert r.confidence.edges == (1, 2, 3) and r.confidence.prior_tries[2, 1] == 9
     m = (4 + 2 * (4 + 1) / (14 + 2)) / (14 + 2)  # bucket mean: counts + s0 x fitted prior mean (5/16)
     np.testing.assert_allclose(r.inner_stats.survival(0, 1), [(3 + 2 * m) / (10 + 2)])
@@ -394,7 +394,7 @@ def test_skipped_dspark_rounds_stay_in_sync(dspark_engine):
     since, and drafts exactly what a fresh DSpark drafter (whole context at once) drafts."""
     from dspark_runtime.dspark import DSparkDrafter
 
-    inner = dspark_engine._drafter("dspark")
+    inner = dspark_engine.drafter("dspark")
     checks = {"calls": 0, "after_skip": 0}
     real = inner.propose
 
@@ -432,7 +432,7 @@ def test_router_scheduled_cuts_blocks_and_stays_exact(dspark_engine):
 
     with pytest.raises(InputError, match="no cost table"):  # the router is accepted; the table is missing
         dspark_engine.generate("hi", max_new_tokens=4, draft="router", draft_length="scheduled")
-    router = RouterDrafter(dspark_engine._drafter("dspark"))
+    router = RouterDrafter(dspark_engine.drafter("dspark"))
     router.cost = CostTable(tokens=[1, 2, 3, 4, 5], seconds=[1.0, 1.4, 1.8, 2.2, 2.6])  # tokens are dear
     ref = dspark_engine.generate(REPEAT, max_new_tokens=40, draft="none")
     out, _, stats = _run(dspark_engine, router, REPEAT, max_new_tokens=40)
