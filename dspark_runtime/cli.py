@@ -209,7 +209,9 @@ def info(engine_dir):
         d = g.spec.dims
         click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB  layers={d.num_layers} "
                    f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
-                   f"feature_layers={list(d.feature_layers)}")
+                   f"feature_layers={list(d.feature_layers)}  KV layout {g.spec.kv_layout}"
+                   + ("  (one batch row per request: served output == solo output)"
+                      if g.spec.kv_layout == "scatter" else ""))
         reports = g.validation or {}
         if reports and not all(isinstance(v, dict) for v in reports.values()):
             reports = {g.precision: reports}  # engines built before validation was keyed by precision
