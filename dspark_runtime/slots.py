@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.packed import RequestBook
+from dspark_runtime.packed import MAX_PACKED_PREFILL, RequestBook
 
 SLOT_STEP = 128  # slots are added in multiples of this many positions
 
@@ -219,7 +219,7 @@ class SlotSequence:
         """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab]."""
         return self.slots.step([(self._RID, list(tokens))])[0]
 
-    def prefill(self, tokens, chunk: int = 256) -> np.ndarray:
+    def prefill(self, tokens, chunk: int = MAX_PACKED_PREFILL) -> np.ndarray:
         """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
         return self.slots.prefill(self._RID, list(tokens), chunk)
 
