@@ -19,8 +19,6 @@ import numpy as np
 
 from dspark_runtime.calibration import fit_sts, survival_ece_report
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.generate import generate_tokens
-from dspark_runtime.sampling import SamplingParams
 
 from .draft_data import CALIB_SPLIT, split_prompts
 
@@ -46,19 +44,20 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
     which conditions on all earlier positions being accepted). Rounds cut short by the token budget
     (fewer than γ drafts) are dropped.
     """
-    drafter = engine.drafter("dspark")
-    gamma = drafter.block_size
+    gen = engine.batch(draft="dspark", max_batch=1)  # full blocks: the default length of a DSpark drafter
+    drafter, gamma = gen.drafter, gen.default_gamma
+    drafter.record = []
     rows, accs = [], []
     for i, p in enumerate(prompts):
-        drafter.record = []
         ids = engine.encode_prompt(p)
         t0 = time.perf_counter()
-        out, _, stats = generate_tokens(engine.runner("target"), ids, max_new_tokens=max_new_tokens,
-                                        params=SamplingParams(), eos_ids=engine.eos_ids, drafter=drafter,
-                                        draft_length=gamma)
+        start = len(drafter.record)
+        req = gen.submit(ids, max_new_tokens=max_new_tokens)
+        gen.run()
+        out, stats = req.token_ids, req.stats
         if sequences is not None:
             sequences.append((list(ids) + list(out), len(ids)))
-        for conf, n in drafter.record:
+        for conf, n in drafter.record[start:]:
             if len(conf) == gamma:
                 rows.append(conf)
                 a = np.zeros(gamma)

@@ -20,7 +20,7 @@ from torch import nn
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import DecoderDims, GraphSpec, dspark_draft_spec
 
-from .dspark_model import DSparkDrafter, load_checkpoint
+from .dspark_model import DSparkDraftModel, load_checkpoint
 from .export import OPSET, save_graph
 
 HEADS_NAME = "dspark_heads.npz"
@@ -31,7 +31,7 @@ class DraftGraphWrapper(nn.Module):
     """forward(features, feature_positions, anchor_ids, block_positions, attention_mask, *past) ->
     (hidden, base_logits, *present) — see ``dspark_draft_spec``."""
 
-    def __init__(self, model: DSparkDrafter):
+    def __init__(self, model: DSparkDraftModel):
         super().__init__()
         self.model = model
 
@@ -50,13 +50,13 @@ class DraftGraphWrapper(nn.Module):
         return tuple(outs)
 
 
-def draft_dims(model: DSparkDrafter) -> DecoderDims:
+def draft_dims(model: DSparkDraftModel) -> DecoderDims:
     c = model.config
     return DecoderDims(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                        hidden_size=c.hidden_size, vocab_size=c.out_vocab)
 
 
-def _example(model: DSparkDrafter, batch: int, new: int, past: int, seed: int = 0):
+def _example(model: DSparkDraftModel, batch: int, new: int, past: int, seed: int = 0):
     c = model.config
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(batch, new, c.feature_size, generator=g)
@@ -70,7 +70,7 @@ def _example(model: DSparkDrafter, batch: int, new: int, past: int, seed: int = 
     return (feats, fpos, anchor, bpos, mask, *kv)
 
 
-def export_draft_graph(model: DSparkDrafter, out_path: Path) -> GraphSpec:
+def export_draft_graph(model: DSparkDraftModel, out_path: Path) -> GraphSpec:
     """Trace the drafter to ``out_path`` (dynamo, opset 18; weights inline when small, else external)."""
     c = model.config
     spec = dspark_draft_spec(draft_dims(model), c.feature_size, c.block_size)
@@ -96,7 +96,7 @@ def export_draft_graph(model: DSparkDrafter, out_path: Path) -> GraphSpec:
     return spec
 
 
-def validate_draft_graph(model: DSparkDrafter, path: Path, tol: float = 1e-3) -> dict:
+def validate_draft_graph(model: DSparkDraftModel, path: Path, tol: float = 1e-3) -> dict:
     """Run the graph with ONNX Runtime and torch on random inputs (two chained calls: a context step with
     no past, then one on top of its cache); returns max |Δ| of logits and hidden states.
 
@@ -136,7 +136,7 @@ def validate_draft_graph(model: DSparkDrafter, path: Path, tol: float = 1e-3) ->
     return rep
 
 
-def write_heads(model: DSparkDrafter, path: Path) -> dict:
+def write_heads(model: DSparkDraftModel, path: Path) -> dict:
     """Save the Markov/confidence heads and the draft-vocabulary map as float32/int64 numpy arrays."""
     c = model.config
     arrays = {}

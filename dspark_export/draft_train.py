@@ -191,7 +191,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     ~5× slower than fp32), and it spares training the LM-head product for p_t.
     """
     from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.generate import decoder_runner
+    from dspark_runtime.runners import decoder_runner
     from dspark_runtime.manifest import load_manifest
 
     m = load_manifest(engine_dir, verify=False)
@@ -552,7 +552,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path, p: Pip
 
     from .draft_data import generate_answers, generate_answers_engine
     from .draft_graph import target_frozen_weights
-    from .dspark_model import DSparkDrafter, qwen2_draft_config
+    from .dspark_model import DSparkDraftModel, qwen2_draft_config
 
     work_dir, out_dir = Path(work_dir), Path(out_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -618,7 +618,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path, p: Pip
                            block_size=p.block_size, target_layer_ids=p.feature_layers, markov_rank=p.markov_rank,
                            markov_head_type=p.markov_head_type, draft_vocab_size=None if vocab is None else len(vocab))
     torch.manual_seed(s.seed)
-    model = DSparkDrafter(c)
+    model = DSparkDraftModel(c)
     emb, head = target_frozen_weights(target_dir)
     if vocab is not None:
         model.draft_vocab_ids.copy_(torch.as_tensor(vocab))

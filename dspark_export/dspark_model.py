@@ -240,8 +240,9 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1)
 
 
-class DSparkDrafter(nn.Module):
-    """The DSpark drafter (see the module docstring for the architecture and sources)."""
+class DSparkDraftModel(nn.Module):
+    """The DSpark drafter's torch model, for training and export (see the module docstring for the architecture and
+    sources); at run time its compiled graph is driven by :class:`dspark_runtime.dspark.DSparkDrafter`."""
 
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -414,7 +415,7 @@ def _unexpected_hint(names: list, c: DSparkConfig) -> str:
     return "; ".join(hints)
 
 
-def save_checkpoint(model: DSparkDrafter, out_dir: Path, *, dtype=torch.float16, include_frozen: bool = False) -> Path:
+def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float16, include_frozen: bool = False) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the DeepSpec layout; returns the folder.
 
     ``include_frozen=False`` omits the frozen copies of the target's embedding and LM head (recorded as
@@ -437,7 +438,7 @@ def save_checkpoint(model: DSparkDrafter, out_dir: Path, *, dtype=torch.float16,
     return out_dir
 
 
-def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype=torch.float32) -> DSparkDrafter:
+def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype=torch.float32) -> DSparkDraftModel:
     """Load a DeepSpec-layout drafter (``config.json`` + ``*.safetensors``), strictly: every checkpoint tensor
     is consumed and every model tensor filled; floating tensors are cast to ``dtype`` (the model's parameters
     and buffers are ``dtype``; RoPE frequencies stay float32, as transformers computes them).
@@ -493,7 +494,7 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
                 raise DraftConfigError(f"{path}: the target's {n} has shape {tuple(sd[n].shape)}, the drafter's "
                                        f"config implies {want_shape}")
     with torch.device("meta"):  # no throw-away random init: the state dict's tensors become the parameters
-        model = DSparkDrafter(c)
+        model = DSparkDraftModel(c)
     try:
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:

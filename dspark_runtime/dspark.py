@@ -200,78 +200,143 @@ def _sigmoid(x):
 
 
 class DSparkDrafter:
-    """Drafter (``generate.Drafter`` protocol) for a DSpark checkpoint compiled to ``dspark_draft``.
+    """The DSpark drafter (:mod:`dspark_runtime.drafters` interface) for one request or many: one ``dspark_draft``
+    graph call per round with one row per request (block = anchor + γ-1 mask tokens; rows padded to the longest
+    new context, padding masked), then the numpy Markov/confidence heads per row.
+
+    The context K/V is a [R, kv_heads, S, head_dim] array per drafter layer with a validity mask [R, S]: rows
+    join (zero row, nothing valid) and leave (row deleted) between rounds; each call appends the target features
+    of the positions committed since the row's last call (all of them after rounds the router sent elsewhere);
+    invalid (padding) slots are gathered away when they exceed a quarter of the array. The context only holds
+    committed positions, so it never rolls back.
 
     Args:
-        graph: the drafter graph backend.
-        heads: Markov/confidence heads.
-        target: the target's ``DecoderRunner`` (its ``features`` feed the context).
+        graph: the drafter graph backend (:class:`OrtDSparkGraph`).
+        heads: the Markov/confidence heads (:class:`DSparkHeads`).
+        target: the verifier's runner (a :class:`~dspark_runtime.runners.RequestBook`: its ``features(rid)`` feed
+            the context).
         confidence_threshold: static threshold P; None = always the full length asked for.
-        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`): ``"survival"`` (ours: before the first
-            position whose calibrated prefix survival a_j < P) or ``"deepspec"`` (DeepSpec's: before the first
-            position whose own raw confidence σ(z_k) < P).
+        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`, module docstring step 3).
 
-    After each ``propose``, ``last_survival`` holds a_1..a_γ (float64 [γ]) for schedulers and metrics.
+    ``confident``: the heads have a confidence head (proposals carry calibrated survivals). ``record``: set to a
+    list to collect (confidence logits float [l], accepted n) per verified round (``dspark-export calibrate``).
+    Raises DSparkError (``begin``) when the target graph outputs no features.
     """
 
     name = "dspark"
 
-    def __init__(self, graph: OrtDSparkGraph, heads: DSparkHeads, target, confidence_threshold: float | None = None,
+    def __init__(self, graph, heads: DSparkHeads, target, confidence_threshold: float | None = None,
                  threshold_rule: str = "survival"):
-        self.graph = graph
-        self.heads = heads
-        self.target = target
+        self.graph, self.heads, self.target = graph, heads, target
         self.block_size = graph.block_size
         self.confidence_threshold = confidence_threshold
         self.threshold_rule = check_threshold_rule(threshold_rule)
-        self._kv = graph.empty_kv(1)
-        self._ctx = 0  # committed positions already in the context cache
-        self.last_survival = np.zeros(0)
-        self.last_conf_logits = np.zeros(0)
-        self.record: list | None = None  # set to [] to record (confidence logits [l], accepted n) per round
-        self.cost = None  # a scheduler.CostTable: pick the verify length by the paper's Algorithm 1
+        self.confident = getattr(heads, "conf_w", None) is not None
+        self.record: list | None = None
+        self.rows: list = []
+        self._kv = graph.empty_kv(0)
+        self._valid = np.zeros((0, 0), dtype=bool)
+        self._ctx: dict = {}  # rid -> committed positions already in its context row
+        self._conf: dict = {}  # rid -> the last proposal's confidence logits
 
-    def begin(self, prompt: list) -> None:
-        self._kv = self.graph.empty_kv(1)
-        self._ctx = 0
-
-    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
-        """Draft up to min(gamma, block size) tokens after ``context`` (its last token is the anchor).
-
-        Returns (tokens list[int], q float64 [l, vocab] processed draft distributions or None if greedy).
-        Raises DSparkError if the target holds no features for the committed positions (a target graph
-        built without the drafter's ``target_layer_ids``).
-        """
-        feats = self.target.features
-        anchor_pos = len(context) - 1
-        if feats is None:
+    def begin(self, req) -> None:
+        if self.target.features(req.rid) is None:
             raise DSparkError("the target graph outputs no features; rebuild the engine with the drafter's "
                               "target_layer_ids as target feature layers")
-        if self.target.length != anchor_pos or self._ctx > anchor_pos:
-            raise DSparkError(f"DSpark drafter out of sync: target holds {self.target.length} positions, "
-                              f"anchor at {anchor_pos}, drafter context {self._ctx}")
+        self.rows.append(req.rid)
+        self._ctx[req.rid] = 0
+        self._kv = [(np.concatenate([k, self._zero_row(k)]), np.concatenate([v, self._zero_row(v)]))
+                    for k, v in self._kv]
+        self._valid = np.concatenate([self._valid, np.zeros((1, self._valid.shape[1]), dtype=bool)])
+
+    @staticmethod
+    def _zero_row(a: np.ndarray) -> np.ndarray:
+        return np.zeros((1,) + a.shape[1:], dtype=a.dtype)
+
+    def remove(self, rid) -> None:
+        if rid not in self._ctx:
+            return
+        i = self.rows.index(rid)
+        self.rows.pop(i)
+        self._ctx.pop(rid)
+        self._conf.pop(rid, None)
+        self._kv = [(np.delete(k, i, axis=0), np.delete(v, i, axis=0)) for k, v in self._kv]
+        self._valid = np.delete(self._valid, i, axis=0)
+
+    def _compact(self) -> None:
+        S = self._valid.shape[1]
+        counts = self._valid.sum(axis=1)
+        keep = int(counts.max()) if counts.size else 0
+        if S - keep < max(64, S // 4):
+            return
+        new_kv = []
+        for k, v in self._kv:
+            nk = np.zeros(k.shape[:2] + (keep,) + k.shape[3:], dtype=k.dtype)
+            nv = np.zeros_like(nk)
+            for r in range(len(self.rows)):
+                idx = np.flatnonzero(self._valid[r])
+                nk[r, :, : idx.size] = k[r][:, idx]
+                nv[r, :, : idx.size] = v[r][:, idx]
+            new_kv.append((nk, nv))
+        self._kv = new_kv
+        self._valid = np.arange(keep)[None, :] < counts[:, None]
+
+    def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
+        """One drafting pass for every active request (``reqs``: all of them, with their γ caps); the heads run
+        only for the requests in ``only`` (None = all). Returns list[Proposal] in the order of ``reqs`` (q None
+        when greedy; survival float64 [l] when ``confident``). Raises DSparkError when a request is missing or
+        out of sync with the target."""
+        from dspark_runtime.drafters import Proposal
+
+        if sorted(r.rid for r in reqs) != sorted(self.rows):
+            raise DSparkError("DSpark drafter: every active request must propose each round")
+        order = {rid: i for i, rid in enumerate(self.rows)}
+        reqs_rows = sorted(zip(reqs, gammas), key=lambda rg: order[rg[0].rid])
         g = self.block_size
-        new = feats[self._ctx:anchor_pos][None]
-        fpos = np.arange(self._ctx, anchor_pos, dtype=np.int64)[None]
-        bpos = np.arange(anchor_pos, anchor_pos + g, dtype=np.int64)[None]
-        mask = np.ones((1, 1, g, anchor_pos + g), dtype=bool)
-        hidden, base, self._kv = self.graph.run(new, fpos, np.asarray([[context[-1]]], dtype=np.int64), bpos,
-                                                mask, self._kv)
-        self._ctx = anchor_pos
-        tokens, qs, surv, confs = self.heads.draft(base[0], hidden[0], context[-1], max(0, min(gamma, g)),
-                                                   params, rng, self.confidence_threshold,
-                                                   self.threshold_rule)
-        self.last_survival = np.asarray(surv)
-        self.last_conf_logits = np.asarray(confs[:len(tokens)])
-        if self.cost is not None and len(surv) == len(tokens) and tokens:
-            from dspark_runtime.scheduler import schedule_greedy
+        R = len(reqs_rows)
+        news = []
+        for r, _ in reqs_rows:
+            anchor_pos = len(r.prompt) + len(r.out) - 1
+            if self.target.length(r.rid) != anchor_pos or self._ctx[r.rid] > anchor_pos:
+                raise DSparkError(f"DSpark drafter out of sync for request {r.rid}: target holds "
+                                  f"{self.target.length(r.rid)} positions, anchor at {anchor_pos}, drafter "
+                                  f"context {self._ctx[r.rid]}")
+            news.append((self._ctx[r.rid], anchor_pos))
+        n_new = max(b - a for a, b in news)
+        fdim = self.graph.spec.inputs[0].shape[-1]
+        feats = np.zeros((R, n_new, fdim), dtype=np.float32)
+        fpos = np.zeros((R, n_new), dtype=np.int64)
+        new_valid = np.zeros((R, n_new), dtype=bool)
+        bpos = np.zeros((R, g), dtype=np.int64)
+        anchors = np.zeros((R, 1), dtype=np.int64)
+        for i, ((r, _), (a, b)) in enumerate(zip(reqs_rows, news)):
+            feats[i, : b - a] = self.target.features(r.rid)[a:b]
+            fpos[i, : b - a] = np.arange(a, b)
+            new_valid[i, : b - a] = True
+            bpos[i] = np.arange(b, b + g)
+            anchors[i, 0] = r.out[-1]
+        ctx_valid = np.concatenate([self._valid, new_valid], axis=1)
+        mask = np.concatenate([ctx_valid, np.ones((R, g), dtype=bool)], axis=1)
+        mask = np.broadcast_to(mask[:, None, None, :], (R, 1, g, mask.shape[1]))
+        hidden, base, self._kv = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), self._kv)
+        self._valid = ctx_valid
+        for (r, _), (a, b) in zip(reqs_rows, news):
+            self._ctx[r.rid] = b
+        self._compact()
+        props = {}
+        for i, (r, gam) in enumerate(reqs_rows):
+            if only is not None and r.rid not in only:
+                props[r.rid] = Proposal([])
+                continue
+            toks, qs, surv, confs = self.heads.draft(base[i], hidden[i], int(anchors[i, 0]), max(0, min(gam, g)),
+                                                     r.params, r.rng, self.confidence_threshold, self.threshold_rule)
+            self._conf[r.rid] = np.asarray(confs[: len(toks)])
+            props[r.rid] = Proposal(toks, np.stack(qs) if qs and not r.params.greedy else None,
+                                    np.asarray(surv[: len(toks)], dtype=np.float64) if self.confident else None)
+        return [props[r.rid] for r in reqs]
 
-            ell = schedule_greedy([self.last_survival], self.cost)[0]
-            tokens, qs = tokens[:ell], qs[:ell]
-            self.last_conf_logits = self.last_conf_logits[:ell]
-        return tokens, (np.stack(qs) if qs else None) if not params.greedy else None
-
-    def observe(self, n_accepted: int) -> None:
-        """Called after verification with the number of this round's drafts the target accepted."""
-        if self.record is not None and len(self.last_conf_logits):
-            self.record.append((self.last_conf_logits.copy(), int(n_accepted)))
+    def observe(self, rid, sent: int, accepted: int) -> None:
+        """After verification: with ``record`` set, keep (the sent positions' confidence logits, accepted)."""
+        conf = self._conf.pop(rid, None)
+        if self.record is not None and conf is not None and sent:
+            self.record.append((conf[:sent].copy(), int(accepted)))

@@ -9,10 +9,11 @@ import numpy as np
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
-from dspark_runtime.generate import (DecoderRunner, GenerationResult, LMDrafter, NgramDrafter, decoder_runner,
-                                     generate_tokens)
+from dspark_runtime.decoding import DecodingLoop, GenerationResult
+from dspark_runtime.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.manifest import Manifest, load_manifest
-from dspark_runtime.router import RouterDrafter, router_priors
+from dspark_runtime.router import Router, router_priors
+from dspark_runtime.runners import DecoderRunner, batch_runner, decoder_runner
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.sysinfo import usable_cpus
 from dspark_runtime.tokenizer import Tokenizer
@@ -257,47 +258,68 @@ class Engine:
         :class:`~dspark_runtime.backend.OrtDecoder` or a TensorRT decoder. Raises KeyError for a graph the engine lacks."""
         return self._backends[key].activate()
 
-    def drafter(self, draft, confidence_threshold=None, confidence_rule: str = "survival"):
-        """The drafter for a ``draft`` choice (see :meth:`generate`); None for target-only. ``confidence_rule``
-        (:data:`dspark_runtime.dspark.THRESHOLD_RULES`) is how the DSpark drafter applies ``confidence_threshold``;
-        a rule other than "survival" with a drafter that is not DSpark raises InputError."""
-        if confidence_rule not in THRESHOLD_RULES:
-            raise InputError(f"unknown draft_confidence_rule {confidence_rule!r}; choose one of {list(THRESHOLD_RULES)}")
+    def resolve_draft(self, draft) -> str | None:
+        """The drafter a ``draft`` choice names on this engine: "auto" -> :meth:`auto_draft`, "draft" -> the engine's
+        own kind; None/"none" -> None. Raises InputError for an unknown name or a drafter the engine lacks."""
         if draft in (None, "none"):
             return None
         if draft == "auto":
             draft = self.auto_draft()
         if draft == "draft":
             draft = self.draft_kind or "lm"
+        if draft not in ("router", "dspark", "lm", "ngram"):
+            raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
+        if draft == "router" and not self.has_draft:
+            raise InputError("draft='router' needs a DSpark drafter or a draft LM in the engine; use "
+                             "draft='ngram' or rebuild with a draft")
+        if draft == "dspark" and self.dspark_graph is None:
+            raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
+                             "--draft dspark:<checkpoint>` (or `dspark-export add-draft`), or use "
+                             "draft='lm'/'ngram'")
+        if draft == "lm" and self.lm_graph is None:
+            raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
+                             "or decode target-only (--no-speculation)")
+        return draft
+
+    def graphs_used(self, draft) -> list:
+        """The graph keys a ``draft`` choice runs: "target", plus the draft LM's or the DSpark drafter's graph (the
+        router's: the engine's model drafter). Raises InputError as :meth:`resolve_draft`."""
+        kind = self.resolve_draft(draft)
+        kind = self.draft_kind if kind == "router" else kind
+        extra = {"lm": self.lm_graph, "dspark": self.dspark_graph}.get(kind)
+        return ["target"] + ([extra] if extra else [])
+
+    def drafter(self, draft, target, confidence_threshold=None, confidence_rule: str = "survival",
+                max_batch: int = 8):
+        """The drafter (:mod:`dspark_runtime.drafters` interface) for a ``draft`` choice (see :meth:`generate`)
+        over the verifier runner ``target`` (the DSpark drafter reads its features); None for target-only.
+        ``confidence_rule`` (:data:`dspark_runtime.dspark.THRESHOLD_RULES`) is how the DSpark drafter applies
+        ``confidence_threshold``; a rule other than "survival" with a drafter that is not DSpark raises InputError,
+        as do the errors of :meth:`resolve_draft` and a malformed router entry in the manifest."""
+        if confidence_rule not in THRESHOLD_RULES:
+            raise InputError(f"unknown draft_confidence_rule {confidence_rule!r}; choose one of {list(THRESHOLD_RULES)}")
+        draft = self.resolve_draft(draft)
+        if draft is None:
+            return None
         if draft == "router":  # issue 9: per round, n-gram lookup or the engine's model drafter
-            if not self.has_draft:
-                raise InputError("draft='router' needs a DSpark drafter or a draft LM in the engine; use "
-                                 "draft='ngram' or rebuild with a draft")
             try:  # n-gram and model-drafter acceptance fitted on the calibration split (dspark-export calibrate)
                 priors = router_priors(self.manifest.speculation.get("router"), self.draft_kind)
             except ValueError as e:
                 raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
-                                  "`dspark-export calibrate` on this engine") from None
-            return RouterDrafter(self.drafter(self.draft_kind, confidence_threshold, confidence_rule), **priors)
+                                 "`dspark-export calibrate` on this engine") from None
+            return Router(self.drafter(self.draft_kind, target, confidence_threshold, confidence_rule, max_batch),
+                          **priors)
         if draft == "dspark":
-            if self.dspark_graph is None:
-                raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
-                                 "--draft dspark:<checkpoint>` (or `dspark-export add-draft`), or use "
-                                 "draft='lm'/'ngram'")
-            return DSparkDrafter(self._backends[self.dspark_graph].activate(), self.dspark_heads(),
-                                 self.runner("target"), confidence_threshold, threshold_rule=confidence_rule)
+            return DSparkDrafter(self._backends[self.dspark_graph].activate(), self.dspark_heads(), target,
+                                 confidence_threshold, threshold_rule=confidence_rule)
         if confidence_rule != "survival":
             raise InputError(f"draft_confidence_rule={confidence_rule!r} applies to the DSpark drafter only (draft "
                              f"{draft!r} ends a block after its first draft token below draft_confidence); use "
                              "draft='dspark' or 'router' over a DSpark drafter, or drop the rule")
         if draft == "lm":
-            if self.lm_graph is None:
-                raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
-                                 "or decode target-only (--no-speculation)")
-            return LMDrafter(self.runner(self.lm_graph), confidence_threshold)
-        if draft == "ngram":
-            return NgramDrafter()
-        raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
+            return LMDrafter(batch_runner(self._backends[self.lm_graph].activate(), max_requests=max_batch),
+                             confidence_threshold)
+        return NgramDrafter()
 
     def dspark_heads(self) -> DSparkHeads:
         """The DSpark Markov/confidence heads of this engine (loaded once), with the manifest's STS temperatures."""
@@ -387,113 +409,96 @@ class Engine:
         return table
 
     def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,
-              draft_confidence: float | None = None, max_batch: int = 8):
-        """A :class:`~dspark_runtime.batch.BatchedGenerator` over this engine: several requests decode
-        together, one verifier pass per round for all of them (requests join and leave between rounds).
+              draft_confidence: float | None = None, draft_confidence_rule: str = "survival", max_batch: int = 8):
+        """The decoding loop (:class:`~dspark_runtime.decoding.DecodingLoop`) over this engine: requests join and
+        leave between rounds, one verifier pass per round for all of them; :meth:`generate` is a loop of one.
 
         Args:
-            draft: as :meth:`generate` ("auto" = :meth:`auto_draft`, "router",
-                "dspark", "lm", "ngram", None/"none").
-            draft_length: γ (int), or "scheduled" (DSpark: the paper's Algorithm 1 over all requests'
-                calibrated prefix survivals and the manifest's cost table), or None for the default.
-            draft_confidence: static threshold (DSpark: prefix survival; draft LM: draft probability).
-            max_batch: most requests decoding at once.
-        Returns the generator; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``.
+            draft, draft_confidence, draft_confidence_rule: as :meth:`generate`.
+            draft_length: γ (int), "auto" (the heuristic schedule per request), "scheduled" (DSpark or the router:
+                the paper's Algorithm 1 over all requests' calibrated prefix survivals and the manifest's cost
+                table), or None for the default (a DSpark block; the manifest's draft length otherwise).
+            max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; the
+                TensorRT backend decodes one request at a time).
+        Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
+        ``default_adaptive`` are what ``submit`` uses unless told.
         Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
         """
-        from dspark_runtime.batch import BatchedDSpark, BatchedGenerator, BatchedLM, BatchedNgram, BatchedRouter
-        from dspark_runtime.packed import batch_runner
-
-        if self.backend != "ort":
-            raise InputError("batched decoding packs KV slots on the host and runs on ONNX Runtime only so far; "
-                             "load the engine with backend='ort' (the TensorRT backend serves generate())")
-        if draft_length not in (None, "scheduled") and (isinstance(draft_length, bool)
-                                                        or not isinstance(draft_length, int) or draft_length < 1):
-            raise InputError(f"draft_length must be a positive integer or 'scheduled', got {draft_length!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if self.backend != "ort" and max_batch > 1:
+            raise InputError("the TensorRT backend decodes one request at a time so far (max_batch=1); load the "
+                             "engine with backend='ort' for batched decoding")
+        if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
+                                                                or not isinstance(draft_length, int)
+                                                                or draft_length < 1):
+            raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        if draft == "auto":  # as generate()
-            draft = self.auto_draft()
-        if draft == "draft":
-            draft = self.draft_kind or "lm"
-        target = batch_runner(self._backends["target"].activate(), row_multiple=self.row_multiple)
-        if draft in (None, "none"):
-            drafter = None
-        elif draft == "dspark":
-            if self.dspark_graph is None:
-                raise InputError("this engine has no DSpark drafter; build one with `dspark-export add-draft`, "
-                                 "or use draft='lm'/'ngram'")
-            drafter = BatchedDSpark(self._backends[self.dspark_graph].activate(), self.dspark_heads(), target,
-                                    draft_confidence)
-        elif draft == "router":
-            if self.dspark_graph is None:
-                raise InputError("the batched router needs a DSpark drafter in the engine; use draft='ngram', "
-                                 "'lm' or 'dspark'")
-            try:
-                priors = router_priors(self.manifest.speculation.get("router"), "dspark")
-            except ValueError as e:
-                raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
-                                 "`dspark-export calibrate` on this engine") from None
-            drafter = BatchedRouter(BatchedDSpark(self._backends[self.dspark_graph].activate(), self.dspark_heads(),
-                                                  target, draft_confidence), priors)
-        elif draft == "lm":
-            if self.lm_graph is None:
-                raise InputError("this engine has no draft LM graph; use draft='ngram' or 'dspark'")
-            drafter = BatchedLM(batch_runner(self._backends[self.lm_graph].activate()), draft_confidence)
-        elif draft == "ngram":
-            drafter = BatchedNgram()
-        else:
-            raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
+        target = batch_runner(self._backends["target"].activate(), row_multiple=self.row_multiple,
+                              max_requests=max_batch)
+        drafter = self.drafter(draft, target, draft_confidence, draft_confidence_rule, max_batch)
         mode, table = "fixed", None
         if draft_length == "scheduled":
-            if not isinstance(drafter, (BatchedDSpark, BatchedRouter)):
+            if not isinstance(drafter, (DSparkDrafter, Router)):
                 raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
                                  "router; use draft='dspark'/'router' or an integer draft_length")
             table = self._cost_table()
             mode = "scheduled"
-        gen = BatchedGenerator(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
-                               cost_table=table, max_batch=max_batch)
-        if isinstance(drafter, BatchedRouter) and draft_length == "scheduled":
-            gen.default_gamma = max(drafter.block_size, drafter.ngram_max_length)  # n-gram blocks may run longer
-        elif isinstance(drafter, (BatchedDSpark, BatchedRouter)) and draft_length in (None, "scheduled"):
-            gen.default_gamma = drafter.block_size
+            if isinstance(drafter, Router):
+                drafter.cost_table = table  # the router scores proposals by expected tokens/s
+        gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
+                           cost_table=table, max_batch=max_batch)
+        block = getattr(drafter, "block_size", None)  # a DSpark block (also inside the router): one pass
+        if isinstance(drafter, Router) and draft_length == "scheduled":
+            gen.default_gamma = max(block or 0, drafter.ngram_max_length)  # n-gram continuations may run longer
+        elif block and draft_length in (None, "scheduled"):
+            gen.default_gamma = block
         else:
             gen.default_gamma = draft_length if isinstance(draft_length, int) else self.default_draft_length
+        gen.default_adaptive = draft_length == "auto"
         return gen
 
-    def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, draft: str | None = "auto",
-                       draft_length: int | str | None = None, draft_confidence: float | None = None,
-                       seed: int | None = None, stop: list | None = None, raw: bool = False,
-                       max_batch: int = 8) -> list:
-        """Generate completions for several prompts together (continuous batching, one verifier pass per
-        round for all active requests). Arguments as :meth:`generate`; request i uses seed ``seed + i``
-        when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
-        request (its tokens/s is its own rate while sharing the batch). The generator's aggregate
-        :class:`~dspark_runtime.batch.BatchStats` is ``self.last_batch_stats``.
-        Raises InputError for bad arguments or an empty prompt list."""
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InputError("prompts must be a non-empty list of prompts")
+    def _check_request(self, max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:
+        """Validate what :meth:`generate` and :meth:`generate_batch` share; the sampling parameters."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
             raise InputError("stop must be a list of non-empty strings")
         params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         params.validate()
+        return params
+
+    def _result(self, req, stop) -> GenerationResult:
+        """A finished request as a GenerationResult (its text cut before the stop string that ended it)."""
+        text = self.tokenizer.decode(req.token_ids)
+        if req.finish_reason == "stop":
+            text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
+        return GenerationResult(text=text, token_ids=req.token_ids, finish_reason=req.finish_reason, stats=req.stats)
+
+    def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, draft: str | None = "auto",
+                       draft_length: int | str | None = None, draft_confidence: float | None = None,
+                       draft_confidence_rule: str = "survival", seed: int | None = None, stop: list | None = None,
+                       raw: bool = False, max_batch: int = 8) -> list:
+        """Generate completions for several prompts together (continuous batching, one verifier pass per
+        round for all active requests). Arguments as :meth:`generate`; request i uses seed ``seed + i``
+        when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
+        request (its tokens/s is its own rate while sharing the batch). The loop's aggregate
+        :class:`~dspark_runtime.decoding.BatchStats` is ``self.last_batch_stats``.
+        Raises InputError for bad arguments or an empty prompt list."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError("prompts must be a non-empty list of prompts")
+        params = self._check_request(max_new_tokens, temperature, top_k, top_p, stop)
         ids = [self.encode_prompt(p, raw=raw) for p in prompts]
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
-                         max_batch=max_batch)
-        reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params, gamma=gen.default_gamma,
+                         draft_confidence_rule=draft_confidence_rule, max_batch=max_batch)
+        reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params,
                            seed=None if seed is None else seed + i, stop=stop) for i, x in enumerate(ids)]
         gen.run()
         self.last_batch_stats = gen.stats
-        results = []
-        for r in reqs:
-            text = self.tokenizer.decode(r.token_ids)
-            if r.finish_reason == "stop":
-                text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
-            results.append(GenerationResult(text=text, token_ids=r.token_ids, finish_reason=r.finish_reason,
-                                            stats=r.stats))
-        return results
+        return [self._result(r, stop) for r in reqs]
 
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
@@ -529,35 +534,10 @@ class Engine:
         Returns a GenerationResult (text, token_ids, finish_reason, stats).
         Raises InputError for out-of-range arguments or an empty prompt.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-        params.validate()
-        adaptive = draft_length == "auto"
-        scheduled = draft_length == "scheduled"
-        gamma = self.default_draft_length if draft_length in (None, "auto", "scheduled") else draft_length
-        if not isinstance(gamma, int) or gamma < 1:
-            raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
-            raise InputError("stop must be a list of non-empty strings")
+        params = self._check_request(max_new_tokens, temperature, top_k, top_p, stop)
+        gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
+                         draft_confidence_rule=draft_confidence_rule, max_batch=1)
         ids = self.encode_prompt(prompt, raw=raw)
-
-        if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
-                                                 and 0.0 <= draft_confidence <= 1.0):
-            raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        drafter = self.drafter(draft, draft_confidence, draft_confidence_rule)
-        if getattr(drafter, "block_size", None) and draft_length in (None, "scheduled"):
-            gamma = drafter.block_size  # a DSpark block (also inside the router) drafts block_size tokens in one pass
-        if scheduled:
-            if not isinstance(drafter, (DSparkDrafter, RouterDrafter)):
-                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
-                                 "router; use draft='dspark'/'router' or an integer draft_length")
-            table = self._cost_table()
-            from dspark_runtime.scheduler import CostTable
-
-            drafter.cost = CostTable.from_dict(table)
-            if isinstance(drafter, RouterDrafter):  # n-gram continuations may run past a DSpark block
-                gamma = max(gamma, drafter.ngram_max_length)
         on_tokens = None
         if stream is not None:
             state = {"ids": [], "text": ""}
@@ -571,15 +551,9 @@ class Engine:
                     state["text"] = text
 
             on_tokens = _on_tokens
-
-        tokens, reason, stats = generate_tokens(
-            self.runner("target"), ids, max_new_tokens=max_new_tokens, params=params, eos_ids=self.eos_ids,
-            drafter=drafter, draft_length=gamma, adaptive=adaptive, seed=seed, stop=stop,
-            decode=self.tokenizer.decode, on_tokens=on_tokens)
-        text = self.tokenizer.decode(tokens)
-        if reason == "stop":
-            cut = min((text.find(s) for s in stop if s in text), default=len(text))
-            text = text[:cut]
-        if stream is not None and len(text) > len(state["text"]):
-            stream(text[len(state["text"]):])  # the tail held back while a character was incomplete
-        return GenerationResult(text=text, token_ids=tokens, finish_reason=reason, stats=stats)
+        req = gen.submit(ids, max_new_tokens=max_new_tokens, params=params, seed=seed, stop=stop, on_tokens=on_tokens)
+        gen.run()
+        res = self._result(req, stop)
+        if stream is not None and len(res.text) > len(state["text"]):
+            stream(res.text[len(state["text"]):])  # the tail held back while a character was incomplete
+        return res

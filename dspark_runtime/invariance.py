@@ -9,7 +9,7 @@ ONNX Runtime's CPU provider a row's float result depends on how many rows the ca
 and a block of 3 from blocks of 2 or 4, while the even row counts tried (2, 4, 6, 8) agree bit for bit; fp32 logits
 differ by up to 2e-5, and in an INT8 graph the activation
 quantizer occasionally turns that into a whole quantization step, |Δlogit| 1.8, and flips greedy
-tokens — ``scripts/chunk_invariance.py``, README "Precision").
+tokens — ``scripts/chunk_invariance.py``, docs/precision.md).
 
 The fix needs no kernel change: **pad every call to a multiple of m rows** (``row_multiple``), the
 extra rows repeating the last token *after* the real ones, so causal masking keeps them invisible to
@@ -26,9 +26,10 @@ extra row on odd-row calls: target-only decoding pays it on every token (about +
 +27 % INT8 in one teacher-forcing run on the 2-core AVX2 machine); speculative rounds only when the verify
 block has an odd row count.
 
-Scope: single-sequence decoding (``Engine.generate``, the CLI, ``generate_tokens``). The batched
-runtime packs several requests into one call, which also shifts where a request's keys sit in the
-attention reduction; it is not covered by this guarantee.
+Scope: every runner pads its calls this way (:mod:`dspark_runtime.runners`). Alone (``Engine.generate``, the CLI)
+a request's output is covered on every KV layout; in a batch it is covered on the scatter layout (one batch row per
+request, :mod:`dspark_runtime.slots`). The packed growing layout (:class:`~dspark_runtime.packed.PackedRunner`)
+also shifts where a request's keys sit in the attention reduction; it is not covered by this guarantee.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def padded_rows(q: int, multiple: int) -> int:
 
 def teacher_force(runner, prompt: list, cont: list, block: int) -> tuple:
     """Prefill ``prompt``, then feed ``cont`` in calls of ``block`` real tokens through ``runner`` (a
-    :class:`~dspark_runtime.generate.DecoderRunner`, with whatever ``row_multiple`` it has).
+    :class:`~dspark_runtime.runners.DecoderRunner`, with whatever ``row_multiple`` it has).
 
     Returns (logits float32 [len(cont), vocab], per-layer (key, value) float32 copies of the final cache
     [1, kv_heads, len(prompt) + len(cont), head_dim])."""

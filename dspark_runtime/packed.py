@@ -23,70 +23,8 @@ import numpy as np
 
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.runners import RequestBook
 
-MAX_PACKED_PREFILL = 256  # prompt tokens per packed prefill step (logits are [tokens, vocab] float32)
-
-
-class RequestBook:
-    """What every several-requests runner keeps per request: its cached length and its target features by position
-    (float32 [capacity, F], grown by doubling), with the queries, the rollback check and the chunked prefill on top of
-    the subclass's ``step(segments)``. Subclasses set ``self._length`` / ``self._feats`` entries in ``add`` and
-    ``step`` and free their own KV slots in ``remove`` / ``rollback``."""
-
-    def __init__(self):
-        self._length: dict = {}  # rid -> committed cached positions
-        self._feats: dict = {}  # rid -> float32 [capacity, F] target features by position
-
-    def __contains__(self, rid) -> bool:
-        return rid in self._length
-
-    @property
-    def requests(self) -> list:
-        """The registered request ids, in the order they were added."""
-        return list(self._length)
-
-    def length(self, rid) -> int:
-        """Cached positions of request ``rid``."""
-        return self._length[rid]
-
-    def features(self, rid) -> np.ndarray | None:
-        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
-        outputs none. Rolled back with the cache."""
-        f = self._feats.get(rid)
-        return None if f is None else f[: self._length[rid]]
-
-    def _check_segments(self, segments: list) -> None:
-        """Raise DSparkError for a segment of an unknown or repeated request id, or an empty one."""
-        seen = set()
-        for rid, toks in segments:
-            if rid not in self._length:
-                raise DSparkError(f"request {rid!r} is not in the cache; add() it first")
-            if rid in seen:
-                raise DSparkError(f"request {rid!r} appears twice in one step")
-            if not len(toks):
-                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
-            seen.add(rid)
-
-    def _check_rollback(self, rid, length: int) -> None:
-        if not 0 <= length <= self._length[rid]:
-            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
-
-    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
-        buf = self._feats.get(rid)
-        end = start + f.shape[0]
-        if buf is None or buf.shape[0] < end:
-            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
-            if buf is not None:
-                grown[:start] = buf[:start]
-            buf = self._feats[rid] = grown
-        buf[start:end] = f
-
-    def prefill(self, rid, tokens: list, chunk: int = MAX_PACKED_PREFILL) -> np.ndarray:
-        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
-        logits = None
-        for s in range(0, len(tokens), chunk):
-            logits = self.step([(rid, tokens[s:s + chunk])])[0]
-        return logits[-1]
 
 
 class PackedRunner(RequestBook):
@@ -99,7 +37,7 @@ class PackedRunner(RequestBook):
         backend: an activated (or lazily activating) :class:`OrtDecoder` of a ``causal_lm`` graph.
         compact_ratio: compact when free slots exceed this fraction of the array (and 64 slots).
         row_multiple: every call is padded to a multiple of this many rows, as the single-request runner
-            (:class:`~dspark_runtime.generate.DecoderRunner`) pads its calls: the probed row padding
+            (:class:`~dspark_runtime.runners.DecoderRunner`) pads its calls: the probed row padding
             (:mod:`dspark_runtime.invariance`) under which the verifier's results do not depend on the call's row
             count. A padding row repeats the call's last token one position on and sees only itself; its slot is
             dropped after the call (the backend copies the trimmed arrays on the next call, as it does for the
@@ -221,15 +159,3 @@ class PackedRunner(RequestBook):
             self._length[rid] = n0 + q
             off += q
         return results
-
-
-
-def batch_runner(backend, row_multiple: int = 1):
-    """The several-requests runner for ``backend``'s ``causal_lm`` graph: a :class:`~dspark_runtime.slots.SlotRunner`
-    (one batch row per request: a request's logits do not depend on its batch) for the scatter KV layout, a
-    :class:`PackedRunner` (one packed row; see ``scripts/batch_invariance.py`` for its rounding) for the growing one."""
-    if backend.spec.kv_layout == "scatter":
-        from dspark_runtime.slots import SlotRunner
-
-        return SlotRunner(backend, row_multiple=row_multiple)
-    return PackedRunner(backend, row_multiple=row_multiple)

@@ -49,23 +49,10 @@ def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats:
         t_verify.append(statistics.median(times))
     kind = drafter or engine.draft_kind
     t_draft = 0.0
-    if kind in ("dspark", "lm"):
-        d = engine.drafter(kind)
-        ctx = prompt + [int(rng.integers(0, hi))]
-        times = []
-        # a DSpark block, or the draft LM's own draft length (its round drafts that many tokens, one step each)
-        gamma = getattr(d, "block_size", None) or engine.default_draft_length
-        for r in range(repeats + 1):
-            d.begin(prompt)
-            if kind == "dspark":
-                d._ctx = context - 8  # only the last few positions are new, as in steady-state decoding
-                d._kv = _full_ctx(d, context - 8)
-            t0 = time.perf_counter()
-            d.propose(ctx, gamma, SamplingParams(), rng)
-            dt = time.perf_counter() - t0
-            if r:
-                times.append(dt)
-        t_draft = statistics.median(times)
+    if kind == "dspark":  # one row: the graph call over 8 new positions plus the heads, as in steady-state decoding
+        t_draft = _time_dspark_rows(engine, 1, context, repeats, rng)
+    elif kind == "lm":  # the draft LM's own draft length: its round drafts that many tokens, one step each
+        t_draft = _time_lm_draft(engine, prompt, engine.default_draft_length, repeats, rng, hi)
     rows, t_rows = [], []
     if kind == "dspark":
         for r in sorted(set(int(x) for x in draft_rows)):
@@ -126,8 +113,20 @@ def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> flo
     return statistics.median(times)
 
 
-def _full_ctx(d, n: int) -> list:
-    """A draft context cache of n positions (values irrelevant for timing)."""
-    dims = d.graph.spec.dims
-    z = np.zeros((1, dims.num_kv_heads, n, dims.head_dim), dtype=np.float32)
-    return [(z, z) for _ in range(dims.num_layers)]
+def _time_lm_draft(engine, prompt: list, gamma: int, repeats: int, rng, hi: int) -> float:
+    """Median seconds of one draft-LM round for one request: ``gamma`` one-token steps after a cached ``prompt``."""
+    runner = engine.runner(engine.lm_graph)
+    runner.reset()
+    runner.prefill(prompt)
+    n0 = runner.length
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(gamma):
+            runner.step([int(rng.integers(0, hi))])
+        dt = time.perf_counter() - t0
+        runner.rollback(n0)
+        if r:
+            times.append(dt)
+    runner.reset()
+    return statistics.median(times)

@@ -8,17 +8,18 @@ scheduler that consumes them.
 
 Pieces (numpy only, no model I/O except through the wrapped drafter):
 
-* :func:`ngram_match` -- the lookup of :func:`~dspark_runtime.generate.ngram_lookup` plus its match quality
-  (matched n-gram length, number of earlier occurrences, continuation length).
+* :func:`~dspark_runtime.drafters.ngram_match` -- prompt lookup plus its match quality (matched n-gram length,
+  number of earlier occurrences, continuation length, extent).
 * :class:`AcceptanceStats` / :class:`NgramConfidence` -- calibrated per-position acceptance estimates learned
   online from a source's own verification results (Beta-smoothed counts), so n-gram proposals get a prefix
   survival ``a_1..a_l`` like DSpark's confidence head gives, and the scheduler consumes it unchanged.
-* :class:`RouterDrafter` -- the ``generate.Drafter`` that composes the two.
+* :func:`route` -- the routing rule for one request and round (pure); :class:`Router` -- the drafter
+  (:mod:`dspark_runtime.drafters` interface, one request or many) that applies it with per-request state.
 
 Losslessness. Whatever proposal is sent, acceptance is the usual greedy match / rejection sampling against
 the *distribution the sent tokens were drawn from* (a point mass for n-gram tokens, DSpark's or the LM's
 ``q`` otherwise). That stays exact as long as the choice of proposal is independent of the target's verdict
-for this round (it is: the router decides inside ``propose``, before verification) and, when sampling, of
+for this round (it is: the router decides inside ``propose_batch``, before verification) and, when sampling, of
 the model drafter's *sampled tokens* this round: choosing the model block only when its own confidences
 (which depend on the sampled tokens through the Markov head) look good would send tokens drawn from ``q``
 conditioned on that event, not from ``q``. So when sampling, the router decides *before* drafting, from
@@ -28,84 +29,14 @@ confidences.
 """
 from __future__ import annotations
 
-from collections import Counter
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.drafters import NgramMatch, Proposal, ngram_match
 
 NGRAM = "ngram"
-
-
-# ------------------------------------------------------------------------------------------- n-gram match
-
-
-@dataclass(frozen=True)
-class NgramMatch:
-    """One prompt-lookup result.
-
-    tokens: the proposed continuation, list[int] of length <= gamma (empty on a miss).
-    ngram: length n of the matched suffix (0 on a miss).
-    support: number of earlier occurrences of that n-gram in the context (0 on a miss); the continuation
-        follows the most recent one.
-    start: context index of the first continuation token (-1 on a miss).
-    extent: how many tokens the context's suffix and the text before ``start`` agree on, counting back from
-        the anchor (>= ngram; capped at ``MAX_EXTENT``; 0 on a miss). A long extent means the output is
-        copying a span of the context (a signature, a docstring, a repeated line), where the continuation
-        is accepted far more often than after a coincidental 1-3 token match.
-    """
-
-    tokens: list = field(default_factory=list)
-    ngram: int = 0
-    support: int = 0
-    start: int = -1
-    extent: int = 0
-
-    @property
-    def length(self) -> int:
-        """Continuation length (number of proposed tokens)."""
-        return len(self.tokens)
-
-
-def ngram_match(context: np.ndarray, gamma: int, max_ngram: int = 3, min_ngram: int = 1) -> NgramMatch:
-    """Prompt lookup with its match quality. Pure function.
-
-    context: int64 [L], every committed token (the last one is the anchor). Tries n = max_ngram down to
-    min_ngram: the context's last n tokens are searched among the earlier windows; the longest n with a hit
-    wins, and the continuation (up to ``gamma`` tokens) follows its most recent earlier occurrence -- the
-    same proposal as :func:`~dspark_runtime.generate.ngram_lookup`. Returns an :class:`NgramMatch`.
-    """
-    context = np.asarray(context, dtype=np.int64)
-    L = len(context)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        if n <= 0:
-            break
-        tail = context[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # starts 0..L-1-n
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the token after the most recent match
-            return NgramMatch(context[start:start + gamma].tolist(), n, int(hits.size), start,
-                              match_extent(context, start, n))
-    return NgramMatch()
-
-
-MAX_EXTENT = 32
-
-
-def match_extent(context: np.ndarray, start: int, n: int, cap: int = MAX_EXTENT) -> int:
-    """Length of the agreement between the context's suffix and the tokens before ``start``, counted back
-    from the anchor: the largest e <= cap (and e <= start) with context[L-e:] == context[start-e:start].
-    ``n`` tokens are known to agree already. Pure function; int."""
-    L = len(context)
-    e = min(cap, start)
-    if e <= n:
-        return min(n, e)
-    a = context[L - e:][::-1]
-    b = context[start - e:start][::-1]
-    diff = np.flatnonzero(a != b)
-    return int(diff[0]) if diff.size else e
 
 
 # ------------------------------------------------------------------------------------ acceptance statistics
@@ -323,7 +254,7 @@ def acceptance_counts(accepted: np.ndarray) -> dict:
 
 
 def router_priors(entry: dict | None, inner_name: str, max_strength: float | None = 32.0) -> dict:
-    """Keyword arguments for :class:`RouterDrafter` from the manifest's ``speculation["router"]`` entry
+    """Keyword arguments for :class:`Router` from the manifest's ``speculation["router"]`` entry
     (written by ``dspark-export calibrate``): ``confidence`` (:class:`NgramConfidence` with the fitted
     n-gram counts) and ``inner_stats`` (the model drafter's measured per-position acceptance), each only
     when present. Raises ValueError on a malformed entry."""
@@ -343,226 +274,228 @@ def router_priors(entry: dict | None, inner_name: str, max_strength: float | Non
 # -------------------------------------------------------------------------------------------------- router
 
 
-class RouterDrafter:
-    """Drafter (``generate.Drafter`` protocol) that routes each round between n-gram prompt lookup and a
-    model drafter (``inner``: a :class:`~dspark_runtime.dspark.DSparkDrafter` or
-    :class:`~dspark_runtime.generate.LMDrafter`). Issue 9.
+@dataclass
+class RouteDecision:
+    """What :func:`route` decided before drafting. ``choice``: "ngram", "inner", or None (greedy with a
+    confident inner drafter: draft first, then compare with :func:`compare_drafted`). ``survival_ngram`` float64
+    [match length] (empty when the match is not a candidate); ``scores``: {"ngram", "inner"} scores so far."""
 
-    Rule, per round (``context`` = every committed token, the last one the anchor):
+    choice: str | None
+    match: NgramMatch
+    survival_ngram: np.ndarray
+    scores: dict = field(default_factory=dict)
 
-    1. ``match = ngram_match(context, gamma)``. The n-gram proposal is a candidate when it is non-empty, its
-       matched length is >= ``min_match`` and its support >= ``min_support``. Its prefix survival
-       ``a^ng`` (float64 [match.length]) comes from :class:`NgramConfidence` (bucket = match length).
-    2. Score each candidate by its expected accepted length ``sum_j a_j`` -- or, when a cost table is set
-       (``draft_length="scheduled"``), by the expected throughput ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` at the
-       verify length ``l`` the scheduler would pick.
-    3. The model drafter's survival: with greedy decoding and a DSpark inner that has a confidence head
-       (``mode="auto"``), this round's calibrated ``inner.last_survival`` (the block is drafted first), times
-       an online recalibration factor ``rho = (A + k) / (P + k)`` (A: tokens the target accepted from DSpark
-       blocks so far this request, P: the sum of DSpark's survivals over the positions it sent, k:
-       ``recalibration_strength``; rho -> 1 when the STS calibration holds; each ``a_j`` is clipped to 1);
-       otherwise (sampling, a draft LM, ``mode="prior"``) its learned acceptance ``inner_stats`` -- decided
-       before drafting, so the model drafter runs only when chosen and its sampled tokens never influence the
-       choice (see the module docstring: that keeps sampling exact).
-    4. Send the n-gram continuation if ``score_ngram + ngram_bias >= score_inner``, else the model block.
-       With a cost table, cut the chosen proposal to the scheduler's verify length (paper Algorithm 1 on its
-       survival). N-gram tokens are point masses (``q = None``); the model block keeps its ``q``.
 
-    ``observe(n)`` records the verdict with the source that was sent: n-gram statistics, or the inner's
-    statistics (and the inner's own ``observe``). A skipped model drafter stays in sync: DSpark ingests all
-    target features committed since its last call, the draft LM re-feeds the committed tokens it lacks.
+def expected_score(surv: np.ndarray, cost=None) -> float:
+    """A proposal's score: its expected accepted length ``sum_j a_j``, or, with a per-round
+    :class:`~dspark_runtime.scheduler.CostTable`, the expected tokens/s ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` at the
+    verify length ``l`` the scheduler would pick (paper Algorithm 1 on ``surv`` alone). Pure function."""
+    if cost is None:
+        return float(np.sum(surv))
+    if len(surv) == 0:
+        return float(cost.sps(1))
+    from dspark_runtime.scheduler import schedule_greedy
 
-    Attributes for metrics and the scheduler: ``last_source`` ("ngram" or the inner's name),
-    ``last_survival`` (float64 [l], the chosen proposal's prefix survival before any scheduling cut),
-    ``last_scores`` ({source: score}), ``last_match`` (:class:`NgramMatch`), ``source_counts``
-    ({source: rounds}) and ``source_stats`` ({source: {rounds, proposed, accepted}}).
+    ell = schedule_greedy([surv], cost)[0]
+    return float((1.0 + np.sum(surv[:ell])) * cost.sps(1 + ell))
+
+
+def route(match: NgramMatch, confidence: NgramConfidence, inner_prior: np.ndarray, *, greedy: bool,
+          inner_confident: bool, cost=None, min_match: int = 1, min_support: int = 1, ngram_bias: float = 0.0,
+          skip_ratio: float | None = 2.0, mode: str = "auto") -> RouteDecision:
+    """The routing rule for one request and round, before drafting (issue 9; pure function):
+
+    1. The n-gram continuation is a candidate when it is non-empty, its matched length >= ``min_match`` and its
+       support >= ``min_support``; otherwise the model drafter ("inner") is sent.
+    2. Its prefix survival ``a^ng`` = ``confidence.estimate(match)``; score (:func:`expected_score`) plus
+       ``ngram_bias``. The model drafter's prior score is that of ``inner_prior`` (its learned per-position
+       acceptance, float64 [min(γ, block)]).
+    3. Greedy, ``mode == "auto"`` and a confident inner (a DSpark confidence head): draft first and compare with
+       this round's calibrated survival (choice None) -- unless the match is *strong*: its expected accepted
+       length is >= ``skip_ratio`` x the inner's prior one (in tokens, not the cost-aware scores, whose common
+       bonus-token term keeps their ratio near 1), then the n-gram proposal is sent without the drafting pass.
+    4. Otherwise (sampling, a draft LM, ``mode == "prior"``) decide now from the priors: the model drafter's
+       sampled tokens never influence the choice, which keeps sampling exact (module docstring).
+    """
+    usable = match.length > 0 and match.ngram >= min_match and match.support >= min_support
+    if not usable:
+        return RouteDecision("inner", match, np.zeros(0))
+    surv_ng = confidence.estimate(match)
+    scores = {"ngram": expected_score(surv_ng, cost) + ngram_bias, "inner": expected_score(inner_prior, cost)}
+    strong = skip_ratio is not None and float(np.sum(surv_ng)) + ngram_bias >= skip_ratio * float(np.sum(inner_prior))
+    if mode == "auto" and greedy and inner_confident and not strong:
+        return RouteDecision(None, match, surv_ng, scores)
+    return RouteDecision("ngram" if scores["ngram"] >= scores["inner"] else "inner", match, surv_ng, scores)
+
+
+@dataclass
+class _RouteState:
+    """One request's router state: its statistics (copies of the fitted priors, updated by its own verdicts),
+    the recalibration counts and the last round's choice."""
+
+    confidence: NgramConfidence
+    inner_stats: AcceptanceStats
+    predicted: float = 0.0  # sum of the inner's survivals over the positions it sent
+    realized: int = 0  # tokens of inner blocks the target accepted
+    source: str | None = None  # the last round's source
+    pending: bool = False  # its verdict not observed yet
+    match: NgramMatch = field(default_factory=NgramMatch)
+    survival: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    scores: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+
+
+class Router:
+    """The context-aware router (issue 9): per request and round, the n-gram prompt-lookup continuation or the
+    model drafter's block (``inner``: :class:`~dspark_runtime.dspark.DSparkDrafter` or
+    :class:`~dspark_runtime.drafters.LMDrafter`), by :func:`route`; a drafter of the
+    :mod:`dspark_runtime.drafters` interface, so one request and a batch route by the same rule.
+
+    Survivals: n-gram from the request's :class:`NgramConfidence`; the model drafter from its calibrated
+    confidence head (DSpark, greedy) times the request's recalibration factor ``rho = (A + k) / (P + k)`` (A:
+    tokens the target accepted from its blocks, P: the sum of its survivals over the positions it sent, k:
+    ``recalibration_strength``; None = off; each ``a_j`` clipped to 1), else its learned acceptance. One inner
+    pass serves every row that needs it and is skipped when none does; rows decided without it get no draws
+    from their random generators. The chosen proposal carries its survival, so the loop's verify-length
+    scheduler (``draft_length="scheduled"``) cuts it like a DSpark block; with ``cost_table`` set (the manifest's
+    table, scheduled mode) the scores are expected tokens/s at the round's row count, else expected accepted tokens.
 
     Args:
-        inner: the model drafter.
-        max_ngram, min_ngram: lookup n-gram lengths (as :class:`~dspark_runtime.generate.NgramDrafter`).
-        min_match: smallest matched length that makes the n-gram proposal a candidate.
-        min_support: smallest number of earlier occurrences of the matched n-gram.
-        confidence: n-gram acceptance statistics (default :class:`NgramConfidence`).
-        inner_stats: the model drafter's learned acceptance (default: one bucket, prior mean 0.5).
-        mode: "auto" (use this round's DSpark confidences when greedy) or "prior" (always decide before drafting).
-        ngram_bias: added to the n-gram score (> 0 favours the free n-gram proposal).
-        recalibration_strength: k of the DSpark recalibration factor rho (pseudo-tokens of prior belief that
-            the confidences are calibrated); None turns the recalibration off (rho = 1).
-        skip_ratio: with ``mode="auto"`` (greedy), do not run the model drafter at all when the n-gram
-            proposal's expected accepted length (sum of its survivals, plus ``ngram_bias``) is at least
-            ``skip_ratio`` times the model drafter's from its learned acceptance (fitted on the calibration
-            split when the manifest has it): a strong match is sent without paying the drafting pass (measured on the 1.5B: the DSpark
-            pass every round cost about 15% of n-gram-only rounds' time). None = always draft and compare.
-        persist: keep learned statistics across requests (``begin``); default False, so a request's output
-            with a given seed does not depend on earlier requests.
-        ngram_max_length: the longest n-gram continuation proposed when the verify length is scheduled (the
-            generation loop then passes gamma = max(block size, this)); the model drafter still drafts at most
-            its block size. An n-gram proposal costs nothing to make, so in a copying span (long match extent,
-            survival near 1) the scheduler may verify more than a DSpark block. With a fixed gamma the n-gram
-            proposal is at most gamma tokens.
+        inner: the model drafter (not n-gram lookup).
+        confidence, inner_stats: the fitted priors (:func:`router_priors`); every request starts from a copy.
+        max_ngram, min_ngram: lookup n-gram lengths. min_match, min_support, ngram_bias, skip_ratio, mode: as
+            :func:`route`.
+        recalibration_strength: k of rho, or None.
+        ngram_max_length: the longest n-gram continuation proposed when scheduled (the engine then gives requests
+            γ = max(block size, this); the model drafter still drafts at most its block size).
+    Raises ValueError for an n-gram inner, bad n-gram lengths or an unknown mode.
     """
 
     name = "router"
 
-    def __init__(self, inner, *, max_ngram: int = 3, min_ngram: int = 1, min_match: int = 1,
-                 min_support: int = 1, confidence: NgramConfidence | None = None,
-                 inner_stats: AcceptanceStats | None = None, mode: str = "auto", ngram_bias: float = 0.0,
-                 recalibration_strength: float | None = 2.0, persist: bool = False, skip_ratio: float | None = 2.0,
-                 ngram_max_length: int = NGRAM_MAX_LENGTH):
+    def __init__(self, inner, *, confidence: NgramConfidence | None = None, inner_stats: AcceptanceStats | None = None,
+                 max_ngram: int = 3, min_ngram: int = 1, min_match: int = 1, min_support: int = 1,
+                 mode: str = "auto", ngram_bias: float = 0.0, recalibration_strength: float | None = 2.0,
+                 skip_ratio: float | None = 2.0, ngram_max_length: int = NGRAM_MAX_LENGTH):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if mode not in ("auto", "prior"):
             raise ValueError(f"mode must be 'auto' or 'prior', got {mode!r}")
-        self.inner = inner
-        self.inner_name = getattr(inner, "name", "inner")
-        if self.inner_name == NGRAM:
+        if getattr(inner, "name", None) == NGRAM:
             raise ValueError("the router's inner drafter must be a model drafter, not n-gram lookup")
-        self.block_size = getattr(inner, "block_size", None)
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.min_match, self.min_support = min_match, min_support
-        self.confidence = confidence if confidence is not None else NgramConfidence()
-        self.inner_stats = inner_stats if inner_stats is not None else AcceptanceStats((0.5,))
-        self.mode, self.ngram_bias, self.persist = mode, float(ngram_bias), persist
-        self.recalibration_strength = recalibration_strength
-        self.skip_ratio = skip_ratio
         if ngram_max_length < 1:
             raise ValueError(f"ngram_max_length must be >= 1, got {ngram_max_length}")
+        self.inner = inner
+        self.inner_name = getattr(inner, "name", "inner")
+        self.block_size = getattr(inner, "block_size", None)
+        self.inner_confident = bool(getattr(inner, "confident", False))
+        self.confidence = confidence if confidence is not None else NgramConfidence()
+        self.inner_stats = inner_stats if inner_stats is not None else AcceptanceStats((0.5,))
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.rule = dict(min_match=min_match, min_support=min_support, ngram_bias=float(ngram_bias),
+                         skip_ratio=skip_ratio, mode=mode)
+        self.recalibration_strength = recalibration_strength
         self.ngram_max_length = int(ngram_max_length)
-        self._inner_predicted = 0.0  # sum of DSpark's survivals over the positions it sent (this request)
-        self._inner_realized = 0  # tokens of DSpark blocks the target accepted (this request)
-        heads = getattr(inner, "heads", None)
-        # DSpark with a confidence head: this round's calibrated survival is available after drafting
-        self.inner_confident = hasattr(inner, "last_survival") and getattr(heads, "conf_w", None) is not None
-        self.cost = None  # a scheduler.CostTable: cut the chosen proposal to the scheduled verify length
-        self._reset_round_state()
-        self._reset_counts()
+        self.cost_table: dict | None = None
+        self._state: dict = {}
 
-    # -- state
+    # -- requests
 
-    def _reset_round_state(self) -> None:
-        self.last_source: str | None = None
-        self.last_survival = np.zeros(0)
-        self.last_scores: dict = {}
-        self.last_match = NgramMatch()
-        self._sent = 0
-        self._pending = False
+    def begin(self, req) -> None:
+        self.inner.begin(req)
+        conf, inner_stats = copy.deepcopy(self.confidence), copy.deepcopy(self.inner_stats)
+        conf.reset()
+        inner_stats.reset()
+        self._state[req.rid] = _RouteState(conf, inner_stats, sources={
+            s: {"rounds": 0, "proposed": 0, "accepted": 0} for s in (NGRAM, self.inner_name)})
 
-    def _reset_counts(self) -> None:
-        self._rounds: Counter = Counter()
-        self._proposed: Counter = Counter()
-        self._accepted: Counter = Counter()
+    def remove(self, rid) -> None:
+        self.inner.remove(rid)
+        self._state.pop(rid, None)
 
-    @property
-    def source_counts(self) -> dict:
-        """{"ngram": rounds, <inner name>: rounds} for the current request."""
-        return {s: int(self._rounds[s]) for s in (NGRAM, self.inner_name)}
+    def state(self, rid) -> _RouteState:
+        """Request ``rid``'s state (last source, survival, scores, match, statistics). KeyError once it left."""
+        return self._state[rid]
 
-    @property
-    def source_stats(self) -> dict:
-        """{source: {"rounds", "proposed", "accepted"}} for the current request."""
-        return {s: {"rounds": int(self._rounds[s]), "proposed": int(self._proposed[s]),
-                    "accepted": int(self._accepted[s])} for s in (NGRAM, self.inner_name)}
+    def source_stats(self, rid) -> dict:
+        """{source: {"rounds", "proposed", "accepted"}} of request ``rid`` ({} once it has left)."""
+        st = self._state.get(rid)
+        return {k: dict(v) for k, v in st.sources.items()} if st is not None else {}
 
-    def begin(self, prompt: list) -> None:
-        self.inner.begin(prompt)
-        self._reset_round_state()
-        self._reset_counts()
-        if not self.persist:
-            self.confidence.reset()
-            self.inner_stats.reset()
-            self._inner_predicted, self._inner_realized = 0.0, 0
+    def recalibration(self, rid) -> float:
+        """rho = (A + k) / (P + k) of request ``rid`` (1.0 when the recalibration is off)."""
+        k, st = self.recalibration_strength, self._state[rid]
+        return 1.0 if k is None else (st.realized + k) / (st.predicted + k)
 
     # -- one round
 
-    def _score(self, surv: np.ndarray) -> float:
-        """Expected accepted length sum(a), or with a cost table the expected tokens/s at the scheduled length."""
-        if self.cost is None:
-            return float(np.sum(surv))
-        if len(surv) == 0:
-            return float(self.cost.sps(1))
-        from dspark_runtime.scheduler import schedule_greedy
+    def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
+        cost = None
+        if self.cost_table is not None:
+            from dspark_runtime.scheduler import round_cost_table
 
-        ell = schedule_greedy([surv], self.cost)[0]
-        return float((1.0 + np.sum(surv[:ell])) * self.cost.sps(1 + ell))
-
-    @property
-    def recalibration(self) -> float:
-        """rho = (A + k) / (P + k): realized over predicted accepted DSpark tokens, smoothed (1.0 when off)."""
-        k = self.recalibration_strength
-        if k is None:
-            return 1.0
-        return (self._inner_realized + k) / (self._inner_predicted + k)
-
-    def _compare_now(self, params: SamplingParams) -> bool:
-        """Draft the model block before deciding? Only when greedy (see the module docstring)."""
-        return self.mode == "auto" and params.greedy and self.inner_confident
-
-    def _inner_survival(self, n_tokens: int) -> np.ndarray:
-        if self.inner_confident:
-            return np.asarray(self.inner.last_survival[:n_tokens], dtype=np.float64)
-        return self.inner_stats.survival(0, n_tokens)
-
-    def propose(self, context: list, gamma: int, params: SamplingParams, rng) -> tuple:
-        """Returns (tokens list[int] of length l <= gamma, q float [l, vocab] or None): the chosen source's
-        proposal (n-gram: point masses, q None; model drafter: its q, None when greedy)."""
-        match = ngram_match(np.asarray(context, dtype=np.int64), gamma, self.max_ngram, self.min_ngram)
-        usable = match.length > 0 and match.ngram >= self.min_match and match.support >= self.min_support
-        scores: dict = {}
-        drafted = None
-        use_ngram = False
-        if usable:
-            surv_ng = self.confidence.estimate(match)
-            scores[NGRAM] = self._score(surv_ng) + self.ngram_bias
-            g = min(gamma, self.block_size) if self.block_size else gamma
-            prior_surv = self.inner_stats.survival(0, g)
-            prior_inner = self._score(prior_surv)
-            # skip rule in expected accepted tokens (cost-free units: the cost-aware scores both include the
-            # bonus token's rate, which would make a ratio of them near 1 whatever the drafts are worth)
-            strong = (self.skip_ratio is not None
-                      and float(np.sum(surv_ng)) + self.ngram_bias >= self.skip_ratio * float(np.sum(prior_surv)))
-            if self._compare_now(params) and not strong:
-                drafted = self.inner.propose(context, gamma, params, rng)
-                surv_in = self._inner_survival(len(drafted[0]))
-                scores[self.inner_name] = self._score(np.minimum(1.0, self.recalibration * surv_in))
+            cost = round_cost_table(self.cost_table, len(reqs))
+        plans, need = {}, set()
+        for r, g in zip(reqs, gammas):
+            if only is not None and r.rid not in only:
+                continue
+            st = self._state[r.rid]
+            m = ngram_match(np.asarray(r.prompt + r.out, dtype=np.int64), g, self.max_ngram, self.min_ngram)
+            g_in = min(g, self.block_size) if self.block_size else g
+            d = route(m, st.confidence, st.inner_stats.survival(0, g_in), greedy=r.params.greedy,
+                      inner_confident=self.inner_confident, cost=cost, **self.rule)
+            plans[r.rid] = d
+            if d.choice != NGRAM:
+                need.add(r.rid)
+        drafted = {}
+        if need:
+            caps = [min(g, self.block_size) if self.block_size else g for g in gammas]
+            drafted = {r.rid: p for r, p in zip(reqs, self.inner.propose_batch(reqs, caps, only=need))
+                       if r.rid in need}
+        out = []
+        for r in reqs:
+            d = plans.get(r.rid)
+            if d is None:
+                out.append(Proposal([]))
+                continue
+            st = self._state[r.rid]
+            p = drafted.get(r.rid)
+            if p is not None:
+                if self.inner_confident and p.survival is not None:
+                    surv_in = np.asarray(p.survival, dtype=np.float64)
+                else:
+                    surv_in = st.inner_stats.survival(0, len(p.tokens))
+                if d.choice is None:  # greedy: this round's calibrated, recalibrated survival
+                    d.scores["inner"] = expected_score(np.minimum(1.0, self.recalibration(r.rid) * surv_in), cost)
+                    d.choice = NGRAM if d.scores["ngram"] >= d.scores["inner"] else "inner"
+            if d.choice == NGRAM:
+                prop = Proposal(list(d.match.tokens), None, np.asarray(d.survival_ngram, dtype=np.float64))
+                source = NGRAM
             else:
-                scores[self.inner_name] = prior_inner
-            use_ngram = scores[NGRAM] >= scores[self.inner_name]
-        if use_ngram:
-            source, tokens, q, surv = NGRAM, list(match.tokens), None, surv_ng
-        else:
-            if drafted is None:
-                drafted = self.inner.propose(context, gamma, params, rng)
-            tokens, q = drafted
-            source, surv = self.inner_name, self._inner_survival(len(tokens))
-        if self.cost is not None and tokens:
-            from dspark_runtime.scheduler import schedule_greedy
+                prop = Proposal(p.tokens, p.q, surv_in)
+                source = self.inner_name
+            st.source, st.pending, st.match, st.survival = source, True, d.match, prop.survival
+            st.scores = {NGRAM if k == NGRAM else self.inner_name: v for k, v in d.scores.items()}
+            st.sources[source]["rounds"] += 1
+            out.append(prop)
+        return out
 
-            ell = schedule_greedy([surv[:len(tokens)]], self.cost)[0]
-            tokens = tokens[:ell]
-            q = None if q is None or ell == 0 else q[:ell]
-            if source != NGRAM and hasattr(self.inner, "last_conf_logits"):
-                self.inner.last_conf_logits = self.inner.last_conf_logits[:ell]  # calibration records
-        self.last_source, self.last_survival, self.last_scores, self.last_match = source, surv, scores, match
-        self._sent, self._pending = len(tokens), True
-        self._rounds[source] += 1
-        return tokens, q
-
-    def observe(self, n_accepted: int) -> None:
-        """The target accepted the first ``n_accepted`` of this round's tokens: update the statistics of the
-        source that was sent (and forward to the inner drafter when its block was sent)."""
-        if not self._pending:
+    def observe(self, rid, sent: int, accepted: int) -> None:
+        """The target accepted ``accepted`` of the ``sent`` tokens verified for ``rid``: update the statistics of
+        the source that was sent (and forward to the inner drafter when its block was sent)."""
+        st = self._state.get(rid)
+        if st is None or not st.pending:
             return
-        self._pending = False
-        n, src = int(n_accepted), self.last_source
-        self._proposed[src] += self._sent
-        self._accepted[src] += n
+        src, st.pending = st.source, False
+        st.sources[src]["proposed"] += int(sent)
+        st.sources[src]["accepted"] += int(accepted)
         if src == NGRAM:
-            self.confidence.record(self.last_match, self._sent, n)
-        else:
-            self.inner_stats.update(0, self._sent, n)
-            if self.inner_confident:
-                self._inner_predicted += float(np.sum(self.last_survival[:self._sent]))
-                self._inner_realized += n
-            obs = getattr(self.inner, "observe", None)
-            if obs is not None:
-                obs(n)
+            st.confidence.record(st.match, sent, accepted)
+            return
+        st.inner_stats.update(0, sent, accepted)
+        if self.inner_confident:
+            st.predicted += float(np.sum(st.survival[:sent]))
+            st.realized += int(accepted)
+        obs = getattr(self.inner, "observe", None)
+        if obs is not None:
+            obs(rid, sent, accepted)

@@ -35,6 +35,7 @@ import numpy as np
 __all__ = [
     "CostTable",
     "expected_throughput",
+    "round_cost_table",
     "schedule_fixed",
     "schedule_global",
     "schedule_greedy",
@@ -181,6 +182,18 @@ class CostTable:
             if isinstance(data[key], (str, bytes)) or not isinstance(data[key], Sequence):
                 raise ValueError(f"cost table '{key}' must be a list, got {type(data[key]).__name__}")
         return cls(tokens=tuple(data["tokens"]), seconds=tuple(data["seconds"]))
+
+
+def round_cost_table(table: Mapping[str, Any], rows: int) -> CostTable:
+    """The per-round :class:`CostTable` for ``rows`` requests from a manifest ``cost_table`` dict: t_draft at that
+    many rows (``draft_rows``/``t_draft_rows`` when profiled, else the single-row ``t_draft``) plus the
+    verifier's t_verify(B). Tables without the split use their stored ``seconds``. Pure function."""
+    if "t_verify" not in table:
+        return CostTable.from_dict(table)
+    t_draft = float(table.get("t_draft", 0.0))
+    if table.get("draft_rows") and table.get("t_draft_rows"):
+        t_draft = float(np.interp(rows, table["draft_rows"], table["t_draft_rows"]))
+    return CostTable(tuple(table["tokens"]), tuple(t_draft + t for t in table["t_verify"]))
 
 
 def _check_batch(batch_tokens: float) -> float:

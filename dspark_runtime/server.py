@@ -2,11 +2,11 @@
 
 Layout::
 
-    HTTP handlers (asyncio, FastAPI)  --submit/cancel-->  EngineWorker thread  --owns-->  BatchedGenerator
+    HTTP handlers (asyncio, FastAPI)  --submit/cancel-->  EngineWorker thread  --owns-->  DecodingLoop
            ^                                                   |
            +------ tokens / done / error events  <-------------+   (loop.call_soon_threadsafe)
 
-The :class:`~dspark_runtime.batch.BatchedGenerator` is not thread-safe, so exactly one thread (the
+The :class:`~dspark_runtime.decoding.DecodingLoop` is not thread-safe, so exactly one thread (the
 :class:`EngineWorker`) owns it: it takes submissions and cancellations from a command queue *between*
 rounds, runs ``step()`` (one packed verifier pass for every active request) while any request is
 active, and hands each request's newly committed tokens back to the event loop. Requests therefore

@@ -61,7 +61,7 @@ class Job:
 
 
 class EngineWorker:
-    """The one thread that owns a :class:`~dspark_runtime.batch.BatchedGenerator`.
+    """The one thread that owns a :class:`~dspark_runtime.decoding.DecodingLoop`.
 
     Between rounds it applies queued commands (submit, cancel, stop); while any request is waiting
     or active it runs ``step()``. ``submit`` / ``cancel`` / ``stop`` may be called from any thread.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.packed import MAX_PACKED_PREFILL, RequestBook
+from dspark_runtime.runners import PREFILL_CHUNK, RequestBook
 
 SLOT_STEP = 128  # slots are added in multiples of this many positions
 
@@ -34,7 +34,7 @@ class SlotRunner(RequestBook):
     """Requests' views of one scatter-layout ``causal_lm`` graph (``spec.kv_layout == "scatter"``).
 
     Same interface as :class:`~dspark_runtime.packed.PackedRunner` (``add``, ``remove``, ``step(segments)``,
-    ``rollback``; ``length``, ``features``, ``prefill`` from their common :class:`~dspark_runtime.packed.RequestBook`):
+    ``rollback``; ``length``, ``features``, ``prefill`` from their common :class:`~dspark_runtime.runners.RequestBook`):
     a single request is a set of one.
 
     Args:
@@ -181,7 +181,7 @@ class _SlotCacheView:
 
 class SlotSequence:
     """One sequence's view of a scatter-layout graph, with the interface of
-    :class:`~dspark_runtime.generate.DecoderRunner` (``step``, ``prefill``, ``rollback``, ``reset``, ``length``,
+    :class:`~dspark_runtime.runners.DecoderRunner` (``step``, ``prefill``, ``rollback``, ``reset``, ``length``,
     ``features``, ``cache``, a settable ``row_multiple``): a :class:`SlotRunner` holding one request, so a request
     decoded alone runs exactly the calls it would run as one row of a batch.
     """
@@ -219,7 +219,7 @@ class SlotSequence:
         """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab]."""
         return self.slots.step([(self._RID, list(tokens))])[0]
 
-    def prefill(self, tokens, chunk: int = MAX_PACKED_PREFILL) -> np.ndarray:
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
         return self.slots.prefill(self._RID, list(tokens), chunk)
 

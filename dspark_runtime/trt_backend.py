@@ -1,7 +1,7 @@
 """Native TensorRT backend for ``causal_lm`` engines with the *capacity* KV layout (docs/design.md section 2).
 
 Same interface as :class:`dspark_runtime.backend.OrtDecoder` (construct cheaply, ``activate()`` allocates,
-``empty_kv`` / ``step`` / ``deactivate``), so :class:`~dspark_runtime.generate.DecoderRunner`, the drafters
+``empty_kv`` / ``step`` / ``deactivate``), so :class:`~dspark_runtime.runners.DecoderRunner`, the drafters
 and the generation loop run on it unchanged. No torch: cuda-python (``cuda.bindings.runtime``) for device
 memory, pinned host buffers, one stream and CUDA graphs; TensorRT or TensorRT-RTX through the import shim.
 

@@ -57,8 +57,9 @@ LAYOUTS = ("packed-alone", "masked-front", "longer-neighbour", "neighbours")
 def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
     """Max |logit difference| against the single runner, per layout (see the module docstring)."""
     from dspark_runtime.engine import Engine
-    from dspark_runtime.generate import decoder_runner
-    from dspark_runtime.packed import PackedRunner, batch_runner
+    from dspark_runtime.runners import decoder_runner
+    from dspark_runtime.packed import PackedRunner
+    from dspark_runtime.runners import batch_runner
 
     eng = Engine.load(engine_dir, threads=threads)
     be = eng.graph_backend("target")

@@ -877,9 +877,7 @@ def _dspark_worker(job: dict, emit) -> dict:
     eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"],
                       shared_thread_pool=shared_pool_default())
     draft = opts.get("draft")
-    eng.runner("target")
-    if draft is not None:
-        eng.drafter(draft)  # activates the draft session now, so its creation counts as load time
+    eng.batch(draft=draft, max_batch=1)  # activates the target and draft sessions, so their creation is load time
     load_s = time.perf_counter() - t0
     kw = dict(temperature=job["temperature"], draft=draft, draft_length=opts.get("draft_length"))
     t1 = time.perf_counter()
@@ -904,9 +902,7 @@ def _engine_bytes(eng, draft) -> int | None:
     """Bytes of the engine files a DSpark system loads: the target graph, the draft LM or DSpark drafter
     graph its draft uses, and the drafter's heads file."""
     try:
-        keys = set(eng._runners)  # activated DecoderRunners (target, draft LM)
-        if draft in ("dspark", "router", "auto") and getattr(eng, "dspark_graph", None):
-            keys.add(eng.dspark_graph)
+        keys = set(eng.graphs_used(draft))
         total = sum(f.size for k in keys for f in eng.manifest.graphs[k].files)
         heads = eng.manifest.speculation.get("dspark", {}).get("heads_file") if eng.dspark_graph in keys else None
         if heads and (eng.dir / heads).is_file():

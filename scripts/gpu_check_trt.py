@@ -103,7 +103,7 @@ def main() -> int:
     def time_decode(graphs: bool, n: int = 200) -> tuple[float, dict]:
         e = load_manifest(a.engine_dir).trt_engines["target.capacity"]
         dec = TrtDecoder(a.engine_dir, e, cuda_graphs=graphs).activate()
-        from dspark_runtime.generate import DecoderRunner
+        from dspark_runtime.runners import DecoderRunner
 
         r = DecoderRunner(dec)
         r.prefill(list(range(5, 25)))

@@ -38,7 +38,7 @@ def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
     import resource
 
     from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.generate import decoder_runner
+    from dspark_runtime.runners import decoder_runner
     from dspark_runtime.manifest import load_manifest
 
     m = load_manifest(engine, verify=False)

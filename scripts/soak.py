@@ -102,13 +102,13 @@ def wait_for(cond, timeout: float, every: float = 0.05) -> bool:
 # Runs `dspark serve` with a delay added to every decoding round (a test aid: the suite's tiny model decodes
 # thousands of tokens/s, and the overload, disconnect and SIGTERM phases need requests that last).
 _DELAYED = ("import sys, time\n"
-            "from dspark_runtime import batch\n"
-            "_step = batch.BatchedGenerator.step\n"
+            "from dspark_runtime import decoding\n"
+            "_step = decoding.DecodingLoop.step\n"
             "_delay = float(sys.argv[1])\n"
             "def step(self):\n"
             "    time.sleep(_delay)\n"
             "    return _step(self)\n"
-            "batch.BatchedGenerator.step = step\n"
+            "decoding.DecodingLoop.step = step\n"
             "from dspark_runtime.cli import main\n"
             "main(sys.argv[2:])\n")
 

@@ -61,7 +61,7 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
     from dspark_export.build import Recipe, build_engine
     from dspark_export.draft_train import (FeatureStore, TrainSettings, choose_draft_vocab, extract_features,
                                            train)
-    from dspark_export.dspark_model import DSparkDrafter, qwen2_draft_config
+    from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config
     from dspark_export.draft_graph import target_frozen_weights
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +87,7 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
     c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,
                            block_size=4, target_layer_ids=(-1, 0), markov_rank=16, draft_vocab_size=len(vocab))
     torch.manual_seed(0)
-    model = DSparkDrafter(c)
+    model = DSparkDraftModel(c)
     model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
     emb, head = target_frozen_weights(tdir)
     model.init_from_target(emb, head)

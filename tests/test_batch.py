@@ -39,7 +39,7 @@ def solo(lm_engine):
 def test_packed_step_matches_single_sequences(lm_engine):
     """Two requests packed in one row give the logits each gets alone, also after a rollback, a removal
     and a compaction."""
-    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.runners import DecoderRunner
     from dspark_runtime.packed import PackedRunner
 
     be = lm_engine._backends["target"].activate()
@@ -76,7 +76,7 @@ def test_packed_calls_are_row_padded_like_single_calls(lm_engine):
     """With the probed row padding (here forced to 2), every packed call has an even row count, as the single
     runner's calls; padding rows leave no trace: the logits are bit-identical to the padded single runner's, the
     requests' lengths count real tokens only and the padding slots are dropped."""
-    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.runners import DecoderRunner
     from dspark_runtime.packed import PackedRunner
 
     be = lm_engine._backends["target"].activate()
@@ -229,7 +229,7 @@ def test_batch_bad_arguments(lm_engine, ds_engine):
 
 
 def test_round_cost_table_adds_the_batched_draft_time():
-    from dspark_runtime.batch import round_cost_table
+    from dspark_runtime.scheduler import round_cost_table
 
     table = {"tokens": [1, 8, 16], "seconds": [1.1, 1.5, 2.1], "t_draft": 0.1, "t_verify": [1.0, 1.4, 2.0],
              "draft_rows": [1, 2, 4], "t_draft_rows": [0.1, 0.2, 0.4]}

@@ -76,8 +76,9 @@ def test_deepspec_threshold_rule_is_offered_and_exact(dspark_engine):
     theirs = dspark_engine.generate("hello world", max_new_tokens=40, draft="dspark", draft_confidence=0.5,
                                     draft_confidence_rule="deepspec")
     assert theirs.token_ids == ours.token_ids == ref.token_ids
-    assert dspark_engine.drafter("dspark", 0.5, "deepspec").threshold_rule == "deepspec"
-    assert dspark_engine.drafter("router", 0.5, "deepspec").inner.threshold_rule == "deepspec"
+    for draft, inner in (("dspark", lambda d: d), ("router", lambda d: d.inner)):
+        gen = dspark_engine.batch(draft=draft, draft_confidence=0.5, draft_confidence_rule="deepspec")
+        assert inner(gen.drafter).threshold_rule == "deepspec"
     assert theirs.stats.proposed != ours.stats.proposed  # the rules differ (product of survivals vs own confidence)
     with pytest.raises(InputError, match="DSpark drafter only"):
         dspark_engine.generate("hi", max_new_tokens=4, draft="ngram", draft_confidence_rule="deepspec")
@@ -138,7 +139,7 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     inner = router["inner"]["dspark"]
     assert inner["tries"][0][0] == res["rounds"]  # every recorded round tests position 1
     eng = Engine.load(eng_dir, threads=1)
-    drafter = eng.drafter("router")
+    drafter = eng.batch(draft="router").drafter
     np.testing.assert_allclose(drafter.inner_stats.prior_hits[0, 0] / drafter.inner_stats.prior_tries[0, 0],
                                inner["hits"][0][0] / inner["tries"][0][0])
     assert drafter.confidence.prior_tries[:, 0].max() <= 32 + 1e-9  # scaled to at most 32 pseudo-rounds
@@ -146,7 +147,7 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     m["speculation"]["router"]["ngram"] = {"edges": [1, 2]}
     (eng_dir / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(InputError, match="speculation.router is malformed"):
-        Engine.load(eng_dir, threads=1).drafter("router")
+        Engine.load(eng_dir, threads=1).batch(draft="router")
 
 
 def test_scheduled_needs_a_cost_table(dspark_engine):

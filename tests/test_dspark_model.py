@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_export.dspark_config import DraftConfigError, DSparkConfig
-from dspark_export.dspark_model import DSparkDrafter, block_mask, expected_shapes, load_checkpoint, save_checkpoint
+from dspark_export.dspark_model import DSparkDraftModel, block_mask, expected_shapes, load_checkpoint, save_checkpoint
 
 # A hand-specified DeepSpec config: a (tiny) copy of a Qwen3 target config plus the DSpark fields.
 DEEPSPEC_CONFIG = {
@@ -22,9 +22,9 @@ DEEPSPEC_CONFIG = {
 }
 
 
-def _random_model(cfg: dict, seed=0) -> DSparkDrafter:
+def _random_model(cfg: dict, seed=0) -> DSparkDraftModel:
     torch.manual_seed(seed)
-    m = DSparkDrafter(DSparkConfig.from_dict(cfg))
+    m = DSparkDraftModel(DSparkConfig.from_dict(cfg))
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
@@ -108,7 +108,7 @@ def test_reduced_vocabulary_shapes_and_mapping():
     c = DSparkConfig.from_dict(cfg)
     s = expected_shapes(c)
     assert s["lm_head.weight"] == (10, 32) and s["markov_head.markov_w1.weight"] == (11, 16)
-    m = DSparkDrafter(c)
+    m = DSparkDraftModel(c)
     m.draft_vocab_ids.copy_(torch.tensor([2, 5, 7, 11, 13, 17, 19, 23, 29, 96]))
     m._t2d = None
     t2d = m.target_to_draft()
@@ -161,7 +161,7 @@ def test_loss_trains_a_tiny_drafter_toward_the_target():
     cfg = dict(DEEPSPEC_CONFIG, num_hidden_layers=1, layer_types=["full_attention"], markov_head_type="vanilla",
                block_size=3)
     torch.manual_seed(0)
-    m = DSparkDrafter(DSparkConfig.from_dict(cfg))
+    m = DSparkDraftModel(DSparkConfig.from_dict(cfg))
     c = m.config
     rng = np.random.default_rng(0)
     V, d = c.vocab_size, c.hidden_size

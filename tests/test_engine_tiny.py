@@ -131,7 +131,7 @@ def test_bad_generation_arguments(engine, kwargs, message):
 def test_stopper_ignores_tokens_past_max_new_tokens():
     """A speculative round can commit more tokens than max_new_tokens allows: an EOS or a stop
     string in the overshoot must not count."""
-    from dspark_runtime.generate import Stopper
+    from dspark_runtime.decoding import Stopper
 
     dec = lambda ids: "".join(chr(97 + i) for i in ids)  # 0 -> "a", 1 -> "b", ...
     st = Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
@@ -160,19 +160,26 @@ def test_draft_confidence_threshold_shortens_blocks_and_stays_exact(engine):
 def test_lm_drafter_proposes_when_its_cache_already_holds_the_whole_context(engine):
     """A router can commit exactly the tokens the draft LM had drafted and cached (it sent an n-gram block, the
     target accepted it and the bonus token was the LM's next draft): the LM must still re-feed the anchor."""
-    from dspark_runtime.generate import LMDrafter
+    from types import SimpleNamespace
+
+    from dspark_runtime.drafters import LMDrafter
+    from dspark_runtime.runners import batch_runner
     from dspark_runtime.sampling import SamplingParams
 
-    lm = LMDrafter(engine.runner(engine.lm_graph))
+    def lm_over_its_own_runner():
+        return LMDrafter(batch_runner(engine.graph_backend(engine.lm_graph), max_requests=1))
+
     prompt = engine.encode_prompt("def add(a, b):")
-    lm.begin(prompt)
-    params = SamplingParams()
-    first, _ = lm.propose(list(prompt), 4, params, None)
+    req = SimpleNamespace(rid=0, prompt=list(prompt), out=[], params=SamplingParams(), rng=None)
+    lm = lm_over_its_own_runner()
+    lm.begin(req)
+    first = lm.propose_batch([req], [4])[0].tokens
     # commit the first three drafts: the context now ends with a token the LM has already cached
-    context = list(prompt) + first[:3]
-    assert lm._cached[-1] == context[-1]
-    again, _ = lm.propose(context, 2, params, None)
+    req.out = first[:3]
+    assert lm._cached[0][-1] == req.out[-1]
+    again = lm.propose_batch([req], [2])[0].tokens
     assert again[0] == first[3]  # the same greedy continuation, from the re-fed anchor
-    fresh = LMDrafter(engine.runner(engine.lm_graph))
-    fresh.begin(context)
-    assert fresh.propose(context, 2, params, None)[0] == again
+    fresh = lm_over_its_own_runner()
+    ctx = SimpleNamespace(rid=0, prompt=list(prompt) + first[:3], out=[], params=SamplingParams(), rng=None)
+    fresh.begin(ctx)
+    assert fresh.propose_batch([ctx], [2])[0].tokens == again

@@ -6,7 +6,7 @@ import pytest
 
 from dspark_runtime.backend import StepOutput
 from dspark_runtime.errors import InputError
-from dspark_runtime.generate import DecoderRunner
+from dspark_runtime.runners import DecoderRunner
 from dspark_runtime.invariance import max_difference, padded_rows, probe_row_multiple, teacher_force
 
 VOCAB, LAYERS, KVH, HD = 11, 2, 1, 4

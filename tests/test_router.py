@@ -1,4 +1,4 @@
-"""The context-aware router drafter (issue 9): n-gram match quality, online n-gram confidences, the routing
+"""The context-aware router (issue 9): n-gram match quality, online n-gram confidences, the routing
 rule, losslessness (greedy identity on tiny engines; sampled distribution on a toy target), DSpark staying in
 sync when rounds skip it, and the engine/CLI wiring."""
 from collections import Counter
@@ -6,9 +6,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dspark_runtime.generate import generate_tokens, ngram_lookup
-from dspark_runtime.router import (AcceptanceStats, NgramConfidence, NgramMatch, RouterDrafter, acceptance_counts,
-                                   fit_ngram_counts, match_extent, ngram_match, router_priors)
+from types import SimpleNamespace
+
+from dspark_runtime import router as router_mod
+from dspark_runtime.decoding import DecodingLoop
+from dspark_runtime.drafters import NgramMatch, Proposal, match_extent, ngram_lookup, ngram_match
+from dspark_runtime.router import (AcceptanceStats, NgramConfidence, Router, acceptance_counts, fit_ngram_counts,
+                                   route, router_priors)
+from dspark_runtime.runners import SequenceRunner
 from dspark_runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -138,68 +143,114 @@ def test_acceptance_stats_hand_computed():
 
 
 class FakeDSpark:
-    """A DSpark-like inner drafter: proposes ``block`` from a fixed distribution Q, with a survival that
-    depends on its first sampled token (as DSpark's Markov-head confidences do)."""
+    """A DSpark-like inner drafter (the drafters interface): proposes a block from a fixed distribution Q, with a
+    survival that depends on its first sampled token (as DSpark's Markov-head confidences do)."""
 
     name = "dspark"
+    confident = True
 
     def __init__(self, vocab=4, block_size=3, good_token=0, high=0.9, low=0.1, q=None, first=0.5):
         self.block_size, self.first = block_size, first
-        self.heads = type("H", (), {"conf_w": np.ones(1)})()
         self.q = np.full(vocab, 1.0 / vocab) if q is None else np.asarray(q, dtype=np.float64)
         self.good, self.high, self.low = good_token, high, low
-        self.last_survival = np.zeros(0)
         self.calls, self.observed = 0, []
 
-    def begin(self, prompt):
+    def begin(self, req):
         pass
 
-    def propose(self, context, gamma, params, rng):
-        self.calls += 1
-        n = min(gamma, self.block_size)
-        if params.greedy:
-            toks = [int(np.argmax(self.q))] * n
-        else:
-            toks = [int(rng.choice(len(self.q), p=self.q)) for _ in range(n)]
-        c = self.high if toks[0] == self.good else self.low
-        self.last_survival = np.cumprod([self.first] + [c] * (n - 1))  # a_1 from the anchor, a_2.. from x_1
-        return toks, (None if params.greedy else np.tile(self.q, (n, 1)))
+    def remove(self, rid):
+        pass
 
-    def observe(self, n):
-        self.observed.append(n)
+    def propose_batch(self, reqs, gammas, only=None):
+        self.calls += 1
+        out = []
+        for r, gamma in zip(reqs, gammas):
+            if only is not None and r.rid not in only:
+                out.append(Proposal([]))
+                continue
+            n = min(gamma, self.block_size)
+            if r.params.greedy:
+                toks = [int(np.argmax(self.q))] * n
+            else:
+                toks = [int(r.rng.choice(len(self.q), p=self.q)) for _ in range(n)]
+            c = self.high if toks[0] == self.good else self.low
+            surv = np.cumprod([self.first] + [c] * (n - 1))  # a_1 from the anchor, a_2.. from x_1
+            out.append(Proposal(toks, None if r.params.greedy else np.tile(self.q, (n, 1)), surv))
+        return out
+
+    def observe(self, rid, sent, accepted):
+        self.observed.append(accepted)
+
+
+def _req(context, params=GREEDY, rng=None, rid=0):
+    """A request whose committed context is ``context`` (its last token the anchor)."""
+    return SimpleNamespace(rid=rid, prompt=list(context), out=[], params=params, rng=rng)
+
+
+def _propose(router, req, gamma):
+    """One round of ``router`` for ``req`` alone: (tokens, q)."""
+    p = router.propose_batch([req], [gamma])[0]
+    return p.tokens, p.q
+
+
+def _begun(router, req):
+    router.begin(req)
+    return req
 
 
 def test_routing_rule_prefers_the_larger_expected_length():
     inner = FakeDSpark(high=0.9, block_size=3)  # greedy: tokens 0 -> survival [0.5, 0.45, 0.405], sum 1.355
-    weak = RouterDrafter(inner, confidence=NgramConfidence(prior_mean=(0.2, 0.2, 0.2)))
+    weak = Router(inner, confidence=NgramConfidence(prior_mean=(0.2, 0.2, 0.2)))
     ctx = [7, 8, 9, 7, 8, 9, 7, 8]  # 3-gram (9, 7, 8) matched: continuation [9, 7, 8]
-    weak.begin(ctx)
-    toks, q = weak.propose(ctx, 3, GREEDY, None)
-    assert weak.last_source == "dspark" and toks == [0, 0, 0] and q is None
-    assert weak.last_scores["ngram"] == pytest.approx(0.2 + 0.04 + 0.008)
-    assert weak.last_scores["dspark"] == pytest.approx(1.355)
-    weak.observe(1)
-    assert inner.observed == [1] and weak.source_stats["dspark"] == {"rounds": 1, "proposed": 3, "accepted": 1}
+    req = _begun(weak, _req(ctx))
+    toks, q = _propose(weak, req, 3)
+    st = weak.state(0)
+    assert st.source == "dspark" and toks == [0, 0, 0] and q is None
+    assert st.scores["ngram"] == pytest.approx(0.2 + 0.04 + 0.008)
+    assert st.scores["dspark"] == pytest.approx(1.355)
+    weak.observe(0, 3, 1)
+    assert inner.observed == [1] and weak.source_stats(0)["dspark"] == {"rounds": 1, "proposed": 3, "accepted": 1}
     # online recalibration of DSpark's confidences: rho = (accepted + 2) / (predicted + 2) = 3 / 3.355
-    assert weak.recalibration == pytest.approx(3 / 3.355)
-    weak.propose(ctx, 3, GREEDY, None)
-    assert weak.last_scores["dspark"] == pytest.approx(3 / 3.355 * 1.355)
-    assert RouterDrafter(FakeDSpark(), recalibration_strength=None).recalibration == 1.0
+    assert weak.recalibration(0) == pytest.approx(3 / 3.355)
+    _propose(weak, req, 3)
+    assert weak.state(0).scores["dspark"] == pytest.approx(3 / 3.355 * 1.355)
+    off = Router(FakeDSpark(), recalibration_strength=None)
+    off.begin(_req(ctx))
+    assert off.recalibration(0) == 1.0
 
-    strong = RouterDrafter(FakeDSpark(high=0.9, block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3))
-    strong.begin(ctx)
-    toks, q = strong.propose(ctx, 3, GREEDY, None)
-    assert strong.last_source == "ngram" and toks == [9, 7, 8] and q is None
-    np.testing.assert_allclose(strong.last_survival, [0.9, 0.81, 0.729])
-    strong.observe(0)  # n-gram statistics learn, the inner is not told
-    assert strong.inner.observed == [] and strong.confidence.tries[2, 0] == 1 and strong.confidence.hits.sum() == 0
+    strong = Router(FakeDSpark(high=0.9, block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3))
+    req = _begun(strong, _req(ctx))
+    toks, q = _propose(strong, req, 3)
+    st = strong.state(0)
+    assert st.source == "ngram" and toks == [9, 7, 8] and q is None
+    np.testing.assert_allclose(st.survival, [0.9, 0.81, 0.729])
+    strong.observe(0, 3, 0)  # n-gram statistics learn, the inner is not told
+    assert strong.inner.observed == [] and st.confidence.tries[2, 0] == 1 and st.confidence.hits.sum() == 0
     # a miss (no earlier occurrence of the last token) always goes to the inner drafter
-    toks, _ = strong.propose([1, 2, 3], 3, GREEDY, None)
-    assert strong.last_source == "dspark" and strong.source_counts == {"ngram": 1, "dspark": 1}
+    req.prompt = [1, 2, 3]
+    _propose(strong, req, 3)
+    assert st.source == "dspark" and {k: v["rounds"] for k, v in strong.source_stats(0).items()} == {
+        "ngram": 1, "dspark": 1}
     # min_match: a 1-gram match is not a candidate with min_match=2
-    r = RouterDrafter(FakeDSpark(), confidence=NgramConfidence(prior_mean=(0.99,) * 3), min_match=2)
-    r.propose([5, 1, 2, 5], 3, GREEDY, None)
-    assert r.last_match.ngram == 1 and r.last_source == "dspark"
+    r = Router(FakeDSpark(), confidence=NgramConfidence(prior_mean=(0.99,) * 3), min_match=2)
+    req = _begun(r, _req([5, 1, 2, 5]))
+    _propose(r, req, 3)
+    assert r.state(0).match.ngram == 1 and r.state(0).source == "dspark"
+
+
+def test_route_is_a_pure_rule():
+    """The rule alone: a miss goes to the inner drafter; greedy with a confident inner drafts first; sampling,
+    a draft LM or mode='prior' decide from the priors; a strong match skips the drafting pass."""
+    conf = NgramConfidence(prior_mean=(0.5, 0.5, 0.5))
+    m = ngram_match(np.array([7, 8, 9, 7, 8, 9, 7, 8]), 3)
+    prior = np.array([0.5, 0.25, 0.125])  # sum 0.875; the match's 0.875 too
+    assert route(NgramMatch(), conf, prior, greedy=True, inner_confident=True).choice == "inner"
+    assert route(m, conf, prior, greedy=True, inner_confident=True).choice is None
+    assert route(m, conf, prior, greedy=False, inner_confident=True).choice == "ngram"  # tie goes to the free one
+    assert route(m, conf, prior, greedy=True, inner_confident=False, ngram_bias=-0.1).choice == "inner"
+    assert route(m, conf, prior, greedy=True, inner_confident=True, mode="prior").choice == "ngram"
+    strong = route(m, NgramConfidence(prior_mean=(0.9,) * 3), prior, greedy=True, inner_confident=True)
+    assert strong.choice == "ngram" and strong.scores["ngram"] == pytest.approx(0.9 + 0.81 + 0.729)
 
 
 def test_routing_depends_on_context_and_past_rounds_only():
@@ -207,30 +258,46 @@ def test_routing_depends_on_context_and_past_rounds_only():
     inner drafter's sampled tokens (it is made before drafting), and not on the coming verdict."""
     ctx = [7, 8, 9, 7, 8, 9, 7, 8]
     conf = NgramConfidence(prior_mean=(0.45, 0.45, 0.45))  # n-gram sum 0.45+0.2+0.09 = 0.74
-    router = RouterDrafter(FakeDSpark(high=0.9, low=0.1, block_size=3), confidence=conf)
-    router.begin(ctx)
+    router = Router(FakeDSpark(high=0.9, low=0.1, block_size=3), confidence=conf)
+    req = _begun(router, _req(ctx))
     # greedy: the block is drafted first; the choice is a function of the context
     picks = set()
     for _ in range(5):
-        router.propose(ctx, 3, GREEDY, None)
-        picks.add(router.last_source)
+        _propose(router, req, 3)
+        picks.add(router.state(0).source)
     assert picks == {"dspark"}  # 1.355 > 0.74
     # sampling: the inner's learned prior (0.5 per position: sum 0.875) decides, before drafting, so the
     # sampled first token (which moves the inner's own survival between 0.55 and 1.355) cannot matter
     choices = set()
+    req.params = SAMPLED
     for seed in range(30):
-        router.propose(ctx, 3, SAMPLED, np.random.default_rng(seed))
-        choices.add(router.last_source)
-    assert choices == {"dspark"} and router.last_scores["dspark"] == pytest.approx(0.5 + 0.25 + 0.125)
+        req.rng = np.random.default_rng(seed)
+        _propose(router, req, 3)
+        choices.add(router.state(0).source)
+    assert choices == {"dspark"} and router.state(0).scores["dspark"] == pytest.approx(0.5 + 0.25 + 0.125)
     # past verdicts move the next choice: three rejected dspark rounds lower its learned estimate below the
     # n-gram's; after that the n-gram proposal is chosen without running the inner drafter at all
     for _ in range(3):
-        router.propose(ctx, 3, SAMPLED, np.random.default_rng(0))
-        router.observe(0)
+        req.rng = np.random.default_rng(0)
+        _propose(router, req, 3)
+        router.observe(0, 3, 0)
     calls = router.inner.calls
-    toks, q = router.propose(ctx, 3, SAMPLED, np.random.default_rng(1))
-    assert router.last_source == "ngram" and toks == [9, 7, 8] and q is None
+    req.rng = np.random.default_rng(1)
+    toks, q = _propose(router, req, 3)
+    assert router.state(0).source == "ngram" and toks == [9, 7, 8] and q is None
     assert router.inner.calls == calls
+
+
+def test_requests_route_independently_in_one_batch():
+    """Two requests in one round: each gets its own state and choice; one inner pass serves the row that needs it."""
+    router = Router(FakeDSpark(high=0.9, block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3))
+    a = _begun(router, _req([7, 8, 9, 7, 8, 9, 7, 8], rid=0))  # a strong match: n-gram, no drafting
+    b = _begun(router, _req([1, 2, 3], rid=1))  # a miss: the inner drafter
+    pa, pb = router.propose_batch([a, b], [3, 3])
+    assert pa.tokens == [9, 7, 8] and pb.tokens == [0, 0, 0] and router.inner.calls == 1
+    assert router.state(0).source == "ngram" and router.state(1).source == "dspark"
+    router.remove(0)
+    assert router.source_stats(0) == {} and router.source_stats(1)["dspark"]["rounds"] == 1
 
 
 # ------------------------------------------------------------------ lossless sampling on a toy target
@@ -238,6 +305,8 @@ def test_routing_depends_on_context_and_past_rounds_only():
 
 class BigramTarget:
     """A toy target (DecoderRunner interface): next-token logits = log T[last token]."""
+
+    row_multiple = 1
 
     def __init__(self, table):
         self.logt = np.log(np.asarray(table, dtype=np.float64)).astype(np.float32)
@@ -255,27 +324,23 @@ class BigramTarget:
         self.tokens += list(tokens)
         return self.logt[np.asarray(tokens)]
 
-    def prefill(self, tokens):
+    def prefill(self, tokens, chunk=None):
         return self.step(tokens)[-1]
 
     def rollback(self, length):
         self.tokens = self.tokens[:length]
 
 
-class DecideAfterDrafting(RouterDrafter):
-    """The lossy rule the router avoids: compare with this round's sampled block, also when sampling."""
-
-    def _compare_now(self, params):
-        return True
-
-
-def _second_token_tv(router_cls, runs=2000):
+def _second_token_tv(lossy: bool, monkeypatch, runs=2000):
     """Total variation between the empirical distribution of the second generated token (the first one
-    decided by rejection sampling) and the exact one, on a bigram toy target."""
+    decided by rejection sampling) and the exact one, on a bigram toy target. ``lossy``: the rule the router
+    avoids -- compare with this round's sampled block, also when sampling."""
     table = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.05, 0.45, 0.45, 0.05]]
-    target = BigramTarget(table)
     # the first token x0 follows 3: x0 = 0 makes a 3-gram match (2, 3, 0), any other x0 only a 1-gram match
     prompt = [3, 0, 1, 2, 3, 0, 1, 2, 3]
+    if lossy:
+        exact_rule = router_mod.route
+        monkeypatch.setattr(router_mod, "route", lambda *a, greedy, **kw: exact_rule(*a, greedy=True, **kw))
     counts = Counter()
     for seed in range(runs):
         # scores: n-gram 0.95+0.9 = 1.85 (3-gram) or 0.7+0.49 = 1.19 (1-gram, 0.7 when the continuation has one
@@ -283,25 +348,25 @@ def _second_token_tv(router_cls, runs=2000):
         # and the model block otherwise (a choice by context). The inner's own survival sums to 1.71 when its
         # sampled x_1 == 0, else 0.99: deciding on it (the lossy variant) sends the model block after a 1-gram
         # match only when x_1 == 0, i.e. tokens not distributed as its q.
-        router = router_cls(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
-                            confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)),
-                            inner_stats=AcceptanceStats((0.8,)))
-        sources, propose = [], router.propose
-        router.propose = lambda *a: (propose(*a), sources.append(router.last_source))[0]
-        out, _, _ = generate_tokens(target, prompt, max_new_tokens=3, params=SAMPLED, eos_ids=[], drafter=router,
-                                    draft_length=2, seed=seed)
-        counts[out[1]] += 1
-        if router_cls is RouterDrafter:
-            assert sources[0] == ("ngram" if out[0] == 0 else "dspark")
+        router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
+                        confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=AcceptanceStats((0.8,)))
+        sources, propose = [], router.propose_batch
+        router.propose_batch = lambda *a: (propose(*a), sources.append(router.state(0).source))[0]
+        loop = DecodingLoop(SequenceRunner(BigramTarget(table)), router)
+        req = loop.submit(prompt, max_new_tokens=3, params=SAMPLED, gamma=2, seed=seed)
+        loop.run()
+        counts[req.token_ids[1]] += 1
+        if not lossy:
+            assert sources[0] == ("ngram" if req.token_ids[0] == 0 else "dspark")
     t = np.asarray(table)
     exact = t[prompt[-1]] @ t  # P(second token) = sum_x0 P(x0 | last prompt token) T[x0]
     emp = np.array([counts[k] for k in range(4)]) / runs
     return 0.5 * np.abs(emp - exact).sum()
 
 
-def test_sampled_router_is_lossless_and_the_check_has_power():
-    assert _second_token_tv(RouterDrafter) < 0.05
-    assert _second_token_tv(DecideAfterDrafting) > 0.1  # deciding after sampling the block biases the output
+def test_sampled_router_is_lossless_and_the_check_has_power(monkeypatch):
+    assert _second_token_tv(False, monkeypatch) < 0.05
+    assert _second_token_tv(True, monkeypatch) > 0.1  # deciding after sampling the block biases the output
 
 
 # --------------------------------------------------------------------------------- tiny engines
@@ -333,10 +398,22 @@ def test_router_greedy_equals_target_only(dspark_engine, prompt, gamma):
     assert src["ngram"]["accepted"] + src["dspark"]["accepted"] == got.stats.accepted
 
 
-def _run(engine, router, prompt, params=GREEDY, max_new_tokens=48, gamma=4, seed=None):
-    ids = engine.encode_prompt(prompt)
-    return generate_tokens(engine.runner("target"), ids, max_new_tokens=max_new_tokens, params=params,
-                           eos_ids=engine.eos_ids, drafter=router, draft_length=gamma, seed=seed)
+def _run(engine, make_router, prompt, params=GREEDY, max_new_tokens=48, gamma=4, seed=None, cost_table=None):
+    """Decode ``prompt`` alone with the router ``make_router(inner DSpark drafter)`` on the engine's target;
+    returns (token ids, stats, router)."""
+    from dspark_runtime.runners import batch_runner
+
+    target = batch_runner(engine.graph_backend("target"), row_multiple=engine.row_multiple, max_requests=1)
+    router = make_router(engine.drafter("dspark", target))
+    mode = "fixed"
+    if cost_table is not None:
+        router.cost_table, mode = cost_table, "scheduled"
+    loop = DecodingLoop(target, router, eos_ids=engine.eos_ids, decode=engine.tokenizer.decode, mode=mode,
+                        cost_table=cost_table, max_batch=1)
+    req = loop.submit(engine.encode_prompt(prompt), max_new_tokens=max_new_tokens, params=params, gamma=gamma,
+                      seed=seed)
+    loop.run()
+    return req.token_ids, req.stats, router
 
 
 def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
@@ -348,7 +425,7 @@ def test_router_uses_both_sources_and_auto_is_the_router(dspark_engine):
     assert got.stats.accepted > 0
     # the build copied the checkpoint's calibrated router priors (sts.json, see conftest) into the manifest,
     # and the engine's router starts from them
-    r = dspark_engine.drafter("router")
+    r = dspark_engine.batch(draft="router").drafter
     assert r.confidence.edges == (1, 2, 3) and r.confidence.prior_tries[2, 1] == 9
     m = (4 + 2 * (4 + 1) / (14 + 2)) / (14 + 2)  # bucket mean: counts + s0 x fitted prior mean (5/16)
     np.testing.assert_allclose(r.inner_stats.survival(0, 1), [(3 + 2 * m) / (10 + 2)])
@@ -358,17 +435,17 @@ def test_scheduled_router_sends_ngram_continuations_longer_than_a_block(dspark_e
     """Scheduled, the engine lets the router propose up to ngram_max_length (16) tokens: n-gram continuations
     longer than the DSpark block (4) are verified whenever the context holds one, and output stays exact."""
     seen = []
-    propose = RouterDrafter.propose
+    propose = Router.propose_batch
 
-    def spy(self, context, gamma, params, rng):
-        seen.append(gamma)
-        toks, q = propose(self, context, gamma, params, rng)
-        m = self.last_match
-        if self.last_source == "ngram":  # the whole continuation the context offers is sent (tokens are free)
-            assert len(toks) == min(gamma, m.length) == m.length
-        return toks, q
+    def spy(self, reqs, gammas, only=None):
+        seen.append(gammas[0])
+        props = propose(self, reqs, gammas, only)
+        st = self.state(reqs[0].rid)
+        if st.source == "ngram":  # the whole continuation the context offers is sent (tokens are free)
+            assert len(props[0].tokens) == min(gammas[0], st.match.length) == st.match.length
+        return props
 
-    monkeypatch.setattr(RouterDrafter, "propose", spy)
+    monkeypatch.setattr(Router, "propose_batch", spy)
     spec = dspark_engine.manifest.speculation
     saved = {k: spec.get(k) for k in ("cost_table", "router")}
     spec["cost_table"] = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # verify tokens free: keep every draft
@@ -394,27 +471,31 @@ def test_skipped_dspark_rounds_stay_in_sync(dspark_engine):
     since, and drafts exactly what a fresh DSpark drafter (whole context at once) drafts."""
     from dspark_runtime.dspark import DSparkDrafter
 
-    inner = dspark_engine.drafter("dspark")
     checks = {"calls": 0, "after_skip": 0}
-    real = inner.propose
 
-    def checked(context, gamma, params, rng):
-        skipped = len(context) - 1 - inner._ctx
-        fresh = DSparkDrafter(inner.graph, inner.heads, inner.target)
-        want = fresh.propose(context, gamma, params, rng)
-        got = real(context, gamma, params, rng)
-        assert got[0] == want[0]
-        np.testing.assert_allclose(inner.last_survival, fresh.last_survival, atol=1e-4)
-        checks["calls"] += 1
-        checks["after_skip"] += checks["calls"] > 1 and skipped > 1 + gamma  # more than one round's tokens
-        return got
+    def make_router(inner):
+        real = inner.propose_batch
 
-    inner.propose = checked
-    router = RouterDrafter(inner, mode="prior", confidence=NgramConfidence(prior_mean=(0.5, 0.7, 0.9)))
+        def checked(reqs, gammas, only=None):
+            (r,), (gamma,) = reqs, gammas
+            skipped = len(r.prompt) + len(r.out) - 1 - inner._ctx[r.rid]
+            fresh = DSparkDrafter(inner.graph, inner.heads, inner.target)
+            fresh.begin(r)
+            want = fresh.propose_batch(reqs, gammas)[0]
+            got = real(reqs, gammas, only)
+            assert got[0].tokens == want.tokens
+            np.testing.assert_allclose(got[0].survival, want.survival, atol=1e-4)
+            checks["calls"] += 1
+            checks["after_skip"] += checks["calls"] > 1 and skipped > 1 + gamma  # more than one round's tokens
+            return got
+
+        inner.propose_batch = checked
+        return Router(inner, mode="prior", confidence=NgramConfidence(prior_mean=(0.5, 0.7, 0.9)))
+
     ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
-    out, _, stats = _run(dspark_engine, router, REPEAT)
+    out, stats, router = _run(dspark_engine, make_router, REPEAT)
     assert out == ref.token_ids
-    assert router.source_counts["ngram"] > 0 and checks["after_skip"] > 0, (router.source_counts, checks)
+    assert stats.draft_sources["ngram"]["rounds"] > 0 and checks["after_skip"] > 0, (stats.draft_sources, checks)
 
 
 def test_router_sampling_is_seeded(dspark_engine):
@@ -428,14 +509,12 @@ def test_router_sampling_is_seeded(dspark_engine):
 
 def test_router_scheduled_cuts_blocks_and_stays_exact(dspark_engine):
     from dspark_runtime.errors import InputError
-    from dspark_runtime.scheduler import CostTable
 
     with pytest.raises(InputError, match="no cost table"):  # the router is accepted; the table is missing
         dspark_engine.generate("hi", max_new_tokens=4, draft="router", draft_length="scheduled")
-    router = RouterDrafter(dspark_engine.drafter("dspark"))
-    router.cost = CostTable(tokens=[1, 2, 3, 4, 5], seconds=[1.0, 1.4, 1.8, 2.2, 2.6])  # tokens are dear
+    dear = {"tokens": [1, 2, 3, 4, 5], "seconds": [1.0, 1.4, 1.8, 2.2, 2.6]}  # tokens are dear
     ref = dspark_engine.generate(REPEAT, max_new_tokens=40, draft="none")
-    out, _, stats = _run(dspark_engine, router, REPEAT, max_new_tokens=40)
+    out, stats, _ = _run(dspark_engine, Router, REPEAT, max_new_tokens=40, cost_table=dear)
     assert out == ref.token_ids
     lengths = {int(k) for k in stats.draft_length_histogram}
     assert min(lengths) < 4, stats.draft_length_histogram  # the scheduler shortened some blocks
@@ -452,6 +531,8 @@ def test_router_over_a_draft_lm(lm_engine):
     a = lm_engine.generate(REPEAT, max_new_tokens=24, temperature=1.0, seed=3, draft="router")
     b = lm_engine.generate(REPEAT, max_new_tokens=24, temperature=1.0, seed=3, draft="router")
     assert a.token_ids == b.token_ids
+    together = lm_engine.generate_batch([REPEAT, "hello world"], max_new_tokens=48, draft="router", draft_length=4)
+    assert together[0].token_ids == ref.token_ids  # the batched router over a draft LM is the same router
 
 
 def test_cli_draft_router(tiny_dspark):
@@ -470,25 +551,19 @@ def test_strong_ngram_match_skips_the_drafting_pass():
     running the model drafter; skip_ratio=None always drafts and compares; a weak match still drafts."""
     ctx = [7, 8, 9, 7, 8, 9, 7, 8]
     strong = NgramConfidence(prior_mean=(0.9,) * 3)  # score 0.9 + 0.81 + 0.729 = 2.439
-    r = RouterDrafter(FakeDSpark(block_size=3), confidence=strong)  # inner prior [0.5, .25, .125] -> 0.875
-    r.begin(ctx)
-    toks, _ = r.propose(ctx, 3, GREEDY, None)
-    assert toks == [9, 7, 8] and r.inner.calls == 0 and r.last_scores["dspark"] == pytest.approx(0.875)
-    r = RouterDrafter(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3), skip_ratio=None)
-    r.begin(ctx)
-    r.propose(ctx, 3, GREEDY, None)
-    assert r.inner.calls == 1 and r.last_source == "ngram"
-    r = RouterDrafter(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.5,) * 3))  # 0.875 < 1.75
-    r.begin(ctx)
-    r.propose(ctx, 3, GREEDY, None)
+    r = Router(FakeDSpark(block_size=3), confidence=strong)  # inner prior [0.5, .25, .125] -> 0.875
+    toks, _ = _propose(r, _begun(r, _req(ctx)), 3)
+    assert toks == [9, 7, 8] and r.inner.calls == 0 and r.state(0).scores["dspark"] == pytest.approx(0.875)
+    r = Router(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.9,) * 3), skip_ratio=None)
+    _propose(r, _begun(r, _req(ctx)), 3)
+    assert r.inner.calls == 1 and r.state(0).source == "ngram"
+    r = Router(FakeDSpark(block_size=3), confidence=NgramConfidence(prior_mean=(0.5,) * 3))  # 0.875 < 1.75
+    _propose(r, _begun(r, _req(ctx)), 3)
     assert r.inner.calls == 1
     # with a cost table the rule still compares expected accepted tokens, not the cost-aware scores (whose
     # common bonus-token term would keep their ratio near 1): the strong match skips, the weak one drafts
-    from dspark_runtime.scheduler import CostTable
-
     for conf, calls in ((strong, 0), (NgramConfidence(prior_mean=(0.5,) * 3), 1)):
-        r = RouterDrafter(FakeDSpark(block_size=3), confidence=conf)
-        r.cost = CostTable(tokens=[1, 2, 3, 4], seconds=[1.0, 1.1, 1.2, 1.3])
-        r.begin(ctx)
-        r.propose(ctx, 3, GREEDY, None)
+        r = Router(FakeDSpark(block_size=3), confidence=conf)
+        r.cost_table = {"tokens": [1, 2, 3, 4], "seconds": [1.0, 1.1, 1.2, 1.3]}
+        _propose(r, _begun(r, _req(ctx)), 3)
         assert r.inner.calls == calls

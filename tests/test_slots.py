@@ -40,7 +40,7 @@ STEPS = [[12], [13, 14], [15, 16, 17, 18], [19], [20, 21, 22], [23]]
 
 
 def test_scatter_graph_computes_what_the_growing_graph_computes(graphs):
-    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.runners import DecoderRunner
     from dspark_runtime.slots import SlotRunner
 
     grow = DecoderRunner(_backend(graphs, "growing"))

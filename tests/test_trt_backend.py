@@ -110,7 +110,7 @@ def test_engine_wires_trt_backends_and_refuses_batching(tiny_engine_dir, tmp_pat
     eng = Engine(d, m, threads=1, backend="trt")
     assert isinstance(eng._backends["target"], TrtDecoder)
     assert not isinstance(eng._backends["draft"], TrtDecoder)  # no draft engine: the draft stays on ONNX Runtime
-    with pytest.raises(InputError, match="runs on ONNX Runtime only so far"):
+    with pytest.raises(InputError, match="decodes one request at a time so far"):  # generate() is a loop of one
         eng.batch(draft="ngram")
 
 
@@ -122,7 +122,7 @@ def test_trt_backend_on_gpu_matches_onnx_runtime(tiny_engine_dir, tmp_path):
 
     from dspark_export.trt import TrtBuildSettings, build_trt
     from dspark_runtime import Engine
-    from dspark_runtime.generate import DecoderRunner
+    from dspark_runtime.runners import DecoderRunner
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

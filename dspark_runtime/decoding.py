@@ -1,0 +1,414 @@
+"""The decoding core: one round loop over a set of requests — one request is a set of one.
+
+``Engine.generate``, ``Engine.generate_batch``, ``Engine.batch()`` and the server all run
+:class:`DecodingLoop`; the drafters share one interface (:mod:`dspark_runtime.drafters`), the runners another
+(:mod:`dspark_runtime.runners`). One round (docs/design.md section 1 steps 1-5; DSpark paper section 4 and
+Algorithm 1; Leviathan et al. 2023, Algorithm 1)::
+
+    admit waiting requests (prefill each, pick its first token x0)       # requests join between rounds
+    proposals = drafter.propose_batch(active)                            # one drafter pass for all rows
+    l_r       = verify lengths: fixed γ | static threshold | scheduler   # scheduler: Algorithm 1 over all
+    logits    = target.step([(r, [anchor_r] + drafts_r[:l_r]) for r])   # ONE verifier pass
+    per request: accept (greedy / rejection sampling with its own RNG), roll back, commit, stop checks
+    finished requests leave (their KV slots are freed)
+
+Target-only decoding is the same loop without a drafter (every round verifies each request's anchor alone).
+The round's cost is ``B = sum_r (1 + l_r)`` token positions, the quantity of the cost table and the scheduler.
+Each request owns its RNG (``seed``), so a sampled request gives the same tokens whatever else shares its batch;
+a greedy request's tokens equal decoding it alone, target-only — bit for bit on the scatter KV layout (one batch
+row per request) and alone on any layout (:func:`dspark_runtime.runners.batch_runner`).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from dspark_runtime.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.drafters import Proposal
+from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.sampling import SamplingParams, process_logits, sample
+
+MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
+
+
+@dataclass
+class GenerationStats:
+    """Per-request metrics. Times in milliseconds; rates per second of decode time.
+
+    accepted_length_mean (tau): tokens committed per round, bonus included.
+    acceptance_rate: accepted draft tokens / proposed draft tokens.
+    accepted_by_position[k]: fraction of rounds that proposed position k+1 and accepted it.
+    tokens_per_second: generated tokens / decode time (prefill excluded; the first token, which
+    prefill produces, is not counted).
+    draft_sources: per proposal source, rounds / proposed / accepted (the router; empty otherwise).
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    num_rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_length_mean: float = 0.0
+    acceptance_rate: float = 0.0
+    accepted_by_position: list = field(default_factory=list)
+    draft_length_histogram: dict = field(default_factory=dict)
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    drafter: str = "none"
+    draft_sources: dict = field(default_factory=dict)  # router: {source: {rounds, proposed, accepted}}
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationResult:
+    """text: decoded new text (stop string excluded); token_ids: generated ids (list[int]);
+    finish_reason: "eos" | "length" | "stop"."""
+
+    text: str
+    token_ids: list
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_json()}
+
+
+def select_token(logits: np.ndarray, params: SamplingParams, rng) -> int:
+    """The next token from ``logits`` float [vocab]: the argmax when greedy, else a sample of the processed
+    distribution (temperature, top-k, top-p) drawn with ``rng``."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(process_logits(logits, params), rng)
+
+
+class Stopper:
+    """When a request ends: EOS, max_new_tokens and stop strings (one request's; the single and the batched loops
+    share it). ``check(tokens, start)`` -> (keep_count, reason or None)."""
+
+    def __init__(self, eos_ids, max_new_tokens: int, stop: list, decode: Callable):
+        self.eos, self.max_new, self.stop, self.decode = set(eos_ids), max_new_tokens, stop, decode
+
+    def check(self, tokens: list, start: int) -> tuple:
+        """tokens: all generated ids; start: index of the first id committed this round.
+        A round may overshoot max_new_tokens: only the first max_new_tokens ids count."""
+        limit = min(len(tokens), self.max_new)
+        for i in range(start, limit):
+            if tokens[i] in self.eos:
+                return i + 1, "eos"
+        if self.stop and start < limit:
+            text = self.decode(tokens[:limit])
+            for s in self.stop:
+                if s in text:
+                    # the shortest token prefix whose text contains the stop string
+                    for j in range(start + 1, limit + 1):
+                        if s in self.decode(tokens[:j]):
+                            return j, "stop"
+        if limit >= self.max_new:
+            return limit, "length"
+        return limit, None
+
+
+@dataclass
+class Request:
+    """A request of the decoding loop. ``out`` holds its committed tokens (the last one is the anchor of the next
+    round); when ``finish_reason`` is set it is done. ``gamma``: its draft-length cap this round (with
+    ``adaptive``, the heuristic schedule moves it: +2 after a fully accepted block, -1 otherwise, within
+    [1, :data:`MAX_DRAFT_LENGTH`], as transformers' assisted generation). ``stats`` is filled as it decodes (times
+    in ms from its submission; ``tokens_per_second`` is its own decode rate: new tokens after the first / its
+    decode wall time, while sharing the batch)."""
+
+    rid: int
+    prompt: list
+    max_new_tokens: int
+    params: SamplingParams
+    gamma: int
+    rng: np.random.Generator
+    stopper: Stopper
+    on_tokens: Callable | None = None
+    adaptive: bool = False
+    out: list = field(default_factory=list)
+    keep: int = 0
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    pos_hits: Counter = field(default_factory=Counter)
+    pos_tries: Counter = field(default_factory=Counter)
+    hist: Counter = field(default_factory=Counter)
+
+    @property
+    def token_ids(self) -> list:
+        return self.out[: self.keep]
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class BatchStats:
+    """Aggregate metrics of a batched run.
+
+    rounds: verifier passes; prefill_s: seconds spent prefilling joining requests (inside wall_s);
+    decode_tokens_per_second: committed tokens / (wall_s - prefill_s); verify_tokens: tokens verified in all rounds (anchors + drafts), i.e. sum of B;
+    proposed/accepted: draft tokens verified / accepted; wasted: verified draft tokens the target rejected;
+    committed: tokens committed by rounds (bonus included); batch_histogram: rounds by number of requests;
+    verify_length_histogram: request-rounds by verify length l_r; accepted_by_position[k]: fraction of
+    request-rounds verifying position k+1 that accepted it; wall_s: seconds inside ``step``;
+    tokens_per_second: committed tokens / wall_s (aggregate, prefill time included).
+    """
+
+    rounds: int = 0
+    verify_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    wasted: int = 0
+    committed: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    batch_histogram: dict = field(default_factory=dict)
+    verify_length_histogram: dict = field(default_factory=dict)
+    accepted_by_position: list = field(default_factory=list)
+    tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    accepted_length_mean: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DecodingLoop:
+    """The round loop (continuous batching; one request is a set of one): ``submit`` requests, call ``step`` (one
+    round) until done, or ``run``.
+
+    Args:
+        target: the verifier's runner (:func:`dspark_runtime.runners.batch_runner`: a
+            :class:`~dspark_runtime.slots.SlotRunner`, :class:`~dspark_runtime.packed.PackedRunner` or
+            :class:`~dspark_runtime.runners.SequenceRunner`).
+        drafter: a drafter of the :mod:`dspark_runtime.drafters` interface
+            (:class:`~dspark_runtime.dspark.DSparkDrafter`, :class:`~dspark_runtime.router.Router`,
+            :class:`~dspark_runtime.drafters.LMDrafter`, :class:`~dspark_runtime.drafters.NgramDrafter`) or
+            None for target-only decoding (every round verifies each request's anchor alone).
+        eos_ids: end-of-sequence ids; decode: ids -> text (stop strings).
+        mode: "fixed" (verify min(γ, drafted) tokens), "scheduled" (paper Algorithm 1 over all requests'
+            calibrated prefix survivals and ``cost_table``; needs a drafter with a confidence head).
+            A static threshold is the drafter's ``confidence_threshold``.
+        cost_table: the manifest's ``speculation.cost_table`` dict (for "scheduled").
+        max_batch: most requests decoding at once; more wait in the queue and join between rounds (a
+            :class:`~dspark_runtime.runners.SequenceRunner` target holds one).
+    Raises InputError for an unknown mode, a missing cost table or a bad max_batch.
+    """
+
+    def __init__(self, target, drafter=None, *, eos_ids=(), decode: Callable | None = None,
+                 mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8):
+        if mode not in ("fixed", "scheduled"):
+            raise InputError(f"unknown verify-length mode {mode!r}: use 'fixed' or 'scheduled'")
+        if mode == "scheduled" and not cost_table:
+            raise InputError("scheduled verify lengths need the engine's cost table; run `dspark-export profile`")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.target, self.drafter = target, drafter
+        self._observe = getattr(drafter, "observe", None)  # the router learns from each round's verdicts
+        self._sources = getattr(drafter, "source_stats", None)  # the router's per-request source counts
+        self.eos_ids, self.decode = list(eos_ids), decode
+        self.mode, self.cost_table, self.max_batch = mode, cost_table, max_batch
+        self.waiting: list = []
+        self.active: list = []
+        self.stats = BatchStats()
+        self._pos_hits: Counter = Counter()
+        self._pos_tries: Counter = Counter()
+        self._vlen: Counter = Counter()
+        self._bhist: Counter = Counter()
+        self._next_id = 0
+        self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
+
+    def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
+               gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
+               on_tokens: Callable | None = None) -> Request:
+        """Queue a request (prompt: token ids). It joins at the next round with a free slot.
+
+        gamma: its draft-length cap (the first one with ``adaptive``; default ``default_gamma``); adaptive: the
+        heuristic schedule (default ``default_adaptive``); seed: its sampling RNG; stop: strings that
+        end it; on_tokens(new_ids): called with every batch of committed tokens.
+        Raises InputError for an empty prompt, max_new_tokens < 1 or gamma < 1."""
+        if not prompt:
+            raise InputError("the prompt has no tokens")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        gamma = self.default_gamma if gamma is None else gamma
+        adaptive = self.default_adaptive if adaptive is None else adaptive
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise InputError(f"gamma must be a positive integer, got {gamma!r}")
+        params = params or SamplingParams()
+        params.validate()
+        req = Request(rid=self._next_id, prompt=list(prompt), max_new_tokens=max_new_tokens, params=params,
+                      gamma=gamma, rng=np.random.default_rng(seed),
+                      stopper=Stopper(self.eos_ids, max_new_tokens, stop or [], self.decode),
+                      on_tokens=on_tokens, adaptive=bool(adaptive), t_submit=time.perf_counter())
+        req.stats = GenerationStats(prompt_tokens=len(prompt), drafter=getattr(self.drafter, "name", "none"))
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (e.g. its client went away): it leaves at once, its slots are freed."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.active:
+            self._leave(req)
+        if req.finish_reason is None:
+            req.finish_reason = "cancelled"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while self.busy:
+            self.step()
+
+    def _admit(self, req: Request) -> None:
+        t0 = time.perf_counter()
+        self.target.add(req.rid)
+        logits = self.target.prefill(req.rid, req.prompt)
+        self.stats.prefill_tokens += len(req.prompt)
+        req.out = [select_token(logits, req.params, req.rng)]
+        req.t_first = time.perf_counter()
+        req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
+        req.keep, reason = req.stopper.check(req.out, 0)
+        if req.on_tokens:
+            req.on_tokens(req.out[: req.keep])
+        self.active.append(req)
+        if reason is not None:
+            self._finish(req, reason)
+        elif self.drafter is not None:
+            self.drafter.begin(req)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _leave(self, req: Request) -> None:
+        self.active.remove(req)
+        self.target.remove(req.rid)
+        if self.drafter is not None:
+            self.drafter.remove(req.rid)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.out = req.out[: req.keep]
+        now = time.perf_counter()
+        s = req.stats
+        s.new_tokens = len(req.out)
+        s.decode_ms = (now - req.t_first) * 1e3
+        s.total_ms = (now - req.t_submit) * 1e3
+        if s.num_rounds:
+            s.accepted_length_mean = (len(req.out) - 1) / s.num_rounds
+        if s.proposed:
+            s.acceptance_rate = s.accepted / s.proposed
+        s.accepted_by_position = [req.pos_hits[k] / req.pos_tries[k] for k in sorted(req.pos_tries)]
+        s.draft_length_histogram = {str(k): v for k, v in sorted(req.hist.items())}
+        if self._sources is not None:
+            s.draft_sources = self._sources(req.rid)
+        if s.decode_ms > 0:
+            s.tokens_per_second = (len(req.out) - 1) / (s.decode_ms / 1e3)
+        self._leave(req)
+
+    def _lengths(self, reqs: list, props: list, caps: list) -> list:
+        if self.drafter is None:
+            return [0] * len(reqs)
+        if self.mode == "fixed":
+            return [min(len(p.tokens), c) for p, c in zip(props, caps)]
+        from dspark_runtime.scheduler import schedule_greedy
+
+        if any(p.survival is None or len(p.survival) != len(p.tokens) for p in props):
+            raise DSparkError("scheduled verify lengths need calibrated prefix survivals from the drafter "
+                              "(the DSpark confidence head)")
+        from dspark_runtime.scheduler import round_cost_table
+
+        cost = round_cost_table(self.cost_table, len(reqs))
+        return schedule_greedy([p.survival for p in props], cost, max_len=caps)
+
+    def step(self) -> list:
+        """One round: admit waiting requests, draft, schedule, verify all requests in one verifier pass,
+        accept and commit. Returns the requests that finished in this round."""
+        t0 = time.perf_counter()
+        finished = []
+        while self.waiting and len(self.active) < self.max_batch:
+            req = self.waiting.pop(0)
+            self._admit(req)
+            if req.done:
+                finished.append(req)
+        reqs = list(self.active)
+        if not reqs:
+            self.stats.wall_s += time.perf_counter() - t0
+            return finished
+        caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
+        props = self.drafter.propose_batch(reqs, caps) if self.drafter is not None else [Proposal([])] * len(reqs)
+        lengths = self._lengths(reqs, props, caps)
+        segs, bases = [], []
+        for r, p, ell in zip(reqs, props, lengths):
+            bases.append(self.target.length(r.rid))
+            segs.append((r.rid, [r.out[-1]] + p.tokens[:ell]))
+        logits_all = self.target.step(segs)
+        self.stats.rounds += 1
+        self._bhist[len(reqs)] += 1
+        for r, p, ell, base, logits in zip(reqs, props, lengths, bases, logits_all):
+            d = np.asarray(p.tokens[:ell], dtype=np.int64)
+            if r.params.greedy:
+                n, nxt = greedy_accept(d, logits)
+            else:
+                pr = process_logits(logits, r.params)
+                if p.q is None:
+                    q = np.zeros((ell, pr.shape[-1]), dtype=pr.dtype)
+                    q[np.arange(ell), d] = 1.0
+                else:
+                    q = p.q[:ell]
+                n, nxt = rejection_accept(d, q, pr, r.rng)
+            self.target.rollback(r.rid, base + 1 + n)
+            if self._observe is not None:
+                self._observe(r.rid, ell, n)
+            before = len(r.out)
+            r.out += p.tokens[:n] + [nxt]
+            s = r.stats
+            s.num_rounds += 1
+            s.proposed += ell
+            s.accepted += n
+            r.hist[ell] += 1
+            if r.adaptive and ell:
+                r.gamma = min(r.gamma + 2, MAX_DRAFT_LENGTH) if n == ell else max(1, r.gamma - 1)
+            self._vlen[ell] += 1
+            for k in range(ell):
+                r.pos_tries[k] += 1
+                r.pos_hits[k] += k < n
+                self._pos_tries[k] += 1
+                self._pos_hits[k] += k < n
+            self.stats.verify_tokens += 1 + ell
+            self.stats.proposed += ell
+            self.stats.accepted += n
+            self.stats.wasted += ell - n
+            self.stats.committed += n + 1
+            r.keep, reason = r.stopper.check(r.out, before)
+            if r.on_tokens:
+                r.on_tokens(r.out[before: r.keep])
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        st = self.stats
+        st.wall_s += time.perf_counter() - t0
+        st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}
+        st.verify_length_histogram = {str(k): v for k, v in sorted(self._vlen.items())}
+        st.accepted_by_position = [self._pos_hits[k] / self._pos_tries[k] for k in sorted(self._pos_tries)]
+        st.tokens_per_second = st.committed / st.wall_s if st.wall_s > 0 else 0.0
+        dec = st.wall_s - st.prefill_s
+        st.decode_tokens_per_second = st.committed / dec if dec > 0 else 0.0
+        st.accepted_length_mean = st.committed / sum(self._vlen.values()) if self._vlen else 0.0
+        return finished

@@ -1,0 +1,250 @@
+"""Runners: a decoder graph plus the KV cache of the requests it decodes — what the decoding loop
+(:mod:`dspark_runtime.decoding`) steps, rolls back and reads target features from.
+
+* :class:`RequestBook` — the interface of every runner the loop drives (``add``/``remove`` a request,
+  ``step(segments)`` one graph call for several requests, ``rollback``, ``length``, ``features``, ``prefill``),
+  with the bookkeeping they share.
+* :class:`DecoderRunner` — one sequence over a growing/capacity-layout graph (its own KV cache; probes, the
+  profiler and the feature extraction of drafter training use it directly).
+* :class:`SequenceRunner` — a :class:`RequestBook` holding exactly one request over a one-sequence runner: the loop's
+  runner for a request decoded alone on the growing layout (its KV cache is cut at every rollback, so speculative
+  greedy output is bit-identical to target-only) and for the TensorRT backend (one sequence per engine context).
+* :class:`~dspark_runtime.packed.PackedRunner` (growing layout, several requests packed into one row) and
+  :class:`~dspark_runtime.slots.SlotRunner` (scatter layout, one batch row per request) live in their modules.
+
+:func:`batch_runner` picks one for a graph and a request count; :func:`decoder_runner` the one-sequence runner.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark_runtime.backend import OrtDecoder
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.kvcache import KVCache, causal_mask
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill step (its logits are [tokens, vocab] float32)
+
+
+class RequestBook:
+    """What every several-requests runner keeps per request: its cached length and its target features by position
+    (float32 [capacity, F], grown by doubling), with the queries, the rollback check and the chunked prefill on top of
+    the subclass's ``step(segments)``. Subclasses set ``self._length`` / ``self._feats`` entries in ``add`` and
+    ``step`` and free their own KV slots in ``remove`` / ``rollback``."""
+
+    def __init__(self):
+        self._length: dict = {}  # rid -> committed cached positions
+        self._feats: dict = {}  # rid -> float32 [capacity, F] target features by position
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._length
+
+    @property
+    def requests(self) -> list:
+        """The registered request ids, in the order they were added."""
+        return list(self._length)
+
+    def length(self, rid) -> int:
+        """Cached positions of request ``rid``."""
+        return self._length[rid]
+
+    def features(self, rid) -> np.ndarray | None:
+        """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
+        outputs none. Rolled back with the cache."""
+        f = self._feats.get(rid)
+        return None if f is None else f[: self._length[rid]]
+
+    def _check_segments(self, segments: list) -> None:
+        """Raise DSparkError for a segment of an unknown or repeated request id, or an empty one."""
+        seen = set()
+        for rid, toks in segments:
+            if rid not in self._length:
+                raise DSparkError(f"request {rid!r} is not in the cache; add() it first")
+            if rid in seen:
+                raise DSparkError(f"request {rid!r} appears twice in one step")
+            if not len(toks):
+                raise DSparkError(f"request {rid!r}: empty segment (feed at least one token)")
+            seen.add(rid)
+
+    def _check_rollback(self, rid, length: int) -> None:
+        if not 0 <= length <= self._length[rid]:
+            raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
+
+    def _store_features(self, rid, start: int, f: np.ndarray) -> None:
+        buf = self._feats.get(rid)
+        end = start + f.shape[0]
+        if buf is None or buf.shape[0] < end:
+            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
+            if buf is not None:
+                grown[:start] = buf[:start]
+            buf = self._feats[rid] = grown
+        buf[start:end] = f
+
+    def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step([(rid, tokens[s:s + chunk])])[0]
+        return logits[-1]
+
+
+class DecoderRunner:
+    """One sequence's view of a decoder graph: the backend plus its KV cache.
+
+    ``step(tokens)`` feeds tokens after the cached ones and returns logits float32 [q, vocab].
+
+    ``row_multiple`` (int >= 1): every graph call is padded to a multiple of this many rows (the extra
+    rows repeat the last token after the real ones; their logits and KV entries are dropped), which makes
+    the verifier's results independent of the call's row count where the kernels are not
+    (:mod:`dspark_runtime.invariance`). 1 = no padding.
+    """
+
+    def __init__(self, backend: OrtDecoder, row_multiple: int = 1):
+        self.backend = backend
+        self.row_multiple = row_multiple
+        self.cache = KVCache(backend.empty_kv(1))
+        self._feats = None  # float32 [capacity, m * hidden]: target features by position (DSpark context)
+
+    @property
+    def features(self) -> np.ndarray | None:
+        """Target features of the cached positions, float32 [length, m * hidden] (a view), or None when
+        the graph outputs none. Rolled back with the KV cache (same length pointer)."""
+        return None if self._feats is None else self._feats[: self.cache.length]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def step(self, tokens) -> np.ndarray:
+        """Feed ``tokens`` (list of int, q >= 1) at positions length..length+q-1; returns [q, vocab].
+        The call is padded to a multiple of ``row_multiple`` rows (padding never reaches the cache length,
+        the logits or the features)."""
+        q, past = len(tokens), self.cache.length
+        fed = list(tokens) + [tokens[-1]] * ((-q) % self.row_multiple)
+        n = len(fed)
+        ids = np.asarray(fed, dtype=np.int64)[None]
+        pos = np.arange(past, past + n, dtype=np.int64)[None]
+        out = self.backend.step(ids, pos, causal_mask(n, past), self.cache.view())
+        self.cache.update(out.kv, past + q)
+        if out.features is not None:
+            f = out.features[0, :q]
+            if self._feats is None or self._feats.shape[0] < past + q:
+                grown = np.empty((max(1024, 2 * (past + q)), f.shape[-1]), dtype=np.float32)
+                if self._feats is not None:
+                    grown[:past] = self._feats[:past]
+                self._feats = grown
+            self._feats[past:past + q] = f
+        return out.logits[0, :q]
+
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed a prompt in chunks of ``chunk`` tokens (at most the backend's ``max_q``, where it has one: a
+        TensorRT engine's prefill profile); returns the last position's logits [vocab]."""
+        chunk = min(chunk, getattr(self.backend, "max_q", chunk))
+        if chunk > self.row_multiple:  # a padded chunk must still fit the backend's max_q
+            chunk -= chunk % self.row_multiple
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step(tokens[s:s + chunk])
+        return logits[-1]
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+
+class SequenceRunner(RequestBook):
+    """A :class:`RequestBook` over a one-sequence runner (:class:`DecoderRunner`, or the scatter layout's
+    :class:`~dspark_runtime.slots.SlotSequence`): it holds at most one request at a time, and each call is that
+    runner's own call (its row padding, its prefill chunking by a TensorRT engine's ``max_q``).
+
+    Args:
+        runner: the one-sequence runner (reset when a request is added).
+    Raises DSparkError when a second request is added while one is held.
+    """
+
+    def __init__(self, runner):
+        super().__init__()
+        self.runner = runner
+        self._rid = None
+
+    @property
+    def row_multiple(self) -> int:
+        return self.runner.row_multiple
+
+    def add(self, rid) -> None:
+        """Hold request ``rid`` (empty cache). Raises DSparkError when another request is held."""
+        if self._rid is not None:
+            raise DSparkError(f"this runner decodes one request at a time and holds request {self._rid!r}; "
+                              "remove it first (or use a batched runner: max_batch > 1 on ONNX Runtime)")
+        self.runner.reset()
+        self._rid = rid
+        self._length[rid] = 0
+
+    def remove(self, rid) -> None:
+        """Forget request ``rid`` (no-op for another id)."""
+        if rid == self._rid:
+            self._rid = None
+            self._length.pop(rid, None)
+
+    def features(self, rid) -> np.ndarray | None:
+        if rid != self._rid:
+            raise KeyError(rid)
+        return self.runner.features
+
+    def rollback(self, rid, length: int) -> None:
+        """Keep the first ``length`` positions. Raises ValueError beyond the cached positions."""
+        self._check_rollback(rid, length)
+        self.runner.rollback(length)
+        self._length[rid] = length
+
+    def step(self, segments: list) -> list:
+        """One ``(rid, tokens)`` segment (the held request); returns [float32 [q, vocab] logits]."""
+        self._check_segments(segments)
+        if len(segments) != 1:
+            raise DSparkError(f"this runner decodes one request at a time; got {len(segments)} segments")
+        rid, toks = segments[0]
+        out = self.runner.step(list(toks))
+        self._length[rid] = self.runner.length
+        return [out]
+
+    def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """The held request's prompt through the runner's own chunked prefill; the last position's logits [vocab]."""
+        self._check_segments([(rid, tokens)])
+        logits = self.runner.prefill(list(tokens), chunk)
+        self._length[rid] = self.runner.length
+        return logits
+
+
+def decoder_runner(backend, row_multiple: int = 1):
+    """The one-sequence runner for ``backend``'s ``causal_lm`` graph: a :class:`DecoderRunner` for the growing and
+    capacity KV layouts, a :class:`~dspark_runtime.slots.SlotSequence` (same interface) for the scatter layout."""
+    spec = getattr(backend, "spec", None)
+    if spec is not None and spec.kv_layout == "scatter":
+        from dspark_runtime.slots import SlotSequence
+
+        return SlotSequence(backend, row_multiple=row_multiple)
+    return DecoderRunner(backend, row_multiple=row_multiple)
+
+
+def batch_runner(backend, row_multiple: int = 1, max_requests: int = 8):
+    """The runner the decoding loop drives for ``backend``'s ``causal_lm`` graph and at most ``max_requests``
+    requests at once:
+
+    * scatter KV layout: a :class:`~dspark_runtime.slots.SlotRunner` (one batch row per request: a request's
+      logits do not depend on its batch, and one request alone runs the calls it runs in a batch);
+    * growing layout with one request, and the capacity layout (TensorRT: one sequence per context): a
+      :class:`SequenceRunner` over a :class:`DecoderRunner` (bit-exact row padding, the cache cut at every rollback);
+    * growing layout, several requests: a :class:`~dspark_runtime.packed.PackedRunner` (one packed row; see
+      ``scripts/batch_invariance.py`` for how its rounding depends on the batch).
+    """
+    layout = getattr(getattr(backend, "spec", None), "kv_layout", "growing")
+    if layout == "scatter":
+        from dspark_runtime.slots import SlotRunner
+
+        return SlotRunner(backend, row_multiple=row_multiple)
+    if max_requests <= 1 or layout != "growing":
+        return SequenceRunner(DecoderRunner(backend, row_multiple=row_multiple))
+    from dspark_runtime.packed import PackedRunner
+
+    return PackedRunner(backend, row_multiple=row_multiple)
