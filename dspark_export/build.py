@@ -490,9 +490,11 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
                                   format="onnx", precision=precision, files=files,
                                   spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
                                   model_config=res["config"], quantization=res.get("quantization", {}))
+    from dspark_runtime.manifest import Speculation
+
     manifest = Manifest(
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,
-        speculation={"draft_graph": "draft" if draft_dir else None, "draft_length": recipe.draft_length},
+        speculation=Speculation(draft_graph="draft" if draft_dir else None, draft_length=recipe.draft_length),
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         schema_version=SCHEMA_VERSION, build_machine=_build_machine())
     if dspark_ckpt is not None:
@@ -579,14 +581,17 @@ def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path,
     if sts_file.is_file():
         saved = json.loads(sts_file.read_text())
         sts, router = saved.get("temperatures"), saved.get("router")
+    from dspark_runtime.manifest import DSparkSection
+
+    sp = manifest.speculation
     if router:
-        manifest.speculation["router"] = router
+        sp.router = router
     if role == "draft":
-        manifest.speculation.update(draft_graph="draft", draft_kind="dspark", draft_length=int(cfg.block_size))
-    manifest.speculation.update(
-        dspark={"graph": role, "heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
-                "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-                "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
+        sp.draft_graph, sp.draft_kind, sp.draft_length = "draft", "dspark", int(cfg.block_size)
+    sp.dspark = DSparkSection.from_json(  # checked like a manifest read; unknown heads keys kept in .extra
+        {"graph": role, "heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
+         "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+         "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
 
 
 def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
@@ -606,7 +611,7 @@ def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = 
     load_manifest(engine_dir, verify=False)  # a clear error for a directory that is not an engine
     with engine_transaction(engine_dir) as txn:
         manifest = load_manifest(engine_dir, verify=False)
-        old = manifest.speculation.get("dspark", {}).get("graph")
+        old = manifest.speculation.dspark.graph if manifest.speculation.dspark is not None else None
         role = "draft" if old == "draft" else "dspark"  # the only drafter was a DSpark one: replace it
         manifest.graphs.pop(role, None)
         _add_dspark(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)

@@ -72,7 +72,7 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
 
 
 def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_on: str = "") -> dict:
-    """The router's priors (issue 9), for ``speculation["router"]`` in the manifest: n-gram lookup's
+    """The router's priors (issue 9), for ``speculation.router`` in the manifest: n-gram lookup's
     acceptance per match-extent bucket and position measured on the greedy outputs ``sequences`` (list of
     (token ids, prompt length); :func:`dspark_runtime.router.fit_ngram_counts`), and the DSpark drafter's
     per-position acceptance from its recorded rounds (``dspark_accepted`` [R, γ]). Pure function."""
@@ -115,17 +115,17 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
            "sequences": [{"token_ids": list(map(int, q)), "prompt_tokens": int(n)} for q, n in sequences]}
     with engine_transaction(engine_dir) as txn:
         m = load_manifest(engine_dir, verify=False)
-        m.speculation["dspark"]["sts_temperatures"] = res["temperatures"]
-        m.speculation["dspark"]["calibration"] = {"rounds": res["rounds"], "ece": [
+        m.speculation.dspark.sts_temperatures = res["temperatures"]
+        m.speculation.dspark.calibration = {"rounds": res["rounds"], "ece": [
             {k: r[k] for k in ("position", "ece_before", "ece_after")} for r in report]}
-        m.speculation["router"] = router
+        m.speculation.router = router
         txn.add("calibration.json").write_text(json.dumps(res, indent=2) + "\n")
         txn.commit(m)
     ng = np.asarray(router["ngram"]["hits"]) / np.maximum(np.asarray(router["ngram"]["tries"]), 1)
     log("n-gram lookup acceptance at position 1 by match extent "
         + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
                     for i, lo in enumerate(router["ngram"]["edges"])))
-    model_id = m.graphs[m.speculation["dspark"]["graph"]].model_id
+    model_id = m.graphs[m.speculation.dspark.graph].model_id
     if model_id.startswith("dspark:"):
         ck = Path(model_id[len("dspark:"):])
         if ck.is_dir():

@@ -186,7 +186,7 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
     from dspark_runtime.trt_profiles import ProfileSettings
 
     if decode_q is None:
-        decode_q = int(load_manifest(engine_dir, verify=False).speculation.get("draft_length", 7)) + 1
+        decode_q = (load_manifest(engine_dir, verify=False).speculation.draft_length or 7) + 1
     ccs = None if compute_capabilities is None else _csv(compute_capabilities, "--compute-capabilities")
     s = TrtBuildSettings(flavour=flavour, compute_capabilities=ccs,
                          profile=ProfileSettings(max_batch=max_batch, decode_q=decode_q, prefill_chunk=prefill_chunk,

@@ -68,11 +68,14 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
 
 
 def _store(engine_dir: Path, records: dict) -> None:
-    """Set ``speculation[k] = v`` for each of ``records`` in the manifest of ``engine_dir``, in one transaction."""
+    """Set ``speculation.<k> = v`` for each of ``records`` (keys: fields of
+    :class:`~dspark_runtime.manifest.Speculation`, e.g. cost_table, row_invariance) in the manifest of
+    ``engine_dir``, in one transaction."""
     from dspark_export.txn import engine_transaction
     from dspark_runtime.manifest import load_manifest
 
     with engine_transaction(engine_dir) as txn:
         m = load_manifest(engine_dir, verify=False)
-        m.speculation.update(records)
+        for k, v in records.items():
+            setattr(m.speculation, k, v)
         txn.commit(m)

@@ -173,7 +173,8 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     if not plan:
         raise DSparkError(f"nothing to do: {src_dir} already has precision {precision!r} for every graph it holds")
     for key in ("row_invariance", "cost_table"):  # measured on the source's graphs: re-profile the new engine
-        if m.speculation.pop(key, None) is not None:
+        if getattr(m.speculation, key) is not None:
+            setattr(m.speculation, key, None)
             log(f"  dropped speculation.{key} (measured on the source engine's graphs); run `dspark-export profile "
                 f"{out_dir}` on the deployment machine")
     tok = Tokenizer(src_dir / m.tokenizer["dir"])

@@ -155,10 +155,10 @@ def speculation_lines(m) -> list:
     from dspark_runtime.engine import auto_draft_choice, manifest_drafters
 
     sp = m.speculation
-    dl = sp.get("draft_length")
+    dl = sp.draft_length
     lm, ds = manifest_drafters(m)
     choice = auto_draft_choice(lm, ds)
-    block = (sp.get("dspark") or {}).get("block_size", "?")
+    block = sp.dspark.block_size if sp.dspark is not None else "?"
     drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
     lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
     if choice == "lm":
@@ -170,7 +170,7 @@ def speculation_lines(m) -> list:
         auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
     lines.append(f"  --draft auto: {auto}")
     if lm or ds:  # --draft router works over either model drafter
-        r = sp.get("router")
+        r = sp.router
         if r:
             what = (["n-gram acceptance by match extent"] if r.get("ngram") else []) + [
                 f"{k} acceptance by position" for k in (r.get("inner") or {})]
@@ -240,13 +240,13 @@ def info(engine_dir):
     sp = m.speculation
     for line in speculation_lines(m):
         click.echo(line)
-    if sp.get("dspark"):
-        d = sp["dspark"]
-        click.echo(f"  DSpark drafter: graph {d.get('graph')}, block {d.get('block_size')}, Markov "
-                   f"{d.get('markov_head_type') or 'none'} rank {d.get('markov_rank')}, draft vocabulary "
-                   f"{d.get('draft_vocab_size') or 'full'}, target layers {d.get('target_layer_ids')}, STS "
-                   f"temperatures {d.get('sts_temperatures') or 'none (uncalibrated)'}")
-    ri = sp.get("row_invariance")
+    if sp.dspark is not None:
+        d = sp.dspark
+        click.echo(f"  DSpark drafter: graph {d.graph}, block {d.block_size}, Markov "
+                   f"{d.markov_head_type or 'none'} rank {d.markov_rank}, draft vocabulary "
+                   f"{d.draft_vocab_size or 'full'}, target layers {d.target_layer_ids}, STS "
+                   f"temperatures {d.sts_temperatures or 'none (uncalibrated)'}")
+    ri = sp.row_invariance
     if ri and not ri.get("row_multiple"):
         click.echo(f"  row padding: none; the probe ({ri.get('date', '?')}) found no padding that makes the target "
                    "row-count invariant on that machine")
@@ -258,7 +258,7 @@ def info(engine_dir):
         click.echo("  row padding: not probed (target calls unpadded; `dspark-export profile` probes it)")
     if ri:
         click.echo(f"    row probe CPU: {cpu_line(ri.get('cpu'))}")
-    ct = sp.get("cost_table")
+    ct = sp.cost_table
     if ct:
         toks = ct.get("tokens") or []
         span = f"{toks[0]}..{toks[-1]}" if toks else "?"

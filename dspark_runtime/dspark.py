@@ -101,11 +101,16 @@ class DSparkHeads:
         self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
 
     @classmethod
-    def load(cls, path: Path, info: dict, vocab_size: int, temperatures=None) -> "DSparkHeads":
+    def load(cls, path: Path, info, vocab_size: int, temperatures=None) -> "DSparkHeads":
+        """The heads in the ``.npz`` file ``path``, shaped by ``info``: the manifest's
+        :class:`~dspark_runtime.manifest.DSparkSection` or a dict of its heads keys (``markov_rank``,
+        ``markov_head_type``, ``confidence_head_with_markov``; what ``dspark_export.draft_graph.write_heads``
+        returns). No Markov head when ``markov_rank`` is 0 or absent."""
+        get = info.get if isinstance(info, dict) else (lambda k: getattr(info, k, None))
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files}
-        return cls(arrays, info.get("markov_head_type") if info.get("markov_rank") else None,
-                   bool(info.get("confidence_head_with_markov")), vocab_size, temperatures)
+        return cls(arrays, get("markov_head_type") if get("markov_rank") else None,
+                   bool(get("confidence_head_with_markov")), vocab_size, temperatures)
 
     def w1_row(self, target_id: int) -> int:
         return int(target_id) if self.t2d is None else int(self.t2d[target_id])

@@ -25,7 +25,7 @@ DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
 def manifest_drafters(manifest: Manifest) -> tuple:
     """(the draft LM's graph key or None, the DSpark drafter's graph key or None) of an engine manifest: the
     ``causal_lm`` graph named by ``speculation.draft_graph`` and the ``dspark_draft`` graph, where present."""
-    dg = manifest.speculation.get("draft_graph")
+    dg = manifest.speculation.draft_graph
     lm = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
     ds = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
     return lm, ds
@@ -78,7 +78,7 @@ class Engine:
         self.row_multiple = self._row_multiple(row_multiple, threads)
         self._check_cpu(probe_used=row_multiple is None)
         self._check_int8_weights()
-        self.default_draft_length = int(manifest.speculation.get("draft_length", 5))
+        self.default_draft_length = manifest.speculation.draft_length or 5
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
         self.lm_graph, self.dspark_graph = manifest_drafters(manifest)
         self.draft_graph = self.dspark_graph or self.lm_graph
@@ -100,7 +100,7 @@ class Engine:
         import warnings
 
         if given is None:
-            probe = self.manifest.speculation.get("row_invariance") or {}
+            probe = self.manifest.speculation.row_invariance or {}
             given = probe.get("row_multiple") if probe.get("backend", "ort") == self.backend else None
             if given is not None and probe.get("target_sha256") not in (None, self._target_sha256()):
                 warnings.warn(f"{self.dir}: the stored row padding was probed on another target graph; ignored (run "
@@ -151,8 +151,8 @@ class Engine:
         from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
 
         spec = self.manifest.speculation
-        probe = spec.get("row_invariance") or {}
-        table = spec.get("cost_table") or {}
+        probe = spec.row_invariance or {}
+        table = spec.cost_table or {}
         records = []
         if (probe_used and isinstance(probe.get("cpu"), dict) and probe.get("backend", "ort") == self.backend
                 and probe.get("target_sha256") in (None, self._target_sha256())):
@@ -303,7 +303,7 @@ class Engine:
             return None
         if draft == "router":  # issue 9: per round, n-gram lookup or the engine's model drafter
             try:  # n-gram and model-drafter acceptance fitted on the calibration split (dspark-export calibrate)
-                priors = router_priors(self.manifest.speculation.get("router"), self.draft_kind)
+                priors = router_priors(self.manifest.speculation.router, self.draft_kind)
             except ValueError as e:
                 raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
                                  "`dspark-export calibrate` on this engine") from None
@@ -324,10 +324,14 @@ class Engine:
     def dspark_heads(self) -> DSparkHeads:
         """The DSpark Markov/confidence heads of this engine (loaded once), with the manifest's STS temperatures."""
         if self._heads is None:
-            info = self.manifest.speculation.get("dspark", {})
+            info = self.manifest.speculation.dspark
+            if info is None:
+                from dspark_runtime.errors import ManifestError
+
+                raise ManifestError(f"{self.dir}/manifest.json has a DSpark drafter graph ({self.dspark_graph!r}) but "
+                                    "no speculation.dspark section; rebuild it with `dspark-export add-draft`")
             vocab = self.manifest.graphs["target"].spec.dims.vocab_size
-            self._heads = DSparkHeads.load(self.dir / info["heads_file"], info, vocab,
-                                           info.get("sts_temperatures"))
+            self._heads = DSparkHeads.load(self.dir / info.heads_file, info, vocab, info.sts_temperatures)
         return self._heads
 
     def encode_prompt(self, prompt, raw: bool = False) -> list:
@@ -350,7 +354,7 @@ class Engine:
 
     def _cost_table(self) -> dict:
         """The manifest's (or the re-profiled) cost table; InputError naming the fix when there is none."""
-        table = self.manifest.speculation.get("cost_table")
+        table = self.manifest.speculation.cost_table
         if not table:
             raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
                              f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
@@ -402,10 +406,10 @@ class Engine:
         from dspark_runtime.profile import profile_runtime
 
         if max_tokens is None:
-            max_tokens = 8 * (int(self.manifest.speculation.get("dspark", {}).get("block_size",
-                                                                                   self.default_draft_length)) + 1)
+            ds = self.manifest.speculation.dspark
+            max_tokens = 8 * ((ds.block_size if ds is not None else self.default_draft_length) + 1)
         table = profile_runtime(self, max_tokens=max_tokens, context=context, repeats=repeats, draft_rows=draft_rows)
-        self.manifest.speculation["cost_table"] = table
+        self.manifest.speculation.cost_table = table
         return table
 
     def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,

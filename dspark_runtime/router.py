@@ -254,7 +254,7 @@ def acceptance_counts(accepted: np.ndarray) -> dict:
 
 
 def router_priors(entry: dict | None, inner_name: str, max_strength: float | None = 32.0) -> dict:
-    """Keyword arguments for :class:`Router` from the manifest's ``speculation["router"]`` entry
+    """Keyword arguments for :class:`Router` from the manifest's ``speculation.router`` entry
     (written by ``dspark-export calibrate``): ``confidence`` (:class:`NgramConfidence` with the fitted
     n-gram counts) and ``inner_stats`` (the model drafter's measured per-position acceptance), each only
     when present. Raises ValueError on a malformed entry."""

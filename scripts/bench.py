@@ -264,7 +264,7 @@ def concurrency_main(a) -> int:
     out.write_text(json.dumps({"engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
                                "max_new_tokens": a.max_new_tokens, "prompts": [ds for ds, _ in prompts],
                                "concurrency": levels, "configs": configs, "repeats": a.repeats,
-                               "cost_table": eng.manifest.speculation.get("cost_table"),
+                               "cost_table": eng.manifest.speculation.cost_table,
                                "summary": summary, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
                               indent=2) + "\n")
     print(f"wrote {out}")

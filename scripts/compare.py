@@ -904,7 +904,8 @@ def _engine_bytes(eng, draft) -> int | None:
     try:
         keys = set(eng.graphs_used(draft))
         total = sum(f.size for k in keys for f in eng.manifest.graphs[k].files)
-        heads = eng.manifest.speculation.get("dspark", {}).get("heads_file") if eng.dspark_graph in keys else None
+        ds = eng.manifest.speculation.dspark
+        heads = ds.heads_file if ds is not None and eng.dspark_graph in keys else None
         if heads and (eng.dir / heads).is_file():
             total += (eng.dir / heads).stat().st_size
         return total

@@ -151,18 +151,17 @@ def test_batched_router_is_exact_uses_both_sources_and_matches_the_single_router
     prompts = PROMPTS + ["for i in range(3):\n    print(i)\nfor i in range(3):\n    print(i)\n"]
     ref = {p: ds_engine.generate(p, max_new_tokens=24, draft=None).token_ids for p in prompts}
     spec = ds_engine.manifest.speculation
-    saved = {k: spec.get(k) for k in ("cost_table", "router")}
+    saved = (spec.cost_table, spec.router)
     for kw in (dict(draft_length=4), dict(draft_length="scheduled")):
         if kw["draft_length"] == "scheduled":  # verify tokens free: the scheduler keeps every draft; and priors
-            spec["cost_table"] = {"tokens": [1, 128], "seconds": [1.0, 1.0]}  # that make n-gram matches win
-            spec["router"] = {"ngram": {"edges": [1, 2, 3], "hits": [[999.0] * 16] * 3,
-                                        "tries": [[1000.0] * 16] * 3},
-                              "inner": {"dspark": {"hits": [[1.0, 0, 0, 0]], "tries": [[100.0, 1, 0, 0]]}}}
+            spec.cost_table = {"tokens": [1, 128], "seconds": [1.0, 1.0]}  # that make n-gram matches win
+            spec.router = {"ngram": {"edges": [1, 2, 3], "hits": [[999.0] * 16] * 3,
+                                     "tries": [[1000.0] * 16] * 3},
+                           "inner": {"dspark": {"hits": [[1.0, 0, 0, 0]], "tries": [[100.0, 1, 0, 0]]}}}
         try:
             res = ds_engine.generate_batch(prompts, max_new_tokens=24, draft="router", max_batch=4, **kw)
         finally:
-            for k, v in saved.items():
-                spec.pop(k, None) if v is None else spec.__setitem__(k, v)
+            spec.cost_table, spec.router = saved
         assert [r.token_ids for r in res] == [ref[p] for p in prompts], kw
         rounds = {s: sum(r.stats.draft_sources[s]["rounds"] for r in res) for s in ("ngram", "dspark")}
         assert rounds["ngram"] > 0 and (rounds["dspark"] > 0 or kw["draft_length"] == "scheduled"), (kw, rounds)
@@ -242,7 +241,7 @@ def test_round_cost_table_adds_the_batched_draft_time():
 
 
 def test_profile_records_batched_draft_times(ds_engine):
-    t = ds_engine.manifest.speculation["cost_table"]
+    t = ds_engine.manifest.speculation.cost_table
     assert t["draft_rows"] == [1, 2, 4] and len(t["t_draft_rows"]) == 3 and min(t["t_draft_rows"]) > 0
     assert t["tokens"] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
 

@@ -104,7 +104,8 @@ def test_info_says_what_auto_runs_dspark_engine(tiny_engine_dir, tmp_path, capsy
         m["graphs"]["dspark"] = g
         sp = m["speculation"]
         sp.update(draft_graph="dspark", draft_length=4,
-                  dspark={"graph": "dspark", "block_size": 7, "markov_rank": 64, "target_layer_ids": [1]})
+                  dspark={"graph": "dspark", "heads_file": "dspark_heads.npz", "block_size": 7, "mask_token_id": 3,
+                          "markov_rank": 64, "target_layer_ids": [1]})
         if priors:
             sp["router"] = {"ngram": {"edges": [1, 2], "hits": [[1]], "tries": [[2]]},
                             "inner": {"dspark": {"hits": [3], "tries": [4]}}, "sequences": 12,

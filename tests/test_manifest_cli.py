@@ -32,7 +32,8 @@ def test_manifest_round_trip_and_specs(tiny_engine_dir):
     assert "features" not in m.graphs["draft"].spec.output_names
     assert t.validation["fp32"]["verify_argmax_agreement"] == 1.0
     assert t.validation["fp32"]["prefill_max_abs_logit_diff"] < 1e-4
-    assert m.speculation == {"draft_graph": "draft", "draft_length": 4}
+    assert m.speculation.to_json() == {"draft_graph": "draft", "draft_length": 4}
+    assert m.speculation.draft_graph == "draft" and m.speculation.draft_length == 4 and m.speculation.dspark is None
     assert m.tokenizer["eos_token_ids"] == [2]
 
 

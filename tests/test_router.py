@@ -447,21 +447,17 @@ def test_scheduled_router_sends_ngram_continuations_longer_than_a_block(dspark_e
 
     monkeypatch.setattr(Router, "propose_batch", spy)
     spec = dspark_engine.manifest.speculation
-    saved = {k: spec.get(k) for k in ("cost_table", "router")}
-    spec["cost_table"] = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # verify tokens free: keep every draft
+    saved = (spec.cost_table, spec.router)
+    spec.cost_table = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # verify tokens free: keep every draft
     # priors that make every n-gram match the router's choice, whatever the (time-budgeted) tiny drafter learned
     sure = [[999.0] * 16] * 3
-    spec["router"] = {"ngram": {"edges": [1, 2, 3], "hits": sure, "tries": [[1000.0] * 16] * 3},
-                      "inner": {"dspark": {"hits": [[1.0, 0, 0, 0]], "tries": [[100.0, 1, 0, 0]]}}}
+    spec.router = {"ngram": {"edges": [1, 2, 3], "hits": sure, "tries": [[1000.0] * 16] * 3},
+                   "inner": {"dspark": {"hits": [[1.0, 0, 0, 0]], "tries": [[100.0, 1, 0, 0]]}}}
     try:
         ref = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="none")
         got = dspark_engine.generate(REPEAT, max_new_tokens=48, draft="router", draft_length="scheduled")
     finally:
-        for k, v in saved.items():
-            if v is None:
-                spec.pop(k, None)
-            else:
-                spec[k] = v
+        spec.cost_table, spec.router = saved
     assert got.token_ids == ref.token_ids
     assert seen[0] == 16 and got.stats.draft_sources["ngram"]["rounds"] > 0, (seen, got.stats.draft_sources)
 

@@ -264,7 +264,7 @@ def _change(txn, m):
     m.tokenizer["files"].append(FileEntry.of(txn.stage, "newdir/x.bin"))
     txn.add("calibration.json").write_text("{}\n")
     m.graphs.pop("draft")
-    m.speculation["draft_graph"] = None
+    m.speculation.draft_graph = None
     txn.commit(m)
 
 
@@ -457,7 +457,7 @@ def test_add_draft_succeeds_and_records_its_hashes(engine_copy, tiny_dspark, tin
     real = manifest_mod.sha256_file
     monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
     m = load_manifest(engine_copy)
-    assert {"draft", "dspark"} <= set(m.graphs) and m.speculation["dspark"]["graph"] == "dspark"
+    assert {"draft", "dspark"} <= set(m.graphs) and m.speculation.dspark.graph == "dspark"
     assert not {"dspark.onnx", "dspark.onnx.data", "dspark_heads.npz"} & set(calls)
     load_manifest(engine_copy, rehash=True)
 
