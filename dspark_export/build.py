@@ -31,6 +31,8 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, GraphSpec
 from dspark_runtime.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, record_verified
 
+from .add_draft import add_dspark_into, dspark_checkpoint
+
 # fp32: the exported graph as is.
 # int8: static QDQ for ONNX Runtime CPU (U8 activations / S8 per-channel weights, calibrated on the
 #   calibration split; dspark_export.quantize). int8-trt: the same with symmetric S8/S8 for TensorRT.
@@ -498,7 +500,7 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         schema_version=SCHEMA_VERSION, build_machine=_build_machine())
     if dspark_ckpt is not None:
-        _add_dspark(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log)
+        add_dspark_into(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log)
     return manifest
 
 
@@ -519,104 +521,6 @@ def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
         manifest.build_machine = _build_machine()
     manifest.write(out_dir)
     record_verified(out_dir, manifest.all_files())
-
-
-def dspark_checkpoint(draft: str | None) -> Path | None:
-    """The checkpoint folder of a ``dspark:<folder>`` draft spec, or None for other drafts.
-
-    Raises DSparkError when the folder holds no DeepSpec-layout config.json.
-    """
-    if not draft or not str(draft).startswith("dspark:"):
-        return None
-    p = Path(str(draft)[len("dspark:"):]).expanduser()
-    if not p.is_absolute() and not p.exists():
-        from dspark_export.paths import repo_root
-
-        p = repo_root() / p
-    if not (p / "config.json").is_file():
-        raise DSparkError(f"DSpark checkpoint {p} not found (no config.json); train one with "
-                          "`dspark-export train-draft` or pass a DeepSpec checkpoint folder")
-    return p
-
-
-def _add_dspark(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path, model_id: str,
-                isolate: bool, log, role: str = "draft") -> None:
-    """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` as graph ``role``
-    ("draft" when it is the engine's only drafter, "dspark" when added beside a draft LM)."""
-    from dspark_runtime.graphspec import GraphSpec as _GS
-
-    feats = manifest.graphs["target"].spec.dims.feature_layers
-    from dspark_export.dspark_config import load_config
-
-    cfg = load_config(ckpt)
-    if list(feats) != list(cfg.target_layer_ids):
-        raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
-                          f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
-    log(f"[{role}] exporting DSpark drafter {ckpt} -> {role}.onnx")
-    if isolate:
-        result = out_dir / f"{role}.export.json"
-        args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir),
-                           "role": role})
-        proc = subprocess.run([sys.executable, "-m", "dspark_export.draft_graph", args, str(result)])
-        if proc.returncode != 0 or not result.is_file():
-            raise DSparkError(f"exporting the DSpark drafter {ckpt} failed (exit {proc.returncode})")
-        res = json.loads(result.read_text())
-        result.unlink()
-    else:
-        from dspark_export.draft_graph import export_dspark
-
-        res = export_dspark(ckpt, target_dir, out_dir, role)
-    v = res["validation"]["fp32"]
-    log(f"[{role}] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
-        f"{v['argmax_agreement']:.0%}")
-    from dspark_export.draft_graph import HEADS_NAME
-
-    files = [FileEntry.of(out_dir, f"{role}.onnx"), FileEntry.of(out_dir, f"{role}.onnx.data"),
-             FileEntry.of(out_dir, HEADS_NAME)]
-    manifest.graphs[role] = GraphEntry(role=role, model_id=str(model_id), format="onnx", precision="fp32",
-                                       files=files, spec=_GS.from_json(res["spec"]),
-                                       validation=res["validation"], model_config=res["config"])
-    sts, router = None, None
-    sts_file = ckpt / "sts.json"  # written by `dspark-export calibrate`: STS temperatures and the router's priors
-    if sts_file.is_file():
-        saved = json.loads(sts_file.read_text())
-        sts, router = saved.get("temperatures"), saved.get("router")
-    from dspark_runtime.manifest import DSparkSection
-
-    sp = manifest.speculation
-    if router:
-        sp.router = router
-    if role == "draft":
-        sp.draft_graph, sp.draft_kind, sp.draft_length = "draft", "dspark", int(cfg.block_size)
-    sp.dspark = DSparkSection.from_json(  # checked like a manifest read; unknown heads keys kept in .extra
-        {"graph": role, "heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
-         "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-         "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
-
-
-def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
-    """Add (or replace) the DSpark drafter of a built engine: graph ``dspark`` beside any draft LM, so one
-    engine serves ``draft="dspark"``, ``"lm"`` and ``"ngram"``. The target graph is kept and must already
-    output the drafter's ``target_layer_ids`` features. Returns the new Manifest.
-
-    A transaction (:func:`dspark_export.txn.engine_transaction`): the drafter is exported beside the old files
-    and replaces them only when the export succeeded. Raises ManifestError for a directory that is not an
-    engine, DSparkError when the target's feature layers differ from the drafter's or the export fails; the
-    engine directory is then unchanged.
-    """
-    from dspark_export.txn import engine_transaction
-    from dspark_runtime.manifest import load_manifest
-
-    engine_dir = Path(engine_dir)
-    load_manifest(engine_dir, verify=False)  # a clear error for a directory that is not an engine
-    with engine_transaction(engine_dir) as txn:
-        manifest = load_manifest(engine_dir, verify=False)
-        old = manifest.speculation.dspark.graph if manifest.speculation.dspark is not None else None
-        role = "draft" if old == "draft" else "dspark"  # the only drafter was a DSpark one: replace it
-        manifest.graphs.pop(role, None)
-        _add_dspark(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)
-        _commit(txn, manifest)
-    return manifest
 
 
 if __name__ == "__main__":  # worker for _export_graph_isolated

@@ -207,7 +207,7 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
 def add_draft(engine_dir, checkpoint, target, in_process):
     """Compile the DSpark CHECKPOINT into the built ENGINE_DIR as its drafter (the target graph is kept and
     must output the drafter's target_layer_ids features)."""
-    from dspark_export.build import add_dspark_draft, dspark_checkpoint
+    from dspark_export.add_draft import add_dspark_draft, dspark_checkpoint
 
     add_dspark_draft(engine_dir, dspark_checkpoint(f"dspark:{checkpoint}"), target, isolate=not in_process,
                      log=click.echo)

@@ -117,6 +117,23 @@ class Stopper:
         return limit, None
 
 
+def cut_at_stop(text: str, stop) -> str:
+    """``text`` before the first occurrence of any of the ``stop`` strings (all of it when none occurs). Pure."""
+    return text[:min((text.find(s) for s in stop or () if s in text), default=len(text))]
+
+
+def streamable_length(text: str, stop) -> int:
+    """How much of ``text`` may be streamed: everything before the first stop string, and never a tail that could
+    still grow into one. Pure function."""
+    if not stop:
+        return len(text)
+    hits = [text.find(s) for s in stop if s in text]
+    if hits:
+        return min(hits)
+    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return len(text) - hold
+
+
 @dataclass
 class Request:
     """A request of the decoding loop. ``out`` holds its committed tokens (the last one is the anchor of the next

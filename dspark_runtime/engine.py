@@ -9,7 +9,7 @@ import numpy as np
 from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, OrtDSparkGraph
 from dspark_runtime.errors import InputError
-from dspark_runtime.decoding import DecodingLoop, GenerationResult
+from dspark_runtime.decoding import DecodingLoop, GenerationResult, cut_at_stop, streamable_length
 from dspark_runtime.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import Router, router_priors
@@ -35,18 +35,6 @@ def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None) -> str:
     """What ``draft="auto"`` runs given the engine's drafters: the draft LM when there is one (measured fastest on
     the CPU, :meth:`Engine.auto_draft`), else the router over the DSpark drafter, else n-gram lookup."""
     return "lm" if lm_graph else ("router" if dspark_graph else "ngram")
-
-
-def _streamable_length(text: str, stop) -> int:
-    """How much of ``text`` may be streamed: everything before the first stop string, and never a
-    tail that could still grow into one."""
-    if not stop:
-        return len(text)
-    hits = [text.find(s) for s in stop if s in text]
-    if hits:
-        return min(hits)
-    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return len(text) - hold
 
 
 class Engine:
@@ -75,10 +63,12 @@ class Engine:
         elif backend != "ort":
             raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
         self._runners: dict = {}
+        self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = self._row_multiple(row_multiple, threads)
         self._check_cpu(probe_used=row_multiple is None)
         self._check_int8_weights()
         self.default_draft_length = manifest.speculation.draft_length or 5
+        self._warned_packed = False  # batch() warns once that packed batches are not batch-invariant
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
         self.lm_graph, self.dspark_graph = manifest_drafters(manifest)
         self.draft_graph = self.dspark_graph or self.lm_graph
@@ -253,6 +243,22 @@ class Engine:
                                                 row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
+    def loop_runner(self, key: str, max_requests: int = 1):
+        """The runner the decoding loop drives for graph ``key`` (:func:`~dspark_runtime.runners.batch_runner`). For one
+        request it is kept across calls and emptied first — ``generate`` decodes one request after another, and a
+        kept runner reuses its buffers and ONNX Runtime's allocations for the shapes it has seen; for a batch it is
+        new."""
+        rm = self.row_multiple if key == "target" else 1
+        backend = self._backends[key].activate()
+        if max_requests > 1:
+            return batch_runner(backend, row_multiple=rm, max_requests=max_requests)
+        r = self._solo_runners.get(key)
+        if r is None or r.row_multiple != rm:
+            r = self._solo_runners[key] = batch_runner(backend, row_multiple=rm, max_requests=1)
+        for rid in r.requests:  # a request an interrupted call left behind
+            r.remove(rid)
+        return r
+
     def graph_backend(self, key: str):
         """The activated backend of graph ``key`` (``"target"``, ``"draft"``, the DSpark graph's key): an
         :class:`~dspark_runtime.backend.OrtDecoder` or a TensorRT decoder. Raises KeyError for a graph the engine lacks."""
@@ -317,8 +323,7 @@ class Engine:
                              f"{draft!r} ends a block after its first draft token below draft_confidence); use "
                              "draft='dspark' or 'router' over a DSpark drafter, or drop the rule")
         if draft == "lm":
-            return LMDrafter(batch_runner(self._backends[self.lm_graph].activate(), max_requests=max_batch),
-                             confidence_threshold)
+            return LMDrafter(self.loop_runner(self.lm_graph, max_batch), confidence_threshold)
         return NgramDrafter()
 
     def dspark_heads(self) -> DSparkHeads:
@@ -440,8 +445,19 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        target = batch_runner(self._backends["target"].activate(), row_multiple=self.row_multiple,
-                              max_requests=max_batch)
+        target = self.loop_runner("target", max_batch)
+        from dspark_runtime.packed import PackedRunner
+
+        if max_batch > 1 and not self._warned_packed and isinstance(target, PackedRunner):
+            import warnings
+
+            self._warned_packed = True
+            warnings.warn(f"{self.dir}: the target graph has the growing KV layout, so batched requests are packed into "
+                          "one row and a request's greedy output can depend on which requests share its rounds (ONNX "
+                          "Runtime's CPU kernels round a packed row differently with its neighbours: up to 2.2 in the "
+                          "logits of the 1.5B int4 target, scripts/batch_invariance.py); alone (max_batch=1) it is "
+                          "exact. Rebuild with `dspark-export build --kv-layout scatter` for batch-independent output",
+                          stacklevel=2)
         drafter = self.drafter(draft, target, draft_confidence, draft_confidence_rule, max_batch)
         mode, table = "fixed", None
         if draft_length == "scheduled":
@@ -474,11 +490,15 @@ class Engine:
         params.validate()
         return params
 
+    def completion_text(self, token_ids: list, finish_reason: str | None, stop) -> str:
+        """The text of generated ``token_ids``; for ``finish_reason == "stop"`` cut before the stop string that
+        ended it (:func:`~dspark_runtime.decoding.cut_at_stop`)."""
+        text = self.tokenizer.decode(token_ids)
+        return cut_at_stop(text, stop) if finish_reason == "stop" else text
+
     def _result(self, req, stop) -> GenerationResult:
         """A finished request as a GenerationResult (its text cut before the stop string that ended it)."""
-        text = self.tokenizer.decode(req.token_ids)
-        if req.finish_reason == "stop":
-            text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
+        text = self.completion_text(req.token_ids, req.finish_reason, stop)
         return GenerationResult(text=text, token_ids=req.token_ids, finish_reason=req.finish_reason, stats=req.stats)
 
     def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -549,7 +569,7 @@ class Engine:
             def _on_tokens(new):
                 state["ids"] += new
                 text = self.tokenizer.decode(state["ids"])
-                text = text[:_streamable_length(text, stop)]
+                text = text[:streamable_length(text, stop)]
                 if len(text) > len(state["text"]) and not text.endswith("\ufffd"):
                     stream(text[len(state["text"]):])
                     state["text"] = text

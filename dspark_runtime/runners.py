@@ -25,6 +25,20 @@ from dspark_runtime.kvcache import KVCache, causal_mask
 PREFILL_CHUNK = 256  # prompt tokens per prefill step (its logits are [tokens, vocab] float32)
 
 
+def store_features(buf: np.ndarray | None, start: int, f: np.ndarray) -> np.ndarray:
+    """Write target features ``f`` (float32 [q, F]) at positions start..start+q-1 of the per-position buffer ``buf``
+    (float32 [capacity, F] or None), grown by doubling (at least 1,024 rows) when it is too short; returns the buffer
+    (the same one, or its grown copy holding positions 0..start-1)."""
+    end = start + f.shape[0]
+    if buf is None or buf.shape[0] < end:
+        grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
+        if buf is not None:
+            grown[:start] = buf[:start]
+        buf = grown
+    buf[start:end] = f
+    return buf
+
+
 class RequestBook:
     """What every several-requests runner keeps per request: its cached length and its target features by position
     (float32 [capacity, F], grown by doubling), with the queries, the rollback check and the chunked prefill on top of
@@ -70,14 +84,7 @@ class RequestBook:
             raise ValueError(f"cannot roll request {rid!r} back to {length}: it holds {self._length[rid]} positions")
 
     def _store_features(self, rid, start: int, f: np.ndarray) -> None:
-        buf = self._feats.get(rid)
-        end = start + f.shape[0]
-        if buf is None or buf.shape[0] < end:
-            grown = np.empty((max(1024, 2 * end), f.shape[-1]), dtype=np.float32)
-            if buf is not None:
-                grown[:start] = buf[:start]
-            buf = self._feats[rid] = grown
-        buf[start:end] = f
+        self._feats[rid] = store_features(self._feats.get(rid), start, f)
 
     def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
@@ -129,13 +136,7 @@ class DecoderRunner:
         out = self.backend.step(ids, pos, causal_mask(n, past), self.cache.view())
         self.cache.update(out.kv, past + q)
         if out.features is not None:
-            f = out.features[0, :q]
-            if self._feats is None or self._feats.shape[0] < past + q:
-                grown = np.empty((max(1024, 2 * (past + q)), f.shape[-1]), dtype=np.float32)
-                if self._feats is not None:
-                    grown[:past] = self._feats[:past]
-                self._feats = grown
-            self._feats[past:past + q] = f
+            self._feats = store_features(self._feats, past, out.features[0, :q])
         return out.logits[0, :q]
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:

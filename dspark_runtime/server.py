@@ -43,7 +43,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark_runtime.engine import _streamable_length
+from dspark_runtime.decoding import streamable_length
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.server_api import (_ERRORS, APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
@@ -232,12 +232,6 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
         except Exception as e:  # noqa: BLE001 - text the tokenizer or the chat template cannot take
             raise APIError(400, f"the {param} could not be tokenized: {type(e).__name__}", param=param) from None
 
-    def _text(ids: list, outcome_reason: str | None, stop: list) -> str:
-        text = engine.tokenizer.decode(ids)
-        if outcome_reason == "stop" and stop:
-            text = text[:min((text.find(s) for s in stop if s in text), default=len(text))]
-        return text
-
     def _usage(n_prompt: int, n_gen: int) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
@@ -312,7 +306,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                 job.closed = True
                 worker.cancel(job)
                 metrics.requests.labels(endpoint, "cancelled").inc()
-        text = _text(out.token_ids, out.finish_reason, job.stop)
+        text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
         fr = _finish_reason(out.finish_reason)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": fr} if chat else
@@ -351,7 +345,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                     t_first = t_first or time.perf_counter()
                     ids += payload
                     text = engine.tokenizer.decode(ids)
-                    text = text[:_streamable_length(text, job.stop)]
+                    text = text[:streamable_length(text, job.stop)]
                     if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
                         yield chunk(text[len(sent):])
                         sent = text
@@ -364,7 +358,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                     job.closed = True
                     out: Outcome = payload
                     _record(endpoint, job, out, t0, t_first)
-                    text = _text(out.token_ids, out.finish_reason, job.stop)
+                    text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
                     tail = text[len(sent):] if text.startswith(sent) else ""
                     if tail:
                         yield chunk(tail)

@@ -59,8 +59,8 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
     import torch
 
     from dspark_export.build import Recipe, build_engine
-    from dspark_export.draft_train import (FeatureStore, TrainSettings, choose_draft_vocab, extract_features,
-                                           train)
+    from dspark_export.draft_features import FeatureStore, choose_draft_vocab, extract_features
+    from dspark_export.draft_train import TrainSettings, train
     from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config
     from dspark_export.draft_graph import target_frozen_weights
     from transformers import AutoModelForCausalLM

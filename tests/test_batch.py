@@ -272,3 +272,22 @@ def test_monotone_fit_of_the_verify_times():
     assert monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]  # pooled: (3 + 1 + 2) / 3
     np.testing.assert_allclose(monotone([249, 269, 259, 282]), [249, 264, 264, 282])
     assert monotone([]) == []
+
+
+def test_packed_batches_warn_once_and_alone_does_not(lm_engine):
+    """A growing-layout target packs a batch into one row, whose rounding depends on the neighbours: batch() with
+    max_batch > 1 says so once (naming the fix); a request alone (generate, max_batch=1) is exact and says nothing."""
+    import warnings
+
+    from dspark_runtime.engine import Engine
+
+    eng = Engine.load(lm_engine.dir, threads=1)
+    assert eng.manifest.graphs["target"].spec.kv_layout == "growing"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        eng.generate("hi", max_new_tokens=2, draft=None)
+        assert not [w for w in seen if "growing KV layout" in str(w.message)]
+        eng.batch(draft=None, max_batch=4)
+        eng.batch(draft=None, max_batch=4)
+    hits = [w for w in seen if "growing KV layout" in str(w.message)]
+    assert len(hits) == 1 and "--kv-layout scatter" in str(hits[0].message)

@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("torch")
 
 from dspark_export.draft_data import CALIB_SPLIT, TRAIN_SPLIT, interleave, split_prompts  # noqa: E402
-from dspark_export.draft_train import block_batch, choose_draft_vocab, sample_anchors  # noqa: E402
+from dspark_export.draft_features import choose_draft_vocab  # noqa: E402
+from dspark_export.draft_train import block_batch, sample_anchors  # noqa: E402
 
 
 def test_anchors_need_the_anchor_and_its_next_token_in_the_loss_mask():
@@ -68,7 +69,7 @@ def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir
     target-only continuation (what decoding the prompt alone gives), the format answer_sequences reads;
     a second call skips the keys already written and adds only new prompts."""
     from dspark_export import draft_data
-    from dspark_export.draft_train import answer_sequences
+    from dspark_export.draft_features import answer_sequences
     from dspark_runtime import Engine
 
     prompts = [("mbpp", "mbpp:1", "Write a function that adds two numbers."), ("gsm8k", "gsm8k:1", "What is 7 * 6?"),

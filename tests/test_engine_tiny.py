@@ -106,12 +106,13 @@ def test_stop_string_and_streaming(engine):
 
 
 def test_streamable_length_holds_back_possible_stop_prefixes():
-    from dspark_runtime.engine import _streamable_length
+    from dspark_runtime.decoding import cut_at_stop, streamable_length
 
-    assert _streamable_length("abc</s", ["</stop>"]) == 3  # "</s" may become "</stop>"
-    assert _streamable_length("abc</stop> more", ["</stop>"]) == 3
-    assert _streamable_length("abcdef", ["xyz"]) == 6
-    assert _streamable_length("abcdef", None) == 6
+    assert streamable_length("abc</s", ["</stop>"]) == 3  # "</s" may become "</stop>"
+    assert streamable_length("abc</stop> more", ["</stop>"]) == 3
+    assert streamable_length("abcdef", ["xyz"]) == 6
+    assert streamable_length("abcdef", None) == 6
+    assert cut_at_stop("abc</stop> more</s>", ["</s>", "</stop>"]) == "abc" and cut_at_stop("abc", None) == "abc"
 
 
 @pytest.mark.parametrize("kwargs, message", [

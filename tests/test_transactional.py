@@ -413,7 +413,7 @@ def test_a_second_command_on_the_same_directory_is_refused(engine_copy):
 
 def test_add_draft_with_other_feature_layers_leaves_the_engine(engine_copy, tiny_dspark, tiny_pair, tmp_path):
     """The feature-layer check fails after the old code had deleted manifest.json: the engine stays loadable."""
-    from dspark_export.build import add_dspark_draft
+    from dspark_export.add_draft import add_dspark_draft
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dspark[1], ckpt)
@@ -431,7 +431,7 @@ def test_add_draft_with_other_feature_layers_leaves_the_engine(engine_copy, tiny
 def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dspark, tiny_pair, monkeypatch):
     """Replacing the DSpark drafter of an engine: the export writes part of the new graph, then fails."""
     import dspark_export.draft_graph as dg
-    from dspark_export.build import add_dspark_draft
+    from dspark_export.add_draft import add_dspark_draft
 
     before = snapshot(dspark_copy)
 
@@ -448,7 +448,7 @@ def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dsp
 
 def test_add_draft_succeeds_and_records_its_hashes(engine_copy, tiny_dspark, tiny_pair, monkeypatch):
     import dspark_runtime.manifest as manifest_mod
-    from dspark_export.build import add_dspark_draft
+    from dspark_export.add_draft import add_dspark_draft
 
     add_dspark_draft(engine_copy, tiny_dspark[1], str(tiny_pair[0]), isolate=False, **QUIET)
     assert not stage_dirs(engine_copy)
