@@ -77,7 +77,7 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     if sts_file.is_file():
         saved = json.loads(sts_file.read_text())
         sts, router = saved.get("temperatures"), saved.get("router")
-    from dspark_runtime.manifest import DSparkSection
+    from dspark_runtime.speculation import DSparkSection
 
     sp = manifest.speculation
     if router:

@@ -492,7 +492,7 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
                                   format="onnx", precision=precision, files=files,
                                   spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
                                   model_config=res["config"], quantization=res.get("quantization", {}))
-    from dspark_runtime.manifest import Speculation
+    from dspark_runtime.speculation import Speculation
 
     manifest = Manifest(
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.manifest import DSparkSection, Speculation, parse_manifest
+from dspark_runtime.manifest import parse_manifest
+from dspark_runtime.speculation import DSparkSection, Speculation
 
 ROOT = Path(__file__).resolve().parents[1]
 
