@@ -33,6 +33,7 @@ from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
+SKIP_PROBE_EVERY = 8  # scheduled mode: after this many rounds without drafting, draft once to refresh the survivals
 
 
 @dataclass
@@ -152,6 +153,7 @@ class Request:
     stopper: Stopper
     on_tokens: Callable | None = None
     adaptive: bool = False
+    last_survival: np.ndarray | None = None  # prefix survivals of its last drafted proposal (scheduled mode)
     out: list = field(default_factory=list)
     keep: int = 0
     finish_reason: str | None = None
@@ -181,7 +183,8 @@ class BatchStats:
     committed: tokens committed by rounds (bonus included); batch_histogram: rounds by number of requests;
     verify_length_histogram: request-rounds by verify length l_r; accepted_by_position[k]: fraction of
     request-rounds verifying position k+1 that accepted it; wall_s: seconds inside ``step``;
-    tokens_per_second: committed tokens / wall_s (aggregate, prefill time included).
+    tokens_per_second: committed tokens / wall_s (aggregate, prefill time included); draft_skipped: rounds that ran
+    no drafting pass because the scheduler expected drafts not to pay (scheduled mode, :meth:`DecodingLoop._drafting_pays`).
     """
 
     rounds: int = 0
@@ -199,6 +202,7 @@ class BatchStats:
     tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
     accepted_length_mean: float = 0.0
+    draft_skipped: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -248,6 +252,7 @@ class DecodingLoop:
         self._bhist: Counter = Counter()
         self._next_id = 0
         self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
+        self._undrafted = 0  # consecutive rounds without a drafting pass (scheduled mode)
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -354,6 +359,29 @@ class DecodingLoop:
         cost = round_cost_table(self.cost_table, len(reqs))
         return schedule_greedy([p.survival for p in props], cost, max_len=caps)
 
+    def _drafting_pays(self, reqs: list, caps: list) -> bool:
+        """Whether this round should run the drafting pass (scheduled mode; always True otherwise).
+
+        The asynchronous decision (DSpark paper section 4: the scheduler's inputs come from earlier rounds): with each
+        request's prefix survivals of its last drafted proposal ``a_r``, the round cost table at this many requests
+        and Algorithm 1's verify lengths ``l_r``, drafting is expected to commit ``Theta_d = sum_r (1 + sum_{j<=l_r}
+        a_{r,j}) / (t_draft(R) + t_verify(B))`` tokens/s against ``Theta_0 = R / t_verify(R)`` without the pass. It
+        is skipped when ``Theta_0 >= Theta_d`` (many requests, a weak drafter: the verifier is batched and the
+        drafting pass is pure cost), except every :data:`SKIP_PROBE_EVERY`-th round, which drafts to refresh the
+        survivals. Needs the profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or before
+        every request has drafted once, it drafts."""
+        if self.mode != "scheduled" or self.drafter is None or "t_verify" not in self.cost_table:
+            return True
+        if self._undrafted >= SKIP_PROBE_EVERY or any(r.last_survival is None for r in reqs):
+            return True
+        from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
+
+        survs = [r.last_survival[:c] for r, c in zip(reqs, caps)]
+        cost = round_cost_table(self.cost_table, len(reqs))
+        drafted = expected_throughput(survs, schedule_greedy(survs, cost, max_len=caps), cost)
+        verify_only = CostTable(tuple(self.cost_table["tokens"]), tuple(self.cost_table["t_verify"]))
+        return drafted > expected_throughput(survs, [0] * len(reqs), verify_only)
+
     def step(self) -> list:
         """One round: admit waiting requests, draft, schedule, verify all requests in one verifier pass,
         accept and commit. Returns the requests that finished in this round."""
@@ -369,8 +397,18 @@ class DecodingLoop:
             self.stats.wall_s += time.perf_counter() - t0
             return finished
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
-        props = self.drafter.propose_batch(reqs, caps) if self.drafter is not None else [Proposal([])] * len(reqs)
-        lengths = self._lengths(reqs, props, caps)
+        if self.drafter is not None and self._drafting_pays(reqs, caps):
+            props = self.drafter.propose_batch(reqs, caps)
+            lengths = self._lengths(reqs, props, caps)
+            self._undrafted = 0
+            for r, p in zip(reqs, props):
+                if p.survival is not None and len(p.survival):
+                    r.last_survival = np.asarray(p.survival, dtype=np.float64)
+        else:
+            props, lengths = [Proposal([])] * len(reqs), [0] * len(reqs)
+            if self.drafter is not None:
+                self._undrafted += 1
+                self.stats.draft_skipped += 1
         segs, bases = [], []
         for r, p, ell in zip(reqs, props, lengths):
             bases.append(self.target.length(r.rid))

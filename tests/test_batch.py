@@ -291,3 +291,24 @@ def test_packed_batches_warn_once_and_alone_does_not(lm_engine):
         eng.batch(draft=None, max_batch=4)
     hits = [w for w in seen if "growing KV layout" in str(w.message)]
     assert len(hits) == 1 and "--kv-layout scatter" in str(hits[0].message)
+
+
+def test_scheduled_batches_skip_a_drafting_pass_that_does_not_pay(ds_engine):
+    """Scheduled mode on the tiny DSpark engine with a cost table where the drafting pass costs 100x a verify pass:
+    after each request's first drafted round the loop verifies anchors only (probing every SKIP_PROBE_EVERY rounds);
+    outputs stay those of target-only decoding, and a cheap pass is never skipped."""
+    ref = [ds_engine.generate(p, max_new_tokens=24, draft=None).token_ids for p in PROMPTS[:3]]
+    spec = ds_engine.manifest.speculation
+    saved = spec.cost_table
+    pts = [1, 2, 4, 8, 16, 32]
+    for t_draft, skips in ((100.0, True), (1e-6, False)):
+        t_verify = [1.0 + 0.001 * b for b in pts]
+        spec.cost_table = {"tokens": pts, "t_verify": t_verify, "t_draft": t_draft,
+                           "seconds": [t_draft + t for t in t_verify]}
+        try:
+            res = ds_engine.generate_batch(PROMPTS[:3], max_new_tokens=24, draft="dspark", draft_length="scheduled",
+                                           max_batch=3)
+        finally:
+            spec.cost_table = saved
+        assert [r.token_ids for r in res] == ref
+        assert (ds_engine.last_batch_stats.draft_skipped > 0) == skips, ds_engine.last_batch_stats

@@ -2,11 +2,10 @@
 rule, losslessness (greedy identity on tiny engines; sampled distribution on a toy target), DSpark staying in
 sync when rounds skip it, and the engine/CLI wiring."""
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from types import SimpleNamespace
 
 from dspark_runtime import router as router_mod
 from dspark_runtime.decoding import DecodingLoop
@@ -15,6 +14,7 @@ from dspark_runtime.router import (AcceptanceStats, NgramConfidence, Router, acc
                                    route, router_priors)
 from dspark_runtime.runners import SequenceRunner
 from dspark_runtime.sampling import SamplingParams
+from toy import BigramTarget, StatelessDrafter
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -142,7 +142,7 @@ def test_acceptance_stats_hand_computed():
 # ------------------------------------------------------------------------- routing rule, fake drafters
 
 
-class FakeDSpark:
+class FakeDSpark(StatelessDrafter):
     """A DSpark-like inner drafter (the drafters interface): proposes a block from a fixed distribution Q, with a
     survival that depends on its first sampled token (as DSpark's Markov-head confidences do)."""
 
@@ -154,12 +154,6 @@ class FakeDSpark:
         self.q = np.full(vocab, 1.0 / vocab) if q is None else np.asarray(q, dtype=np.float64)
         self.good, self.high, self.low = good_token, high, low
         self.calls, self.observed = 0, []
-
-    def begin(self, req):
-        pass
-
-    def remove(self, rid):
-        pass
 
     def propose_batch(self, reqs, gammas, only=None):
         self.calls += 1
@@ -301,34 +295,6 @@ def test_requests_route_independently_in_one_batch():
 
 
 # ------------------------------------------------------------------ lossless sampling on a toy target
-
-
-class BigramTarget:
-    """A toy target (DecoderRunner interface): next-token logits = log T[last token]."""
-
-    row_multiple = 1
-
-    def __init__(self, table):
-        self.logt = np.log(np.asarray(table, dtype=np.float64)).astype(np.float32)
-        self.tokens = []
-        self.features = None
-
-    @property
-    def length(self):
-        return len(self.tokens)
-
-    def reset(self):
-        self.tokens = []
-
-    def step(self, tokens):
-        self.tokens += list(tokens)
-        return self.logt[np.asarray(tokens)]
-
-    def prefill(self, tokens, chunk=None):
-        return self.step(tokens)[-1]
-
-    def rollback(self, length):
-        self.tokens = self.tokens[:length]
 
 
 def _second_token_tv(lossy: bool, monkeypatch, runs=2000):

@@ -1,0 +1,66 @@
+"""The decoding core without models (dspark_runtime/decoding.py): a toy bigram target and a fake drafter with
+calibrated survivals, so the loop's rules are checked exactly — here the scheduled mode's decision to skip the
+drafting pass when the cost table says drafts do not pay (issue 21, "never slower than no speculation")."""
+import numpy as np
+
+from dspark_runtime.decoding import SKIP_PROBE_EVERY, DecodingLoop
+from dspark_runtime.drafters import Proposal
+from dspark_runtime.runners import SequenceRunner
+from toy import BigramTarget, StatelessDrafter
+
+TABLE = np.array([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1], [0.2, 0.1, 0.1, 0.6], [0.7, 0.1, 0.1, 0.1]])
+
+
+class GreedyOracle(StatelessDrafter):
+    """Drafts the target's own greedy continuation (always accepted) with survival 0.9 per position."""
+
+    name = "oracle"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose_batch(self, reqs, gammas, only=None):
+        self.calls += 1
+        out = []
+        for r, g in zip(reqs, gammas):
+            t, toks = r.out[-1], []
+            for _ in range(g):
+                t = int(np.argmax(TABLE[t]))
+                toks.append(t)
+            out.append(Proposal(toks, None, 0.9 ** np.arange(1, g + 1)))
+        return out
+
+
+def _run(t_draft: float, n: int = 40):
+    table = {"tokens": [1, 2, 3, 4, 5, 8], "t_verify": [1.0, 1.01, 1.02, 1.03, 1.04, 1.07], "t_draft": t_draft}
+    table["seconds"] = [t_draft + t for t in table["t_verify"]]
+    drafter = GreedyOracle()
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
+    req = loop.submit([0, 1], max_new_tokens=n, gamma=4)
+    loop.run()
+    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
+    alone = ref.submit([0, 1], max_new_tokens=n)
+    ref.run()
+    return req, loop.stats, drafter, alone.token_ids
+
+
+def test_scheduled_rounds_skip_the_drafting_pass_when_it_does_not_pay():
+    # cheap drafting: (1 + 0.9 + .81 + .73 + .66) / (0.01 + 1.04) ~ 3.9 tok/s against 1 without -> always drafts
+    req, st, drafter, ref = _run(t_draft=0.01)
+    assert req.token_ids == ref and st.draft_skipped == 0 and drafter.calls == st.rounds
+    # dear drafting (10 s a pass): ~4.1 / 11 = 0.37 tok/s against 1 without -> the pass is skipped, except the first
+    # round (no survivals yet) and one probe every SKIP_PROBE_EVERY undrafted rounds; output unchanged
+    req, st, drafter, ref = _run(t_draft=10.0)
+    assert req.token_ids == ref
+    assert st.draft_skipped > 0 and drafter.calls + st.draft_skipped == st.rounds
+    # the pattern: draft, then SKIP_PROBE_EVERY skipped rounds, then one probing pass, and so on
+    assert drafter.calls == 1 + (st.draft_skipped - 1) // SKIP_PROBE_EVERY
+    assert req.stats.draft_length_histogram.get("0", 0) == st.draft_skipped
+
+
+def test_fixed_mode_always_drafts():
+    drafter = GreedyOracle()
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", max_batch=1)
+    loop.submit([0, 1], max_new_tokens=20, gamma=3)
+    loop.run()
+    assert loop.stats.draft_skipped == 0 and drafter.calls == loop.stats.rounds
