@@ -34,6 +34,7 @@ from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
 SKIP_PROBE_EVERY = 8  # scheduled mode: after this many rounds without drafting, draft once to refresh the survivals
+SKIP_PROBE_MAX = 64  # ... and the interval doubles, up to this, while each probe confirms that drafting does not pay
 
 
 @dataclass
@@ -253,6 +254,8 @@ class DecodingLoop:
         self._next_id = 0
         self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
         self._undrafted = 0  # consecutive rounds without a drafting pass (scheduled mode)
+        self._probe_every = SKIP_PROBE_EVERY  # undrafted rounds before the next probing pass
+        self._probing = False  # this round's pass is a probe (drafting was not expected to pay)
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -363,24 +366,33 @@ class DecodingLoop:
         """Whether this round should run the drafting pass (scheduled mode; always True otherwise).
 
         The asynchronous decision (DSpark paper section 4: the scheduler's inputs come from earlier rounds): with each
-        request's prefix survivals of its last drafted proposal ``a_r``, the round cost table at this many requests
-        and Algorithm 1's verify lengths ``l_r``, drafting is expected to commit ``Theta_d = sum_r (1 + sum_{j<=l_r}
-        a_{r,j}) / (t_draft(R) + t_verify(B))`` tokens/s against ``Theta_0 = R / t_verify(R)`` without the pass. It
-        is skipped when ``Theta_0 >= Theta_d`` (many requests, a weak drafter: the verifier is batched and the
-        drafting pass is pure cost), except every :data:`SKIP_PROBE_EVERY`-th round, which drafts to refresh the
-        survivals. Needs the profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or before
-        every request has drafted once, it drafts."""
+        request's prefix survivals of its last drafted proposal ``a_r`` (none yet: counted as zeros), the round cost
+        table at this many requests and Algorithm 1's verify lengths ``l_r``, drafting is expected to commit
+        ``Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + t_verify(B))`` tokens/s against
+        ``Theta_0 = R / t_verify(R)`` without the pass. It is skipped when ``Theta_0 >= Theta_d`` (many requests, a
+        weak drafter: the verifier is batched and the drafting pass is pure cost), except one probing pass after
+        :data:`SKIP_PROBE_EVERY` undrafted rounds to refresh the survivals; the interval doubles (up to
+        :data:`SKIP_PROBE_MAX`) while each probe confirms the skip and is reset by a round that pays. Needs the
+        profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or before any request has
+        drafted, it drafts."""
+        self._probing = False
         if self.mode != "scheduled" or self.drafter is None or "t_verify" not in self.cost_table:
             return True
-        if self._undrafted >= SKIP_PROBE_EVERY or any(r.last_survival is None for r in reqs):
+        if all(r.last_survival is None for r in reqs):
             return True
         from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
 
-        survs = [r.last_survival[:c] for r, c in zip(reqs, caps)]
+        survs = [np.zeros(0) if r.last_survival is None else r.last_survival[:c] for r, c in zip(reqs, caps)]
         cost = round_cost_table(self.cost_table, len(reqs))
         drafted = expected_throughput(survs, schedule_greedy(survs, cost, max_len=caps), cost)
         verify_only = CostTable(tuple(self.cost_table["tokens"]), tuple(self.cost_table["t_verify"]))
-        return drafted > expected_throughput(survs, [0] * len(reqs), verify_only)
+        if drafted > expected_throughput(survs, [0] * len(reqs), verify_only):
+            self._probe_every = SKIP_PROBE_EVERY
+            return True
+        if self._undrafted >= self._probe_every:
+            self._probing = True
+            return True
+        return False
 
     def step(self) -> list:
         """One round: admit waiting requests, draft, schedule, verify all requests in one verifier pass,
@@ -400,6 +412,8 @@ class DecodingLoop:
         if self.drafter is not None and self._drafting_pays(reqs, caps):
             props = self.drafter.propose_batch(reqs, caps)
             lengths = self._lengths(reqs, props, caps)
+            if self._probing:  # a probe: the next one waits twice as long unless a round pays before
+                self._probe_every = min(2 * self._probe_every, SKIP_PROBE_MAX)
             self._undrafted = 0
             for r, p in zip(reqs, props):
                 if p.survival is not None and len(p.survival):

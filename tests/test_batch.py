@@ -129,7 +129,9 @@ def test_batched_dspark_fixed_threshold_and_scheduled_are_exact(ds_engine):
         res = ds_engine.generate_batch(PROMPTS, max_new_tokens=24, draft="dspark", max_batch=4, **kw)
         assert [r.token_ids for r in res] == [ref[p] for p in PROMPTS], kw
         st = ds_engine.last_batch_stats
-        assert st.accepted > 0, kw
+        # scheduled: the profiled tiny table may say the (weak, time-budgeted) drafter does not pay, and the rounds
+        # then skip its pass (test_scheduled_batches_skip_a_drafting_pass_that_does_not_pay)
+        assert st.accepted > 0 or (kw.get("draft_length") == "scheduled" and st.draft_skipped > 0), (kw, st)
         assert max(int(k) for k in st.verify_length_histogram) <= (2 if kw.get("draft_length") == 2 else 4)
 
 

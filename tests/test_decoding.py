@@ -3,7 +3,7 @@ calibrated survivals, so the loop's rules are checked exactly — here the sched
 drafting pass when the cost table says drafts do not pay (issue 21, "never slower than no speculation")."""
 import numpy as np
 
-from dspark_runtime.decoding import SKIP_PROBE_EVERY, DecodingLoop
+from dspark_runtime.decoding import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DecodingLoop
 from dspark_runtime.drafters import Proposal
 from dspark_runtime.runners import SequenceRunner
 from toy import BigramTarget, StatelessDrafter
@@ -18,9 +18,12 @@ class GreedyOracle(StatelessDrafter):
 
     def __init__(self):
         self.calls = 0
+        self.loop = None  # set by the test: the rounds at which the drafter ran
+        self.at = []
 
     def propose_batch(self, reqs, gammas, only=None):
         self.calls += 1
+        self.at.append(self.loop.stats.rounds if self.loop is not None else None)
         out = []
         for r, g in zip(reqs, gammas):
             t, toks = r.out[-1], []
@@ -31,11 +34,12 @@ class GreedyOracle(StatelessDrafter):
         return out
 
 
-def _run(t_draft: float, n: int = 40):
+def _run(t_draft: float, n: int = 60):
     table = {"tokens": [1, 2, 3, 4, 5, 8], "t_verify": [1.0, 1.01, 1.02, 1.03, 1.04, 1.07], "t_draft": t_draft}
     table["seconds"] = [t_draft + t for t in table["t_verify"]]
     drafter = GreedyOracle()
     loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
+    drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=n, gamma=4)
     loop.run()
     ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
@@ -53,8 +57,11 @@ def test_scheduled_rounds_skip_the_drafting_pass_when_it_does_not_pay():
     req, st, drafter, ref = _run(t_draft=10.0)
     assert req.token_ids == ref
     assert st.draft_skipped > 0 and drafter.calls + st.draft_skipped == st.rounds
-    # the pattern: draft, then SKIP_PROBE_EVERY skipped rounds, then one probing pass, and so on
-    assert drafter.calls == 1 + (st.draft_skipped - 1) // SKIP_PROBE_EVERY
+    # the pattern: the first round drafts (no survivals yet), then SKIP_PROBE_EVERY undrafted rounds, a probing pass,
+    # twice as many undrafted rounds, ... (the interval capped at SKIP_PROBE_MAX)
+    gaps = [b - a - 1 for a, b in zip(drafter.at, drafter.at[1:])]
+    assert drafter.at[0] == 0 and len(gaps) >= 1
+    assert gaps == [min(SKIP_PROBE_EVERY * 2 ** i, SKIP_PROBE_MAX) for i in range(len(gaps))]
     assert req.stats.draft_length_histogram.get("0", 0) == st.draft_skipped
 
 
