@@ -256,6 +256,7 @@ class DecodingLoop:
         self._undrafted = 0  # consecutive rounds without a drafting pass (scheduled mode)
         self._probe_every = SKIP_PROBE_EVERY  # undrafted rounds before the next probing pass
         self._probing = False  # this round's pass is a probe (drafting was not expected to pay)
+        self.prior_survival: np.ndarray | None = None  # float64 [γ]: survivals assumed for a request not drafted yet
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -366,23 +367,25 @@ class DecodingLoop:
         """Whether this round should run the drafting pass (scheduled mode; always True otherwise).
 
         The asynchronous decision (DSpark paper section 4: the scheduler's inputs come from earlier rounds): with each
-        request's prefix survivals of its last drafted proposal ``a_r`` (none yet: counted as zeros), the round cost
+        request's prefix survivals of its last drafted proposal ``a_r`` (none yet: ``prior_survival``, the drafter's
+        acceptance fitted on the calibration split when the engine has it, else zeros), the round cost
         table at this many requests and Algorithm 1's verify lengths ``l_r``, drafting is expected to commit
         ``Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + t_verify(B))`` tokens/s against
         ``Theta_0 = R / t_verify(R)`` without the pass. It is skipped when ``Theta_0 >= Theta_d`` (many requests, a
         weak drafter: the verifier is batched and the drafting pass is pure cost), except one probing pass after
         :data:`SKIP_PROBE_EVERY` undrafted rounds to refresh the survivals; the interval doubles (up to
         :data:`SKIP_PROBE_MAX`) while each probe confirms the skip and is reset by a round that pays. Needs the
-        profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or before any request has
-        drafted, it drafts."""
+        profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or with no prior before any
+        request has drafted, it drafts."""
         self._probing = False
         if self.mode != "scheduled" or self.drafter is None or "t_verify" not in self.cost_table:
             return True
-        if all(r.last_survival is None for r in reqs):
+        prior = np.zeros(0) if self.prior_survival is None else np.asarray(self.prior_survival, dtype=np.float64)
+        if self.prior_survival is None and all(r.last_survival is None for r in reqs):
             return True
         from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
 
-        survs = [np.zeros(0) if r.last_survival is None else r.last_survival[:c] for r, c in zip(reqs, caps)]
+        survs = [(prior if r.last_survival is None else r.last_survival)[:c] for r, c in zip(reqs, caps)]
         cost = round_cost_table(self.cost_table, len(reqs))
         drafted = expected_throughput(survs, schedule_greedy(survs, cost, max_len=caps), cost)
         verify_only = CostTable(tuple(self.cost_table["tokens"]), tuple(self.cost_table["t_verify"]))

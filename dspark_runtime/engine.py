@@ -478,6 +478,13 @@ class Engine:
         else:
             gen.default_gamma = draft_length if isinstance(draft_length, int) else self.default_draft_length
         gen.default_adaptive = draft_length == "auto"
+        if mode == "scheduled":  # what a request that has not drafted yet is assumed to survive (the skip rule)
+            try:
+                fitted = router_priors(self.manifest.speculation.router, self.draft_kind).get("inner_stats")
+            except ValueError:
+                fitted = None  # a malformed entry: the router refuses it by name; the skip rule just drafts first
+            if fitted is not None:
+                gen.prior_survival = fitted.survival(0, gen.default_gamma)
         return gen
 
     def _check_request(self, max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:

@@ -71,3 +71,17 @@ def test_fixed_mode_always_drafts():
     loop.submit([0, 1], max_new_tokens=20, gamma=3)
     loop.run()
     assert loop.stats.draft_skipped == 0 and drafter.calls == loop.stats.rounds
+
+
+def test_a_prior_lets_the_first_round_skip_too():
+    """With prior survivals (the engine's fitted drafter acceptance) a request that has not drafted yet need not
+    draft to be judged: under the dear table the first pass is the probe after SKIP_PROBE_EVERY rounds."""
+    table = {"tokens": [1, 2, 4, 8], "t_verify": [1.0, 1.01, 1.03, 1.07], "t_draft": 10.0}
+    table["seconds"] = [10.0 + t for t in table["t_verify"]]
+    drafter = GreedyOracle()
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
+    drafter.loop, loop.prior_survival = loop, np.array([0.5, 0.25, 0.125, 0.06])
+    req = loop.submit([0, 1], max_new_tokens=20, gamma=4)
+    loop.run()
+    assert drafter.at and drafter.at[0] == SKIP_PROBE_EVERY
+    assert req.token_ids == _run(t_draft=10.0, n=20)[3]
