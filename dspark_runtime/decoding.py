@@ -349,8 +349,6 @@ class DecodingLoop:
         self._leave(req)
 
     def _lengths(self, reqs: list, props: list, caps: list) -> list:
-        if self.drafter is None:
-            return [0] * len(reqs)
         if self.mode == "fixed":
             return [min(len(p.tokens), c) for p, c in zip(props, caps)]
         from dspark_runtime.scheduler import schedule_greedy

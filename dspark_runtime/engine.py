@@ -13,7 +13,7 @@ from dspark_runtime.decoding import DecodingLoop, GenerationResult, cut_at_stop,
 from dspark_runtime.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import Router, router_priors
-from dspark_runtime.runners import DecoderRunner, batch_runner, decoder_runner
+from dspark_runtime.runners import DecoderRunner, SequenceRunner, batch_runner, decoder_runner
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.sysinfo import usable_cpus
 from dspark_runtime.tokenizer import Tokenizer
@@ -244,17 +244,16 @@ class Engine:
         return self._runners[key]
 
     def loop_runner(self, key: str, max_requests: int = 1):
-        """The runner the decoding loop drives for graph ``key`` (:func:`~dspark_runtime.runners.batch_runner`). For one
-        request it is kept across calls and emptied first — ``generate`` decodes one request after another, and a
-        kept runner reuses its buffers and ONNX Runtime's allocations for the shapes it has seen; for a batch it is
-        new."""
-        rm = self.row_multiple if key == "target" else 1
-        backend = self._backends[key].activate()
+        """The runner the decoding loop drives for graph ``key``. For one request: the graph's one-sequence runner
+        (:meth:`runner`, kept across calls, with its row padding) behind a
+        :class:`~dspark_runtime.runners.SequenceRunner`, emptied first — ``generate`` decodes one request after
+        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.batch_runner`."""
         if max_requests > 1:
-            return batch_runner(backend, row_multiple=rm, max_requests=max_requests)
+            return batch_runner(self._backends[key].activate(), row_multiple=self.row_multiple if key == "target" else 1,
+                                max_requests=max_requests)
         r = self._solo_runners.get(key)
-        if r is None or r.row_multiple != rm:
-            r = self._solo_runners[key] = batch_runner(backend, row_multiple=rm, max_requests=1)
+        if r is None:
+            r = self._solo_runners[key] = SequenceRunner(self.runner(key))
         for rid in r.requests:  # a request an interrupted call left behind
             r.remove(rid)
         return r
