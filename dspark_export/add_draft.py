@@ -36,9 +36,11 @@ def dspark_checkpoint(draft: str | None) -> Path | None:
 
 
 def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path, model_id: str,
-                isolate: bool, log, role: str = "draft") -> None:
+                isolate: bool, log, role: str = "draft", target_root: Path | None = None) -> None:
     """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` as graph ``role``
-    ("draft" when it is the engine's only drafter, "dspark" when added beside a draft LM)."""
+    ("draft" when it is the engine's only drafter, "dspark" when added beside a draft LM). ``target_root``: the
+    directory holding the manifest's target graph (default ``out_dir``); the drafter reads the anchor's embedding
+    row from the target's own table there when it is a raw external tensor equal to the drafter's."""
     from dspark_runtime.graphspec import GraphSpec as _GS
 
     feats = manifest.graphs["target"].spec.dims.feature_layers
@@ -49,10 +51,15 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
         raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
                           f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
     log(f"[{role}] exporting DSpark drafter {ckpt} -> {role}.onnx")
+    from dspark_export.draft_graph import EMBED_FILE, HEADS_NAME, target_embedding_entry
+
+    target_root = Path(target_root or out_dir)
+    target_emb = target_embedding_entry(target_root, manifest.graphs["target"].model_file)
     if isolate:
         result = out_dir / f"{role}.export.json"
         args = json.dumps({"checkpoint": str(ckpt), "target_dir": str(target_dir), "out_dir": str(out_dir),
-                           "role": role})
+                           "role": role, "target_embedding": target_emb,
+                           "target_root": str(target_root)})
         proc = subprocess.run([sys.executable, "-m", "dspark_export.draft_graph", args, str(result)])
         if proc.returncode != 0 or not result.is_file():
             raise DSparkError(f"exporting the DSpark drafter {ckpt} failed (exit {proc.returncode})")
@@ -61,14 +68,19 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     else:
         from dspark_export.draft_graph import export_dspark
 
-        res = export_dspark(ckpt, target_dir, out_dir, role)
+        res = export_dspark(ckpt, target_dir, out_dir, role, target_emb, target_root)
     v = res["validation"]["fp32"]
     log(f"[{role}] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
         f"{v['argmax_agreement']:.0%}")
-    from dspark_export.draft_graph import HEADS_NAME
-
+    emb = res["embedding"]
+    log(f"[{role}] anchor embedding rows: " + ("the target graph's own table (" + emb["file"] + "), no copy"
+                                              if emb["file"] != EMBED_FILE else
+                                              f"{EMBED_FILE} (the checkpoint's table differs from the target graph's "
+                                              "or the target holds none readable)"))
     files = [FileEntry.of(out_dir, f"{role}.onnx"), FileEntry.of(out_dir, f"{role}.onnx.data"),
              FileEntry.of(out_dir, HEADS_NAME)]
+    if emb["file"] == EMBED_FILE:
+        files.append(FileEntry.of(out_dir, EMBED_FILE))
     manifest.graphs[role] = GraphEntry(role=role, model_id=str(model_id), format="onnx", precision="fp32",
                                        files=files, spec=_GS.from_json(res["spec"]),
                                        validation=res["validation"], model_config=res["config"])
@@ -87,7 +99,7 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     sp.dspark = DSparkSection.from_json(  # checked like a manifest read; unknown heads keys kept in .extra
         {"graph": role, "heads_file": HEADS_NAME, **res["heads"], "block_size": cfg.block_size,
          "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-         "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts})
+         "draft_vocab_size": cfg.draft_vocab_size, "sts_temperatures": sts, "embedding": emb})
 
 
 def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = True, log=print) -> Manifest:
@@ -111,6 +123,7 @@ def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = 
         old = manifest.speculation.dspark.graph if manifest.speculation.dspark is not None else None
         role = "draft" if old == "draft" else "dspark"  # the only drafter was a DSpark one: replace it
         manifest.graphs.pop(role, None)
-        add_dspark_into(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role)
+        add_dspark_into(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role,
+                        target_root=engine_dir)
         _commit(txn, manifest)
     return manifest

@@ -28,22 +28,35 @@ TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
 
 
 class DraftGraphWrapper(nn.Module):
-    """forward(features, feature_positions, anchor_ids, block_positions, attention_mask, *past) ->
-    (hidden, base_logits, *present) — see ``dspark_draft_spec``."""
+    """forward(features, feature_positions, anchor_embeds, block_positions, attention_mask, *past) ->
+    (hidden, base_logits, *present) — see ``dspark_draft_spec``.
+
+    The block is [anchor, mask, ..., mask]: the anchor's embedding row comes in as an input (the runtime reads it
+    from the target's own embedding table, :class:`dspark_runtime.dspark.EmbeddingRows`), the mask token's row is
+    a constant of the graph, so the graph holds no [V, d] table (0.93 GB fp32 for Qwen2.5-1.5B)."""
 
     def __init__(self, model: DSparkDraftModel):
         super().__init__()
         self.model = model
+        c = model.config
+        with torch.no_grad():  # embed(): Gemma-4's sqrt(d) scale included
+            mask_row = model.embed(torch.tensor([[c.mask_token_id]])).float()
+        self.register_buffer("mask_embed", mask_row, persistent=False)  # [1, 1, d]
 
-    def forward(self, features, feature_positions, anchor_ids, block_positions, attention_mask, *past_flat):
+    def forward(self, features, feature_positions, anchor_embeds, block_positions, attention_mask, *past_flat):
         m = self.model
         c = m.config
         new = m.context_kv(features, feature_positions)
         present = [(torch.cat([past_flat[2 * i], k], dim=2), torch.cat([past_flat[2 * i + 1], v], dim=2))
                    for i, (k, v) in enumerate(new)]
-        masks = anchor_ids.expand(-1, c.block_size - 1) * 0 + c.mask_token_id
-        block_ids = torch.cat([anchor_ids, masks], dim=1)
-        h = m.block_hidden(block_ids, block_positions, present, attention_mask)
+        anchor = anchor_embeds
+        if c.embed_scale is not None:  # as DSparkDraftModel.embed: the scale in the weights' dtype
+            anchor = anchor * torch.tensor(c.embed_scale, dtype=torch.float32).to(m.embed_tokens.weight.dtype).float()
+        masks = self.mask_embed.expand(anchor.shape[0], c.block_size - 1, -1)
+        x = torch.cat([anchor, masks], dim=1)
+        for layer, (k, v) in zip(m.layers, present):
+            x = layer(x, block_positions, k, v, attention_mask)
+        h = m.norm(x)
         outs = [h, m.base_logits(h)]  # lm_head (+ Gemma-4's final logit soft cap)
         for k, v in present:
             outs += [k, v]
@@ -61,7 +74,7 @@ def _example(model: DSparkDraftModel, batch: int, new: int, past: int, seed: int
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(batch, new, c.feature_size, generator=g)
     fpos = torch.arange(past, past + new).expand(batch, new).contiguous()
-    anchor = torch.randint(0, c.vocab_size, (batch, 1), generator=g)
+    anchor = model.embed_tokens.weight.detach()[torch.randint(0, c.vocab_size, (batch, 1), generator=g)].float()
     bpos = torch.arange(past + new, past + new + c.block_size).expand(batch, c.block_size).contiguous()
     mask = torch.ones(batch, 1, c.block_size, past + new + c.block_size, dtype=torch.bool)
     kv = []
@@ -189,11 +202,75 @@ def _omits_frozen(checkpoint: Path) -> bool:
     return not {"embed_tokens.weight", "lm_head.weight"} <= names
 
 
-def export_dspark(checkpoint: Path, target_dir: Path, out_dir: Path, role: str = "draft") -> dict:
+EMBED_FILE = "dspark_embed.bin"  # the drafter's own embedding table, where it is not the target graph's
+
+
+def target_embedding_entry(engine_dir: Path, model_file: str) -> dict | None:
+    """Where the target graph ``engine_dir/model_file`` keeps its token embedding table as a raw tensor in its
+    external data: the ``speculation.dspark.embedding`` entry {"file" (relative to ``engine_dir``), "offset",
+    "dtype", "shape"}, or None when the table is inline in the .onnx file, quantized or not a plain ``Gather`` of
+    ``input_ids`` (the drafter then gets a file of its own, :func:`export_dspark`). Reads no weights."""
+    import onnx
+
+    path = Path(engine_dir) / model_file
+    g = onnx.load(str(path), load_external_data=False).graph
+    inits = {t.name: t for t in g.initializer}
+    dtypes = {onnx.TensorProto.FLOAT: ("float32", 4), onnx.TensorProto.FLOAT16: ("float16", 2)}
+    for node in g.node:
+        if node.op_type != "Gather" or len(node.input) != 2 or node.input[1] != "input_ids":
+            continue
+        t = inits.get(node.input[0])
+        if t is None or t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in dtypes or len(t.dims) != 2:
+            return None
+        ext = {e.key: e.value for e in t.external_data}
+        name, size = dtypes[t.data_type]
+        if int(ext.get("length", -1)) not in (-1, t.dims[0] * t.dims[1] * size) or "location" not in ext:
+            return None
+        rel = (Path(model_file).parent / ext["location"]).as_posix()
+        return {"file": rel, "offset": int(ext.get("offset", 0)), "dtype": name, "shape": [int(x) for x in t.dims]}
+    return None
+
+
+def embedding_entry(table: np.ndarray, out_dir: Path, target_entry: dict | None, target_root: Path) -> dict:
+    """The drafter's ``speculation.dspark.embedding`` entry for its embedding table ``table`` float32 [V, d]: the
+    target graph's table (``target_entry``, relative to ``target_root``) when it equals ``table`` bit for bit (our
+    drafters hold frozen copies of it), else ``table`` written to ``out_dir/EMBED_FILE`` (raw float32)."""
+    from dspark_runtime.dspark import EmbeddingRows
+
+    if target_entry is not None:
+        t = EmbeddingRows.from_manifest(target_root, target_entry)
+        if t.shape == table.shape and np.array_equal(np.asarray(t._table, dtype=np.float32), table):
+            return dict(target_entry)
+    np.ascontiguousarray(table, dtype="<f4").tofile(Path(out_dir) / EMBED_FILE)
+    return {"file": EMBED_FILE, "offset": 0, "dtype": "float32", "shape": list(table.shape)}
+
+
+def relocate_embedding(src_dir: Path, out_dir: Path, manifest, log=print):
+    """After ``dspark-export quantize`` rewrote the target graph into ``out_dir``: point the DSpark drafter's
+    embedding entry at the new target's table (where it is the same table) or at a copy of the old one, so no
+    entry is left pointing at an offset of a file that changed. Adds the copy to the drafter graph's files."""
+    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_runtime.manifest import FileEntry
+
+    ds = manifest.speculation.dspark
+    old = np.asarray(EmbeddingRows.from_manifest(src_dir, ds.embedding)._table, dtype=np.float32)
+    new_entry = target_embedding_entry(out_dir, manifest.graphs["target"].model_file)
+    ds.embedding = embedding_entry(old, out_dir, new_entry, out_dir)
+    if ds.embedding["file"] == EMBED_FILE:
+        g = manifest.graphs[ds.graph]
+        g.files = [f for f in g.files if f.path != EMBED_FILE] + [FileEntry.of(out_dir, EMBED_FILE)]
+    log(f"[{ds.graph}] DSpark anchor embedding rows now read from {ds.embedding['file']}")
+
+
+def export_dspark(checkpoint: Path, target_dir: Path, out_dir: Path, role: str = "draft",
+                  target_embedding: dict | None = None, target_root: Path | None = None) -> dict:
     """Checkpoint -> ``{role}.onnx`` (+ .data) and ``dspark_heads.npz`` in ``out_dir``; returns manifest parts.
 
-    Returns {"spec", "validation", "config" (the DeepSpec config dict), "heads"}. The target's embedding and
-    LM head are read only when the checkpoint omits its frozen copies (DeepSpec's checkpoints hold them).
+    Returns {"spec", "validation", "config" (the DeepSpec config dict), "heads", "embedding"}. The target's
+    embedding and LM head are read only when the checkpoint omits its frozen copies (DeepSpec's checkpoints hold
+    them). ``target_embedding``: the target graph's table (:func:`target_embedding_entry`, relative to
+    ``target_root``, default ``out_dir``); the anchor's rows are read from it when it equals the drafter's table,
+    else from a file of the drafter's own (``"embedding"`` of the result says which).
     """
     emb = head = None
     if _omits_frozen(Path(checkpoint)):
@@ -204,7 +281,10 @@ def export_dspark(checkpoint: Path, target_dir: Path, out_dir: Path, role: str =
     spec = export_draft_graph(model, path)
     val = validate_draft_graph(model, path)
     heads = write_heads(model, Path(out_dir) / HEADS_NAME)
-    return {"spec": spec.to_json(), "validation": {"fp32": val}, "config": model.config.to_dict(), "heads": heads}
+    embedding = embedding_entry(model.embed_tokens.weight.detach().float().numpy(), Path(out_dir), target_embedding,
+                                Path(target_root or out_dir))
+    return {"spec": spec.to_json(), "validation": {"fp32": val}, "config": model.config.to_dict(), "heads": heads,
+            "embedding": embedding}
 
 
 if __name__ == "__main__":  # subprocess worker: python -m dspark_export.draft_graph ARGS_JSON RESULT_PATH
@@ -212,7 +292,8 @@ if __name__ == "__main__":  # subprocess worker: python -m dspark_export.draft_g
 
     a = json.loads(sys.argv[1])
     try:
-        r = export_dspark(Path(a["checkpoint"]), Path(a["target_dir"]), Path(a["out_dir"]), a.get("role", "draft"))
+        r = export_dspark(Path(a["checkpoint"]), Path(a["target_dir"]), Path(a["out_dir"]), a.get("role", "draft"),
+                          a.get("target_embedding"), a.get("target_root"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

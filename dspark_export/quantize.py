@@ -220,6 +220,11 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         g.validation = {**g.validation, prec: {"reference": "fp32 graph", **agree}}
         g.quantization = {**q, "source": {"engine": str(src_dir), "graph_sha256": next(
             f.sha256 for f in m.all_files() if f.path == g.model_file)}}
+    ds = m.speculation.dspark
+    if ds is not None and ds.embedding is not None and ds.embedding["file"] in quantized_files:
+        from dspark_export.draft_graph import relocate_embedding
+
+        relocate_embedding(src_dir, out_dir, m, log)
     m.name = out_dir.name  # a new engine: named after its directory, as `build` names it
     m.tool_versions = _tool_versions()
     m.build_machine = _build_machine()  # the graphs and their validation figures are this machine's

@@ -49,24 +49,77 @@ def check_threshold_rule(rule: str) -> str:
     return rule
 
 
+class EmbeddingRows:
+    """Rows of an embedding table [vocab, hidden] stored as a raw row-major array in a file (the target graph's
+    external data, or a file of the drafter's own), memory-mapped read-only: a lookup reads only the rows it
+    touches, so the drafter adds no copy of the table to the process (0.93 GB fp32 for Qwen2.5-1.5B).
+
+    Args:
+        path: the file; offset: bytes before the table; dtype: "float32" or "float16"; shape: (vocab, hidden).
+    Raises DSparkError when the file is missing or shorter than offset + vocab·hidden·itemsize (a truncated or
+    foreign file), naming the file and the fix.
+    """
+
+    def __init__(self, path: str | Path, offset: int, dtype: str, shape):
+        path = Path(path)
+        vocab, hidden = (int(x) for x in shape)
+        dt = np.dtype({"float32": np.float32, "float16": np.float16}.get(dtype, dtype))
+        need = offset + vocab * hidden * dt.itemsize
+        size = path.stat().st_size if path.is_file() else -1
+        if size < need:
+            raise DSparkError(f"the DSpark drafter's embedding table {path} is "
+                              f"{'missing' if size < 0 else f'{size} bytes, shorter than the {need} it needs'} "
+                              "(speculation.dspark.embedding of manifest.json); re-run `dspark-export add-draft`")
+        self.path, self.shape = path, (vocab, hidden)
+        self._table = np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=(vocab, hidden))
+
+    @classmethod
+    def from_manifest(cls, engine_dir: Path, entry: dict) -> "EmbeddingRows":
+        """From ``speculation.dspark.embedding`` (:class:`~dspark_runtime.speculation.DSparkSection`)."""
+        return cls(Path(engine_dir) / entry["file"], entry["offset"], entry["dtype"], entry["shape"])
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [*ids.shape, hidden] for int ids of any shape. Raises DSparkError for an id outside the table."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise DSparkError(f"token id {int(ids.max() if ids.max() >= self.shape[0] else ids.min())} is outside the "
+                              f"DSpark drafter's embedding table ({self.shape[0]} rows)")
+        return np.asarray(self._table[ids.reshape(-1)], dtype=np.float32).reshape(ids.shape + (self.shape[1],))
+
+
 class OrtDSparkGraph(OrtDecoder):
     """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``; the
-    session setup, providers check and ``empty_kv`` are :class:`OrtDecoder`'s)."""
+    session setup, providers check and ``empty_kv`` are :class:`OrtDecoder`'s).
 
-    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None, **kw):
+    ``embedding``: the :class:`EmbeddingRows` the anchor's row is read from (graphs whose spec takes
+    ``anchor_embeds``); graphs built before it (input ``anchor_ids``) embed the id themselves."""
+
+    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
+                 embedding: EmbeddingRows | None = None, **kw):
         if spec.kind != "dspark_draft":
             raise DSparkError(f"{path}: graph kind {spec.kind!r} is not a DSpark drafter (dspark_draft)")
         super().__init__(path, spec, threads=threads, providers=providers, **kw)
         self.block_size = next(t for t in spec.inputs if t.name == "block_positions").shape[1]
+        self.embeds_anchor = any(t.name == "anchor_embeds" for t in spec.inputs)
+        self.embedding = embedding
 
     def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):
         """One call. features float32 [b, n, F]; feature_positions int64 [b, n]; anchor_ids int64 [b, 1];
         block_positions int64 [b, γ]; attention_mask bool [b, 1, γ, past + n + γ]; kv per layer
-        (key, value) [b, kvh, past, hd]. Returns (hidden [b, γ, d], base_logits [b, γ, V_d], present kv)."""
+        (key, value) [b, kvh, past, hd]. Returns (hidden [b, γ, d], base_logits [b, γ, V_d], present kv).
+        Raises DSparkError when the graph takes the anchor's embedding and no table was given."""
         if self.session is None:
             self.activate()
-        feeds = {"features": features, "feature_positions": feature_positions, "anchor_ids": anchor_ids,
+        feeds = {"features": features, "feature_positions": feature_positions,
                  "block_positions": block_positions, "attention_mask": attention_mask}
+        if self.embeds_anchor:
+            if self.embedding is None:
+                raise DSparkError(f"{self.path}: the DSpark drafter graph takes the anchor's embedding row but the "
+                                  "manifest names no table (speculation.dspark.embedding); re-run "
+                                  "`dspark-export add-draft`")
+            feeds["anchor_embeds"] = self.embedding.rows(anchor_ids)
+        else:
+            feeds["anchor_ids"] = anchor_ids
         for (kn, vn), (k, v) in zip(self._past, kv):
             feeds[kn] = np.ascontiguousarray(k)
             feeds[vn] = np.ascontiguousarray(v)

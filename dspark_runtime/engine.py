@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.backend import OrtDecoder
-from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, OrtDSparkGraph
+from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.decoding import DecodingLoop, GenerationResult, cut_at_stop, streamable_length
 from dspark_runtime.drafters import LMDrafter, NgramDrafter
@@ -57,6 +57,9 @@ class Engine:
                 allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
+        ds = manifest.speculation.dspark
+        if ds is not None and ds.embedding is not None and ds.graph in self._backends:
+            self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
         self.backend = backend
         if backend == "trt":
             self._use_tensorrt()

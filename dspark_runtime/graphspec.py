@@ -227,7 +227,9 @@ def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> 
     inputs
       features          float32 [batch, new_len, m * hidden_target]  target features of newly committed positions
       feature_positions int64   [batch, new_len]                     their positions
-      anchor_ids        int64   [batch, 1]                           the anchor (last committed) token
+      anchor_embeds     float32 [batch, 1, hidden]                   the anchor's (last committed token's) raw
+                                                                     embedding row (the graph holds no [V, d]
+                                                                     table; the mask token's row is a constant)
       block_positions   int64   [batch, block]                       anchor_pos .. anchor_pos + block - 1
       attention_mask    bool    [batch, 1, block, mask_len]          mask_len = past_len + new_len + block
       past.{i}.key/value float32 [batch, kv_heads, past_len, head_dim]  projected context K/V per draft layer
@@ -244,7 +246,7 @@ def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> 
     inputs = [
         TensorSpec("features", "float32", (BATCH, NEW_LEN, feature_size)),
         TensorSpec("feature_positions", "int64", (BATCH, NEW_LEN)),
-        TensorSpec("anchor_ids", "int64", (BATCH, 1)),
+        TensorSpec("anchor_embeds", "float32", (BATCH, 1, dims.hidden_size)),
         TensorSpec("block_positions", "int64", (BATCH, block_size)),
         TensorSpec("attention_mask", "bool", (BATCH, 1, block_size, MASK_LEN)),
     ]

@@ -26,6 +26,7 @@ def _is_number(v) -> bool:
 
 
 DRAFT_KINDS = ("dspark", "lm")  # speculation.draft_kind
+EMBEDDING_DTYPES = ("float32", "float16")  # speculation.dspark.embedding.dtype
 
 # (what the value must be, its check) per kind of typed entry; None is checked before (optional entries)
 _CHECKS = {
@@ -39,6 +40,12 @@ _CHECKS = {
     "positive_list": ("a list of positive numbers",
                       lambda v: isinstance(v, list) and all(_is_number(x) and x > 0 for x in v)),
     "draft_kind": ("'dspark' or 'lm'", lambda v: v in DRAFT_KINDS),
+    "embedding": ("an object {\"file\": str, \"offset\": int >= 0, \"dtype\": \"float32\" | \"float16\", "
+                  "\"shape\": [vocab, hidden]}",
+                  lambda v: isinstance(v, dict) and isinstance(v.get("file"), str) and bool(v.get("file"))
+                  and _is_int(v.get("offset")) and v["offset"] >= 0 and v.get("dtype") in EMBEDDING_DTYPES
+                  and isinstance(v.get("shape"), list) and len(v["shape"]) == 2
+                  and all(_is_int(x) and x > 0 for x in v["shape"])),
 }
 
 
@@ -98,6 +105,11 @@ class DSparkSection:
     draft_vocab_size (int | None): the reduced draft vocabulary's size; None = the target's.
     sts_temperatures (list[float] | None): per-position STS temperatures (None: uncalibrated).
     calibration (dict | None): what ``calibrate`` fitted them on ({"rounds", "ece": [...]}).
+    embedding (dict | None): where the anchor's embedding rows are read (the drafter graph holds no [V, d] table):
+                            {"file": path relative to the engine directory, "offset": bytes, "dtype": "float32" |
+                            "float16", "shape": [vocab, hidden]}, a raw row-major array — the target graph's own
+                            table in its external data where it has one (``add-draft``); None for drafter graphs
+                            that embed the anchor id themselves (engines built by earlier versions).
     extra (dict):           any other key of the section, kept and written back unchanged.
 
     Build one with :meth:`from_json` (validates) or directly (not validated); :meth:`to_json` writes it.
@@ -115,6 +127,7 @@ class DSparkSection:
     draft_vocab_size: int | None = None
     sts_temperatures: list | None = None
     calibration: dict | None = None
+    embedding: dict | None = None
     extra: dict = field(default_factory=dict)
     _order: tuple = field(default=(), init=False, repr=False, compare=False)
     _nulls: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -123,7 +136,8 @@ class DSparkSection:
     _TYPES = {"graph": "nonempty_str", "heads_file": "nonempty_str", "markov_rank": "nonneg_int",
               "markov_head_type": "str", "confidence_head": "bool", "confidence_head_with_markov": "bool",
               "block_size": "positive_int", "mask_token_id": "nonneg_int", "target_layer_ids": "int_list",
-              "draft_vocab_size": "positive_int", "sts_temperatures": "positive_list", "calibration": "dict"}
+              "draft_vocab_size": "positive_int", "sts_temperatures": "positive_list", "calibration": "dict",
+              "embedding": "embedding"}
     _REQUIRED = ("graph", "heads_file", "block_size", "mask_token_id", "target_layer_ids")
 
     @classmethod

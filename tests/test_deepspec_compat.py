@@ -436,15 +436,19 @@ def test_dtype_is_honoured(tmp_path):
 ])
 def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg):
     pytest.importorskip("onnxruntime")
-    from dspark_export.draft_graph import export_draft_graph, write_heads
-    from dspark_runtime.dspark import DSparkHeads, OrtDSparkGraph
+    from dspark_export.draft_graph import EMBED_FILE, embedding_entry, export_draft_graph, write_heads
+    from dspark_runtime.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
     from dspark_runtime.sampling import SamplingParams
 
     t = deepspec_tensors(cfg, seed=3)
     m = load_checkpoint(write_checkpoint(tmp_path / "ckpt", cfg, t)).eval()
     ref = Reference(cfg, t)
     spec = export_draft_graph(m, tmp_path / "draft.onnx")
-    graph = OrtDSparkGraph(tmp_path / "draft.onnx", spec, threads=1)
+    # no target graph here: the checkpoint's own table goes to a file of the drafter's (Gemma-4's scale in the graph)
+    emb = embedding_entry(m.embed_tokens.weight.detach().float().numpy(), tmp_path, None, tmp_path)
+    assert emb["file"] == EMBED_FILE
+    graph = OrtDSparkGraph(tmp_path / "draft.onnx", spec, threads=1,
+                           embedding=EmbeddingRows.from_manifest(tmp_path, emb))
     heads = DSparkHeads.load(tmp_path / "heads.npz", write_heads(m, tmp_path / "heads.npz"), cfg["vocab_size"])
     g = torch.Generator().manual_seed(9)
     feats = torch.randn(1, 10, cfg["hidden_size"] * 3, generator=g)

@@ -33,6 +33,57 @@ def test_manifest_records_the_drafter(tiny_dspark):
     assert m["graphs"]["draft"]["validation"]["fp32"]["argmax_agreement"] == 1.0
 
 
+def test_drafter_graph_reads_the_anchor_row_from_the_target_table(tiny_dspark, tiny_pair):
+    """No [V, d] embedding table in the drafter graph: the anchor's row comes from the target graph's own external
+    data (the manifest says where), equal to the target's embedding; a truncated table is refused by name."""
+    import onnx
+
+    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_runtime.errors import DSparkError
+
+    engine_dir = tiny_dspark[0]
+    m = json.loads((engine_dir / "manifest.json").read_text())
+    emb = m["speculation"]["dspark"]["embedding"]
+    vocab = m["graphs"]["target"]["spec"]["dims"]["vocab_size"]
+    hidden = m["graphs"]["target"]["spec"]["dims"]["hidden_size"]
+    assert emb["file"] == "target.onnx.data" and emb["dtype"] == "float32" and emb["shape"] == [vocab, hidden]
+    g = onnx.load(str(engine_dir / "draft.onnx"), load_external_data=False).graph
+    assert not [t.name for t in g.initializer if list(t.dims) == [vocab, hidden]]
+    assert [i.name for i in g.input][2] == "anchor_embeds"
+    rows = EmbeddingRows.from_manifest(engine_dir, emb).rows(np.array([[5], [7]]))
+    from dspark_export.draft_graph import target_frozen_weights
+
+    ref = target_frozen_weights(tiny_pair[0])[0].float().numpy()
+    assert rows.shape == (2, 1, hidden) and np.array_equal(rows[:, 0], ref[[5, 7]])
+    with pytest.raises(DSparkError, match="shorter than"):
+        EmbeddingRows(engine_dir / "dspark_heads.npz", 0, "float32", (vocab, hidden))
+    with pytest.raises(DSparkError, match="outside"):
+        EmbeddingRows.from_manifest(engine_dir, emb).rows(np.array([[vocab]]))
+
+
+def test_quantizing_the_target_keeps_the_drafter_embedding(tiny_dspark, tmp_path):
+    """`dspark-export quantize` rewrites target.onnx.data: the drafter's embedding entry follows the table to its
+    new offset (the same rows), and the quantized engine's speculative output equals its target-only output."""
+    from dspark_export.quantize import quantize_engine
+    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_runtime.engine import Engine
+
+    src = tiny_dspark[0]
+    old = json.loads((src / "manifest.json").read_text())["speculation"]["dspark"]["embedding"]
+    m = quantize_engine(src, tmp_path / "q", "target=int4,draft=fp32", int4_source="rtn", log=lambda *a: None)
+    new = m.speculation.dspark.embedding
+    from dspark_export.draft_graph import target_embedding_entry
+
+    assert new == target_embedding_entry(tmp_path / "q", "target.onnx") and new["file"] == "target.onnx.data"
+    ids = np.arange(0, old["shape"][0], 7)[:, None]
+    assert np.array_equal(EmbeddingRows.from_manifest(tmp_path / "q", new).rows(ids),
+                          EmbeddingRows.from_manifest(src, old).rows(ids))
+    eng = Engine.load(tmp_path / "q", threads=1)
+    ref = eng.generate("hello world", max_new_tokens=24, draft=None)
+    spec = eng.generate("hello world", max_new_tokens=24, draft="dspark", draft_length=4)
+    assert spec.token_ids == ref.token_ids and spec.stats.accepted > 0
+
+
 @pytest.mark.parametrize("prompt", ["hello world", "def f(x):\n    return", "the the the the"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_dspark_greedy_equals_target_only(dspark_engine, prompt, gamma):

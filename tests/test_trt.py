@@ -46,7 +46,7 @@ def test_profiles_capacity_layout_and_dspark_draft():
     d = derive_profiles(dspark_draft_spec(DIMS, feature_size=128, block_size=4), SMALL)[0]["shapes"]
     # mask_len = past_len + new_len + block
     assert d["attention_mask"] == {"min": [1, 1, 4, 5], "opt": [1, 1, 4, 100], "max": [2, 1, 4, 164]}
-    assert d["anchor_ids"] == {"min": [1, 1], "opt": [1, 1], "max": [2, 1]}
+    assert d["anchor_embeds"] == {"min": [1, 1, 64], "opt": [1, 1, 64], "max": [2, 1, 64]}
 
 
 def test_profile_settings_errors_name_the_fix():
