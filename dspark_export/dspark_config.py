@@ -6,6 +6,10 @@ for a stated reason (:data:`IGNORED_FIELDS`, :data:`CONDITIONAL_FIELDS`), or ref
 
 Which layer family (``Qwen3DSparkModel`` / ``Gemma4DSparkModel``), its RoPE table (transformers' own rotary
 classes) and activation come from here; the torch modules that use them are in :mod:`dspark_export.dspark_model`.
+
+Our extensions beside DeepSpec's fields: ``draft_vocab_size``, ``frozen_from_target`` and the MoE FFN option
+(:data:`MOE_FIELDS`: ``draft_moe_experts`` E, 0/absent = dense; ``draft_moe_top_k`` 1..E;
+``draft_moe_intermediate_size`` each expert's width; all three written back only when E > 0).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ REQUIRED_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "num_hidde
                    "enable_confidence_head", "hidden_size", "intermediate_size", "num_attention_heads",
                    "num_key_value_heads", "vocab_size", "rms_norm_eps")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
+# Our extension (not DeepSpec's): a Mixture-of-Experts FFN in every draft layer. Prefixed with ``draft_`` so they
+# never collide with a MoE *target's* own fields (num_experts, num_experts_per_tok, moe_intermediate_size, ...)
+# copied into the same config.json. Absent (or draft_moe_experts 0) = the dense SwiGLU MLP.
+MOE_FIELDS = ("draft_moe_experts", "draft_moe_top_k", "draft_moe_intermediate_size")
 
 QWEN3 = "Qwen3DSparkModel"
 GEMMA4 = "Gemma4DSparkModel"
@@ -60,7 +68,8 @@ _COMMON_USED = ("architectures", "model_type", "hidden_size", "intermediate_size
                 "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "attention_bias",
                 "rope_parameters", "max_position_embeddings", "layer_types", "tie_word_embeddings", "block_size",
                 "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
-                "confidence_head_with_markov", "num_target_layers", "draft_vocab_size", "frozen_from_target")
+                "confidence_head_with_markov", "num_target_layers", "draft_vocab_size",
+                "frozen_from_target") + MOE_FIELDS
 USED_FIELDS = {
     QWEN3: _COMMON_USED + ("head_dim", "hidden_act", "rope_theta", "rope_scaling", "original_max_position_embeddings"),
     GEMMA4: _COMMON_USED + ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "hidden_activation",
@@ -290,6 +299,41 @@ def _activation(name, field_name: str, source: str):
     return name
 
 
+def _moe_fields(d: dict, source: str):
+    """(experts, top_k, expert width) of the MoE FFN option (our extension); (0, None, None) = the dense MLP.
+
+    Raises:
+        DraftConfigError: a malformed value (the message names the field and its valid range), a missing
+            draft_moe_top_k / draft_moe_intermediate_size, or either of them given without experts.
+    """
+    def _int(name, lo, hi, meaning):
+        v = d.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise DraftConfigError(f"{source}: field {name!r} must be an integer {rng} ({meaning}), got {v!r}")
+        return v
+
+    experts = d.get("draft_moe_experts")
+    if experts is None or (type(experts) is int and experts == 0):
+        extra = [k for k in MOE_FIELDS[1:] if k in d]
+        if extra:
+            raise DraftConfigError(f"{source}: {extra[0]!r} = {d[extra[0]]!r} is given but draft_moe_experts is "
+                                   f"{experts!r} (the dense MLP, which has no experts); set draft_moe_experts to the "
+                                   f"number of experts (e.g. 8) or remove {extra}")
+        return 0, None, None
+    experts = _int("draft_moe_experts", 2, None, "experts per draft layer; 0 or absent = the dense MLP, and 1 "
+                                                 "expert would be the dense MLP under other tensor names")
+    for name, what in (("draft_moe_top_k", "the number of experts mixed per token, e.g. 2"),
+                       ("draft_moe_intermediate_size", "each expert's SwiGLU width, e.g. intermediate_size // "
+                                                       "draft_moe_top_k")):
+        if name not in d:
+            raise DraftConfigError(f"{source}: draft_moe_experts {experts} needs {name!r} ({what}); the loader does "
+                                   "not guess it, since the checkpoint's shapes and the routing depend on it")
+    top_k = _int("draft_moe_top_k", 1, experts, f"experts mixed per token, at most draft_moe_experts = {experts}")
+    width = _int("draft_moe_intermediate_size", 1, None, "each expert's SwiGLU width")
+    return experts, top_k, width
+
+
 @dataclass
 class DSparkConfig:
     """A DSpark drafter's configuration; reads and writes DeepSpec's draft ``config.json``.
@@ -320,6 +364,9 @@ class DSparkConfig:
     num_target_layers: int | None = None
     draft_vocab_size: int | None = None  # our extension: reduced draft vocabulary
     frozen_from_target: bool = False  # our extension: embed_tokens / lm_head omitted from the weights
+    draft_moe_experts: int = 0  # our extension: experts per draft layer's MoE FFN (0 = the dense MLP)
+    draft_moe_top_k: int | None = None  # our extension: experts mixed per token (1..draft_moe_experts)
+    draft_moe_intermediate_size: int | None = None  # our extension: each expert's SwiGLU width
     layer: str = QWEN3  # the layer family: QWEN3 | GEMMA4 (DeepSpec's class name)
     attention_bias: bool = False
     hidden_act: str = "silu"
@@ -334,6 +381,11 @@ class DSparkConfig:
     @property
     def gemma(self) -> bool:
         return self.layer == GEMMA4
+
+    @property
+    def moe(self) -> bool:
+        """Whether every draft layer's FFN is the Mixture of Experts (:class:`dspark_model.DraftMoE`)."""
+        return self.draft_moe_experts > 0
 
     @property
     def attention_scale(self) -> float:
@@ -473,6 +525,7 @@ class DSparkConfig:
         if int(head_dim) % 2:
             raise DraftConfigError(f"{source}: head size {head_dim} must be even (RoPE)")
         rope = _rope_parameters(d, fam, source)
+        moe_e, moe_k, moe_i = _moe_fields(d, source)
         c = cls(hidden_size=hidden, intermediate_size=_int("intermediate_size", 1),
                 num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
                 head_dim=int(head_dim), vocab_size=vocab, rms_norm_eps=float(d["rms_norm_eps"]),
@@ -482,7 +535,8 @@ class DSparkConfig:
                 num_anchors=int(d.get("num_anchors", 512)), num_target_layers=ntl, draft_vocab_size=dvs,
                 frozen_from_target=bool(d.get("frozen_from_target", False)), layer=fam, attention_bias=bias,
                 hidden_act=act, rope_parameters=rope, max_position_embeddings=mpe, attention_k_eq_v=k_eq_v,
-                final_logit_softcapping=softcap, source=json.loads(json.dumps(d)))
+                final_logit_softcapping=softcap, draft_moe_experts=moe_e, draft_moe_top_k=moe_k,
+                draft_moe_intermediate_size=moe_i, source=json.loads(json.dumps(d)))
         try:
             c.rope_inv_freq, c.rope_attention_scaling = rotary_table(c)
         except DraftConfigError as e:
@@ -506,6 +560,11 @@ class DSparkConfig:
             d["frozen_from_target"] = True
         else:
             d.pop("frozen_from_target", None)
+        for k in MOE_FIELDS:  # written only when the MoE FFN is on: a dense config keeps exactly its old fields
+            if self.moe:
+                d[k] = getattr(self, k)
+            else:
+                d.pop(k, None)
         return d
 
     @property

@@ -49,6 +49,12 @@ token i means target id draft_vocab_ids[i]. ``lm_head`` then holds those V_d row
 ``markov_w2`` is [V_d, r] and ``markov_w1`` is [V_d + 1, r] where the last row embeds every previous token
 outside the draft vocabulary. Frozen copies of the target's embedding and LM head may be omitted from the
 checkpoint (``frozen_from_target``); they are then taken from the target at load time.
+
+**MoE FFN** (our extension, :class:`DraftMoE`): with ``draft_moe_experts`` = E > 0 every draft layer's MLP is a
+router ``layers.N.mlp.gate`` (d -> E) over E SwiGLU experts ``layers.N.mlp.experts.J.{gate,up,down}_proj`` of width
+``draft_moe_intermediate_size``, mixing the ``draft_moe_top_k`` most probable per token (Mixtral routing); all E are
+computed and weighted (0 outside the top-k), which exports as a fixed graph. ``DSparkDraftModel.moe_aux_loss()`` is
+the Switch-Transformer load-balancing loss of the last forward.
 """
 from __future__ import annotations
 import json
@@ -154,19 +160,106 @@ class DraftAttention(nn.Module):
 
 
 class DraftMLP(nn.Module):
-    """down(act(gate(x)) · up(x)) with act = transformers' ``ACT2FN[hidden_act]`` (no biases)."""
+    """down(act(gate(x)) · up(x)) with act = transformers' ``ACT2FN[hidden_act]`` (no biases).
 
-    def __init__(self, c: DSparkConfig):
+    ``intermediate_size`` overrides the config's width (a :class:`DraftMoE` expert's is
+    ``draft_moe_intermediate_size``).
+    """
+
+    def __init__(self, c: DSparkConfig, intermediate_size: int | None = None):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        width = intermediate_size or c.intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, c.hidden_size, bias=False)
         self.act_fn = ACT2FN[c.hidden_act]
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftMoE(nn.Module):
+    """The MoE FFN option of a draft layer (our extension; config ``draft_moe_experts`` = E,
+    ``draft_moe_top_k`` = k, ``draft_moe_intermediate_size`` = each expert's width).
+
+    Routing as Mixtral (Jiang et al. 2024, "Mixtral of Experts") / Qwen-MoE with normalised top-k weights:
+    router logits ``gate(x)`` (a bias-free Linear d -> E, in the weights' dtype), softmax over the E experts in
+    float32 (P [..., E]), the k largest kept and renormalised to sum to 1, everything else 0, so the routing weights
+    W [..., E] are P_j / Σ_{i ∈ topk} P_i for the k chosen experts. Output = Σ_j W_j · expert_j(x), each expert a
+    :class:`DraftMLP` (SwiGLU with the layer's activation). DeepSeek-V4's production DSpark drafter has MoE layers
+    (DSpark paper); DeepSpec's public configs have none, hence our own config fields.
+
+    **Cost.** Every expert is computed densely for every token and combined with W (zero outside the top-k):
+    E expert MLPs per token instead of k — E/k times the FFN FLOPs of a sparse dispatch — so the drafter graph
+    stays a fixed dataflow (no gather/scatter of tokens to experts, no data-dependent shapes) that
+    ``torch.onnx`` exports with dynamic axes and ONNX Runtime reproduces exactly. Tokens per call are few (one
+    block of γ per sequence), so this is cheap next to the target's verify pass.
+
+    With k = 1 the renormalised weight is always 1: the router then learns only through
+    :meth:`aux_loss` (Switch Transformer uses the unnormalised probability instead); prefer k >= 2.
+
+    Each forward keeps the last router probabilities (``last_router_probs`` float32 [..., E]) and chosen
+    experts (``last_topk`` int64 [..., k]) for :meth:`aux_loss`; exports (``torch.compiler.is_exporting()``)
+    do not record them.
+    """
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.num_experts, self.top_k = c.draft_moe_experts, c.draft_moe_top_k
+        self.gate = nn.Linear(c.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([DraftMLP(c, c.draft_moe_intermediate_size) for _ in range(self.num_experts)])
+        self.last_router_probs = None
+        self.last_topk = None
+
+    def routing(self, x):
+        """(P float32 [..., E] router probabilities, W float32 [..., E] routing weights, top-k ids int64 [..., k])
+        of x [..., d]; W is P renormalised over the k largest and 0 elsewhere."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        return probs, torch.zeros_like(probs).scatter(-1, top_i, top_p), top_i
+
+    def forward(self, x):
+        """x [..., d] -> [..., d] in x's dtype (routing weights cast to it, as Mixtral does)."""
+        probs, w, top_i = self.routing(x)
+        if not torch.compiler.is_exporting():
+            self.last_router_probs, self.last_topk = probs, top_i
+        w = w.to(x.dtype)
+        out = None
+        for j, expert in enumerate(self.experts):  # dense: every expert, weighted (0 outside the top-k)
+            y = expert(x) * w[..., j:j + 1]
+            out = y if out is None else out + y
+        return out
+
+    def aux_loss(self, token_mask=None) -> torch.Tensor:
+        """Switch-Transformer load-balancing loss (Fedus et al. 2021, eq. 4) of the last forward, float32 scalar:
+        E · Σ_i f_i · P_i, with P_i the mean router probability of expert i and f_i the fraction of the tokens'
+        k routing slots sent to expert i (Σ_i f_i = 1, so a perfectly balanced router scores 1 for any k;
+        transformers' Mixtral ``load_balancing_loss_func`` equals k times this). Only P carries gradient.
+
+        ``token_mask`` (bool or 0/1 over the forward's tokens: [b, q], or [b, A, γ] for q = A·γ, or anything
+        broadcasting to [b, q]) restricts the means to real tokens (training: the blocks of kept anchors);
+        None = every token.
+
+        Raises:
+            RuntimeError: no forward has run since the module was built.
+        """
+        if self.last_router_probs is None:
+            raise RuntimeError("DraftMoE.aux_loss: no forward recorded the router probabilities yet")
+        probs, top_i = self.last_router_probs, self.last_topk
+        picked = torch.zeros_like(probs).scatter(-1, top_i, 1.0)  # [..., E], k ones per token
+        shape = probs.shape[:-1]
+        if token_mask is None:
+            w = torch.ones(shape, dtype=torch.float32, device=probs.device)
+        else:
+            w = token_mask.to(device=probs.device, dtype=torch.float32)
+            w = w.reshape(shape) if w.numel() == shape.numel() else w.expand(shape)
+        n = w.sum().clamp_min(1.0)
+        p_mean = (probs * w.unsqueeze(-1)).reshape(-1, self.num_experts).sum(0) / n
+        f = (picked * w.unsqueeze(-1)).reshape(-1, self.num_experts).sum(0) / (n * self.top_k)
+        return self.num_experts * (f * p_mean).sum()
 
 
 class DraftLayer(nn.Module):
@@ -174,7 +267,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.gemma = c.gemma
         self.self_attn = DraftAttention(c)
-        self.mlp = DraftMLP(c)
+        self.mlp = DraftMoE(c) if c.moe else DraftMLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, gemma=c.gemma)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, gemma=c.gemma)
         if c.gemma:
@@ -316,6 +409,19 @@ class DSparkDraftModel(nn.Module):
             x = layer(x, positions, k, v, mask)
         return self.norm(x)
 
+    def moe_aux_loss(self, token_mask=None) -> torch.Tensor:
+        """The MoE load-balancing loss of the last forward (:meth:`DraftMoE.aux_loss`, Switch Transformer's
+        E·Σ_i f_i·P_i) averaged over the draft layers, a float32 scalar; a 0 tensor for the dense MLP.
+
+        Add it to the training loss times a small coefficient (0.01, Switch Transformer's α), after the
+        forward (``block_hidden``) whose routing it balances. ``token_mask`` (bool [b, q] over the block
+        tokens of that forward, e.g. the kept anchors' blocks) leaves padding tokens out; None = all tokens.
+        """
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, DraftMoE)]
+        if not moes:
+            return torch.zeros((), dtype=torch.float32, device=self.norm.weight.device)
+        return torch.stack([m.aux_loss(token_mask) for m in moes]).mean()
+
     def markov_bias(self, prev_in, h):
         """Markov logit bias [..., γ, V_out] for teacher-forced previous tokens (W1 row ids) [..., γ]."""
         return self.markov_head.markov_w2(self.markov_head.block_latents(prev_in, h))
@@ -369,9 +475,17 @@ def expected_shapes(c: DSparkConfig, include_frozen: bool = True) -> dict:
             s[p + "self_attn.o_proj.bias"] = (d,)
         s[p + "self_attn.q_norm.weight"] = (hd,)
         s[p + "self_attn.k_norm.weight"] = (hd,)
-        s[p + "mlp.gate_proj.weight"] = (c.intermediate_size, d)
-        s[p + "mlp.up_proj.weight"] = (c.intermediate_size, d)
-        s[p + "mlp.down_proj.weight"] = (d, c.intermediate_size)
+        if c.moe:  # our MoE FFN option (Mixtral-like names)
+            w = c.draft_moe_intermediate_size
+            s[p + "mlp.gate.weight"] = (c.draft_moe_experts, d)
+            for j in range(c.draft_moe_experts):
+                s[p + f"mlp.experts.{j}.gate_proj.weight"] = (w, d)
+                s[p + f"mlp.experts.{j}.up_proj.weight"] = (w, d)
+                s[p + f"mlp.experts.{j}.down_proj.weight"] = (d, w)
+        else:
+            s[p + "mlp.gate_proj.weight"] = (c.intermediate_size, d)
+            s[p + "mlp.up_proj.weight"] = (c.intermediate_size, d)
+            s[p + "mlp.down_proj.weight"] = (d, c.intermediate_size)
         s[p + "input_layernorm.weight"] = (d,)
         s[p + "post_attention_layernorm.weight"] = (d,)
         if c.gemma:
@@ -409,6 +523,17 @@ def _unexpected_hint(names: list, c: DSparkConfig) -> str:
                      f"[{GEMMA4!r}] with model_type gemma4_text")
     if any(".mlp." in n and n.endswith(".bias") for n in names):
         hints.append("MLP biases are not implemented (DeepSpec's DSpark MLPs have none)")
+    if any(".mlp.experts." in n or n.endswith(".mlp.gate.weight") for n in names):
+        if not c.moe:
+            hints.append("mlp.gate / mlp.experts.N.* are the MoE FFN option: its config.json needs "
+                         "draft_moe_experts, draft_moe_top_k and draft_moe_intermediate_size (our extension)")
+        else:
+            hints.append(f"the config gives draft_moe_experts {c.draft_moe_experts}; does the checkpoint hold more "
+                         "experts?")
+    if c.moe and any(n.split(".mlp.")[-1] in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+                     for n in names):
+        hints.append("mlp.{gate,up,down}_proj are the dense MLP's: the checkpoint was saved dense, so remove "
+                     "draft_moe_experts / draft_moe_top_k / draft_moe_intermediate_size from config.json")
     if not hints:
         hints.append("no layer this loader implements has them; supporting them needs dspark_export/dspark_model.py "
                      "to implement the module they belong to")
@@ -509,9 +634,15 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
 def qwen2_draft_config(target_config: dict, *, mask_token_id: int, num_layers: int = 1,
                        intermediate_size: int | None = None, block_size: int = 7, target_layer_ids=(1, 13, 25),
                        markov_rank: int = 64, markov_head_type: str = "vanilla", draft_vocab_size: int | None = None,
-                       confidence_head_with_markov: bool = True) -> DSparkConfig:
+                       confidence_head_with_markov: bool = True, moe_experts: int = 0, moe_top_k: int = 2,
+                       moe_intermediate_size: int | None = None) -> DSparkConfig:
     """A DSpark config for a Qwen2/Qwen2.5/Llama/Mistral-family target: hidden size, heads, activation and RoPE
-    from the target, DeepSpec's Qwen3 layer otherwise (q/k norm, no attention bias, full attention, untied head)."""
+    from the target, DeepSpec's Qwen3 layer otherwise (q/k norm, no attention bias, full attention, untied head).
+
+    ``moe_experts`` > 0 makes every draft layer's FFN a :class:`DraftMoE` of that many experts mixing
+    ``moe_top_k`` per token (our extension; e.g. 8 and 2); each expert's width ``moe_intermediate_size``
+    defaults to the dense width // ``moe_top_k``, so the k active experts together are as wide as the dense MLP
+    (the same active parameters per token, E/k times the FFN parameters)."""
     d = dict(target_config)
     d.update(num_target_layers=int(target_config["num_hidden_layers"]), num_hidden_layers=num_layers,
              block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
@@ -521,6 +652,10 @@ def qwen2_draft_config(target_config: dict, *, mask_token_id: int, num_layers: i
         d["intermediate_size"] = intermediate_size
     if draft_vocab_size:
         d["draft_vocab_size"] = draft_vocab_size
+    if moe_experts:
+        d.update(draft_moe_experts=moe_experts, draft_moe_top_k=moe_top_k,
+                 draft_moe_intermediate_size=moe_intermediate_size
+                 or max(1, int(d["intermediate_size"]) // max(1, moe_top_k)))
     d.update(architectures=[QWEN3], attention_bias=False, tie_word_embeddings=False,
              layer_types=["full_attention"] * num_layers)
     d.setdefault("hidden_act", "silu")
