@@ -500,7 +500,14 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
         tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         schema_version=SCHEMA_VERSION, build_machine=_build_machine())
     if dspark_ckpt is not None:
-        add_dspark_into(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log)
+        from .add_draft import DSPARK_PRECISIONS
+
+        prec = recipe.precision_for("draft")
+        if prec not in DSPARK_PRECISIONS:
+            log(f"[draft] a DSpark drafter graph is weight-only quantized ({', '.join(DSPARK_PRECISIONS)}); "
+                f"{prec} -> fp32")
+            prec = "fp32"
+        add_dspark_into(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log, precision=prec)
     return manifest
 
 

@@ -204,67 +204,116 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
 @click.option("--target", required=True, help="The engine's target model (fetched name or folder): its frozen "
               "embedding and LM head complete a checkpoint that omits them.")
 @click.option("--in-process", is_flag=True, help="Export in this process.")
-def add_draft(engine_dir, checkpoint, target, in_process):
+@click.option("--precision", type=click.Choice(["auto", "fp32", "int4", "int8-dynamic"]), default="auto",
+              show_default=True, help="The drafter graph's weights (auto: int4 beside an int4 target, else fp32).")
+def add_draft(engine_dir, checkpoint, target, in_process, precision):
     """Compile the DSpark CHECKPOINT into the built ENGINE_DIR as its drafter (the target graph is kept and
     must output the drafter's target_layer_ids features)."""
     from dspark_export.add_draft import add_dspark_draft, dspark_checkpoint
 
     add_dspark_draft(engine_dir, dspark_checkpoint(f"dspark:{checkpoint}"), target, isolate=not in_process,
-                     log=click.echo)
+                     log=click.echo, precision=precision)
     click.echo(f"{engine_dir}: drafter is now dspark:{checkpoint}")
 
 
 @cli.command("train-draft")
 @click.option("--target", default="qwen2.5-coder-1.5b-instruct", show_default=True,
               help="Target model (fetched name or Hugging Face folder).")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Checkpoint folder to write (DeepSpec layout: config.json + model.safetensors).")
 @click.option("--work", "work_dir", type=click.Path(path_type=Path), default=None,
-              help="Data/feature cache (default: $DSPARK_CACHE/drafter/<target>). Reused when present.")
-@click.option("--answers-minutes", type=float, default=45.0, show_default=True,
-              help="Time for generating the target's answers to training prompts (0: reuse what exists).")
-@click.option("--features-minutes", type=float, default=40.0, show_default=True,
-              help="Time for caching the target's features.")
-@click.option("--train-minutes", type=float, default=60.0, show_default=True, help="Training time.")
+              help="Work directory of the run: answers, features, training state (default: "
+                   "$DSPARK_CACHE/drafter/<target>).")
+@click.option("--resume", "resume_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Continue the run in this work directory where it stopped, with the settings it was started with.")
+@click.option("--time-limit", type=float, default=None,
+              help="Stop after this many hours (state saved; --resume continues). Default: run to the end.")
+@click.option("--engine", "engine_dir", type=click.Path(path_type=Path), default=None,
+              callback=engine_path_callback(),
+              help="A built engine of TARGET (feature layers 1,13,25): answers through its batched runtime, features "
+                   "from its own (deployed, e.g. int4) graph; at the end the drafter is compiled into it and "
+                   "calibrated (--no-compile: not).")
+@click.option("--compile/--no-compile", "compile_into", default=True, show_default=True,
+              help="Compile the trained drafter into --engine and calibrate it (the last stage).")
+@click.option("--answer-prompts", type=int, default=None,
+              help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts).")
+@click.option("--sharegpt-prompts", type=int, default=500, show_default=True,
+              help="ShareGPT first turns among the prompts the target answers.")
+@click.option("--stdlib-tokens", type=int, default=40000, show_default=True,
+              help="Tokens of Python standard-library source to teacher-force.")
+@click.option("--sharegpt-tokens", type=int, default=40000, show_default=True,
+              help="Assistant tokens of ShareGPT chats to teacher-force.")
+@click.option("--epochs", type=float, default=2.0, show_default=True,
+              help="Passes over the training sequences.")
 @click.option("--layers", type=int, default=1, show_default=True, help="Drafter layers.")
 @click.option("--intermediate-size", type=int, default=3072, show_default=True, help="Drafter MLP width.")
+@click.option("--moe-experts", type=int, default=0, show_default=True,
+              help="Experts of an MoE FFN in each drafter layer (0: dense MLP).")
+@click.option("--moe-top-k", type=int, default=2, show_default=True, help="Experts routed per token (MoE).")
+@click.option("--moe-intermediate-size", type=int, default=None, help="Each expert's width (MoE).")
 @click.option("--block-size", type=int, default=7, show_default=True, help="Block size gamma.")
 @click.option("--markov-rank", type=int, default=64, show_default=True, help="Markov head rank (0 = DFlash).")
 @click.option("--markov-head", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla", show_default=True)
 @click.option("--draft-vocab", type=int, default=16384, show_default=True,
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
-@click.option("--engine", "engine_dir", type=click.Path(path_type=Path), default=None,
-              callback=engine_path_callback(),
-              help="A built engine of TARGET (feature layers 1,13,25): extract features with its ONNX Runtime "
-                   "graph (fp32, ~1.5x faster than torch here) instead of torch.")
-@click.option("--stdlib-tokens", type=int, default=40000, show_default=True,
-              help="Tokens of Python standard-library source to teacher-force.")
-@click.option("--sharegpt-tokens", type=int, default=40000, show_default=True,
-              help="Assistant tokens of ShareGPT chats to teacher-force.")
-def train_draft(target, out_dir, work_dir, answers_minutes, features_minutes, train_minutes, layers,
-                intermediate_size, block_size, markov_rank, markov_head, draft_vocab, lr, engine_dir,
-                stdlib_tokens, sharegpt_tokens):
-    """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss).
+@click.pass_context
+def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, answer_prompts,
+                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, epochs, layers, intermediate_size, moe_experts,
+                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, lr):
+    """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
+    answers -> sequences -> features -> training -> calibration.
 
-    Data: the target's own greedy answers to the training split of the packaged prompt sets (never the evaluation
-    split), the Python standard library's source and ShareGPT chat turns, teacher-forced through the target.
+    Data: the target's own greedy answers to the training split of the packaged prompt sets (never a calibration
+    or evaluation prompt) and ShareGPT first turns, the Python standard library's source and ShareGPT chat turns,
+    teacher-forced through the target. An interrupted run (a reboot, --time-limit) continues with
+    `dspark-export train-draft --resume WORK`.
     """
+    from click.core import ParameterSource
+
     from dspark_export.build import resolve_model
     from dspark_export.draft_train import PipelineSettings, TrainSettings, train_draft_pipeline
     from dspark_export.paths import cache_root
 
-    tdir = resolve_model(target)
-    work = work_dir or cache_root() / "drafter" / tdir.name
-    p = PipelineSettings(answers_budget_s=answers_minutes * 60, features_budget_s=features_minutes * 60,
-                         num_layers=layers, intermediate_size=intermediate_size, block_size=block_size,
-                         markov_rank=markov_rank, markov_head_type=markov_head,
-                         draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
-                         sharegpt_tokens=sharegpt_tokens)
-    rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, time_budget_s=train_minutes * 60),
-                               engine_dir=engine_dir, log=click.echo)
-    click.echo(f"checkpoint: {out_dir} ({rep['checkpoint_bytes'] / 1e6:.1f} MB); held-out teacher-forced "
-               f"acceptance by position {rep['heldout_acc_pos']}, tau {rep['heldout_tau_greedy']:.2f}")
+    if resume_dir is not None:
+        given = [f"--{n.replace('_', '-')}" for n in ctx.params
+                 if n not in ("resume_dir", "time_limit", "compile_into")
+                 and ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--resume continues a run with the settings it was started with; drop "
+                                   f"{', '.join(given)} (or start a new run in another --work directory)")
+        rep = train_draft_pipeline(None, resume_dir, None, None, None, time_limit_s=_hours(time_limit),
+                                   compile_into_engine=compile_into, log=click.echo)
+    else:
+        if out_dir is None:
+            raise click.UsageError("give --out CKPT (the checkpoint folder to write), or --resume WORK")
+        tdir = resolve_model(target)
+        work = work_dir or cache_root() / "drafter" / tdir.name
+        p = PipelineSettings(answer_prompts=answer_prompts, sharegpt_prompts=sharegpt_prompts,
+                             num_layers=layers, intermediate_size=intermediate_size, block_size=block_size,
+                             markov_rank=markov_rank, markov_head_type=markov_head,
+                             draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
+                             sharegpt_tokens=sharegpt_tokens, moe_experts=moe_experts, moe_top_k=moe_top_k,
+                             moe_intermediate_size=moe_intermediate_size)
+        rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12),
+                                   engine_dir=engine_dir, time_limit_s=_hours(time_limit),
+                                   compile_into_engine=compile_into, log=click.echo)
+        resume_dir = work
+    if not rep["finished"]:
+        click.echo(f"stopped; continue with: dspark-export train-draft --resume {resume_dir}")
+        return
+    tr = rep["train"] or {}
+    click.echo(f"checkpoint: {rep['checkpoint_bytes'] / 1e6:.1f} MB; held-out teacher-forced acceptance by position "
+               f"{tr.get('heldout_acc_pos')}, tau {tr.get('heldout_tau_greedy', float('nan')):.2f}")
+
+
+def _hours(h):
+    """Seconds for a --time-limit in hours (None: no limit); refuses a non-positive limit."""
+    if h is None:
+        return None
+    if h <= 0:
+        raise click.BadParameter(f"--time-limit must be a positive number of hours, got {h}")
+    return h * 3600.0
 
 
 @cli.command()

@@ -115,7 +115,8 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
         limit: stop after this many prompts in total (done + new).
         time_budget_s: stop starting new batches after this many seconds.
     Returns:
-        {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time}.
+        {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time, "complete": False
+        when the time budget stopped it before the last prompt}.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,7 +139,7 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
             for b in range(0, len(order), batch_size):
                 if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                     return {"prompts": len(done_keys(out)), "new_tokens": new_tokens,
-                            "seconds": time.perf_counter() - t0}
+                            "seconds": time.perf_counter() - t0, "complete": False}
                 idx = [i for i in order[b:b + batch_size] if len(enc[i]) <= 768]
                 if not idx:
                     continue
@@ -163,7 +164,8 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
                 print(f"[answers] +{len(idx)} prompts, {n_batch} tokens in {dt:.0f} s "
                       f"({n_batch / dt:.1f} tok/s); total new {new_tokens} in {time.perf_counter() - t0:.0f} s",
                       flush=True)
-    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0}
+    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0,
+            "complete": True}
 
 
 def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int = 256, max_batch: int = 8,
@@ -189,7 +191,8 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
         limit: stop after this many prompts in total (done + new); time_budget_s: stop starting groups
             after this many seconds; max_prompt_tokens: longer prompts are skipped.
     Returns:
-        {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time}.
+        {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time, "complete": False
+        when the time budget stopped it before the last prompt}.
     Raises:
         DSparkError (from ``Engine.load``) when ``engine_dir`` is not a valid engine.
     """
@@ -197,10 +200,11 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
 
     eng = Engine.load(engine_dir, threads=threads)
     todo = _todo(out, limit, n_sharegpt)
-    t0, new_tokens = time.perf_counter(), 0
+    t0, new_tokens, complete = time.perf_counter(), 0, True
     with out.open("a") as f:
         for c in range(0, len(todo), group):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                complete = False
                 break
             block = [(src, key, text, eng.encode_prompt(text)) for src, key, text in todo[c:c + group]]
             block = [b for b in block if len(b[3]) <= max_prompt_tokens]
@@ -219,7 +223,8 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
             dt = time.perf_counter() - tb
             log(f"[answers] +{len(block)} prompts, {n_group} tokens in {dt:.0f} s ({n_group / dt:.1f} tok/s); "
                 f"total new {new_tokens} in {time.perf_counter() - t0:.0f} s")
-    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0}
+    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0,
+            "complete": complete}
 
 
 def main(argv=None) -> None:

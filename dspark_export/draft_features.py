@@ -139,7 +139,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
     int64 [s+1] (sequence boundaries), ``feats.npy`` fp16 [n, m·d] (layers ``layer_ids``, DeepSpec
     indexing) and ``last.npy`` fp16 [n, d] (final normed hidden state). A shard is written to a temp
     folder and renamed when complete, so an interrupted run resumes at the first missing shard.
-    Returns {"tokens", "shards", "seconds"}.
+    Returns {"tokens" (extracted by this call), "shards", "seconds", "complete" (every shard on disk)}.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -149,12 +149,13 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = _group_shards(sequences, shard_tokens)
     model = None
-    t0, done_tokens = time.perf_counter(), 0
+    t0, done_tokens, complete = time.perf_counter(), 0, True
     for k, shard in enumerate(shards):
         final = out_dir / f"shard_{k:04d}"
         if (final / "last.npy").exists():
             continue
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            complete = False
             break
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).model
@@ -171,7 +172,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
         done_tokens += nt
         dt = time.perf_counter() - ts
         print(f"[features] shard {k + 1}/{len(shards)}: {nt} tokens in {dt:.0f} s ({nt / dt:.0f} tok/s)", flush=True)
-    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0}
+    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0, "complete": complete}
 
 
 def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft_vocab, *, shard_tokens: int = 16384,
@@ -195,12 +196,13 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     vocab = np.asarray(draft_vocab, np.int64)
     np.save(out_dir / "draft_vocab.npy", vocab)
     shards = _group_shards(sequences, shard_tokens)
-    t0, done_tokens = time.perf_counter(), 0
+    t0, done_tokens, complete = time.perf_counter(), 0, True
     for k, shard in enumerate(shards):
         final = out_dir / f"shard_{k:04d}"
         if (final / "tlogits.npy").exists():
             continue
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            complete = False
             break
         runner = decoder_runner(backend.activate())  # one call per sequence, in the graph's own KV layout
         feats, logits = [], []
@@ -214,7 +216,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
         done_tokens += nt
         dt = time.perf_counter() - ts
         print(f"[features] shard {k + 1}/{len(shards)}: {nt} tokens in {dt:.0f} s ({nt / dt:.0f} tok/s)", flush=True)
-    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0}
+    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0, "complete": complete}
 
 
 class FeatureStore:

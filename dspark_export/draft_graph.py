@@ -149,6 +149,36 @@ def validate_draft_graph(model: DSparkDraftModel, path: Path, tol: float = 1e-3)
     return rep
 
 
+def compare_draft_graphs(ref_path: Path, cand_path: Path, spec: GraphSpec, embedding, seed: int = 0) -> dict:
+    """A quantized drafter graph ``cand_path`` against its fp32 ``ref_path`` (ONNX Runtime, CPU) on two chained
+    calls (12 context positions, then 3 more on the returned cache) with random target features and real anchor
+    rows from ``embedding`` (:class:`dspark_runtime.dspark.EmbeddingRows`): {"max_abs_logit_diff",
+    "argmax_agreement", "inputs": "random features"}. Random features make the logits a sanity check of the
+    quantized weights, not of acceptance (measure that with ``scripts/bench.py``)."""
+    from dspark_runtime.dspark import OrtDSparkGraph
+
+    rng = np.random.default_rng(seed)
+    ref, cand = OrtDSparkGraph(ref_path, spec, embedding=embedding), OrtDSparkGraph(cand_path, spec, embedding=embedding)
+    fdim = spec.inputs[0].shape[-1]
+    g = ref.block_size
+    kv_ref, kv_cand, past = ref.empty_kv(1), cand.empty_kv(1), 0
+    diffs, agree = [], []
+    for new in (12, 3):
+        feats = rng.standard_normal((1, new, fdim)).astype(np.float32)
+        fpos = np.arange(past, past + new)[None]
+        bpos = np.arange(past + new, past + new + g)[None]
+        mask = np.ones((1, 1, g, past + new + g), dtype=bool)
+        anchor = rng.integers(0, embedding.shape[0], (1, 1))
+        h1, l1, kv_ref = ref.run(feats, fpos, anchor, bpos, mask, kv_ref)
+        h2, l2, kv_cand = cand.run(feats, fpos, anchor, bpos, mask, kv_cand)
+        diffs.append(float(np.abs(l1 - l2).max()))
+        agree.append(float((l1.argmax(-1) == l2.argmax(-1)).mean()))
+        past += new
+    ref.deactivate()
+    cand.deactivate()
+    return {"max_abs_logit_diff": max(diffs), "argmax_agreement": float(np.mean(agree)), "inputs": "random features"}
+
+
 def write_heads(model: DSparkDraftModel, path: Path) -> dict:
     """Save the Markov/confidence heads and the draft-vocabulary map as float32/int64 numpy arrays."""
     c = model.config

@@ -14,11 +14,15 @@ runtime's settings, and each category is also given as its share of the profiled
 Medians over the repeats, milliseconds per step. Writes --json if given. One graph, one process; run nothing
 else on the cores.
 
-``--against OTHER_ENGINE``: no profile; the unprofiled step of both engines' graphs (same role), loaded in one
-process on the runtime's shared thread pool and timed alternately, repeat by repeat, for each (past, q) — a
-before/after comparison of two builds in one run:
+``--against OTHER_ENGINE`` (repeatable): no profile; the unprofiled step of the engines' graphs (same role), loaded
+in one process on the runtime's shared thread pool and timed alternately, repeat by repeat, for each (past, q) — a
+before/after comparison of builds in one run:
 
     python scripts/step_profile.py --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
+
+The role may also be a DSpark drafter graph (``--role dspark``, kind ``dspark_draft``): one drafting pass with
+``past`` positions in the drafter's context cache, ``q`` newly committed target features appended and one block
+of γ positions (the anchor's id or embedding row, whichever the graph takes).
 """
 from __future__ import annotations
 
@@ -133,6 +137,28 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
             "by_category_share": {k: round(v / nodes, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])}}
 
 
+def _draft_feeds(spec, past: int, q: int, rng) -> dict:
+    """Random inputs of one DSpark drafting pass (``dspark_draft``): q new target features after ``past`` context
+    positions, then the block."""
+    from dspark_runtime.graphspec import past_names
+
+    d = spec.dims
+    ins = {t.name: t for t in spec.inputs}
+    g = ins["block_positions"].shape[1]
+    feeds = {"features": rng.standard_normal((1, q, ins["features"].shape[-1])).astype(np.float32),
+             "feature_positions": np.arange(past, past + q, dtype=np.int64)[None],
+             "block_positions": np.arange(past + q, past + q + g, dtype=np.int64)[None],
+             "attention_mask": np.ones((1, 1, g, past + q + g), bool)}
+    if "anchor_embeds" in ins:
+        feeds["anchor_embeds"] = rng.standard_normal((1, 1, d.hidden_size)).astype(np.float32) * 0.02
+    else:
+        feeds["anchor_ids"] = rng.integers(0, 1000, (1, 1)).astype(np.int64)
+    for kn, vn in past_names(d.num_layers):
+        for n in (kn, vn):
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+    return feeds
+
+
 def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
     """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
     Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.slots: past + q rounded up to
@@ -142,6 +168,8 @@ def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
 
     d = spec.dims
     rng = np.random.default_rng(seed)
+    if spec.kind == "dspark_draft":
+        return _draft_feeds(spec, past, q, rng)
     cache = past
     mask = np.tril(np.ones((q, past + q), bool), k=past)
     if spec.kv_layout == "scatter":
@@ -191,18 +219,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--against", type=Path, help="a second engine: interleaved wall-time comparison, no profile")
+    ap.add_argument("--against", type=Path, action="append",
+                    help="another engine (repeatable): interleaved wall-time comparison, no profile")
     a = ap.parse_args(argv)
-    if a.against is not None:
-        rows = against([a.engine, a.against], a.role, [int(x) for x in a.past.split(",")],
+    if a.against:
+        engines = [a.engine] + a.against
+        rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
                        [int(x) for x in a.q.split(",")], a.repeats, a.threads)
-        e0, e1 = str(a.engine), str(a.against)
-        print(f"{'past':>5s} {'q':>3s} {a.engine.name[:28]:>28s} {a.against.name[:28]:>28s}  change")
+        print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e.name[:24]:>24s}" for e in engines)
+              + "  change vs the first")
         for r in rows:
-            m0, m1 = r["ms"]
-            print(f"{r['past']:5d} {r['q']:3d} {m0:25.1f} ms {m1:25.1f} ms  {m1 / m0 - 1:+.0%}", flush=True)
-        out = {"engines": [e0, e1], "role": a.role, "machine": machine_description(), "threads": a.threads,
-               "repeats": a.repeats, "rows": rows}
+            m0 = r["ms"][0]
+            print(f"{r['past']:5d} {r['q']:3d} " + " ".join(f"{m:21.1f} ms" for m in r["ms"]) + "  "
+                  + " ".join(f"{m / m0 - 1:+.0%}" for m in r["ms"][1:]), flush=True)
+        out = {"engines": [str(e) for e in engines], "role": a.role, "machine": machine_description(),
+               "threads": a.threads, "repeats": a.repeats, "rows": rows}
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -97,3 +97,91 @@ def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir
     assert len(seqs) == len(long_enough)
     assert all(int(m[:x["prompt_len"]].sum()) == 0 and int(m.sum()) == len(x["ids"]) - x["prompt_len"]
                for (_, m), x in zip(seqs, long_enough))
+
+
+# --- resumable training: a run killed mid-way and resumed ends where an uninterrupted one does ----------------
+
+def _synthetic_store(root, vocab=40, hidden=16, n_feat=2, seqs=10, seed=0):
+    """A FeatureStore of random sequences (ids, loss mask, target features, target logits over the vocabulary)."""
+    from dspark_export.draft_features import FeatureStore, _write_shard
+
+    rng = np.random.default_rng(seed)
+    shard = []
+    for _ in range(seqs):
+        n = int(rng.integers(24, 40))
+        shard.append((rng.integers(0, vocab - 1, n).astype(np.int32), np.ones(n, np.uint8)))
+    feats = [rng.standard_normal((len(a), n_feat * hidden)).astype(np.float16) for a, _ in shard]
+    logits = [rng.standard_normal((len(a), vocab)).astype(np.float16) for a, _ in shard]
+    root.mkdir(parents=True, exist_ok=True)
+    _write_shard(root, 0, shard, feats, "tlogits", logits)
+    return FeatureStore(root)
+
+
+def _tiny_drafter(vocab=40, hidden=16):
+    import torch
+
+    from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+           "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+           "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+           "max_position_embeddings": 256, "tie_word_embeddings": True}
+    c = qwen2_draft_config(cfg, mask_token_id=vocab - 1, num_layers=1, intermediate_size=32, block_size=4,
+                           target_layer_ids=(-1, 0), markov_rank=8, draft_vocab_size=vocab)
+    torch.manual_seed(0)
+    m = DSparkDraftModel(c)
+    m.draft_vocab_ids.copy_(torch.arange(vocab))
+    w = torch.randn(vocab, hidden) * 0.1
+    m.init_from_target(w, w)
+    return m
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_training_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    import torch
+
+    from dspark_export.draft_train import TRAIN_STATE, TrainSettings, train
+
+    store = _synthetic_store(tmp_path / "features")
+    s = TrainSettings(lr=3e-3, warmup_steps=3, anchors_per_seq=4, epochs=2.0, eval_every=5, eval_seqs=2,
+                      save_every_s=0.0, time_budget_s=600)
+    assert s.total_steps(8) == 8  # 2 epochs x 8 training sequences / 2 per step
+
+    straight = _tiny_drafter()
+    rep = train(store, straight, None, tmp_path / "a", s, gamma=4, mask_token=39, log=lambda *a: None)
+    assert rep["finished"] and rep["steps"] == 8
+
+    def killer(msg):  # the process dies right after step 5's evaluation (state last saved after step 4)
+        if msg.startswith("[train] step 5/"):
+            raise _Killed()
+
+    resumed = _tiny_drafter()
+    state = tmp_path / TRAIN_STATE
+    with pytest.raises(_Killed):
+        train(store, resumed, None, tmp_path / "b", s, gamma=4, mask_token=39, log=killer, resume=state)
+    assert torch.load(state, weights_only=False)["step"] == 4
+    fresh = _tiny_drafter()  # a new process: a new model, everything else from the state file
+    lines = []
+    rep2 = train(store, fresh, None, tmp_path / "b", s, gamma=4, mask_token=39, log=lines.append, resume=state)
+    assert any("resumed at step 4/8" in x for x in lines) and rep2["finished"] and rep2["steps"] == 8
+    a, b = straight.state_dict(), fresh.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], _tiny_drafter().state_dict()[k]) for k in a)  # it did train
+
+
+def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
+    from dspark_export.draft_train import RunState
+    from dspark_runtime.errors import DSparkError
+
+    with pytest.raises(DSparkError, match="holds no train-draft run"):
+        RunState.open(tmp_path, None)
+    run = {"target": "t", "engine": None, "out": "o", "pipeline": {"num_layers": 1}, "train": {"lr": 1e-3}}
+    RunState.open(tmp_path, run).stage("answers")["done"] = True
+    assert RunState.open(tmp_path, None).data["pipeline"] == {"num_layers": 1}
+    with pytest.raises(DSparkError, match=r"other settings \(pipeline.num_layers\).*--resume"):
+        RunState.open(tmp_path, dict(run, pipeline={"num_layers": 2}))
+    # the same settings again (time budget aside) continue the run
+    assert RunState.open(tmp_path, dict(run, train={"lr": 1e-3, "time_budget_s": 5})).data["out"] == "o"

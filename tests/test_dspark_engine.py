@@ -84,6 +84,34 @@ def test_quantizing_the_target_keeps_the_drafter_embedding(tiny_dspark, tmp_path
     assert spec.token_ids == ref.token_ids and spec.stats.accepted > 0
 
 
+def test_int4_drafter_graph_is_smaller_and_exact(tiny_dspark, tiny_pair, tmp_path):
+    """`add-draft --precision int4`: the drafter graph's MatMuls become MatMulNBits (weights ~1/6), the quantized
+    graph is compared with the fp32 one, and speculative greedy output still equals target-only."""
+    import shutil
+
+    import onnx
+
+    from dspark_export.add_draft import add_dspark_draft
+    from dspark_runtime.engine import Engine
+
+    eng_dir = tmp_path / "e"
+    shutil.copytree(tiny_dspark[0], eng_dir)
+    fp32_bytes = (eng_dir / "draft.onnx.data").stat().st_size
+    m = add_dspark_draft(eng_dir, tiny_dspark[1], str(tiny_pair[0]), isolate=False, log=lambda *a: None,
+                         precision="int4")
+    g = m.graphs["draft"]
+    assert g.precision == "int4" and g.quantization["matmul_nbits"] > 0
+    assert g.validation["int4"]["argmax_agreement"] > 0.5
+    ops = {n.op_type for n in onnx.load(str(eng_dir / "draft.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and not (eng_dir / "draft.fp32.onnx").exists()
+    assert (eng_dir / "draft.onnx.data").stat().st_size < fp32_bytes
+    eng = Engine.load(eng_dir, threads=1)
+    for prompt in ("hello world", "def f(x):\n    return"):
+        ref = eng.generate(prompt, max_new_tokens=24, draft=None)
+        out = eng.generate(prompt, max_new_tokens=24, draft="dspark", draft_length=4)
+        assert out.token_ids == ref.token_ids
+
+
 @pytest.mark.parametrize("prompt", ["hello world", "def f(x):\n    return", "the the the the"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_dspark_greedy_equals_target_only(dspark_engine, prompt, gamma):
