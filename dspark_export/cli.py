@@ -235,6 +235,9 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
                    "calibrated (--no-compile: not).")
 @click.option("--compile/--no-compile", "compile_into", default=True, show_default=True,
               help="Compile the trained drafter into --engine and calibrate it (the last stage).")
+@click.option("--seed-answers", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="Answers of an earlier run (its answers.jsonl, or .jsonl.gz) to start from; only the prompts they "
+                   "lack are answered.")
 @click.option("--answer-prompts", type=int, default=None,
               help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts).")
 @click.option("--sharegpt-prompts", type=int, default=500, show_default=True,
@@ -258,7 +261,8 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.pass_context
-def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, answer_prompts,
+def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
+                answer_prompts,
                 sharegpt_prompts, stdlib_tokens, sharegpt_tokens, epochs, layers, intermediate_size, moe_experts,
                 moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, lr):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
@@ -297,7 +301,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              moe_intermediate_size=moe_intermediate_size)
         rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12),
                                    engine_dir=engine_dir, time_limit_s=_hours(time_limit),
-                                   compile_into_engine=compile_into, log=click.echo)
+                                   compile_into_engine=compile_into, seed_answers=seed_answers, log=click.echo)
         resume_dir = work
     if not rep["finished"]:
         click.echo(f"stopped; continue with: dspark-export train-draft --resume {resume_dir}")

@@ -404,7 +404,7 @@ class RunState:
 
 def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None, p: PipelineSettings | None,
                          s: TrainSettings | None, *, engine_dir: Path | None = None, time_limit_s: float | None = None,
-                         compile_into_engine: bool = True, log=print) -> dict:
+                         compile_into_engine: bool = True, seed_answers: Path | None = None, log=print) -> dict:
     """Answers -> sequences -> feature cache -> training -> calibration, resumable in stages.
 
     The run lives in ``work_dir`` (:class:`RunState`): with ``p``/``s`` None it is resumed as it was started
@@ -424,6 +424,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
        ``sts.json``).
 
     ``time_limit_s``: this call stops (state saved) when it has run that long; calling again resumes.
+    ``seed_answers``: a JSONL (or .jsonl.gz) file of answers from an earlier run (:func:`import_answers`) added to
+    the work directory before stage 1, which then answers only the prompts it lacks.
     Returns {"finished", "stages" (per stage: seconds and figures), "train" (the last training report, or None),
     "checkpoint_bytes"}; a finished run also writes ``out_dir/train_report.json`` with the data sizes by source,
     wall time per stage and the machine.
@@ -463,6 +465,11 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     # 1. answers
     answers = work_dir / "answers.jsonl"
     st = state.stage("answers")
+    if seed_answers is not None and not st["done"]:
+        n_seed = import_answers(Path(seed_answers), answers)
+        st["seeded"] = st.get("seeded", 0) + n_seed
+        state.save()
+        log(f"[1/5] {n_seed} answers imported from {seed_answers}")
     if not st["done"]:
         log(f"[1/5] target answers to training prompts -> {answers}"
             f"{' (batched through the engine)' if engine_dir is not None else ' (transformers generate)'}")
@@ -595,6 +602,42 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return {"finished": True, "stages": d["stages"], "train": d["stages"]["train"].get("report"),
             "checkpoint_bytes": report["checkpoint_bytes"]}
+
+
+def import_answers(src: Path, answers: Path) -> int:
+    """Append to ``answers`` the records of ``src`` (JSONL, gzip when it ends in .gz; the format of
+    :func:`dspark_export.draft_data.generate_answers_engine`) whose key it lacks; returns how many. Records whose
+    key is not a training prompt are refused, so a file can never bring a calibration or evaluation prompt in.
+    Raises DSparkError naming the file and line of a malformed record."""
+    import gzip
+
+    from .draft_data import TRAIN_SPLIT, done_keys, split_prompts
+
+    split = {k for group in split_prompts(TRAIN_SPLIT).values() for k, _ in group}
+    allowed = lambda k: k in split or str(k).startswith("sharegpt:")  # noqa: E731
+    have = done_keys(answers)
+    opener = gzip.open if str(src).endswith(".gz") else open
+    new = []
+    with opener(src, "rt") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                key, ids, n = r["key"], r["ids"], int(r["prompt_len"])
+                ok = isinstance(ids, list) and 0 < n <= len(ids)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise DSparkError(f"{src} line {i}: not an answer record (key, source, ids, prompt_len)")
+            if not allowed(key):
+                raise DSparkError(f"{src} line {i}: {key!r} is not a training prompt; answers files may only hold "
+                                  "the training split and ShareGPT prompts")
+            if key not in have:
+                have.add(key)
+                new.append(line if line.endswith("\n") else line + "\n")
+    answers.parent.mkdir(parents=True, exist_ok=True)
+    with answers.open("a") as f:
+        f.writelines(new)
+    return len(new)
 
 
 def _mix(answers: list, other: list) -> list:

@@ -185,3 +185,28 @@ def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
         RunState.open(tmp_path, dict(run, pipeline={"num_layers": 2}))
     # the same settings again (time budget aside) continue the run
     assert RunState.open(tmp_path, dict(run, train={"lr": 1e-3, "time_budget_s": 5})).data["out"] == "o"
+
+
+def test_seed_answers_import_only_missing_training_prompts(tmp_path):
+    import gzip
+
+    from dspark_export.draft_train import import_answers
+    from dspark_runtime.errors import DSparkError
+
+    rec = lambda k: json.dumps({"key": k, "source": k.split(":")[0], "ids": [1, 2, 3], "prompt_len": 2})  # noqa: E731
+    src = tmp_path / "seed.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.write("\n".join(rec(k) for k in ("gsm8k:1", "mbpp:3", "sharegpt:abc")) + "\n")
+    answers = tmp_path / "work" / "answers.jsonl"
+    answers.parent.mkdir()
+    answers.write_text(rec("mbpp:3") + "\n")
+    assert import_answers(src, answers) == 2
+    assert [json.loads(x)["key"] for x in answers.read_text().splitlines()] == ["mbpp:3", "gsm8k:1", "sharegpt:abc"]
+    assert import_answers(src, answers) == 0  # idempotent
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(rec("gsm8k:950") + "\n")  # gsm8k 901-1000 is the calibration split
+    with pytest.raises(DSparkError, match="line 1: 'gsm8k:950' is not a training prompt"):
+        import_answers(bad, answers)
+    bad.write_text('{"key": "gsm8k:2"}\n')
+    with pytest.raises(DSparkError, match="line 1: not an answer record"):
+        import_answers(bad, answers)
