@@ -1,18 +1,16 @@
-"""Train a DSpark drafter on this CPU: anchor sampling, the DeepSpec loss, AdamW, and the pipeline that runs
-the stages (sequences and the feature cache are :mod:`dspark_export.draft_features`).
+"""Train a DSpark drafter on this CPU: anchor sampling, the DeepSpec loss, AdamW, and the resumable pipeline that
+runs the stages (sequences and the feature cache are :mod:`dspark_export.draft_features`, answers
+:mod:`dspark_export.draft_data`).
 
-Pipeline (``dspark-export train-draft``):
-1. ``build_sequences``: token sequences with a loss mask — the target's own answers to training prompts
-   (``draft_data.generate_answers``; loss on the answer tokens), the Python standard library's source
-   and ShareGPT chat turns teacher-forced through the target (loss on all / on the assistant tokens).
-2. ``extract_features``: one teacher-forced target pass per sequence (bf16, no LM head) storing the
-   concatenated ``target_layer_ids`` features and the final normed hidden state in fp16 shards
-   (memory-mapped .npy, resumable per shard; 2·(m+1)·d bytes per token).
-3. ``train``: sample anchors, build γ-blocks, loss 0.1·CE + 0.9·‖p_d − p_t‖₁ + 1.0·BCE(c, c*) with
-   c* = 1 − ½‖p_d − p_t‖₁ and position weights exp(−k/loss_decay_gamma) (DeepSpec
-   ``deepspec/modeling/dspark/loss.py``; DSpark paper §3.3). Target distributions p_t come from the
-   cached final hidden states through the target's LM head (restricted to the draft vocabulary when
-   one is used, renormalised there).
+Pipeline (``dspark-export train-draft``, :func:`train_draft_pipeline`; the run's state in ``WORK/state.json``,
+:class:`RunState`): 1. answers — the target's own greedy answers to training prompts; 2. sequences — those plus
+the Python standard library's source and ShareGPT chat turns teacher-forced through the target (loss on the
+answer / all / the assistant tokens); 3. features — one teacher-forced target pass per sequence storing the
+``target_layer_ids`` features and the target's logits over the draft vocabulary (or its final hidden state) in
+fp16 shards; 4. train (:func:`train`) — sample anchors, build γ-blocks, loss 0.1·CE + 0.9·‖p_d − p_t‖₁ +
+1.0·BCE(c, c*) with c* = 1 − ½‖p_d − p_t‖₁ and position weights exp(−k/loss_decay_gamma) (DeepSpec
+``deepspec/modeling/dspark/loss.py``; DSpark paper §3.3), plus the MoE balancing loss for an MoE drafter;
+5. calibrate — compile into the engine, STS temperatures and router priors on the calibration split.
 """
 from __future__ import annotations
 

@@ -90,6 +90,11 @@ def cli():
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
               help="ort: ONNX Runtime. trt: the engine's TensorRT engines (capacity KV layout, CUDA graphs; NVIDIA GPU, "
                    "`dspark-export build-trt` first). Not yet verified on a GPU.")
+@click.option("--placement", default=None,
+              help="Where each graph runs: 'target=trt,draft=cuda,dspark=cpu' or one place for all (cpu, cuda, "
+                   "trt-ep: ONNX Runtime providers, cuda/trt-ep need onnxruntime-gpu in place of onnxruntime; "
+                   "trt: the engine's TensorRT engine). Default: every graph on the CPU; --backend trt = --placement "
+                   "trt. Not yet verified on a GPU.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
 @click.option("--allow-slow-precision", is_flag=True,
               help="Run fp8/fp16 graphs (built for GPUs) on ONNX Runtime's CPU provider anyway (6-10x slower than fp32).")
@@ -101,15 +106,15 @@ def cli():
                    "compute each position bit for bit alike (default: what `dspark-export profile` probed on this "
                    "machine and stored in the manifest, else 1 = no padding).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, stream, allow_slow_precision,
-             profile_on_load, row_multiple):
+             draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, placement, stream,
+             allow_slow_precision, profile_on_load, row_multiple):
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
     from dspark_runtime.backend import shared_pool_default
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
-                      shared_thread_pool=shared_pool_default(),
+                      shared_thread_pool=shared_pool_default(), placement=placement,
                       allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
     if profile_on_load:
         t = eng.profile()
@@ -313,8 +318,11 @@ def unpack(tarball, dest):
               help="At shutdown, seconds open requests may still finish before they are cancelled.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--placement", default=None,
+              help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep; batched serving "
+                   "cannot use 'trt' yet).")
 def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, threads, max_context,
-          default_max_tokens, model_name, shutdown_timeout, log_level):
+          default_max_tokens, model_name, shutdown_timeout, log_level, placement):
     """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching."""
     try:
         from dspark_runtime.server import serve as _serve
@@ -328,7 +336,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     from dspark_runtime.backend import shared_pool_default
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
-                      shared_thread_pool=shared_pool_default())
+                      shared_thread_pool=shared_pool_default(), placement=placement)
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,

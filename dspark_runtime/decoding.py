@@ -47,6 +47,7 @@ class GenerationStats:
     tokens_per_second: generated tokens / decode time (prefill excluded; the first token, which
     prefill produces, is not counted).
     draft_sources: per proposal source, rounds / proposed / accepted (the router; empty otherwise).
+    placement: where each graph of the engine ran (``Engine.placement`` as "key=place,..."; empty outside an Engine).
     """
 
     prompt_tokens: int = 0
@@ -63,6 +64,7 @@ class GenerationStats:
     total_ms: float = 0.0
     tokens_per_second: float = 0.0
     drafter: str = "none"
+    placement: str = ""  # where the engine's graphs ran ("target=cpu,draft=cuda"; dspark_runtime.placement)
     draft_sources: dict = field(default_factory=dict)  # router: {source: {rounds, proposed, accepted}}
 
     def to_json(self) -> dict:

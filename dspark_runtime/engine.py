@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.backend import OrtDecoder
+from dspark_runtime.placement import PROVIDERS, format_placement, parse_placement
 from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.errors import InputError
 from dspark_runtime.decoding import DecodingLoop, GenerationResult, cut_at_stop, streamable_length
@@ -45,26 +46,26 @@ class Engine:
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
-                 backend: str = "ort", allow_slow_precision: bool = False, row_multiple: int | None = None):
+                 backend: str = "ort", allow_slow_precision: bool = False, row_multiple: int | None = None,
+                 placement: str | dict | None = None):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
         self.tokenizer = Tokenizer(self.dir / tok["dir"])
         self.eos_ids = list(tok.get("eos_token_ids", []))
+        self.placement = self._placement(placement, backend, providers)
         self._backends = {
             key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
-                self.dir / g.model_file, g.spec, threads=threads, providers=providers, precision=g.precision,
+                self.dir / g.model_file, g.spec, threads=threads,
+                providers=providers or PROVIDERS.get(self.placement[key], PROVIDERS["cpu"]), precision=g.precision,
                 allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
         ds = manifest.speculation.dspark
         if ds is not None and ds.embedding is not None and ds.graph in self._backends:
             self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
-        self.backend = backend
-        if backend == "trt":
-            self._use_tensorrt()
-        elif backend != "ort":
-            raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
+        self.backend = "trt" if self.placement.get("target") == "trt" else "ort"  # the target's (row padding)
+        self._use_tensorrt()
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = self._row_multiple(row_multiple, threads)
@@ -166,28 +167,47 @@ class Engine:
                       f"in ONNX Runtime's kernels: run `dspark-export profile {self.dir}` on this machine",
                       OtherCpuWarning, stacklevel=4)
 
-    def _use_tensorrt(self) -> None:
-        """Run the target and the draft LM on their capacity-layout TensorRT engines (the DSpark drafter graph
-        stays on ONNX Runtime). Raises InputError when the target has no such engine."""
-        from dspark_runtime.trt_backend import TrtDecoder
-
+    def _trt_engines(self) -> dict:
+        """{graph key: the manifest's capacity-layout TensorRT engine of it} (fp32 first when several exist)."""
         engines = self.manifest.trt_engines
-        layouts = ("capacity", "capacity.bf16", "capacity.fp16")  # fp32 first when several exist
+        layouts = ("capacity", "capacity.bf16", "capacity.fp16")
         pick = {key: next((engines[f"{key}.{x}"] for x in layouts if f"{key}.{x}" in engines), None)
                 for key in self.manifest.graphs}
-        if pick.get("target") is None:
+        return {k: e for k, e in pick.items() if e is not None}
+
+    def _placement(self, placement, backend: str, providers) -> dict:
+        """{graph key: place} (:mod:`dspark_runtime.placement`) from ``placement`` or the older ``backend``
+        ("trt" = every graph with a TensorRT engine on it). Raises InputError for an unknown backend, both given,
+        ``providers`` beside a placement, or a placement :func:`parse_placement` refuses."""
+        if backend not in ("ort", "trt"):
+            raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
+        if placement is not None and backend != "ort":
+            raise InputError("give either backend='trt' or a placement (placement='trt' is the same), not both")
+        if placement is not None and providers:
+            raise InputError("give either ONNX Runtime providers (one list for every graph) or a placement, not both")
+        kinds = {k: g.spec.kind for k, g in self.manifest.graphs.items()}
+        trt = set(self._trt_engines())
+        if backend == "trt" and "target" not in trt:
             raise InputError(f"{self.dir} has no TensorRT engine for the target (capacity KV layout); build one with "
                              f"`dspark-export build-trt {self.dir}` or use backend='ort'")
-        for key, g in self.manifest.graphs.items():
-            e = pick[key]
-            if g.spec.kind == "causal_lm" and e is not None:
-                self._backends[key] = TrtDecoder(self.dir, e)
+        return parse_placement("trt" if backend == "trt" else placement, kinds, trt)
+
+    def _use_tensorrt(self) -> None:
+        """Run the graphs placed on ``trt`` on their capacity-layout TensorRT engines."""
+        trt = [k for k, p in self.placement.items() if p == "trt"]
+        if not trt:
+            return
+        from dspark_runtime.trt_backend import TrtDecoder
+
+        engines = self._trt_engines()
+        for key in trt:
+            self._backends[key] = TrtDecoder(self.dir, engines[key])
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
              verify: bool = True, rehash: bool = False, backend: str = "ort",
              allow_slow_precision: bool = False, row_multiple: int | None = None,
-             shared_thread_pool: bool = False) -> "Engine":
+             shared_thread_pool: bool = False, placement: str | dict | None = None) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -205,11 +225,14 @@ class Engine:
         Runtime thread pool whose threads spin (~15% faster speculative rounds on 2 cores; process-wide and
         irreversible: other ONNX Runtime sessions made later in the process must set
         ``use_per_session_threads = False``, see :func:`dspark_runtime.backend.enable_shared_thread_pool`). The
-        ``dspark`` CLI, the server and the benchmarks turn it on.
+        ``dspark`` CLI, the server and the benchmarks turn it on. ``placement``: where each graph runs,
+        ``"target=trt,draft=cuda,dspark=cpu"`` or one place for all (:mod:`dspark_runtime.placement`: cpu, cuda,
+        trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
+        for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
-        if shared_thread_pool and backend == "ort":
+        if shared_thread_pool and backend == "ort" and placement in (None, "", "cpu"):
             from dspark_runtime.backend import enable_shared_thread_pool
 
             size = enable_shared_thread_pool(threads)
@@ -223,7 +246,7 @@ class Engine:
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                   backend, allow_slow_precision, row_multiple)
+                   backend, allow_slow_precision, row_multiple, placement)
 
     @property
     def has_draft(self) -> bool:
@@ -437,9 +460,9 @@ class Engine:
         """
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
-        if self.backend != "ort" and max_batch > 1:
+        if "trt" in self.placement.values() and max_batch > 1:
             raise InputError("the TensorRT backend decodes one request at a time so far (max_batch=1); load the "
-                             "engine with backend='ort' for batched decoding")
+                             "engine with backend='ort' (no graph placed on 'trt') for batched decoding")
         if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
                                                                 or not isinstance(draft_length, int)
                                                                 or draft_length < 1):
@@ -508,6 +531,7 @@ class Engine:
     def _result(self, req, stop) -> GenerationResult:
         """A finished request as a GenerationResult (its text cut before the stop string that ended it)."""
         text = self.completion_text(req.token_ids, req.finish_reason, stop)
+        req.stats.placement = format_placement(self.placement)
         return GenerationResult(text=text, token_ids=req.token_ids, finish_reason=req.finish_reason, stats=req.stats)
 
     def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,

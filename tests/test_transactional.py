@@ -435,7 +435,7 @@ def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dsp
 
     before = snapshot(dspark_copy)
 
-    def export(ckpt, target_dir, out_dir, role):
+    def export(ckpt, target_dir, out_dir, role, *_):
         (Path(out_dir) / f"{role}.onnx").write_bytes(b"partial graph")
         raise FAULTS[fault]
 
