@@ -259,12 +259,14 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
 @click.option("--markov-head", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla", show_default=True)
 @click.option("--draft-vocab", type=int, default=16384, show_default=True,
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
+@click.option("--mask-token-id", type=click.IntRange(min=0), default=None,
+              help="The block's mask token (default: an unused special token of the target's tokenizer).")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.pass_context
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
                 answer_prompts,
                 sharegpt_prompts, stdlib_tokens, sharegpt_tokens, epochs, layers, intermediate_size, moe_experts,
-                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, lr):
+                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, mask_token_id, lr):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
     answers -> sequences -> features -> training -> calibration.
 
@@ -298,7 +300,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              markov_rank=markov_rank, markov_head_type=markov_head,
                              draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
                              sharegpt_tokens=sharegpt_tokens, moe_experts=moe_experts, moe_top_k=moe_top_k,
-                             moe_intermediate_size=moe_intermediate_size)
+                             moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id)
         rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12),
                                    engine_dir=engine_dir, time_limit_s=_hours(time_limit),
                                    compile_into_engine=compile_into, seed_answers=seed_answers, log=click.echo)

@@ -158,7 +158,8 @@ def compare_draft_graphs(ref_path: Path, cand_path: Path, spec: GraphSpec, embed
     from dspark_runtime.dspark import OrtDSparkGraph
 
     rng = np.random.default_rng(seed)
-    ref, cand = OrtDSparkGraph(ref_path, spec, embedding=embedding), OrtDSparkGraph(cand_path, spec, embedding=embedding)
+    ref = OrtDSparkGraph(ref_path, spec, embedding=embedding)
+    cand = OrtDSparkGraph(cand_path, spec, embedding=embedding)
     fdim = spec.inputs[0].shape[-1]
     g = ref.block_size
     kv_ref, kv_cand, past = ref.empty_kv(1), cand.empty_kv(1), 0

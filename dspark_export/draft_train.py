@@ -351,6 +351,7 @@ class PipelineSettings:
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_intermediate_size: int | None = None
+    mask_token_id: int | None = None  # the block's mask token (None: an unused special token of the tokenizer)
 
 
 STATE_FILE = "state.json"  # the run's settings and each stage's progress, in the work directory
@@ -392,6 +393,16 @@ class RunState:
 
     def stage(self, name: str) -> dict:
         return self.data["stages"].setdefault(name, {"done": False, "seconds": 0.0})
+
+    def progress(self, st: dict, seconds: float, new_tokens: int, complete: bool) -> bool:
+        """Add one call's ``seconds`` and ``new_tokens`` to the stage record ``st`` (its tokens/s over all calls),
+        mark it done when ``complete``, save; returns whether the stage is done."""
+        st["seconds"] += seconds
+        st["new_tokens"] = st.get("new_tokens", 0) + int(new_tokens)
+        st["tokens_per_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
+        st["done"] = bool(complete)
+        self.save()
+        return st["done"]
 
     def save(self) -> None:
         from dspark_runtime.manifest import atomic_write_text
@@ -479,13 +490,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         else:
             r = generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens, batch_size=p.answer_batch,
                                  limit=p.answer_prompts, time_budget_s=left(), n_sharegpt=p.sharegpt_prompts)
-        st["seconds"] += time.perf_counter() - t
         st["prompts"] = r["prompts"]
-        st["new_tokens"] = st.get("new_tokens", 0) + r["new_tokens"]
-        st["tokens_per_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
-        st["done"] = bool(r.get("complete", True))
-        state.save()
-        if not st["done"]:
+        if not state.progress(st, time.perf_counter() - t, r["new_tokens"], r.get("complete", True)):
             return stopped("answers")
     tok = AutoTokenizer.from_pretrained(target_dir)
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
@@ -532,12 +538,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         else:
             r = extract_features(target_dir, seqs, feat_dir, list(p.feature_layers), time_budget_s=left(),
                                  dtype="float32")
-        st["seconds"] += time.perf_counter() - t
-        st["new_tokens"] = st.get("new_tokens", 0) + r["tokens"]
-        st["tokens_per_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
-        st["done"] = bool(r.get("complete", True))
-        state.save()
-        if not st["done"]:
+        if not state.progress(st, time.perf_counter() - t, r["tokens"], r.get("complete", True)):
             return stopped("features")
     elif engine_dir is not None and (feat_dir / "draft_vocab.npy").exists():
         vocab = np.load(feat_dir / "draft_vocab.npy")
@@ -547,7 +548,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     st = state.stage("train")
     if not st["done"]:
         counts = store.token_counts(cfg["vocab_size"])
-        mask_id = pick_mask_token(tok, counts)
+        mask_id = pick_mask_token(tok, counts) if p.mask_token_id is None else int(p.mask_token_id)
         c = qwen2_draft_config(cfg, mask_token_id=mask_id, num_layers=p.num_layers,
                                intermediate_size=p.intermediate_size, block_size=p.block_size,
                                target_layer_ids=p.feature_layers, markov_rank=p.markov_rank,

@@ -210,3 +210,39 @@ def test_seed_answers_import_only_missing_training_prompts(tmp_path):
     bad.write_text('{"key": "gsm8k:2"}\n')
     with pytest.raises(DSparkError, match="line 1: not an answer record"):
         import_answers(bad, answers)
+
+
+def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir, tiny_pair, tmp_path, monkeypatch):
+    """train-draft end to end on the tiny engine: a call whose time limit is spent stops in stage 1 with its state
+    saved; --resume (no settings) runs answers -> sequences -> features -> training to a checkpoint and a report."""
+    from dspark_export import draft_data
+    from dspark_export.draft_train import PipelineSettings, TrainSettings, train_draft_pipeline
+
+    prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)] + \
+              [("gsm8k", f"gsm8k:{i}", f"What is {i} * 6?") for i in range(1, 4)]
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    p = PipelineSettings(answer_tokens=16, answer_batch=2, sharegpt_prompts=0, stdlib_tokens=800, sharegpt_tokens=0,
+                         max_seq_len=256, feature_layers=(-1, 0), draft_vocab_size=64, intermediate_size=32,
+                         block_size=4, markov_rank=8,
+                         mask_token_id=json.loads((tiny_pair[0] / "config.json").read_text())["vocab_size"] - 1)
+    s = TrainSettings(lr=3e-3, epochs=2.0, eval_seqs=2, anchors_per_seq=4, warmup_steps=2, eval_every=1000)
+    work, out = tmp_path / "work", tmp_path / "ckpt"
+    r = train_draft_pipeline(tiny_pair[0], work, out, p, s, engine_dir=tiny_engine_dir, time_limit_s=1e-9,
+                             log=lambda *a: None)
+    assert not r["finished"] and not r["stages"]["answers"]["done"]
+    assert json.loads((work / "state.json").read_text())["pipeline"]["feature_layers"] == [-1, 0]
+    lines = []
+    r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, log=lines.append)
+    st = r["stages"]
+    assert r["finished"] and all(st[k]["done"] for k in ("answers", "sequences", "features", "train"))
+    assert st["answers"]["prompts"] == 6 and st["answers"]["new_tokens"] > 0
+    by_source = st["sequences"]["loss_tokens_by_source"]
+    assert by_source["answers"] > 0 and by_source["stdlib"] > 0
+    assert st["features"]["new_tokens"] == st["sequences"]["tokens"]
+    assert st["train"]["report"]["finished"] and st["train"]["report"]["steps"] == st["train"]["report"]["total_steps"]
+    assert (out / "config.json").is_file() and r["checkpoint_bytes"] > 0
+    rep = json.loads((out / "train_report.json").read_text())
+    assert rep["stages"]["features"]["tokens_per_s"] > 0 and "machine" in rep
+    assert not st["calibrate"]["done"]  # --no-compile: the engine is left as it is
+    r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, log=lambda *a: None)
+    assert r["finished"]  # a finished run resumes to its end at once
