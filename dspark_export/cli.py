@@ -278,7 +278,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
     from click.core import ParameterSource
 
     from dspark_export.build import resolve_model
-    from dspark_export.draft_train import PipelineSettings, TrainSettings, train_draft_pipeline
+    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.draft_train import TrainSettings
     from dspark_export.paths import cache_root
 
     if resume_dir is not None:

@@ -173,7 +173,7 @@ def test_training_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
-    from dspark_export.draft_train import RunState
+    from dspark_export.draft_pipeline import RunState
     from dspark_runtime.errors import DSparkError
 
     with pytest.raises(DSparkError, match="holds no train-draft run"):
@@ -190,7 +190,7 @@ def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
 def test_seed_answers_import_only_missing_training_prompts(tmp_path):
     import gzip
 
-    from dspark_export.draft_train import import_answers
+    from dspark_export.draft_pipeline import import_answers
     from dspark_runtime.errors import DSparkError
 
     rec = lambda k: json.dumps({"key": k, "source": k.split(":")[0], "ids": [1, 2, 3], "prompt_len": 2})  # noqa: E731
@@ -216,7 +216,8 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     """train-draft end to end on the tiny engine: a call whose time limit is spent stops in stage 1 with its state
     saved; --resume (no settings) runs answers -> sequences -> features -> training to a checkpoint and a report."""
     from dspark_export import draft_data
-    from dspark_export.draft_train import PipelineSettings, TrainSettings, train_draft_pipeline
+    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.draft_train import TrainSettings
 
     prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)] + \
               [("gsm8k", f"gsm8k:{i}", f"What is {i} * 6?") for i in range(1, 4)]
