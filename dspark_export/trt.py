@@ -12,6 +12,11 @@ For every ``causal_lm`` graph of an engine directory this writes
 * with ``half`` ("bf16"/"fp16"): ``<key>.capacity.<half>.onnx`` (+ ``.data``), a 16-bit copy (:func:`to_half`),
   and its engine ``<key>.capacity.<half>.engine``.
 
+and for the ``dspark_draft`` graph (the DSpark drafter) ``<key>.engine`` (``<key>.<half>.engine``): the growing
+graph as exported (context K/V in, past + new context K/V out), with the same two profiles over ``new_len``
+(committed positions per call) and ``past_len`` (its context so far). Graphs with ONNX Runtime contrib operators
+(the int4 ``MatMulNBits`` of CPU engines) are refused with the fp32 graph to use instead (:func:`check_trt_parsable`).
+
 TensorRT for RTX (``tensorrt_rtx_bindings``) builds ahead of time on a machine with no GPU for a list of
 target compute capabilities; the engine is specialised on the GPU at load. Enterprise ``tensorrt`` (needed
 on Hopper / datacenter Blackwell) is driven by the same code but builds for the GPU it runs on. The network
@@ -42,6 +47,9 @@ from dspark_runtime.graphspec import (KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_
 from dspark_runtime.manifest import FileEntry, Manifest, TrtEngineEntry, load_manifest
 from dspark_runtime.trt_import import FLAVOUR_RTX, import_tensorrt
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
+
+# Graph kinds build_trt makes engines of: decoders (target, draft LM) and the DSpark drafter.
+TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft")
 
 # The AOT set of TensorRT-RTX's default portable engine (Ampere, Ampere RTX, Ada, Blackwell RTX). Turing (7.5)
 # must be asked for explicitly and alone, and only for non-fp32 graphs (see the module docstring). FP8 graphs
@@ -205,13 +213,12 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
     F = TensorProto.FLOAT
     model = onnx.load(str(src), load_external_data=False)
     g = model.graph
-    rope = {n.name for n in g.node
-            if any(p.key == "pkg.torch.onnx.name_scopes" and "rotary_emb" in p.value for p in n.metadata_props)}
-    rope_out = {o for n in g.node if n.name in rope for o in n.output}
     users: dict = {}
     for n in g.node:
         for i in n.input:
             users.setdefault(i, []).append(n)
+    rope = _rope_nodes(g, users)
+    rope_out = {o for n in g.node if n.name in rope for o in n.output}
 
     def half_bytes(a: np.ndarray) -> bytes:
         """float32 values -> ``half`` bytes, 4M elements at a time (small transient memory)."""
@@ -300,6 +307,29 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
     del g.value_info[:]
     onnx.save_model(model, str(dst))  # the graph only: its weights are in dst.data already
     print(f"  {Path(dst).name}: {half} copy of {Path(src).name}, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB", flush=True)
+
+
+def _rope_nodes(g, users: dict) -> set:
+    """Names of the nodes that compute rotary-embedding angles and their cos/sin, which :func:`to_half` keeps in
+    float32: the nodes transformers' exporter scopes under ``rotary_emb`` (decoder graphs), and every node reached
+    from an integer position input (``position_ids``; the DSpark drafter's ``feature_positions`` and
+    ``block_positions``, whose RoPE is a function, not a module) up to and including the Cos/Sin that end it."""
+    rope = {n.name for n in g.node
+            if any(p.key == "pkg.torch.onnx.name_scopes" and "rotary_emb" in p.value for p in n.metadata_props)}
+    frontier = [vi.name for vi in g.input if vi.name == "position_ids" or vi.name.endswith("_positions")]
+    seen = set(frontier)
+    while frontier:
+        for n in users.get(frontier.pop(), []):
+            if n.name in rope and n.op_type in ("Cos", "Sin"):
+                continue
+            rope.add(n.name)
+            if n.op_type in ("Cos", "Sin"):
+                continue  # the angles end here: what multiplies q/k by cos/sin is 16-bit
+            for o in n.output:
+                if o not in seen:
+                    seen.add(o)
+                    frontier.append(o)
+    return rope
 
 
 def graph_precision(onnx_path: Path) -> str:
@@ -466,14 +496,44 @@ def _run(fn, isolate: bool, *args) -> None:
         raise DSparkError(f"{fn.__name__}({', '.join(map(str, args))}) failed (exit {proc.returncode}); see above")
 
 
+def check_trt_parsable(onnx_path: Path, key: str, kind: str) -> None:
+    """Raise DSparkError when the graph ``onnx_path`` (manifest graph ``key`` of ``kind``) holds ONNX Runtime
+    contrib operators (domain ``com.microsoft``, e.g. the int4 ``MatMulNBits``): TensorRT-RTX 1.7.1 parses
+    MatMulNBits only through a plugin it does not ship (measured: "failed to load MatMulNBits plugin", and fp32
+    activations are refused before that), so such graphs get no engine. The message names the fp32 graph to
+    build from instead."""
+    import onnx
+
+    g = onnx.load(str(onnx_path), load_external_data=False).graph
+    contrib = sorted({n.op_type for n in g.node if n.domain == "com.microsoft"})
+    if not contrib:
+        return
+    if kind == "dspark_draft":
+        fix = ("re-add the drafter in fp32 (`dspark-export add-draft ENGINE CHECKPOINT --target TARGET --precision "
+               "fp32`) and build from that, with --half bf16/fp16 for a 16-bit engine")
+    else:
+        fix = ("build an fp32 engine (`dspark-export build MODEL --precision fp32 --kv-layout growing`) and build "
+               "from that, with --half bf16/fp16 or an INT8/FP8 QDQ graph for lower precision")
+    raise DSparkError(f"graph {key!r} ({onnx_path.name}) uses ONNX Runtime operators {', '.join(contrib)} "
+                      f"(com.microsoft), which TensorRT does not build; {fix}")
+
+
 def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True, log=print) -> Manifest:
     """Build TensorRT engines for the graphs of the built ``engine_dir`` and record them in its manifest
     (``trt_engines``; replaces earlier entries of the same key). Returns the updated Manifest.
 
+    Graphs: ``settings.graphs`` or every ``causal_lm`` (target, draft LM) and ``dspark_draft`` (DSpark drafter)
+    graph. A causal_lm graph gets an engine per ``settings.kv_layouts`` (entry ``<key>.capacity`` and/or
+    ``<key>``); the DSpark drafter always the growing layout's (entry ``<key>``, file ``<key>.engine``; its
+    context K/V inputs and outputs as declared in :func:`dspark_runtime.graphspec.dspark_draft_spec`). With
+    ``settings.half`` the entry and file names get ``.bf16`` / ``.fp16``. Profiles come from
+    :func:`dspark_runtime.trt_profiles.derive_profiles` for every kind.
+
     A transaction (:func:`dspark_export.txn.engine_transaction`): the capacity-layout and 16-bit graphs and the
     engines are written beside the old files and recorded only when every engine was built; on any failure
     (Ctrl-C and a full disk included) the directory is left as it was.
-    Raises DSparkError for an unknown graph key, a graph kind without a TensorRT path, or a failed build.
+    Raises DSparkError for an unknown graph key, a graph kind without a TensorRT path, a graph with ONNX Runtime
+    contrib operators (int4 MatMulNBits; :func:`check_trt_parsable`), or a failed build.
     """
     from dspark_export.build import _commit
     from dspark_export.txn import engine_transaction
@@ -481,19 +541,20 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
     settings.validate()
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
-    keys = settings.graphs or tuple(k for k, g in manifest.graphs.items() if g.spec.kind == "causal_lm")
+    keys = settings.graphs or tuple(k for k, g in manifest.graphs.items() if g.spec.kind in TRT_GRAPH_KINDS)
     if not keys:
-        raise DSparkError(f"{engine_dir} has no causal_lm graph to build a TensorRT engine for")
+        raise DSparkError(f"{engine_dir} has no causal_lm or dspark_draft graph to build a TensorRT engine for")
     for key in keys:
         if key not in manifest.graphs:
             raise DSparkError(f"{engine_dir} has no graph {key!r} (graphs: {', '.join(manifest.graphs)})")
-        if manifest.graphs[key].spec.kind != "causal_lm":
+        if manifest.graphs[key].spec.kind not in TRT_GRAPH_KINDS:
             raise DSparkError(f"graph {key!r} is a {manifest.graphs[key].spec.kind} graph; TensorRT engines are "
-                              "built for causal_lm graphs (target, draft LM) only so far")
+                              f"built for {' and '.join(TRT_GRAPH_KINDS)} graphs only")
         if manifest.graphs[key].spec.kv_layout != KV_LAYOUT_GROWING:
             raise DSparkError(f"graph {key!r} has the {manifest.graphs[key].spec.kv_layout} KV layout; TensorRT "
                               "engines are built from growing-layout graphs: build the engine with "
                               "`--kv-layout growing` (recipe field kv_layout) for TensorRT")
+        check_trt_parsable(engine_dir / manifest.graphs[key].model_file, key, manifest.graphs[key].spec.kind)
     build = build_engine_file_isolated if isolate else build_engine_file
     with engine_transaction(engine_dir) as txn:
         st = txn.stage  # new files go here; the graphs they are made from are linked in beside them
@@ -502,7 +563,10 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
             for f in g.files:
                 txn.link(f.path)
             src = st / g.model_file
-            for layout in settings.kv_layouts:
+            # the DSpark drafter's context cache grows by committed positions only and lives on the host
+            # (dspark_runtime.trt_backend.TrtDSparkGraph): its engine is the growing graph's, whatever kv_layouts says
+            layouts = settings.kv_layouts if g.spec.kind == "causal_lm" else (KV_LAYOUT_GROWING,)
+            for layout in layouts:
                 extra = []
                 if layout == KV_LAYOUT_CAPACITY:
                     onnx_rel = f"{key}.capacity.onnx"

@@ -61,11 +61,11 @@ class Engine:
                 allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
+        self.backend = "trt" if self.placement.get("target") == "trt" else "ort"  # the target's (row padding)
+        self._use_tensorrt()
         ds = manifest.speculation.dspark
         if ds is not None and ds.embedding is not None and ds.graph in self._backends:
             self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
-        self.backend = "trt" if self.placement.get("target") == "trt" else "ort"  # the target's (row padding)
-        self._use_tensorrt()
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = self._row_multiple(row_multiple, threads)
@@ -168,11 +168,15 @@ class Engine:
                       OtherCpuWarning, stacklevel=4)
 
     def _trt_engines(self) -> dict:
-        """{graph key: the manifest's capacity-layout TensorRT engine of it} (fp32 first when several exist)."""
+        """{graph key: the manifest's TensorRT engine the runtime runs for it}, fp32 first when several exist: a
+        decoder's capacity-layout engine (``<key>.capacity[.bf16|.fp16]``), the DSpark drafter's growing-layout one
+        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.trt_backend.TrtDSparkGraph`)."""
         engines = self.manifest.trt_engines
-        layouts = ("capacity", "capacity.bf16", "capacity.fp16")
-        pick = {key: next((engines[f"{key}.{x}"] for x in layouts if f"{key}.{x}" in engines), None)
-                for key in self.manifest.graphs}
+        names = {"causal_lm": ("{}.capacity", "{}.capacity.bf16", "{}.capacity.fp16"),
+                 "dspark_draft": ("{}", "{}.bf16", "{}.fp16")}
+        pick = {key: next((engines[n.format(key)] for n in names.get(g.spec.kind, ()) if n.format(key) in engines
+                           and engines[n.format(key)].graph == key), None)
+                for key, g in self.manifest.graphs.items()}
         return {k: e for k, e in pick.items() if e is not None}
 
     def _placement(self, placement, backend: str, providers) -> dict:
@@ -193,15 +197,18 @@ class Engine:
         return parse_placement("trt" if backend == "trt" else placement, kinds, trt)
 
     def _use_tensorrt(self) -> None:
-        """Run the graphs placed on ``trt`` on their capacity-layout TensorRT engines."""
+        """Run the graphs placed on ``trt`` on their TensorRT engines (:meth:`_trt_engines`): decoders on a
+        :class:`~dspark_runtime.trt_backend.TrtDecoder`, the DSpark drafter on a
+        :class:`~dspark_runtime.trt_backend.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
         trt = [k for k, p in self.placement.items() if p == "trt"]
         if not trt:
             return
-        from dspark_runtime.trt_backend import TrtDecoder
+        from dspark_runtime.trt_backend import TrtDecoder, TrtDSparkGraph
 
         engines = self._trt_engines()
         for key in trt:
-            self._backends[key] = TrtDecoder(self.dir, engines[key])
+            cls = TrtDSparkGraph if engines[key].spec.kind == "dspark_draft" else TrtDecoder
+            self._backends[key] = cls(self.dir, engines[key])
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,

@@ -212,11 +212,60 @@ def _causal_lm_layout_spec(dims: DecoderDims, layout: str, *, mask_len: str, cac
     return GraphSpec("causal_lm", layout, tuple(inputs), tuple(outputs), dims)
 
 
-# Axes whose size is the sum of other axes (plus a constant): profiles and buffer sizes derive them.
-DERIVED_AXES = {TOTAL_LEN: (PAST_LEN, Q_LEN), KV_LEN: (CAPACITY, Q_LEN)}
-
-
 NEW_LEN, CTX_LEN, MASK_LEN = "new_len", "ctx_len", "mask_len"
+# Not a dynamic axis: the DSpark drafter's block size γ, a fixed int of each dspark_draft graph (the second axis of
+# its block_positions input), named here so the derived-axis sums below can use it (:func:`graph_constants`).
+BLOCK = "block"
+
+# Axes whose size is the sum of other axes, in an order where every term is a base axis, a graph constant
+# (:func:`graph_constants`) or a derived axis listed before it. TensorRT profiles (min/opt/max of each input) and
+# runtime buffer sizes derive them with :func:`resolve_axes`, from this one declaration.
+DERIVED_AXES = {
+    TOTAL_LEN: (PAST_LEN, Q_LEN),    # growing decoder: the mask and present K/V
+    KV_LEN: (CAPACITY, Q_LEN),       # capacity decoder: the mask
+    CTX_LEN: (PAST_LEN, NEW_LEN),    # DSpark drafter: present context K/V = past + newly committed positions
+    MASK_LEN: (CTX_LEN, BLOCK),      # DSpark drafter: the block attends to the context and to itself
+}
+
+
+def graph_constants(spec: "GraphSpec") -> dict:
+    """Fixed sizes of ``spec`` that derived axes add: ``{BLOCK: γ}`` for a dspark_draft graph (the second axis of its
+    ``block_positions`` input), ``{}`` for a decoder. Raises ValueError for a dspark_draft graph without
+    ``block_positions`` or with a dynamic block axis (a declaration this code does not know)."""
+    if spec.kind != "dspark_draft":
+        return {}
+    blk = next((t.shape[1] for t in spec.inputs if t.name == "block_positions"), None)
+    if not isinstance(blk, int):
+        raise ValueError(f"dspark_draft graph declares block_positions {blk!r}; expected [batch, γ] with a fixed γ")
+    return {BLOCK: blk}
+
+
+def resolve_axes(spec: "GraphSpec", sizes: dict) -> dict:
+    """``sizes`` (base axis name -> int, or a tuple of ints such as a profile's (min, opt, max)) plus ``spec``'s
+    constants and every :data:`DERIVED_AXES` entry whose terms are known, summed element-wise. Returns a new dict;
+    axes with an unknown term are left out (the caller names the missing axis when a tensor needs it)."""
+    out = dict(sizes)
+    for name, value in graph_constants(spec).items():
+        out.setdefault(name, value)
+    for axis, parts in DERIVED_AXES.items():
+        if axis in out or not all(p in out for p in parts):
+            continue
+        vals = [out[p] for p in parts]
+        n = max((len(v) for v in vals if isinstance(v, tuple)), default=0)
+        if n:
+            out[axis] = tuple(sum(v[i] if isinstance(v, tuple) else v for v in vals) for i in range(n))
+        else:
+            out[axis] = sum(vals)
+    return out
+
+
+def tensor_shape(t: TensorSpec, sizes: dict) -> tuple:
+    """``t``'s shape with every named axis taken from ``sizes`` (ints; see :func:`resolve_axes`). Raises KeyError
+    naming the axis when ``sizes`` lacks one."""
+    try:
+        return tuple(ax if isinstance(ax, int) else int(sizes[ax]) for ax in t.shape)
+    except KeyError as e:
+        raise KeyError(f"tensor {t.name} has axis {e.args[0]!r} that no size was given for") from None
 
 
 def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> GraphSpec:

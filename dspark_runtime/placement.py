@@ -12,7 +12,8 @@ Places:
               ``pip uninstall -y onnxruntime && pip install onnxruntime-gpu``; its newest release on PyPI, 1.31.1, is
               one minor version behind the CPU package this project pins, and no GPU run has checked it yet)
   ``trt-ep``  ONNX Runtime, TensorRT execution provider (also ``onnxruntime-gpu``), CUDA then CPU as fallbacks
-  ``trt``     the engine's own TensorRT engine of that graph (``dspark-export build-trt``; ``dspark_runtime.trt_backend``)
+  ``trt``     the engine's own TensorRT engine of that graph (``dspark-export build-trt``; ``dspark_runtime.trt_backend``:
+              ``TrtDecoder`` for the target / draft LM, ``TrtDSparkGraph`` for the DSpark drafter)
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def parse_placement(spec: str | dict | None, graphs: dict, trt_graphs=()) -> dic
         {graph key: place} for every key of ``graphs``.
     Raises:
         InputError naming the problem and the fix: a malformed entry, a key the engine has no graph of, a key given
-        twice, an unknown place, ``trt`` for a graph without a TensorRT engine or for the DSpark drafter graph
-        (it has no TensorRT engine yet).
+        twice, an unknown place, ``trt`` for a graph without a TensorRT engine (the DSpark drafter's included: its
+        engine comes from ``build-trt`` on an fp32 drafter graph).
     """
     trt_graphs = set(trt_graphs)
     if spec is None or spec == "":
@@ -71,13 +72,12 @@ def parse_placement(spec: str | dict | None, graphs: dict, trt_graphs=()) -> dic
             raise InputError(f"placement gives graph {key!r} twice; give each graph one place")
         seen.add(key)
         place = _check_place(place, f"graph {key!r}")
-        if place == "trt":
-            if graphs[key] == "dspark_draft":
-                raise InputError(f"graph {key!r} is the DSpark drafter, which has no TensorRT engine yet; place it on "
-                                 "'cuda', 'trt-ep' (ONNX Runtime's TensorRT provider) or 'cpu'")
-            if key not in trt_graphs:
-                raise InputError(f"graph {key!r} has no TensorRT engine in this engine directory; build one with "
-                                 f"`dspark-export build-trt ENGINE`, or place it on 'cuda' or 'cpu'")
+        if place == "trt" and key not in trt_graphs:
+            raise InputError(f"graph {key!r} has no TensorRT engine in this engine directory; build one with "
+                             f"`dspark-export build-trt ENGINE --graphs {key}`"
+                             + (" from an fp32 drafter graph (an int4 one has MatMulNBits, which TensorRT does not "
+                                "build)" if graphs[key] == "dspark_draft" else "")
+                             + ", or place it on 'cuda' or 'cpu'")
         out[key] = place
     return out
 

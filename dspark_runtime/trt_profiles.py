@@ -10,17 +10,21 @@ are poor for both):
 * ``decode``: ``q_len`` 1 .. ``decode_q`` = γ + 1 (anchor + verify tokens; opt = ``decode_q``),
   batch 1 .. ``max_batch`` (opt ``max_batch``).
 
+The DSpark drafter's ``new_len`` (target features committed since its last call) follows the same rules as
+``q_len``: a prompt's features arrive in prefill-sized chunks, then at most γ + 1 per round.
+
 The cache axis spans 0 .. ``capacity`` (growing layout: ``past_len``; capacity layout: the buckets
 ``min_bucket .. capacity``), optimised for half the capacity (growing) or the largest bucket
-(capacity). Derived axes (``total_len = past_len + q_len`` ...) follow from their parts.
+(capacity). Derived axes (``total_len = past_len + q_len`` ...) follow from their parts as
+:data:`dspark_runtime.graphspec.DERIVED_AXES` declares them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import (BATCH, CAPACITY, CTX_LEN, DERIVED_AXES, KV_LAYOUT_CAPACITY, MASK_LEN,
-                                      NEW_LEN, PAST_LEN, Q_LEN, GraphSpec)
+from dspark_runtime.graphspec import (BATCH, CAPACITY, KV_LAYOUT_CAPACITY, NEW_LEN, PAST_LEN, Q_LEN, GraphSpec,
+                                      resolve_axes)
 
 PROFILE_PREFILL, PROFILE_DECODE = "prefill", "decode"
 
@@ -97,16 +101,11 @@ def _axis_ranges(spec: GraphSpec, s: ProfileSettings, profile: str) -> dict:
     return {BATCH: batch, Q_LEN: q, NEW_LEN: q, PAST_LEN: cache, CAPACITY: cache}
 
 
-def _block_size(spec: GraphSpec) -> int:
-    for t in spec.inputs:
-        if t.name == "block_positions":
-            return int(t.shape[1])
-    raise DSparkError(f"graph {spec.kind} declares {MASK_LEN} but no block_positions input")
-
-
 def derive_profiles(spec: GraphSpec, settings: ProfileSettings) -> list[dict]:
     """The optimisation profiles of ``spec``: ``[{"name": "prefill"|"decode", "shapes": {input name:
-    {"min": [...], "opt": [...], "max": [...]}}}]``, every dynamic axis of every input resolved.
+    {"min": [...], "opt": [...], "max": [...]}}}]``, every dynamic axis of every input resolved: the base axes by
+    the rules of this module, the derived ones (``total_len``, ``kv_len``, the DSpark drafter's ``ctx_len`` and
+    ``mask_len = past_len + new_len + block``) by :func:`dspark_runtime.graphspec.resolve_axes`.
 
     Raises DSparkError when an input has an axis this module cannot size (a graph declaration and this
     code out of step).
@@ -114,16 +113,9 @@ def derive_profiles(spec: GraphSpec, settings: ProfileSettings) -> list[dict]:
     settings.validate()
     out = []
     for name in (PROFILE_PREFILL, PROFILE_DECODE):
-        ranges = _axis_ranges(spec, settings, name)
-        derived = {a: tuple(sum(ranges[p][i] for p in parts) for i in range(3)) for a, parts in DERIVED_AXES.items()
-                   if all(p in ranges for p in parts)}
-        ranges.update(derived)
-        ranges[CTX_LEN] = tuple(ranges[PAST_LEN][i] + ranges[NEW_LEN][i] for i in range(3))
+        ranges = resolve_axes(spec, _axis_ranges(spec, settings, name))
         shapes = {}
         for t in spec.inputs:
-            if t.dtype == "bool" and MASK_LEN in t.shape:
-                blk = _block_size(spec)
-                ranges[MASK_LEN] = tuple(ranges[CTX_LEN][i] + blk for i in range(3))
             mom = {}
             for j, key in enumerate(("min", "opt", "max")):
                 dims = []
@@ -134,7 +126,8 @@ def derive_profiles(spec: GraphSpec, settings: ProfileSettings) -> list[dict]:
                         dims.append(int(ranges[ax][j]))
                     else:
                         raise DSparkError(f"input {t.name} of the {spec.kind} graph has axis {ax!r} that no "
-                                          "TensorRT profile rule sizes; extend dspark_runtime.trt_profiles")
+                                          "TensorRT profile rule sizes; extend dspark_runtime.trt_profiles (base "
+                                          "axes) or graphspec.DERIVED_AXES (sums of axes)")
                 mom[key] = dims
             shapes[t.name] = mom
         out.append({"name": name, "shapes": shapes})

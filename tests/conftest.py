@@ -50,6 +50,20 @@ def tiny_engine_dir(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_with_dspark(tiny_engine_dir, tiny_pair, tmp_path_factory):
+    """A copy of the tiny engine with an untrained DSpark drafter added as graph ``dspark`` (fp32, block 4) beside
+    its draft LM: target, draft and DSpark drafter graphs in one engine (read only; copy it to change it)."""
+    import shutil
+
+    from tiny_models import add_tiny_dspark
+
+    out = tmp_path_factory.mktemp("engines-dspark") / "tiny"
+    shutil.copytree(tiny_engine_dir, out)
+    add_tiny_dspark(out, tiny_pair[0])
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_dspark(tiny_pair, tmp_path_factory):
     """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
     pytest.importorskip("torch")

@@ -18,6 +18,15 @@ def test_key_value_placement_and_defaults():
     assert parse_placement(format_placement(got), GRAPHS, {"target"}) == got
 
 
+def test_dspark_drafter_on_its_tensorrt_engine():
+    """dspark=trt where the engine has the drafter's TensorRT engine (build-trt builds it beside the decoders')."""
+    assert parse_placement("dspark=trt", GRAPHS, {"target", "dspark"}) == {"target": "cpu", "draft": "cpu",
+                                                                          "dspark": "trt"}
+    got = parse_placement("target=trt,draft=cuda,dspark=trt", GRAPHS, {"target", "dspark"})
+    assert got == {"target": "trt", "draft": "cuda", "dspark": "trt"}
+    assert parse_placement("trt", GRAPHS, {"target", "dspark"}) == {"target": "trt", "draft": "cpu", "dspark": "trt"}
+
+
 def test_one_place_for_all_and_trt_like_the_backend():
     assert parse_placement("cuda", GRAPHS) == {k: "cuda" for k in GRAPHS}
     # 'trt' alone: every graph with a TensorRT engine on it, the rest on the CPU (as --backend trt)
@@ -32,7 +41,8 @@ def test_one_place_for_all_and_trt_like_the_backend():
     ("target=cpu,target=cuda", "gives graph 'target' twice"),
     ("target", "unknown place 'target' for every graph"),
     ("target=,draft=cpu", "entry 'target=' is not key=place"),
-    ("dspark=trt", "DSpark drafter, which has no TensorRT engine yet; place it on 'cuda'"),
+    ("dspark=trt", r"graph 'dspark' has no TensorRT engine in this engine directory; build one with `dspark-export "
+                   r"build-trt ENGINE --graphs dspark` from an fp32 drafter graph .*MatMulNBits"),
     ("draft=trt", "graph 'draft' has no TensorRT engine in this engine directory; build one"),
 ])
 def test_refusals_name_the_problem_and_the_fix(spec, msg):

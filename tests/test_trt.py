@@ -49,6 +49,36 @@ def test_profiles_capacity_layout_and_dspark_draft():
     assert d["anchor_embeds"] == {"min": [1, 1, 64], "opt": [1, 1, 64], "max": [2, 1, 64]}
 
 
+def test_derived_axes_come_from_the_one_declaration():
+    from dspark_runtime.graphspec import BLOCK, graph_constants, resolve_axes, tensor_shape
+
+    ds = dspark_draft_spec(DIMS, feature_size=128, block_size=4)
+    assert graph_constants(ds) == {BLOCK: 4} and graph_constants(causal_lm_spec(DIMS)) == {}
+    # ints (buffer sizes) and (min, opt, max) tuples (profiles), summed element-wise
+    got = resolve_axes(ds, {"batch": 1, "past_len": 100, "new_len": 6})
+    assert (got["ctx_len"], got["mask_len"]) == (106, 110)
+    got = resolve_axes(ds, {"past_len": (0, 64, 128), "new_len": (1, 32, 32)})
+    assert got["ctx_len"] == (1, 96, 160) and got["mask_len"] == (5, 100, 164)
+    assert "total_len" not in got  # no q_len given: left out, not guessed
+    shapes = {t.name: tensor_shape(t, resolve_axes(ds, {"batch": 2, "past_len": 10, "new_len": 3}))
+              for t in (*ds.inputs, *ds.outputs)}
+    assert shapes["attention_mask"] == (2, 1, 4, 17) and shapes["present.1.value"] == (2, 2, 13, 16)
+    assert shapes["base_logits"] == (2, 4, 320) and shapes["anchor_embeds"] == (2, 1, 64)
+    with pytest.raises(KeyError, match="tensor features has axis 'new_len'"):
+        tensor_shape(ds.inputs[0], {"batch": 1})
+
+
+def test_dspark_draft_decode_profile_is_one_round():
+    pre, dec = (p["shapes"] for p in derive_profiles(dspark_draft_spec(DIMS, feature_size=128, block_size=4), SMALL))
+    assert list(dec) == dspark_draft_spec(DIMS, 128, 4).input_names
+    # a round commits at most gamma + 1 = decode_q positions; a prompt's features come in prefill chunks
+    assert dec["features"] == {"min": [1, 1, 128], "opt": [2, 5, 128], "max": [2, 5, 128]}
+    assert pre["features"]["max"] == [2, 32, 128] and pre["feature_positions"]["max"] == [2, 32]
+    assert dec["past.0.key"] == {"min": [1, 2, 0, 16], "opt": [2, 2, 64, 16], "max": [2, 2, 128, 16]}
+    assert dec["attention_mask"] == {"min": [1, 1, 4, 5], "opt": [2, 1, 4, 73], "max": [2, 1, 4, 137]}
+    assert dec["block_positions"] == {"min": [1, 4], "opt": [2, 4], "max": [2, 4]}
+
+
 def test_profile_settings_errors_name_the_fix():
     with pytest.raises(DSparkError, match="prefill_chunk .* must be >= decode_q"):
         ProfileSettings(decode_q=9, prefill_chunk=8).validate()
@@ -389,3 +419,120 @@ def test_trt_rtx_builds_the_streamed_fp8_graph(tiny_engine_dir, tmp_path, trt_bu
     trt_build_log.append(("tiny target fp8 QDQ (streaming writer)", r))
     assert r["precision"] == "fp8" and (tmp_path / "fp8s.engine").stat().st_size > 100_000
     assert r["compute_capabilities"] == ["8.9", "12.0"]
+
+
+# -- the DSpark drafter graph: engines beside the target's and the draft LM's
+
+
+@pytest.fixture(scope="module")
+def trt_all_graphs_dir(tiny_engine_with_dspark, tmp_path_factory):
+    """The tiny engine with target, draft LM and DSpark drafter graphs, and `build-trt`'s default engines of all
+    three (the drafter's from the growing graph, the decoders' capacity layout)."""
+    from dspark_export.trt import TrtBuildSettings, build_trt
+
+    d = tmp_path_factory.mktemp("trt-all") / "tiny"
+    shutil.copytree(tiny_engine_with_dspark, d)
+    build_trt(d, TrtBuildSettings(profile=SMALL), isolate=False, log=lambda *a: None)
+    return d
+
+
+@needs_rtx
+def test_trt_rtx_builds_target_draft_and_dspark_drafter(trt_all_graphs_dir, trt_build_log):
+    from dspark_runtime.engine import Engine
+    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.trt_backend import TrtDecoder, TrtDSparkGraph
+
+    m = load_manifest(trt_all_graphs_dir, rehash=True)
+    assert set(m.trt_engines) == {"target.capacity", "draft.capacity", "dspark"}
+    for key in ("target.capacity", "draft.capacity", "dspark"):
+        trt_build_log.append((f"tiny {key}", m.trt_engines[key]))
+    e = m.trt_engines["dspark"]
+    spec = m.graphs["dspark"].spec
+    assert e.graph == "dspark" and e.kv_layout == "growing" and e.onnx == "dspark.onnx" and e.extra_files == []
+    assert e.file.path == "dspark.engine" and e.file.size > 100_000 and e.precision == "fp32"
+    assert e.spec == spec and spec.kind == "dspark_draft" and e.profiles == derive_profiles(spec, SMALL)
+    # the block is 4, the features two 64-wide layers; mask_len = past + new + block
+    assert e.profiles[1]["shapes"]["attention_mask"]["max"] == [2, 1, 4, 128 + 5 + 4]
+    assert e.profiles[0]["shapes"]["features"]["max"] == [2, 32, 128]
+    assert e.profiles[0]["shapes"]["past.0.key"]["max"] == [2, 2, 128, 16]
+    assert 0 < e.build_seconds < 120 and e.peak_rss_bytes > 50 * 2**20
+    # the runtime runs it: dspark=trt accepted, the anchor rows wired in as on ONNX Runtime (nothing activated)
+    eng = Engine.load(trt_all_graphs_dir, threads=1, placement="dspark=trt")
+    assert eng.placement == {"target": "cpu", "draft": "cpu", "dspark": "trt"}
+    g = eng._backends["dspark"]
+    assert isinstance(g, TrtDSparkGraph) and g.embedding is not None and g.block_size == 4 and g.context is None
+    eng = Engine.load(trt_all_graphs_dir, threads=1, backend="trt")
+    assert [type(eng._backends[k]) for k in ("target", "draft", "dspark")] == [TrtDecoder, TrtDecoder, TrtDSparkGraph]
+
+
+@needs_rtx
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_trt_rtx_half_dspark_drafter_engines(half, tiny_engine_with_dspark, tmp_path, trt_build_log):
+    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_with_dspark, d)
+    build_trt(d, TrtBuildSettings(profile=SMALL, graphs=("dspark",), half=half), isolate=False, log=lambda *a: None)
+    m = load_manifest(d, rehash=True)
+    assert set(m.trt_engines) == {f"dspark.{half}"}
+    e = m.trt_engines[f"dspark.{half}"]
+    trt_build_log.append((f"tiny dspark.{half}", e))
+    assert e.precision == half and e.kv_layout == "growing" and e.onnx == f"dspark.{half}.onnx"
+    assert [f.path for f in e.extra_files] == [f"dspark.{half}.onnx", f"dspark.{half}.onnx.data"]
+
+
+def test_half_dspark_drafter_matches_fp32_on_onnx_runtime(tiny_engine_with_dspark, tmp_path):
+    """to_half keeps the drafter's RoPE (a function of feature_positions / block_positions, not a rotary_emb module)
+    in float32: the fp16 graph's context keys at positions 3000+ match the fp32 graph's within fp16 rounding."""
+    import onnx
+    import onnxruntime as ort
+
+    from dspark_export.trt import to_half
+    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_runtime.manifest import load_manifest
+
+    d = tiny_engine_with_dspark
+    m = load_manifest(d)
+    spec = m.graphs["dspark"].spec
+    for f in ("dspark.onnx", "dspark.onnx.data"):
+        shutil.copy(d / f, tmp_path / f)
+    to_half(tmp_path / "dspark.onnx", tmp_path / "d16.onnx", "fp16")
+    g = onnx.load(str(tmp_path / "d16.onnx"), load_external_data=False).graph
+    cos = [n for n in g.node if n.op_type in ("Cos", "Sin")]
+    assert len(cos) == 4 and all(n.input[0].split(".")[-1] != "fp16" for n in cos)  # angles computed in float32
+    rng = np.random.default_rng(0)
+    P, N, G, dims = 3000, 6, 4, spec.dims
+    feeds = {"features": rng.normal(size=(1, N, spec.inputs[0].shape[-1])).astype(np.float32),
+             "feature_positions": np.arange(P, P + N)[None], "block_positions": np.arange(P + N, P + N + G)[None],
+             "anchor_embeds": EmbeddingRows.from_manifest(d, m.speculation.dspark.embedding).rows(np.array([[7]])),
+             "attention_mask": np.ones((1, 1, G, 5 + N + G), bool)}
+    for i in range(dims.num_layers):
+        for kv in ("key", "value"):
+            feeds[f"past.{i}.{kv}"] = rng.normal(size=(1, dims.num_kv_heads, 5, dims.head_dim)).astype(np.float32)
+    names = ["base_logits", "present.0.key"]
+    a = ort.InferenceSession(str(tmp_path / "dspark.onnx"), providers=["CPUExecutionProvider"]).run(names, feeds)
+    b = ort.InferenceSession(str(tmp_path / "d16.onnx"), providers=["CPUExecutionProvider"]).run(names, feeds)
+    assert np.abs(a[0] - b[0]).max() < 2e-3 * np.abs(a[0]).max() and (a[0].argmax(-1) == b[0].argmax(-1)).all()
+    assert np.abs(a[1] - b[1]).max() < 5e-3  # rotated context keys at positions 3000..3005
+
+
+def test_int4_graphs_are_refused_with_the_fp32_route(tmp_path):
+    """MatMulNBits (ONNX Runtime's int4, domain com.microsoft) does not build on TensorRT-RTX 1.7.1 (its parser
+    asks for a plugin it does not ship): build_trt refuses such graphs up front and names the fp32 graph to use."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from dspark_export.trt import check_trt_parsable
+
+    node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=64, N=64, bits=4,
+                            block_size=32)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]),
+              str(tmp_path / "q.onnx"))
+    with pytest.raises(DSparkError, match=r"graph 'dspark' \(q.onnx\) uses ONNX Runtime operators MatMulNBits .*"
+                                          r"add-draft ENGINE CHECKPOINT --target TARGET --precision fp32"):
+        check_trt_parsable(tmp_path / "q.onnx", "dspark", "dspark_draft")
+    with pytest.raises(DSparkError, match="build an fp32 engine"):
+        check_trt_parsable(tmp_path / "q.onnx", "target", "causal_lm")

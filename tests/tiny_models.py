@@ -59,3 +59,27 @@ def make_pair(root: Path, noise: float = 0.03, seed: int = 0, family: str = "qwe
             p.add_(torch.randn_like(p) * noise * p.std())
     draft.save_pretrained(ddir)
     return tdir, ddir
+
+
+def add_tiny_dspark(engine_dir: Path, target_dir: Path, block_size: int = 4, precision: str = "fp32",
+                    isolate: bool = False) -> Path:
+    """Add an untrained tiny DSpark drafter (1 layer, block ``block_size``, Markov rank 16, the target's
+    embedding and LM head) to the built tiny ``engine_dir`` as graph ``dspark`` beside its draft LM
+    (``dspark-export add-draft``); the target must output features of layers (-1, 0). Untrained drafts are
+    mostly rejected, which is all exactness checks and engine builds need. Returns the checkpoint folder."""
+    import torch
+
+    from dspark_export.add_draft import add_dspark_draft
+    from dspark_export.draft_graph import target_frozen_weights
+    from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config, save_checkpoint
+
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,
+                           block_size=block_size, target_layer_ids=(-1, 0), markov_rank=16)
+    torch.manual_seed(0)
+    model = DSparkDraftModel(c)
+    model.init_from_target(*target_frozen_weights(target_dir))
+    ckpt = save_checkpoint(model, Path(engine_dir).parent / f"{Path(engine_dir).name}-dspark-ckpt",
+                           dtype=torch.float32)
+    add_dspark_draft(engine_dir, ckpt, str(target_dir), isolate=isolate, log=lambda *a: None, precision=precision)
+    return ckpt
