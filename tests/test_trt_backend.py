@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from dspark_runtime.errors import DSparkError, InputError
-from dspark_runtime.graphspec import DecoderDims, causal_lm_spec
+from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
 from dspark_runtime.kvcache import KVCache, causal_mask
 from dspark_runtime.manifest import FileEntry, TrtEngineEntry
-from dspark_runtime.trt_backend import DeviceKV, TrtDecoder, plan_buffers, widen_mask
+from dspark_runtime.trt_backend import (DeviceKV, TrtDecoder, TrtDSparkGraph, dspark_chunk_mask, plan_buffers,
+                                        plan_dspark_chunks, widen_mask)
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
 
 DIMS = DecoderDims(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=320, feature_layers=(-1, 0))
@@ -21,6 +22,15 @@ def _entry(**ps):
                           file=FileEntry("target.capacity.engine", 1, "0" * 64), flavour="tensorrt-rtx",
                           version="1.7.1.116", profiles=derive_profiles(spec, s), profile_settings=s.to_json(),
                           compute_capabilities=["8.6"], precision="fp32", build_seconds=1.0, peak_rss_bytes=1, spec=spec)
+
+
+def _dspark_entry(**ps):
+    s = ProfileSettings(**{"max_batch": 2, "decode_q": 5, "prefill_chunk": 32, "capacity": 128, "min_bucket": 32, **ps})
+    spec = dspark_draft_spec(DIMS, feature_size=128, block_size=4)
+    return TrtEngineEntry(graph="dspark", kv_layout="growing", onnx="dspark.onnx",
+                          file=FileEntry("dspark.engine", 1, "0" * 64), flavour="tensorrt-rtx", version="1.7.1.116",
+                          profiles=derive_profiles(spec, s), profile_settings=s.to_json(), compute_capabilities=["8.6"],
+                          precision="fp32", build_seconds=1.0, peak_rss_bytes=1, spec=spec)
 
 
 def _gpu_reason():
@@ -145,3 +155,119 @@ def test_trt_backend_on_gpu_matches_onnx_runtime(tiny_engine_dir, tmp_path):
     spec = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft="lm", draft_length=4)
     assert spec.token_ids == ref.token_ids
     assert ref.token_ids == ort_eng.generate("def add(a, b):", max_new_tokens=24, draft=None).token_ids
+
+
+# -- the DSpark drafter on its TensorRT engine: planning (CPU), chunking checked on ONNX Runtime, GPU parity
+
+
+def test_dspark_buffer_plan_sizes():
+    p = plan_buffers(_dspark_entry(), batch=1, capacity=128)
+    # context upload buffers: (k, v) x 2 layers x batch 1 x 2 heads x 128 positions x head_dim 16 x fp32
+    assert p.kv == 2 * 2 * 1 * 2 * 128 * 16 * 4 and p.kv_scratch == 0
+    assert p.inputs == {"features": 32 * 128 * 4, "feature_positions": 32 * 8, "anchor_embeds": 64 * 4,
+                        "block_positions": 4 * 8, "attention_mask": 4 * (128 + 32 + 4)}  # mask_len = ctx + block
+    assert p.outputs["hidden"] == 4 * 64 * 4 and p.outputs["base_logits"] == 4 * 320 * 4
+    assert p.outputs["present.1.key"] == 2 * (128 + 32) * 16 * 4  # ctx_len = capacity + a prefill chunk
+    with pytest.raises(DSparkError, match="batch 3 exceeds the engine's max_batch 2"):
+        plan_buffers(_dspark_entry(), batch=3, capacity=128)
+
+
+def test_dspark_chunk_plan():
+    assert plan_dspark_chunks(past=0, n_new=70, max_new=32, capacity=128) == [(0, 32), (32, 64), (64, 70)]
+    assert plan_dspark_chunks(past=50, n_new=5, max_new=32, capacity=128) == [(0, 5)]
+    assert plan_dspark_chunks(past=0, n_new=0, max_new=32, capacity=128) == [(0, 0)]  # a one-token prompt
+    with pytest.raises(DSparkError, match="needs 130 positions but its TensorRT engine takes 128; rebuild it with a "
+                                          "larger --capacity"):
+        plan_dspark_chunks(past=100, n_new=30, max_new=32, capacity=128)
+
+
+def test_dspark_chunk_mask():
+    m = np.zeros((1, 1, 4, 3 + 5 + 4), dtype=bool)
+    m[..., :3] = [True, False, True]  # a padded context slot stays hidden
+    m[..., 3:8] = True
+    m[..., 8:] = np.tril(np.ones((4, 4), dtype=bool))
+    c = dspark_chunk_mask(m, past=3, n_new=5, start=0, end=2)
+    assert c.shape == (1, 1, 4, 3 + 2 + 4)
+    np.testing.assert_array_equal(c[..., :5], m[..., :5])
+    np.testing.assert_array_equal(c[..., 5:], m[..., 8:])  # the block's own columns follow the chunk
+    pad = dspark_chunk_mask(m[..., [0, 1, 2, 8, 9, 10, 11]], past=3, n_new=0, start=0, end=0)
+    assert pad.shape == (1, 1, 4, 8) and not pad[..., 3].any()  # the padding column is hidden
+    with pytest.raises(DSparkError, match=r"past \(3\) \+ new \(4\) \+ block \(4\) = 11"):
+        dspark_chunk_mask(m, past=3, n_new=4, start=0, end=2)
+
+
+def test_trt_dspark_graph_constructs_cheaply_and_checks_its_entry(tmp_path):
+    g = TrtDSparkGraph(tmp_path, _dspark_entry())  # no TensorRT, no GPU touched
+    assert g.block_size == 4 and g.embeds_anchor and g.max_new == 32 and g.capacity == 128 and g.context is None
+    assert g.empty_kv(1)[1][0].shape == (1, 2, 0, 16) and g.plan.kv == 2 * 2 * 2 * 128 * 16 * 4
+    with pytest.raises(DSparkError, match="runs dspark_draft engines of the growing layout; target.capacity.engine is "
+                                          "a causal_lm engine of the capacity layout"):
+        TrtDSparkGraph(tmp_path, _entry())
+    with pytest.raises(DSparkError, match="batch 4 exceeds"):
+        TrtDSparkGraph(tmp_path, _dspark_entry(), batch=4)
+
+
+def test_chunked_drafter_calls_equal_one_call_on_onnx_runtime(tiny_engine_with_dspark):
+    """What TrtDSparkGraph does with a context longer than its prefill chunk, run on ONNX Runtime: the chunked calls
+    (each chunk's present the next one's past, the last one's block) give the one call's block outputs and context."""
+    from dspark_runtime.dspark import EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.manifest import load_manifest
+
+    m = load_manifest(tiny_engine_with_dspark)
+    spec = m.graphs["dspark"].spec
+    g = OrtDSparkGraph(tiny_engine_with_dspark / "dspark.onnx", spec, threads=1,
+                       embedding=EmbeddingRows.from_manifest(tiny_engine_with_dspark, m.speculation.dspark.embedding))
+    rng = np.random.default_rng(0)
+    past, n, G = 6, 23, g.block_size
+    kv = [tuple(rng.normal(size=(1, 2, past, 16)).astype(np.float32) for _ in range(2)) for _ in range(2)]
+    feats = rng.normal(size=(1, n, spec.inputs[0].shape[-1])).astype(np.float32)
+    fpos = np.arange(past, past + n)[None]
+    bpos = np.arange(past + n, past + n + G)[None]
+    mask = np.ones((1, 1, G, past + n + G), dtype=bool)
+    mask[..., 2] = False  # a padding slot of the past
+    anchor = np.array([[11]])
+    h_ref, b_ref, kv_ref = g.run(feats, fpos, anchor, bpos, mask, kv)
+    cur = kv
+    chunks = plan_dspark_chunks(past, n, max_new=8, capacity=128)
+    assert chunks == [(0, 8), (8, 16), (16, 23)]
+    for s, e in chunks:
+        h, b, cur = g.run(feats[:, s:e], fpos[:, s:e], anchor, bpos, dspark_chunk_mask(mask, past, n, s, e), cur)
+    assert np.abs(h - h_ref).max() < 1e-5 and np.abs(b - b_ref).max() < 1e-4
+    for (k, v), (kr, vr) in zip(cur, kv_ref):
+        assert k.shape == kr.shape == (1, 2, past + n, 16)
+        assert np.abs(k - kr).max() < 1e-5 and np.abs(v - vr).max() < 1e-5
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_dspark_drafter_on_gpu_matches_onnx_runtime(tiny_engine_with_dspark, tmp_path):
+    """GPU only: the DSpark drafter's TensorRT engine against its ONNX graph (block outputs and context over a long
+    first call, chunked, then rounds), and speculative greedy with dspark=trt == target-only greedy."""
+    import shutil
+
+    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_runtime import Engine
+    from dspark_runtime.dspark import DSparkDrafter
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_with_dspark, d)
+    build_trt(d, TrtBuildSettings(graphs=("dspark",), profile=ProfileSettings(
+        max_batch=1, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)), isolate=False, log=print)
+    ort_eng, trt_eng = Engine.load(d, threads=1), Engine.load(d, threads=1, placement="dspark=trt")
+    ga, gb = ort_eng._backends["dspark"].activate(), trt_eng._backends["dspark"].activate()
+    rng = np.random.default_rng(0)
+    kva, kvb, past = ga.empty_kv(1), gb.empty_kv(1), 0
+    for n in (40, 3, 5, 1):  # 40 > the 16-position chunk: three engine runs
+        feats = rng.normal(size=(1, n, ga.spec.inputs[0].shape[-1])).astype(np.float32)
+        args = (feats, np.arange(past, past + n)[None], np.array([[9]]), np.arange(past + n, past + n + 4)[None],
+                np.ones((1, 1, 4, past + n + 4), dtype=bool))
+        ha, ba, kva = ga.run(*args, kva)
+        hb, bb, kvb = gb.run(*args, kvb)
+        past += n
+        assert np.abs(ha - hb).max() < 1e-3 and np.abs(ba - bb).max() < 1e-2
+        assert (ba.argmax(-1) == bb.argmax(-1)).all()
+        assert max(np.abs(a - b).max() for pa, pb in zip(kva, kvb) for a, b in zip(pa, pb)) < 1e-3
+    assert gb.stats["resident"] == 3 and gb.stats["engine_runs"] == 6
+    ref = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft=None)
+    spec = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft="dspark", draft_length=4)
+    assert spec.token_ids == ref.token_ids and spec.stats.placement == "target=cpu,draft=cpu,dspark=trt"
+    assert isinstance(trt_eng.drafter("dspark", trt_eng.runner("target")), DSparkDrafter)
