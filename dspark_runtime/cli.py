@@ -321,9 +321,39 @@ def unpack(tarball, dest):
 @click.option("--placement", default=None,
               help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep; batched serving "
                    "cannot use 'trt' yet).")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Serve on Ray Serve (pip install 'dspark[ray]'): the same app in --replicas replicas, each loading "
+                   "the engine (docs/serving.md, 'Scale-out on Ray Serve').")
+@click.option("--replicas", type=click.IntRange(min=1), default=None, help="With --ray: replicas (default 1).")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="With --ray: autoscale between MIN and MAX replicas (instead of --replicas).")
+@click.option("--target-ongoing-requests", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --autoscale: requests in flight per replica that autoscaling aims at (default --max-batch).")
+@click.option("--replica-cpus", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --ray: Ray CPUs reserved per replica (default 1; --threads defaults to it, rounded).")
+@click.option("--ray-address", default=None,
+              help="With --ray: the Ray cluster to join ('auto': the one `ray start` runs here, or ray://HOST:10001); "
+                   "default: start a local one on this machine.")
 def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, threads, max_context,
-          default_max_tokens, model_name, shutdown_timeout, log_level, placement):
-    """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching."""
+          default_max_tokens, model_name, shutdown_timeout, log_level, placement, use_ray, replicas, autoscale,
+          target_ongoing_requests, replica_cpus, ray_address):
+    """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching; with --ray,
+    in several replicas on Ray Serve."""
+    ray_opts = {"--replicas": replicas, "--autoscale": autoscale, "--target-ongoing-requests": target_ongoing_requests,
+                "--replica-cpus": replica_cpus, "--ray-address": ray_address}
+    if not use_ray:
+        given = [k for k, v in ray_opts.items() if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with --ray (serving on "
+                             f"Ray Serve); add --ray or drop {'them' if len(given) > 1 else 'it'}")
+    else:
+        _serve_ray(engine_dir, host=host, port=port, max_batch=max_batch, max_queue=max_queue, draft=draft,
+                   draft_length=draft_length, draft_confidence=draft_confidence, threads=threads,
+                   max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
+                   shutdown_timeout=shutdown_timeout, placement=placement, replicas=replicas, autoscale=autoscale,
+                   target_ongoing_requests=target_ongoing_requests, replica_cpus=replica_cpus,
+                   ray_address=ray_address)
+        return
     try:
         from dspark_runtime.server import serve as _serve
     except ImportError as e:
@@ -341,6 +371,42 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,
            default_max_tokens=default_max_tokens, model_name=model_name)
+
+
+def _autoscale(value: str) -> tuple:
+    """``MIN:MAX`` -> (min, max); raises InputError naming the expected form."""
+    try:
+        lo, hi = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise InputError(f"--autoscale takes MIN:MAX replicas (e.g. 1:4), got {value!r}") from None
+    if lo < 0 or hi < max(1, lo):
+        raise InputError(f"--autoscale MIN:MAX needs 0 <= MIN <= MAX and MAX >= 1, got {value!r}")
+    return lo, hi
+
+
+def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address, host, port,
+               draft_length, **app) -> None:
+    """``dspark serve --ray``: :func:`dspark_runtime.ray_serve.run` with the command's options. Raises InputError for
+    bad options or without Ray Serve; ManifestError when a local cluster (no --ray-address) would load a missing
+    or broken engine directory."""
+    from dspark_runtime.ray_serve import RayServeSettings, run
+
+    dl = _draft_length(draft_length)
+    if dl == "auto":
+        raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
+    if replicas is not None and autoscale is not None:
+        raise InputError("--replicas and --autoscale exclude each other: a fixed count or MIN:MAX, not both")
+    if target_ongoing_requests is not None and autoscale is None:
+        raise InputError("--target-ongoing-requests applies to autoscaling: add --autoscale MIN:MAX")
+    lo, hi = _autoscale(autoscale) if autoscale is not None else (None, None)
+    if ray_address is None and not Path(engine_dir).is_file():  # a tarball: the replicas unpack and check it
+        from dspark_runtime.manifest import load_manifest
+
+        load_manifest(engine_dir, verify=False)  # the replicas run here: a wrong path fails now, not in each replica
+    settings = RayServeSettings(engine=str(engine_dir), draft_length=dl, num_replicas=replicas or 1, min_replicas=lo,
+                                max_replicas=hi, target_ongoing_requests=target_ongoing_requests,
+                                replica_cpus=1.0 if replica_cpus is None else float(replica_cpus), **app)
+    run(settings, address=ray_address, host=host, port=port, log=click.echo)
 
 
 def run_cli(group: click.Group, argv=None) -> None:

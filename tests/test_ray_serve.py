@@ -1,0 +1,367 @@
+"""Scale-out on Ray Serve (issue 21): the app of ``create_app`` in 2 replicas of a tiny engine on a local Ray
+cluster on loopback (2 CPUs, 200 MB object store, no dashboard).
+
+- every greedy answer (completions and chat, streamed and not, 8 concurrent clients) equals the engine's own solo
+  ``generate`` output, and requests are routed across both replicas: the ``X-DSpark-Replica`` header of each
+  answer and each replica's own ``/metrics`` (its requests and generated tokens) agree;
+- one replica killed (``ray.kill`` on its actor) mid-load, in the middle of a long stream: Serve starts a new
+  replica, no client gets a garbled or hung answer; a failed attempt (a 5xx, a stream cut before ``[DONE]``) is
+  retried and counted, every final answer equals the solo output.
+
+The tiny engine is built with the scatter KV layout, so a request's greedy output is bit-identical whatever
+shares its verify rounds (docs/serving.md) and the comparison with solo output is exact under any batching.
+Settings validation and the CLI's refusals run without Ray; the cluster tests skip when ``ray[serve]`` is not
+installed (``pip install -e ".[ray]"``).
+"""
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dspark_runtime.errors import InputError
+from dspark_runtime.ray_serve import DEPLOYMENT_NAME, REPLICA_HEADER, RayServeSettings
+
+PROMPTS = ["hello world", "def f(x):\n    return x + 1\n\ndef g(x):", "the the the the the",
+           "import numpy as np\nimport numpy as np\n", "1 2 3 4 5 6 7 8 9", "Write a function that sorts a list."]
+MAX_TOKENS = 24
+LONG_TOKENS = 900  # the long stream cut by the kill: ~0.5 s of decoding for the tiny engine on one thread
+APP_KW = dict(draft="lm", draft_length=3, max_batch=4, max_queue=16, threads=1, replica_cpus=1.0)
+
+
+def _ray_serve():
+    return pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[ray]'): "
+                                                   "the Ray Serve tests need a local Ray cluster")
+
+
+# ---------------------------------------------------------------------------------------- settings (no Ray)
+
+
+def test_settings_map_to_serve_options_and_bad_ones_are_refused():
+    s = RayServeSettings(engine="/e", num_replicas=3, replica_cpus=2, max_batch=4, max_queue=10)
+    o = s.deployment_options()
+    assert o["num_replicas"] == 3 and "autoscaling_config" not in o
+    assert o["ray_actor_options"] == {"num_cpus": 2.0}
+    assert o["max_ongoing_requests"] == 14  # the app's own capacity: max_batch + max_queue
+    assert s.replica_threads == 2 and RayServeSettings(engine="/e", replica_cpus=0.5).replica_threads == 1
+    a = RayServeSettings.from_args({"engine": "/e", "min_replicas": 1, "max_replicas": 4, "max_batch": 6})
+    ac = a.deployment_options()["autoscaling_config"]
+    assert ac == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1, "target_ongoing_requests": 6.0}
+    assert "num_replicas" not in a.deployment_options()
+    assert s.app_kwargs()["draft"] == "auto" and RayServeSettings(engine="/e", draft="none").app_kwargs()["draft"] is None
+    bad = [({"engine": "/e", "replicas": 2}, "unknown setting replicas"),
+           ({"num_replicas": 2}, "need engine"),
+           ({"engine": "/e", "min_replicas": 1}, "needs both min_replicas and max_replicas"),
+           ({"engine": "/e", "min_replicas": 3, "max_replicas": 2}, "max_replicas must be an integer >= 1 and >= "),
+           ({"engine": "/e", "num_replicas": 0}, "num_replicas must be an integer >= 1"),
+           ({"engine": "/e", "replica_cpus": 0}, "replica_cpus must be a number > 0"),
+           ({"engine": "/e", "draft": "medusa"}, "draft must be one of"),
+           ({"engine": "/e", "draft_length": "auto"}, "draft_length must be a positive integer or 'scheduled'"),
+           ({"engine": "/e", "target_ongoing_requests": 4}, "applies to autoscaling only"),
+           ({"engine": ""}, "engine must be the path")]
+    for args, msg in bad:
+        with pytest.raises(InputError, match=msg):
+            RayServeSettings.from_args(args)
+
+
+def test_the_runtime_and_this_module_import_without_ray():
+    """Ray is imported only inside the functions of dspark_runtime.ray_serve: importing it (and the CLI, the
+    server) loads no ``ray`` module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dspark_runtime, dspark_runtime.cli, dspark_runtime.server, dspark_runtime.ray_serve; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--replicas", "2"], "--replicas applies only with --ray"),
+    (["--ray", "--autoscale", "1-3"], "--autoscale takes MIN:MAX"),
+    (["--ray", "--autoscale", "3:1"], "needs 0 <= MIN <= MAX"),
+    (["--ray", "--replicas", "2", "--autoscale", "1:2"], "exclude each other"),
+    (["--ray", "--target-ongoing-requests", "4"], "add --autoscale"),
+    (["--ray", "--draft-length", "auto"], "--draft-length auto is not available")])
+def test_dspark_serve_ray_option_errors(argv, msg, tmp_path, capsys):
+    """`dspark serve --ray` option mistakes are one-line errors (exit 2) that name the option, before Ray starts."""
+    from dspark_runtime.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--engine", str(tmp_path)] + argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_dspark_serve_ray_refuses_a_missing_engine_before_starting_ray(tmp_path, capsys):
+    from dspark_runtime.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ray", "--engine", str(tmp_path / "nope"), "--replicas", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "does not exist" in err, err
+
+
+# ---------------------------------------------------------------------------------------- the cluster
+
+
+@pytest.fixture(scope="module")
+def scatter_engine_dir(tiny_pair, tmp_path_factory):
+    """The tiny pair built with the scatter KV layout (batch-invariant greedy output)."""
+    from dspark_export.build import Recipe, build_engine
+
+    tdir, ddir = tiny_pair
+    out = tmp_path_factory.mktemp("ray-engines") / "tiny-scatter"
+    build_engine(Recipe(name="tiny-scatter", target=str(tdir), draft=str(ddir), target_feature_layers=[-1, 0],
+                        draft_length=4, kv_layout="scatter"), out, isolate=False, log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def solo(scatter_engine_dir):
+    """Each prompt decoded alone, target-only greedy, by the engine's own ``generate``: raw and chat-templated,
+    plus the long request of the kill test."""
+    from dspark_runtime.engine import Engine
+
+    eng = Engine.load(scatter_engine_dir, threads=1)
+    out = {(p, raw): eng.generate(p, max_new_tokens=MAX_TOKENS, draft=None, raw=raw)
+           for p in PROMPTS for raw in (False, True)}
+    out["long"] = eng.generate(PROMPTS[0], max_new_tokens=LONG_TOKENS, draft=None, raw=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(scatter_engine_dir):
+    """A local Ray cluster on loopback with Serve's proxy on a free port and 2 replicas of the engine."""
+    serve = _ray_serve()
+    import ray
+
+    from dspark_runtime.ray_serve import APP_NAME, build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, object_store_memory=200 * 2 ** 20, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = RayServeSettings(engine=str(scatter_engine_dir), num_replicas=2, health_check_period_s=1.0,
+                                    **APP_KW)
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "serve": serve, "ray": ray, "app": APP_NAME}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replica_states(cluster) -> dict:
+    return dict(cluster["serve"].status().applications[cluster["app"]].deployments[DEPLOYMENT_NAME].replica_states)
+
+
+class Attempt(Exception):
+    """A failed attempt the client may retry: why (a status code, a cut stream, a connection error)."""
+
+
+def _ask(httpx, url: str, i: int, prompt=None, max_tokens: int = MAX_TOKENS, stream=None, chat=None,
+         on_start=None) -> dict:
+    """One request, checked at the wire level: {text, tokens, replica, kind}. Raises Attempt for anything short of
+    a complete answer: a non-200 status, a body that is not the JSON object of a completion, a stream without a
+    final chunk carrying finish_reason and usage followed by ``data: [DONE]``. ``on_start(replica)`` runs once the
+    response headers of a stream are in (the kill test kills that replica)."""
+    prompt = PROMPTS[i % len(PROMPTS)] if prompt is None else prompt
+    chat = i % 4 >= 2 if chat is None else chat
+    stream = i % 2 == 1 if stream is None else stream
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    timeout = httpx.Timeout(30.0)
+    try:
+        if not stream:
+            r = httpx.post(url + path, json=body, timeout=timeout)
+            if r.status_code != 200:
+                raise Attempt(f"status {r.status_code}")
+            j = r.json()
+            c = j["choices"][0]
+            text = c["message"]["content"] if chat else c["text"]
+            if c["finish_reason"] not in ("length", "stop"):
+                raise Attempt("no finish_reason")
+            return {"text": text, "tokens": j["usage"]["completion_tokens"], "replica": r.headers[REPLICA_HEADER],
+                    "kind": (prompt, not chat)}
+        with httpx.stream("POST", url + path, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise Attempt(f"status {r.status_code}")
+            replica = r.headers[REPLICA_HEADER]
+            if on_start:
+                on_start(replica)
+            parts, finish, usage, done = [], None, None, False
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                if not line.startswith("data: "):
+                    raise Attempt(f"not an SSE data line: {line[:60]!r}")
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    break
+                o = json.loads(data)
+                if "error" in o:
+                    raise Attempt(f"SSE error {o['error'].get('code')}")
+                if o.get("usage"):
+                    usage = o["usage"]
+                for c in o.get("choices", []):
+                    parts.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text", ""))
+                    finish = c.get("finish_reason") or finish
+            if not done or finish is None or usage is None:
+                raise Attempt("stream ended before [DONE]")
+            return {"text": "".join(parts), "tokens": usage["completion_tokens"], "replica": replica,
+                    "kind": (prompt, not chat)}
+    except (httpx.TransportError, json.JSONDecodeError, KeyError) as e:
+        if isinstance(e, httpx.TimeoutException):
+            raise  # a hung answer is not retried: the test fails on it
+        raise Attempt(type(e).__name__) from e
+
+
+def _metrics_of_each_replica(httpx, url: str, want: int, tries: int = 60) -> dict:
+    """{replica id: {sample name + labels: value}} from GET /metrics through Serve's proxy, repeated until
+    ``want`` different replicas have answered (each request lands on one replica)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen = {}
+    for _ in range(tries):
+        r = httpx.get(url + "/metrics", timeout=10)
+        assert r.status_code == 200
+        samples = {(s.name, frozenset(s.labels.items())): s.value
+                   for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+        info = [dict(k[1]) for k in samples if k[0] == "dspark_replica_info"]
+        assert len(info) == 1 and info[0]["replica"] == r.headers[REPLICA_HEADER]  # /metrics of that one replica
+        assert info[0]["deployment"] == DEPLOYMENT_NAME
+        seen[info[0]["replica"]] = samples
+        if len(seen) >= want:
+            break
+    return seen
+
+
+def test_two_replicas_answer_exactly_and_share_the_load(cluster, solo):
+    """16 requests from 8 concurrent clients: every answer equals the solo output; both replicas served, and each
+    replica's own /metrics counts exactly the requests and tokens its header claims; the app's routes came through
+    unchanged (/v1/models, /health, 4xx bodies)."""
+    httpx = pytest.importorskip("httpx")
+    url = cluster["url"]
+    assert _replica_states(cluster) == {"RUNNING": 2}
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda i: _ask(httpx, url, i), range(16)))
+    for g in got:
+        ref = solo[g["kind"]]
+        assert g["text"] == ref.text and g["tokens"] == len(ref.token_ids), g
+    by_replica = Counter(g["replica"] for g in got)
+    assert len(by_replica) == 2, by_replica  # routed across both replicas
+    per = _metrics_of_each_replica(httpx, url, want=2)
+    assert set(per) == set(by_replica)
+    for rep, samples in per.items():
+        n = sum(v for (name, labels), v in samples.items() if name == "dspark_requests_total"
+                and dict(labels)["outcome"] in ("length", "stop"))
+        toks = samples[("dspark_generation_tokens_total", frozenset())]
+        assert n == by_replica[rep], (rep, n, by_replica)
+        assert toks == sum(g["tokens"] for g in got if g["replica"] == rep)
+        assert samples[("dspark_capacity", frozenset())] == APP_KW["max_batch"] + APP_KW["max_queue"]
+    # the same app: its other routes and its OpenAI-style error bodies, through the proxy
+    models = httpx.get(url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-scatter"]
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and REPLICA_HEADER in r.headers
+
+
+def test_a_replica_killed_mid_load_is_replaced_and_no_answer_is_garbled_or_hung(cluster, solo):
+    """6 clients keep sending requests; after 12 answers, a long stream starts and its replica is killed with
+    ``ray.kill`` once the stream's headers are in. Serve replaces the replica; every attempt that failed (a 5xx, a
+    connection error, a stream cut before ``[DONE]``) is retried (at most 5 times) and counted, no attempt hangs
+    (30 s client timeout), and every final answer equals the solo output. The load goes on until the new replica
+    has answered."""
+    httpx = pytest.importorskip("httpx")
+    ray = cluster["ray"]
+    url = cluster["url"]
+    before = set(_metrics_of_each_replica(httpx, url, want=2))
+    assert len(before) == 2
+    lock = threading.Lock()
+    results, retries, hung = [], Counter(), []
+    state = {"next": 0, "stop": False, "killed_at": None}
+
+    def ask_with_retries(i, **kw):
+        for attempt in range(6):
+            try:
+                t = time.monotonic()
+                out = _ask(httpx, url, i, **kw)
+                out["t"], out["attempts"] = t, attempt + 1
+                return out
+            except Attempt as e:
+                with lock:
+                    retries[str(e)] += 1
+                time.sleep(0.2)
+            except httpx.TimeoutException as e:
+                with lock:
+                    hung.append((i, repr(e)))
+                return None
+        raise AssertionError(f"request {i} failed 6 times: {retries}")
+
+    def client():
+        while True:
+            with lock:
+                if state["stop"]:
+                    return
+                i = state["next"]
+                state["next"] += 1
+            out = ask_with_retries(i)
+            with lock:
+                results.append(out)
+
+    def kill(replica):
+        if state["killed_at"] is None:
+            state["victim"] = replica
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::{cluster['app']}#{DEPLOYMENT_NAME}#{replica}",
+                                   namespace="serve"), no_restart=True)
+            state["killed_at"] = time.monotonic()
+
+    with ThreadPoolExecutor(6) as ex:
+        futures = [ex.submit(client) for _ in range(6)]
+        t_end = time.monotonic() + 30
+        while len(results) < 12 and time.monotonic() < t_end:
+            time.sleep(0.05)
+        long = ask_with_retries(-1, prompt=PROMPTS[0], max_tokens=LONG_TOKENS, stream=True, chat=False, on_start=kill)
+        # keep the load on until the replacement replica has answered (or 90 s)
+        t_end = time.monotonic() + 90
+        while time.monotonic() < t_end:
+            with lock:
+                new = {r["replica"] for r in results if r} - before
+            if new and len(results) >= 40:
+                break
+            time.sleep(0.1)
+        with lock:
+            state["stop"] = True
+        for f in futures:
+            f.result()
+    victim = state["victim"]
+    assert not hung, hung
+    assert long["text"] == solo["long"].text and long["tokens"] == len(solo["long"].token_ids)
+    assert long["replica"] != victim
+    for r in results:
+        ref = solo[r["kind"]]
+        assert r["text"] == ref.text and r["tokens"] == len(ref.token_ids), r
+    served = Counter(r["replica"] for r in results)
+    new = set(served) - before
+    assert len(new) == 1, served  # Serve started one replacement, and it served
+    t_end = time.monotonic() + 30
+    while _replica_states(cluster) != {"RUNNING": 2} and time.monotonic() < t_end:
+        time.sleep(0.5)
+    assert _replica_states(cluster) == {"RUNNING": 2}
+    assert long["attempts"] >= 2  # the long stream was cut by the kill: its first attempt failed
+    print(f"\nreplica kill: {len(results) + 1} answers all correct, {sum(retries.values())} retried attempts "
+          f"{dict(retries)}, 0 hung; killed {victim}, replaced by {sorted(new)}; answers by replica {dict(served)}")
