@@ -10,7 +10,12 @@ the point of checking them). Checks, each printed PASS/FAIL with its numbers:
 1. logits parity, TensorRT vs ONNX Runtime CPU, over a chunked prefill and decode/verify steps with rollbacks
    that cross a capacity bucket (max |dlogits|, argmax agreement);
 2. speculative greedy (draft LM, γ=4) == target-only greedy on TensorRT, and == ONNX Runtime's greedy;
-3. CUDA graphs: decode steps captured after warm-up and replayed; time per step with and without graphs.
+3. CUDA graphs: decode steps captured after warm-up and replayed; time per step with and without graphs;
+4. the DSpark drafter on its TensorRT engine (placement ``dspark=trt``): block outputs and context K/V against its
+   ONNX graph on ONNX Runtime CPU over a first call longer than the engine's prefill chunk (chunked) and three
+   rounds (the device-resident context reused); speculative greedy with ``draft="dspark"`` on
+   ``target=trt,dspark=trt`` == target-only greedy on TensorRT == ONNX Runtime CPU's target-only and DSpark
+   speculative greedy; drafting pass time, TensorRT against ONNX Runtime CPU.
 Exit status 0 only if every check passed.
 """
 from __future__ import annotations
@@ -58,7 +63,7 @@ def main() -> int:
         ccs = (cc,) if flavour == "tensorrt-rtx" and cc else None
         t0 = time.perf_counter()
         build_trt(a.engine_dir, TrtBuildSettings(flavour=a.flavour, compute_capabilities=ccs, profile=ProfileSettings(
-            max_batch=1, decode_q=5, prefill_chunk=32, capacity=128, min_bucket=32)), isolate=False)
+            max_batch=1, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)), isolate=False)
         print(f"built TensorRT engines here in {time.perf_counter() - t0:.1f} s")
     else:
         e = m.trt_engines["target.capacity"]
@@ -74,7 +79,8 @@ def main() -> int:
 
     # 1. parity
     ids = list(range(5, 45))
-    la, lb = ra.prefill(ids, chunk=32), rb.prefill(ids, chunk=32)
+    chunk = rb.backend.max_q  # the engine's prefill chunk
+    la, lb = ra.prefill(ids, chunk=chunk), rb.prefill(ids, chunk=chunk)
     diffs, agree = [float(np.abs(la - lb).max())], [int(la.argmax() == lb.argmax())]
     for step in range(16):
         toks = [(7 * step + i) % 300 + 3 for i in range(1 + step % 5)]
@@ -125,8 +131,64 @@ def main() -> int:
           f"with graphs {s_graph}; without {s_plain}")
     print(f"decode step (q=5, tiny model): {t_plain * 1e6:.0f} us without CUDA graphs, {t_graph * 1e6:.0f} us with "
           f"({t_plain / t_graph:.2f}x)")
+    check_dspark(a.engine_dir, ort_eng)
     print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed")
     return 0 if all(RESULTS) else 1
+
+
+def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
+    """Check 4: the DSpark drafter graph on its TensorRT engine (dspark_runtime.trt_backend.TrtDSparkGraph)."""
+    from dspark_runtime.trt_backend import TrtDSparkGraph
+
+    m = load_manifest(engine_dir)
+    if "dspark" not in m.trt_engines:
+        check("DSpark drafter TensorRT engine present", False, f"engines: {sorted(m.trt_engines)}; re-run --prepare")
+        return
+    trt_eng = Engine.load(engine_dir, placement="target=trt,dspark=trt")
+    ga, gb = ort_eng._backends["dspark"].activate(), trt_eng._backends["dspark"].activate()
+    assert isinstance(gb, TrtDSparkGraph)
+    rng = np.random.default_rng(0)
+    kva, kvb, past, G = ga.empty_kv(1), gb.empty_kv(1), 0, gb.block_size
+    fdim = ga.spec.inputs[0].shape[-1]
+    diffs, agree = [], []
+    for n in (40, 3, 5, 1):  # 40 > the engine's prefill chunk (16): chunked; then rounds on the resident context
+        args = (rng.normal(size=(1, n, fdim)).astype(np.float32), np.arange(past, past + n)[None], np.array([[9]]),
+                np.arange(past + n, past + n + G)[None], np.ones((1, 1, G, past + n + G), dtype=bool))
+        ha, ba, kva = ga.run(*args, kva)
+        hb, bb, kvb = gb.run(*args, kvb)
+        past += n
+        kv_diff = max(float(np.abs(x - y).max()) for pa, pb in zip(kva, kvb) for x, y in zip(pa, pb))
+        diffs.append((float(np.abs(ha - hb).max()), float(np.abs(ba - bb).max()), kv_diff))
+        agree += list((ba.argmax(-1) == bb.argmax(-1)).ravel().astype(int))
+    worst = [max(d[i] for d in diffs) for i in range(3)]
+    check("DSpark drafter TensorRT vs ONNX Runtime", worst[0] < 1e-2 and worst[2] < 1e-2 and min(agree) == 1,
+          f"max |dhidden| {worst[0]:.2e}, |dbase_logits| {worst[1]:.2e}, |dcontext K/V| {worst[2]:.2e} over 4 calls "
+          f"(context {past}); block argmax agreement {np.mean(agree):.0%}; stats {gb.stats}")
+    prompt = "def add(a, b):"
+    ref = trt_eng.generate(prompt, max_new_tokens=32, draft=None)
+    spec = trt_eng.generate(prompt, max_new_tokens=32, draft="dspark", draft_length=4)
+    ort_ref = ort_eng.generate(prompt, max_new_tokens=32, draft=None)
+    ort_spec = ort_eng.generate(prompt, max_new_tokens=32, draft="dspark", draft_length=4)
+    check("speculative greedy with dspark=trt == target-only greedy (TensorRT)", spec.token_ids == ref.token_ids,
+          f"{len(ref.token_ids)} tokens, placement {spec.stats.placement}, tau {spec.stats.accepted_length_mean:.2f}")
+    check("dspark=trt speculative == ONNX Runtime CPU (target-only and DSpark speculative)",
+          spec.token_ids == ort_ref.token_ids == ort_spec.token_ids,
+          f"ONNX Runtime tau {ort_spec.stats.accepted_length_mean:.2f}")
+
+    def time_pass(g, reps: int = 100) -> float:
+        kv = g.empty_kv(1)
+        _, _, kv = g.run(rng.normal(size=(1, 20, fdim)).astype(np.float32), np.arange(20)[None], np.array([[9]]),
+                         np.arange(20, 20 + G)[None], np.ones((1, 1, G, 20 + G), dtype=bool), kv)
+        one = (rng.normal(size=(1, 1, fdim)).astype(np.float32), np.array([[20]]), np.array([[9]]),
+               np.arange(21, 21 + G)[None], np.ones((1, 1, G, 21 + G), dtype=bool))
+        t0 = time.perf_counter()
+        for _ in range(reps):  # the same round again on the same 20-position context
+            g.run(*one, kv)
+        return (time.perf_counter() - t0) / reps
+
+    t_ort, t_trt = time_pass(ga), time_pass(gb)
+    print(f"DSpark drafting pass (tiny drafter, 20-position context, one new position): ONNX Runtime CPU "
+          f"{t_ort * 1e6:.0f} us, TensorRT {t_trt * 1e6:.0f} us (context uploaded each call here)")
 
 
 if __name__ == "__main__":

@@ -29,20 +29,26 @@ if [[ "${1:-}" == "--prepare" ]]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "${ENTERPRISE_PKGS[@]}" \
       || echo "note: enterprise tensorrt wheels not downloaded; Hopper/datacenter Blackwell cannot be checked"
   fi
-  # the tiny engine: random tiny Qwen2 target + draft LM (tests/tiny_models.py), ONNX, then TensorRT-RTX AOT engines
+  # the tiny engine: random tiny Qwen2 target (features of layers -1, 0) + draft LM + an untrained DSpark drafter
+  # (tests/tiny_models.py), ONNX, then TensorRT-RTX AOT engines of all three graphs
+  rm -rf "$ENGINE"
   nice -n 19 "$PY" - "$ENGINE" <<'PYEOF'
 import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
-from tiny_models import make_pair
+from tiny_models import add_tiny_dspark, make_pair
 from dspark_export.build import Recipe, build_engine
 from dspark_export.trt import TrtBuildSettings, build_trt
 from dspark_runtime.trt_profiles import ProfileSettings
 out = Path(sys.argv[1])
 with tempfile.TemporaryDirectory() as tmp:
     t, d = make_pair(Path(tmp))
-    build_engine(Recipe(name="gpu-check-tiny", target=str(t), draft=str(d), draft_length=4), out, isolate=False)
-build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=1, decode_q=5, prefill_chunk=32, capacity=128,
+    build_engine(Recipe(name="gpu-check-tiny", target=str(t), draft=str(d), target_feature_layers=[-1, 0],
+                        draft_length=4), out, isolate=False)
+    ckpt = add_tiny_dspark(out, t)  # graph "dspark"; its checkpoint folder is not needed afterwards
+    import shutil; shutil.rmtree(ckpt)
+# prefill_chunk 16: the drafter's first call on a 40-token prompt runs as three chunks (the path a long prompt takes)
+build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=1, decode_q=5, prefill_chunk=16, capacity=128,
                                                         min_bucket=32)), isolate=False)
 PYEOF
   du -sh "$WHEELS" "$ENGINE"
