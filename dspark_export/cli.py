@@ -163,7 +163,8 @@ def _csv(value: str, what: str) -> tuple:
 @click.option("--compute-capabilities", default=None,
               help="Target GPUs (TensorRT-RTX), e.g. 8.6,8.9. Default 8.0,8.6,8.9,12.0 (FP8 graphs: 8.9,12.0). "
                    "7.5 (Turing) only alone and only for non-fp32 graphs.")
-@click.option("--graphs", default=None, help="Graph keys to build (default: every causal_lm graph: target, draft LM).")
+@click.option("--graphs", default=None, help="Graph keys to build (default: every causal_lm graph (target, draft LM) "
+                                              "and the DSpark drafter graph, which must be fp32, not int4).")
 @click.option("--kv-layout", "kv_layouts", default="capacity", show_default=True,
               help="capacity (fixed-shape cache buffers, CUDA graphs) and/or growing (ONNX Runtime's layout).")
 @click.option("--max-batch", type=int, default=1, show_default=True, help="Most sequences per call.")
