@@ -79,6 +79,18 @@ def test_the_runtime_and_this_module_import_without_ray():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_without_ray_the_deployment_names_the_extra(monkeypatch):
+    import sys
+
+    from dspark_runtime.ray_serve import app_builder, build_app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `from ray import serve` raises ImportError, as without the extra
+    with pytest.raises(InputError, match=r"pip install 'dspark\[ray\]'"):
+        build_app(RayServeSettings(engine="/e"))
+    with pytest.raises(InputError, match="Ray Serve is not installed"):
+        app_builder({"engine": "/e", "num_replicas": 2})
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--replicas", "2"], "--replicas applies only with --ray"),
     (["--ray", "--autoscale", "1-3"], "--autoscale takes MIN:MAX"),
@@ -105,12 +117,35 @@ def test_dspark_serve_ray_refuses_a_missing_engine_before_starting_ray(tmp_path,
     assert e.value.code == 2 and "does not exist" in err, err
 
 
+def test_the_shipped_serve_config_is_valid_and_builds_the_deployment():
+    """docs/ray-serve.yaml passes Serve's own config schema, and its args build the deployment it documents
+    (the builder Serve imports from import_path; nothing is loaded until replicas start)."""
+    _ray_serve()
+    import importlib
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "ray-serve.yaml").read_text())
+    app_cfg = ServeDeploySchema.model_validate(cfg).applications[0]
+    module, _, fn = app_cfg.import_path.partition(":")
+    app = getattr(importlib.import_module(module), fn)(app_cfg.args)
+    d = app._bound_deployment  # Serve's Application holds its ingress deployment here
+    assert d.name == DEPLOYMENT_NAME and d.num_replicas == app_cfg.args["num_replicas"] == 2
+    assert d.ray_actor_options["num_cpus"] == 2.0 and d.max_ongoing_requests == 8 + 64
+    with pytest.raises(InputError, match="unknown setting replicas"):
+        getattr(importlib.import_module(module), fn)({**app_cfg.args, "replicas": 3})
+
+
 # ---------------------------------------------------------------------------------------- the cluster
 
 
 @pytest.fixture(scope="module")
 def scatter_engine_dir(tiny_pair, tmp_path_factory):
-    """The tiny pair built with the scatter KV layout (batch-invariant greedy output)."""
+    """The tiny pair built with the scatter KV layout (batch-invariant greedy output); only the Ray tests use it,
+    so without Ray they skip before it is built."""
+    _ray_serve()
     from dspark_export.build import Recipe, build_engine
 
     tdir, ddir = tiny_pair
