@@ -333,7 +333,7 @@ def unpack(tarball, dest):
               help="With --ray: Ray CPUs reserved per replica (default 1; --threads defaults to it, rounded).")
 @click.option("--ray-address", default=None,
               help="With --ray: the Ray cluster to join ('auto': the one `ray start` runs here, or ray://HOST:10001); "
-                   "default: start a local one on this machine.")
+                   "default: start a new local one on this machine for this command.")
 def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, threads, max_context,
           default_max_tokens, model_name, shutdown_timeout, log_level, placement, use_ray, replicas, autoscale,
           target_ongoing_requests, replica_cpus, ray_address):

@@ -276,18 +276,27 @@ def app_builder(args: dict):
 
 def run(settings: RayServeSettings, *, address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
         log=print) -> None:
-    """``dspark serve --ray``: connect to Ray (``address`` None: start a local Ray cluster on this machine;
-    "auto" or ``ray://host:10001``: join a running one), start Serve's HTTP proxy on ``host:port``, deploy
-    :func:`build_app` as the application :data:`APP_NAME` at route ``/``, and block until SIGINT/SIGTERM;
-    then delete the application (replicas drain their open requests for ``settings.shutdown_timeout`` s)
-    and disconnect. Raises InputError without Ray Serve; ``serve.run``'s RuntimeError when the replicas fail
-    to start (the replica logs, under /tmp/ray/session_latest/logs/serve/, say why)."""
+    """``dspark serve --ray``: connect to Ray (``address`` None: start a new local Ray cluster on this machine,
+    owned by this call and stopped at its end; "auto", ``HOST:6379`` or ``ray://HOST:10001``: join a running
+    one), start Serve's HTTP proxy on ``host:port``, deploy :func:`build_app` as the application
+    :data:`APP_NAME` at route ``/``, and block until SIGINT/SIGTERM; then delete the application (replicas
+    drain their open requests for ``settings.shutdown_timeout`` s) and disconnect (a joined cluster keeps
+    running, with Serve). Raises InputError without Ray Serve or when no Ray cluster answers at ``address``;
+    ``serve.run``'s RuntimeError when the replicas fail to start (the replica logs, under
+    /tmp/ray/session_latest/logs/serve/, say why)."""
     serve = _need_ray()
     import ray
 
     if settings.engine and Path(settings.engine).exists():
         settings = dataclasses.replace(settings, engine=str(Path(settings.engine).resolve()))
-    ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
+    try:
+        if address is None:
+            ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=address, log_to_driver=True)
+    except ConnectionError as e:
+        raise InputError(f"no Ray cluster answers at --ray-address {address}: {str(e).rstrip('.')}; start one with `ray start "
+                         f"--head` (then 'auto' joins it), or drop --ray-address to start a local one") from None
     stop = {"now": False}
 
     def _stop(signum, frame):

@@ -192,6 +192,54 @@ def cluster(scatter_engine_dir):
         ray.shutdown()
 
 
+def test_dspark_serve_ray_cli(scatter_engine_dir, solo, tmp_path):
+    """`dspark serve --ray` as a process: it starts a Ray cluster of its own, serves the engine from one replica
+    (the same answers as solo decoding, the replica header), and on SIGINT deletes the app, stops that cluster
+    and exits 0. Runs before the module's cluster starts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.01"}  # a ~240 MB object store here
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dspark_runtime.cli", "serve", "--ray", "--engine",
+                                 str(scatter_engine_dir), "--replicas", "1", "--threads", "1", "--max-batch", "2",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo[(PROMPTS[0], True)].text
+        assert r.headers[REPLICA_HEADER]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+        text = log.read_text()
+        assert f"serving on {url}/v1 (Ray Serve" in text and "stopping: replicas drain" in text
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def _replica_states(cluster) -> dict:
     return dict(cluster["serve"].status().applications[cluster["app"]].deployments[DEPLOYMENT_NAME].replica_states)
 
@@ -264,13 +312,15 @@ def _ask(httpx, url: str, i: int, prompt=None, max_tokens: int = MAX_TOKENS, str
         raise Attempt(type(e).__name__) from e
 
 
-def _metrics_of_each_replica(httpx, url: str, want: int, tries: int = 60) -> dict:
-    """{replica id: {sample name + labels: value}} from GET /metrics through Serve's proxy, repeated until
-    ``want`` different replicas have answered (each request lands on one replica)."""
+def _metrics_of_each_replica(httpx, url: str, want: int, timeout: float = 40.0) -> dict:
+    """{replica id: {sample name + labels: value}} from GET /metrics through Serve's proxy, until ``want``
+    different replicas have answered (each GET lands on one replica). GETs go in bursts of 4 at once: Serve's
+    router picks the replica with the shorter queue as its cache knows it, and a cached length can stay stale for
+    up to 10 s (RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S), which can send every lone GET of an idle deployment to
+    the same replica; a burst puts GETs in flight, so the next one goes to the other replica."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    seen = {}
-    for _ in range(tries):
+    def one(_):
         r = httpx.get(url + "/metrics", timeout=10)
         assert r.status_code == 200
         samples = {(s.name, frozenset(s.labels.items())): s.value
@@ -278,9 +328,14 @@ def _metrics_of_each_replica(httpx, url: str, want: int, tries: int = 60) -> dic
         info = [dict(k[1]) for k in samples if k[0] == "dspark_replica_info"]
         assert len(info) == 1 and info[0]["replica"] == r.headers[REPLICA_HEADER]  # /metrics of that one replica
         assert info[0]["deployment"] == DEPLOYMENT_NAME
-        seen[info[0]["replica"]] = samples
-        if len(seen) >= want:
-            break
+        return info[0]["replica"], samples
+
+    seen = {}
+    t_end = time.monotonic() + timeout
+    with ThreadPoolExecutor(4) as ex:
+        while len(seen) < want and time.monotonic() < t_end:
+            seen.update(ex.map(one, range(4)))
+            time.sleep(0.2)
     return seen
 
 
