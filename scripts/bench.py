@@ -37,6 +37,10 @@ def main(argv=None) -> int:
                     help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram, router, each "
                          "optionally with its own draft length (dspark:scheduled, lm:3); each runs on every "
                          "prompt next to the same target-only run")
+    ap.add_argument("--engine-as", action="append", default=[], metavar="NAME=DIR",
+                    help="another engine of the same target (e.g. one holding an older DSpark drafter), loaded beside "
+                         "--engine; a --draft entry NAME/dspark:7 runs on it, against --engine's target-only run "
+                         "(the outputs must still equal it). Repeatable")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default scripts/results/bench-<engine>.json)")
@@ -64,18 +68,38 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    others = {}
+    for spec in a.engine_as:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or "/" in name:
+            print(f"error: --engine-as {spec!r}: give NAME=DIR (NAME without '/')", file=sys.stderr)
+            return 2
+        try:
+            others[name] = Engine.load(path, threads=a.threads or DEFAULT_THREADS,
+                                       shared_thread_pool=shared_pool_default())
+        except DSparkError as e:
+            print(f"error: --engine-as {spec!r}: {e}", file=sys.stderr)
+            return 2
     dl = a.draft_length if a.draft_length in (None, "auto", "scheduled") else int(a.draft_length)
     jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
                                   ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
     drafters = [d.strip() for d in a.draft.split(",") if d.strip()]
     # an entry may carry its own draft length: "dspark:scheduled", "lm:3"
-    lengths = {}
+    # and may name another engine (--engine-as): "v1/dspark:7"
+    lengths, engine_of = {}, {}
     for d in drafters:
-        name, _, ln = d.partition(":")
+        where, _, spec = d.rpartition("/")
+        name, _, ln = spec.partition(":")
         lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
+        engine_of[d] = others.get(where) if where else eng
     bad = [d for d in drafters if lengths[d][0] not in ("dspark", "lm", "ngram", "router")]
     if bad or not drafters:
         print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram, router", file=sys.stderr)
+        return 2
+    unknown = [d for d in drafters if engine_of[d] is None]
+    if unknown:
+        print(f"error: {unknown} name(s) an engine not given with --engine-as NAME=DIR "
+              f"(given: {sorted(others) or 'none'})", file=sys.stderr)
         return 2
     rows = []
     print(f"{'#':>3} {'dataset':10} {'drafter':16} {'tok':>4} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
@@ -84,7 +108,7 @@ def main(argv=None) -> int:
         base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
         for drafter in drafters:
             try:
-                spec = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=lengths[drafter][0],
+                spec = engine_of[drafter].generate(prompt, max_new_tokens=a.max_new_tokens, draft=lengths[drafter][0],
                                     draft_length=lengths[drafter][1], draft_confidence=a.draft_confidence)
             except DSparkError as e:
                 print(f"error: {e}", file=sys.stderr)
@@ -144,7 +168,7 @@ def main(argv=None) -> int:
                   "draft_sources": _sum_sources(rs)}
     first = per[drafters[0]]
     summary = {
-        "engine": str(a.engine), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
+        "engine": str(a.engine), "engines_as": dict(s.partition("=")[::2] for s in a.engine_as), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
         "max_new_tokens": a.max_new_tokens, "draft_length": dl or "engine default", "drafter": a.draft,
         "draft_confidence": a.draft_confidence,
         "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),

@@ -1,0 +1,40 @@
+"""scripts/bench.py: drafters of a second engine of the same target (--engine-as) run beside --engine's, against one
+target-only run, and every output is checked against it."""
+import json
+
+import pytest
+from script_loader import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench", "bench_script")
+
+
+def test_engine_as_runs_another_engines_drafter_beside_this_one(bench, tiny_dspark, tiny_engine_with_dspark, tmp_path):
+    out = tmp_path / "b.json"
+    rc = bench.main(["--engine", str(tiny_dspark[0]), "--engine-as", f"old={tiny_engine_with_dspark}",
+                     "--draft", "dspark:3,old/dspark:3", "--humaneval", "2", "--mt-bench", "0",
+                     "--max-new-tokens", "12", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    s = rep["summary"]
+    assert s["engines_as"] == {"old": str(tiny_engine_with_dspark)}
+    assert set(s["drafters"]) == {"dspark:3", "old/dspark:3"}
+    for d in s["drafters"].values():
+        assert d["n"] == 2 and d["identical"] == 2  # both drafters reproduce the one target-only output
+    rows = {(r["prompt_index"], r["drafter"]): r for r in rep["rows"]}
+    # the trained drafter and the untrained one are different drafters: their rounds differ somewhere
+    assert any(rows[(i, "dspark:3")]["accepted"] != rows[(i, "old/dspark:3")]["accepted"]
+               or rows[(i, "dspark:3")]["rounds"] != rows[(i, "old/dspark:3")]["rounds"] for i in (0, 1))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine-as", "old"], "give NAME=DIR"),
+    (["--draft", "new/dspark:3"], "not given with --engine-as"),
+])
+def test_engine_as_refusals_name_the_fix(bench, tiny_dspark, tmp_path, capsys, args, message):
+    rc = bench.main(["--engine", str(tiny_dspark[0]), "--humaneval", "1", "--mt-bench", "0", "--max-new-tokens", "4",
+                     "--out", str(tmp_path / "b.json"), "--draft", "dspark:3", *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
