@@ -247,6 +247,9 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
               help="Tokens of Python standard-library source to teacher-force.")
 @click.option("--sharegpt-tokens", type=int, default=40000, show_default=True,
               help="Assistant tokens of ShareGPT chats to teacher-force.")
+@click.option("--feature-tokens", type=click.IntRange(min=1), default=None,
+              help="Cap the features stage at the sequences holding this many tokens (default: all). The one setting "
+                   "--resume accepts, until training starts: it sizes a run in progress to the time left.")
 @click.option("--epochs", type=float, default=2.0, show_default=True,
               help="Passes over the training sequences.")
 @click.option("--layers", type=int, default=1, show_default=True, help="Drafter layers.")
@@ -266,7 +269,7 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
 @click.pass_context
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
                 answer_prompts,
-                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, epochs, layers, intermediate_size, moe_experts,
+                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, layers, intermediate_size, moe_experts,
                 moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, mask_token_id, lr):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
     answers -> sequences -> features -> training -> calibration.
@@ -285,13 +288,13 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
 
     if resume_dir is not None:
         given = [f"--{n.replace('_', '-')}" for n in ctx.params
-                 if n not in ("resume_dir", "time_limit", "compile_into")
+                 if n not in ("resume_dir", "time_limit", "compile_into", "feature_tokens")
                  and ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"--resume continues a run with the settings it was started with; drop "
                                    f"{', '.join(given)} (or start a new run in another --work directory)")
         rep = train_draft_pipeline(None, resume_dir, None, None, None, time_limit_s=_hours(time_limit),
-                                   compile_into_engine=compile_into, log=click.echo)
+                                   compile_into_engine=compile_into, feature_tokens=feature_tokens, log=click.echo)
     else:
         if out_dir is None:
             raise click.UsageError("give --out CKPT (the checkpoint folder to write), or --resume WORK")
@@ -301,7 +304,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              num_layers=layers, intermediate_size=intermediate_size, block_size=block_size,
                              markov_rank=markov_rank, markov_head_type=markov_head,
                              draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
-                             sharegpt_tokens=sharegpt_tokens, moe_experts=moe_experts, moe_top_k=moe_top_k,
+                             sharegpt_tokens=sharegpt_tokens, feature_tokens=feature_tokens,
+                             moe_experts=moe_experts, moe_top_k=moe_top_k,
                              moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id)
         rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12),
                                    engine_dir=engine_dir, time_limit_s=_hours(time_limit),

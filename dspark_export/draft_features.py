@@ -118,6 +118,23 @@ def _group_shards(sequences: list, shard_tokens: int) -> list:
     return shards
 
 
+def _capped_shards(shards: list, max_tokens: int | None) -> list:
+    """The leading ``shards`` that start before ``max_tokens`` tokens (all of them for None): the feature stage's
+    size cap. Sequences are mixed across sources before sharding (``draft_pipeline._mix``), so a capped prefix keeps
+    every source. Raises DSparkError for a cap below one token."""
+    if max_tokens is None:
+        return shards
+    if max_tokens < 1:
+        raise DSparkError(f"feature token cap must be a positive number of tokens, got {max_tokens}")
+    out, seen = [], 0
+    for sh in shards:
+        if seen >= max_tokens:
+            break
+        out.append(sh)
+        seen += sum(len(s[0]) for s in sh)
+    return out
+
+
 def _write_shard(out_dir: Path, k: int, shard: list, feats: list, aux_name: str, aux: list) -> int:
     """Write shard k atomically (temp folder renamed when complete); returns its token count."""
     tmp = out_dir / f".tmp_shard_{k:04d}"
@@ -132,7 +149,8 @@ def _write_shard(out_dir: Path, k: int, shard: list, feats: list, aux_name: str,
 
 
 def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids, *, shard_tokens: int = 32768,
-                     dtype: str = "bfloat16", threads: int = 2, time_budget_s: float | None = None) -> dict:
+                     dtype: str = "bfloat16", threads: int = 2, time_budget_s: float | None = None,
+                     max_tokens: int | None = None) -> dict:
     """Teacher-forced target features for ``sequences``, written as resumable fp16 shards.
 
     Each shard ``shard_{k:04d}`` holds ``ids.npy`` int32 [n], ``mask.npy`` uint8 [n], ``starts.npy``
@@ -147,7 +165,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
     torch.set_num_threads(threads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards = _group_shards(sequences, shard_tokens)
+    shards = _capped_shards(_group_shards(sequences, shard_tokens), max_tokens)
     model = None
     t0, done_tokens, complete = time.perf_counter(), 0, True
     for k, shard in enumerate(shards):
@@ -176,7 +194,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
 
 
 def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft_vocab, *, shard_tokens: int = 16384,
-                         threads: int = 2, time_budget_s: float | None = None) -> dict:
+                         threads: int = 2, time_budget_s: float | None = None, max_tokens: int | None = None) -> dict:
     """Like :func:`extract_features`, but runs the engine's compiled target graph (ONNX Runtime, fp32: the
     deployed arithmetic) and stores the target logits over the draft vocabulary instead of the final hidden
     state: ``tlogits.npy`` fp16 [n, V_d] (``draft_vocab`` int64 [V_d], ascending target ids).
@@ -195,7 +213,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = np.asarray(draft_vocab, np.int64)
     np.save(out_dir / "draft_vocab.npy", vocab)
-    shards = _group_shards(sequences, shard_tokens)
+    shards = _capped_shards(_group_shards(sequences, shard_tokens), max_tokens)
     t0, done_tokens, complete = time.perf_counter(), 0, True
     for k, shard in enumerate(shards):
         final = out_dir / f"shard_{k:04d}"

@@ -30,6 +30,7 @@ class PipelineSettings:
     sharegpt_prompts: int = 500  # ShareGPT first turns among the prompts the target answers
     stdlib_tokens: int = 40000
     sharegpt_tokens: int = 40000
+    feature_tokens: int | None = None  # the features stage stops after the shards holding this many tokens (None: all)
     max_seq_len: int = 1024
     feature_layers: tuple = (1, 13, 25)
     draft_vocab_size: int = 16384
@@ -103,7 +104,8 @@ class RunState:
 
 def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None, p: PipelineSettings | None,
                          s: TrainSettings | None, *, engine_dir: Path | None = None, time_limit_s: float | None = None,
-                         compile_into_engine: bool = True, seed_answers: Path | None = None, log=print) -> dict:
+                         compile_into_engine: bool = True, seed_answers: Path | None = None,
+                         feature_tokens: int | None = None, log=print) -> dict:
     """Answers -> sequences -> feature cache -> training -> calibration, resumable in stages.
 
     The run lives in ``work_dir`` (:class:`RunState`): with ``p``/``s`` None it is resumed as it was started
@@ -125,6 +127,10 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     ``time_limit_s``: this call stops (state saved) when it has run that long; calling again resumes.
     ``seed_answers``: a JSONL (or .jsonl.gz) file of answers from an earlier run (:func:`import_answers`) added to
     the work directory before stage 1, which then answers only the prompts it lacks.
+    ``feature_tokens``: a new size cap of the features stage (``PipelineSettings.feature_tokens``) for a run in
+    progress — the one setting a resumed run may change, since it only decides how many of the (mixed) sequences get
+    features: training then uses the leading shards holding that many tokens (the shards already extracted count).
+    Raises DSparkError when the training stage has already started (its data would change).
     Returns {"finished", "stages" (per stage: seconds and figures), "train" (the last training report, or None),
     "checkpoint_bytes"}; a finished run also writes ``out_dir/train_report.json`` with the data sizes by source,
     wall time per stage and the machine.
@@ -146,6 +152,15 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         fresh["pipeline"]["feature_layers"] = list(p.feature_layers)
     state = RunState.open(work_dir, fresh)
     d = state.data
+    if feature_tokens is not None and feature_tokens != d["pipeline"].get("feature_tokens"):
+        tr = d["stages"].get("train", {})
+        if tr.get("done") or tr.get("report") is not None or (work_dir / TRAIN_STATE).exists():
+            raise DSparkError(f"{work_dir}: training has started on the features extracted so far, so the feature "
+                              "token cap can no longer change; start a new run (--work) to train on another amount")
+        d["pipeline"]["feature_tokens"] = int(feature_tokens)
+        d["stages"].get("features", {})["done"] = False  # re-judged against the new cap below
+        state.save()
+        log(f"[3/5] features capped at {feature_tokens} tokens")
     p = PipelineSettings(**{**d["pipeline"], "feature_layers": tuple(d["pipeline"]["feature_layers"])})
     s = TrainSettings(**d["train"])
     target_dir, out_dir = Path(d["target"]), Path(d["out"])
@@ -224,10 +239,11 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
                                   "vocabulary; give --draft-vocab > 0 or extract with torch (no --engine)")
             if (feat_dir / "draft_vocab.npy").exists():
                 vocab = np.load(feat_dir / "draft_vocab.npy")  # the vocabulary the cached logits were stored over
-            r = extract_features_ort(engine_dir, seqs, feat_dir, vocab, time_budget_s=left())
+            r = extract_features_ort(engine_dir, seqs, feat_dir, vocab, time_budget_s=left(),
+                                     max_tokens=p.feature_tokens)
         else:
             r = extract_features(target_dir, seqs, feat_dir, list(p.feature_layers), time_budget_s=left(),
-                                 dtype="float32")
+                                 dtype="float32", max_tokens=p.feature_tokens)
         if not state.progress(st, time.perf_counter() - t, r["tokens"], r.get("complete", True)):
             return stopped("features")
     elif engine_dir is not None and (feat_dir / "draft_vocab.npy").exists():

@@ -247,3 +247,56 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     assert not st["calibrate"]["done"]  # --no-compile: the engine is left as it is
     r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, log=lambda *a: None)
     assert r["finished"]  # a finished run resumes to its end at once
+
+
+def test_capped_shards_keep_the_leading_shards_that_start_before_the_cap():
+    from dspark_export.draft_features import _capped_shards
+    from dspark_runtime.errors import DSparkError
+
+    seq = lambda n: (np.zeros(n, np.int32), np.ones(n, np.uint8))  # noqa: E731
+    shards = [[seq(100)], [seq(60), seq(40)], [seq(100)]]
+    assert _capped_shards(shards, None) is shards
+    assert len(_capped_shards(shards, 1)) == 1
+    assert len(_capped_shards(shards, 100)) == 1  # the second shard starts at token 100: not before the cap
+    assert len(_capped_shards(shards, 101)) == 2
+    assert len(_capped_shards(shards, 10_000)) == 3
+    with pytest.raises(DSparkError, match="positive number of tokens"):
+        _capped_shards(shards, 0)
+
+
+def test_feature_token_cap_sizes_a_run_in_progress_until_training_starts(tiny_engine_dir, tiny_pair, tmp_path,
+                                                                          monkeypatch):
+    """A run stopped before its features can be resumed with a token cap: only the leading shards get features,
+    training uses exactly those, and once training has started the cap can no longer change."""
+    from functools import partial
+
+    from dspark_export import draft_data, draft_features, draft_pipeline
+    from dspark_export.draft_features import FeatureStore
+    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.draft_train import TrainSettings
+    from dspark_runtime.errors import DSparkError
+
+    prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)]
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    monkeypatch.setattr(draft_pipeline, "extract_features_ort",
+                        partial(draft_features.extract_features_ort, shard_tokens=150))
+    p = PipelineSettings(answer_tokens=16, answer_batch=2, sharegpt_prompts=0, stdlib_tokens=1200, sharegpt_tokens=0,
+                         max_seq_len=128, feature_layers=(-1, 0), draft_vocab_size=64, intermediate_size=32,
+                         block_size=4, markov_rank=8,
+                         mask_token_id=json.loads((tiny_pair[0] / "config.json").read_text())["vocab_size"] - 1)
+    s = TrainSettings(lr=3e-3, epochs=1.0, eval_seqs=1, anchors_per_seq=4, warmup_steps=2, eval_every=1000)
+    work = tmp_path / "work"
+    r = train_draft_pipeline(tiny_pair[0], work, tmp_path / "ckpt", p, s, engine_dir=tiny_engine_dir,
+                             time_limit_s=1e-9, log=lambda *a: None)
+    assert not r["finished"]
+    r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, feature_tokens=300,
+                             log=lambda *a: None)
+    st = r["stages"]
+    assert r["finished"] and json.loads((work / "state.json").read_text())["pipeline"]["feature_tokens"] == 300
+    total = st["sequences"]["tokens"]
+    got = FeatureStore(work / "features").num_tokens
+    assert total > 600 and 300 <= got < total  # the cap took effect and kept whole shards
+    assert st["features"]["new_tokens"] == got == st["train"]["tokens"]
+    with pytest.raises(DSparkError, match="can no longer change"):
+        train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, feature_tokens=600,
+                             log=lambda *a: None)
