@@ -308,6 +308,9 @@ def unpack(tarball, dest):
               "`dspark info` says which); none = target-only.")
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'scheduled' (DSpark + cost table).")
 @click.option("--draft-confidence", type=float, default=None, help="Static confidence threshold (see generate).")
+@click.option("--prefill-budget", default="auto", show_default=True,
+              help="Prompt tokens of joining requests fed per round while others decode (chunked prefill), or 'auto' "
+                   "(from the engine's cost table; 64 without one).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--max-context", type=click.IntRange(min=2), default=None,
               help="Prompt + max_tokens limit (default: the manifest's max_position_embeddings).")
@@ -334,11 +337,12 @@ def unpack(tarball, dest):
 @click.option("--ray-address", default=None,
               help="With --ray: the Ray cluster to join ('auto': the one `ray start` runs here, or ray://HOST:10001); "
                    "default: start a new local one on this machine for this command.")
-def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, threads, max_context,
-          default_max_tokens, model_name, shutdown_timeout, log_level, placement, use_ray, replicas, autoscale,
-          target_ongoing_requests, replica_cpus, ray_address):
+def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, prefill_budget, threads,
+          max_context, default_max_tokens, model_name, shutdown_timeout, log_level, placement, use_ray, replicas,
+          autoscale, target_ongoing_requests, replica_cpus, ray_address):
     """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching; with --ray,
     in several replicas on Ray Serve."""
+    prefill_budget = _prefill_budget(prefill_budget)
     ray_opts = {"--replicas": replicas, "--autoscale": autoscale, "--target-ongoing-requests": target_ongoing_requests,
                 "--replica-cpus": replica_cpus, "--ray-address": ray_address}
     if not use_ray:
@@ -347,6 +351,9 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
             raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with --ray (serving on "
                              f"Ray Serve); add --ray or drop {'them' if len(given) > 1 else 'it'}")
     else:
+        if prefill_budget != "auto":
+            raise InputError("--prefill-budget is not passed to Ray Serve replicas yet (they use 'auto'); drop it or "
+                             "serve without --ray")
         _serve_ray(engine_dir, host=host, port=port, max_batch=max_batch, max_queue=max_queue, draft=draft,
                    draft_length=draft_length, draft_confidence=draft_confidence, threads=threads,
                    max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
@@ -370,7 +377,20 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,
-           default_max_tokens=default_max_tokens, model_name=model_name)
+           default_max_tokens=default_max_tokens, model_name=model_name, prefill_budget=prefill_budget)
+
+
+def _prefill_budget(value: str):
+    """``--prefill-budget``: 'auto' or a positive integer; raises InputError naming the expected form."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InputError(f"--prefill-budget takes a positive number of tokens or 'auto', got {value!r}")
+    return n
 
 
 def _autoscale(value: str) -> tuple:

@@ -5,12 +5,21 @@
 (:mod:`dspark_runtime.runners`). One round (docs/design.md section 1 steps 1-5; DSpark paper section 4 and
 Algorithm 1; Leviathan et al. 2023, Algorithm 1)::
 
-    admit waiting requests (prefill each, pick its first token x0)       # requests join between rounds
-    proposals = drafter.propose_batch(active)                            # one drafter pass for all rows
+    admit waiting requests (a KV row each; their prompts are fed from this round on)   # join between rounds
+    proposals = drafter.propose_batch(active)                            # one drafter pass for the decoding rows
     l_r       = verify lengths: fixed γ | static threshold | scheduler   # scheduler: Algorithm 1 over all
-    logits    = target.step([(r, [anchor_r] + drafts_r[:l_r]) for r])   # ONE verifier pass
+    chunks    = plan_prefill(prompt tokens left, block lengths)          # chunked prefill, dspark_runtime.prefill
+    logits    = target.step([(r, [anchor_r] + drafts_r[:l_r]) for r] + prompt chunks)   # ONE verifier pass
     per request: accept (greedy / rejection sampling with its own RNG), roll back, commit, stop checks
+    a prompt fed to its end: its first token x0 from the chunk's last logits; it decodes from the next round
     finished requests leave (their KV slots are freed)
+
+Chunked prefill: a joining prompt is fed a chunk per round (at most ``prefill_budget`` tokens while others decode,
+the runner's ``max_chunk`` when none does), so decoding requests keep committing tokens while it is prefilled
+instead of waiting for the whole prompt. The chunks ride in the verify pass, or in a second call of the same round
+where that computes fewer rows (the scatter layout's padded rows; :func:`dspark_runtime.prefill.plan_prefill`).
+A position's logits do not depend on how its prompt was chunked on the scatter layout and alone (row padding), so
+greedy output is unchanged.
 
 Target-only decoding is the same loop without a drafter (every round verifies each request's anchor alone).
 The round's cost is ``B = sum_r (1 + l_r)`` token positions, the quantity of the cost table and the scheduler.
@@ -30,6 +39,7 @@ import numpy as np
 from dspark_runtime.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.drafters import Proposal
 from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.prefill import DEFAULT_PREFILL_BUDGET, plan_prefill
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
@@ -157,6 +167,7 @@ class Request:
     on_tokens: Callable | None = None
     adaptive: bool = False
     last_survival: np.ndarray | None = None  # prefix survivals of its last drafted proposal (scheduled mode)
+    fed: int = 0  # prompt tokens in the verifier's cache; it is being prefilled while fed < len(prompt)
     out: list = field(default_factory=list)
     keep: int = 0
     finish_reason: str | None = None
@@ -180,7 +191,11 @@ class Request:
 class BatchStats:
     """Aggregate metrics of a batched run.
 
-    rounds: verifier passes; prefill_s: seconds spent prefilling joining requests (inside wall_s);
+    rounds: verify rounds (rounds in which requests decoded); target_calls: verifier graph calls (one per round,
+    two where a round's prompt chunks went in a call of their own); prefill_tokens: prompt tokens fed;
+    prefill_chunks: prompt chunks fed (one per prefilling request and round); mixed_rounds: verify rounds that also
+    fed prompt tokens (rounds a whole-prompt prefill would have stalled); prefill_s: seconds of verifier calls spent
+    on prompt tokens (a merged pass is shared by token count; inside wall_s);
     decode_tokens_per_second: committed tokens / (wall_s - prefill_s); verify_tokens: tokens verified in all rounds (anchors + drafts), i.e. sum of B;
     proposed/accepted: draft tokens verified / accepted; wasted: verified draft tokens the target rejected;
     committed: tokens committed by rounds (bonus included); batch_histogram: rounds by number of requests;
@@ -196,7 +211,10 @@ class BatchStats:
     accepted: int = 0
     wasted: int = 0
     committed: int = 0
+    target_calls: int = 0
     prefill_tokens: int = 0
+    prefill_chunks: int = 0
+    mixed_rounds: int = 0
     prefill_s: float = 0.0
     wall_s: float = 0.0
     batch_histogram: dict = field(default_factory=dict)
@@ -228,13 +246,21 @@ class DecodingLoop:
             calibrated prefix survivals and ``cost_table``; needs a drafter with a confidence head).
             A static threshold is the drafter's ``confidence_threshold``.
         cost_table: the manifest's ``speculation.cost_table`` dict (for "scheduled").
-        max_batch: most requests decoding at once; more wait in the queue and join between rounds (a
-            :class:`~dspark_runtime.runners.SequenceRunner` target holds one).
-    Raises InputError for an unknown mode, a missing cost table or a bad max_batch.
+        max_batch: most requests decoding or being prefilled at once; more wait in the queue and join between
+            rounds (a :class:`~dspark_runtime.runners.SequenceRunner` target holds one).
+        prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill;
+            :func:`dspark_runtime.prefill.prefill_budget` derives it from a cost table), default
+            :data:`~dspark_runtime.prefill.DEFAULT_PREFILL_BUDGET`.
+    Raises InputError for an unknown mode, a missing cost table, a bad max_batch or prefill_budget.
     """
 
     def __init__(self, target, drafter=None, *, eos_ids=(), decode: Callable | None = None,
-                 mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8):
+                 mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8,
+                 prefill_budget: int | None = None):
+        prefill_budget = DEFAULT_PREFILL_BUDGET if prefill_budget is None else prefill_budget
+        if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or prefill_budget < 1:
+            raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round), got "
+                             f"{prefill_budget!r}")
         if mode not in ("fixed", "scheduled"):
             raise InputError(f"unknown verify-length mode {mode!r}: use 'fixed' or 'scheduled'")
         if mode == "scheduled" and not cost_table:
@@ -246,8 +272,10 @@ class DecodingLoop:
         self._sources = getattr(drafter, "source_stats", None)  # the router's per-request source counts
         self.eos_ids, self.decode = list(eos_ids), decode
         self.mode, self.cost_table, self.max_batch = mode, cost_table, max_batch
+        self.prefill_budget = prefill_budget
         self.waiting: list = []
-        self.active: list = []
+        self.prefilling: list = []  # admitted, prompt being fed (oldest first)
+        self.active: list = []  # decoding
         self.stats = BatchStats()
         self._pos_hits: Counter = Counter()
         self._pos_tries: Counter = Counter()
@@ -292,14 +320,14 @@ class DecodingLoop:
         """Stop a request (e.g. its client went away): it leaves at once, its slots are freed."""
         if req in self.waiting:
             self.waiting.remove(req)
-        if req in self.active:
+        if req in self.active or req in self.prefilling:
             self._leave(req)
         if req.finish_reason is None:
             req.finish_reason = "cancelled"
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.prefilling or self.active)
 
     def run(self) -> None:
         """Step until every submitted request is done."""
@@ -307,10 +335,15 @@ class DecodingLoop:
             self.step()
 
     def _admit(self, req: Request) -> None:
-        t0 = time.perf_counter()
+        """Give ``req`` its verifier cache row; its prompt is fed from this round on (:meth:`step`)."""
         self.target.add(req.rid)
-        logits = self.target.prefill(req.rid, req.prompt)
-        self.stats.prefill_tokens += len(req.prompt)
+        req.fed = 0
+        self.prefilling.append(req)
+
+    def _first_token(self, req: Request, logits: np.ndarray) -> None:
+        """``req``'s prompt is in the cache: pick its first token x0 from the last prompt position's ``logits``
+        (float32 [vocab]); it decodes from the next round (or finishes at once: EOS, a stop string, one token)."""
+        self.prefilling.remove(req)
         req.out = [select_token(logits, req.params, req.rng)]
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
@@ -322,13 +355,15 @@ class DecodingLoop:
             self._finish(req, reason)
         elif self.drafter is not None:
             self.drafter.begin(req)
-        self.stats.prefill_s += time.perf_counter() - t0
 
     def _leave(self, req: Request) -> None:
-        self.active.remove(req)
+        if req in self.prefilling:  # cancelled mid-prompt: the drafter has not begun it
+            self.prefilling.remove(req)
+        else:
+            self.active.remove(req)
+            if self.drafter is not None:
+                self.drafter.remove(req.rid)
         self.target.remove(req.rid)
-        if self.drafter is not None:
-            self.drafter.remove(req.rid)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -397,22 +432,42 @@ class DecodingLoop:
             return True
         return False
 
+    def _verify(self, segs: list, psegs: list, merged: bool) -> tuple:
+        """The round's verifier work: the decoding requests' verify ``segs`` and the prompt chunks ``psegs`` (lists
+        of (rid, token ids)) in one ``target.step`` when ``merged``, else the chunks in a second call. Returns
+        (logits per verify segment, logits per prompt chunk), float32 [q, vocab] each; counts the calls and the
+        seconds spent on prompt tokens."""
+        st = self.stats
+        ptoks, dtoks = sum(len(t) for _, t in psegs), sum(len(t) for _, t in segs)
+        if merged or not segs or not psegs:
+            t = time.perf_counter()
+            out = self.target.step(segs + psegs)
+            st.target_calls += 1
+            st.prefill_s += (time.perf_counter() - t) * ptoks / (ptoks + dtoks)
+            return out[: len(segs)], out[len(segs):]
+        dec = self.target.step(segs)
+        t = time.perf_counter()
+        pre = self.target.step(psegs)
+        st.prefill_s += time.perf_counter() - t
+        st.target_calls += 2
+        return dec, pre
+
     def step(self) -> list:
-        """One round: admit waiting requests, draft, schedule, verify all requests in one verifier pass,
-        accept and commit. Returns the requests that finished in this round."""
+        """One round: admit waiting requests, draft, schedule, verify all decoding requests in one verifier pass
+        with the next chunk of the prompts being prefilled, accept and commit. Returns the requests that finished
+        in this round (a prompt fed to its end can finish at once: EOS, a stop string, one token)."""
         t0 = time.perf_counter()
         finished = []
-        while self.waiting and len(self.active) < self.max_batch:
-            req = self.waiting.pop(0)
-            self._admit(req)
-            if req.done:
-                finished.append(req)
+        while self.waiting and len(self.active) + len(self.prefilling) < self.max_batch:
+            self._admit(self.waiting.pop(0))
         reqs = list(self.active)
-        if not reqs:
+        if not reqs and not self.prefilling:
             self.stats.wall_s += time.perf_counter() - t0
             return finished
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
-        if self.drafter is not None and self._drafting_pays(reqs, caps):
+        if not reqs:
+            props, lengths = [], []
+        elif self.drafter is not None and self._drafting_pays(reqs, caps):
             props = self.drafter.propose_batch(reqs, caps)
             lengths = self._lengths(reqs, props, caps)
             if self._probing:  # a probe: the next one waits twice as long unless a round pays before
@@ -430,9 +485,24 @@ class DecodingLoop:
         for r, p, ell in zip(reqs, props, lengths):
             bases.append(self.target.length(r.rid))
             segs.append((r.rid, [r.out[-1]] + p.tokens[:ell]))
-        logits_all = self.target.step(segs)
-        self.stats.rounds += 1
-        self._bhist[len(reqs)] += 1
+        plan = plan_prefill([len(r.prompt) - r.fed for r in self.prefilling], [len(t) for _, t in segs],
+                            budget=self.prefill_budget, max_chunk=self.target.max_chunk,
+                            pass_rows=self.target.pass_rows)
+        feeding = [(r, c) for r, c in zip(self.prefilling, plan.chunks) if c]
+        psegs = [(r.rid, r.prompt[r.fed:r.fed + c]) for r, c in feeding]
+        logits_all, prompt_logits = self._verify(segs, psegs, plan.merged)
+        self.stats.prefill_tokens += plan.tokens
+        self.stats.prefill_chunks += len(psegs)
+        if reqs:
+            self.stats.rounds += 1
+            self._bhist[len(reqs)] += 1
+            self.stats.mixed_rounds += bool(psegs)
+        for (r, c), logits in zip(feeding, prompt_logits):
+            r.fed += c
+            if r.fed == len(r.prompt):
+                self._first_token(r, logits[-1])
+                if r.done:
+                    finished.append(r)
         for r, p, ell, base, logits in zip(reqs, props, lengths, bases, logits_all):
             d = np.asarray(p.tokens[:ell], dtype=np.int64)
             if r.params.greedy:

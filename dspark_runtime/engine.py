@@ -450,7 +450,8 @@ class Engine:
         return table
 
     def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,
-              draft_confidence: float | None = None, draft_confidence_rule: str = "survival", max_batch: int = 8):
+              draft_confidence: float | None = None, draft_confidence_rule: str = "survival", max_batch: int = 8,
+              prefill_budget: int | str = "auto"):
         """The decoding loop (:class:`~dspark_runtime.decoding.DecodingLoop`) over this engine: requests join and
         leave between rounds, one verifier pass per round for all of them; :meth:`generate` is a loop of one.
 
@@ -461,12 +462,19 @@ class Engine:
                 table), or None for the default (a DSpark block; the manifest's draft length otherwise).
             max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; the
                 TensorRT backend decodes one request at a time).
+            prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill): an integer
+                >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table, 64
+                without one).
         Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
         ``default_adaptive`` are what ``submit`` uses unless told.
         Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
         """
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if prefill_budget != "auto" and (isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int)
+                                         or prefill_budget < 1):
+            raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
+                             f"{prefill_budget!r}")
         if "trt" in self.placement.values() and max_batch > 1:
             raise InputError("the TensorRT backend decodes one request at a time so far (max_batch=1); load the "
                              "engine with backend='ort' (no graph placed on 'trt') for batched decoding")
@@ -500,8 +508,12 @@ class Engine:
             mode = "scheduled"
             if isinstance(drafter, Router):
                 drafter.cost_table = table  # the router scores proposals by expected tokens/s
+        if prefill_budget == "auto":
+            from dspark_runtime.prefill import prefill_budget as auto_budget
+
+            prefill_budget = auto_budget(self.manifest.speculation.cost_table, max_chunk=target.max_chunk)
         gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
-                           cost_table=table, max_batch=max_batch)
+                           cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget)
         block = getattr(drafter, "block_size", None)  # a DSpark block (also inside the router): one pass
         if isinstance(drafter, Router) and draft_length == "scheduled":
             gen.default_gamma = max(block or 0, drafter.ngram_max_length)  # n-gram continuations may run longer
@@ -545,9 +557,10 @@ class Engine:
                        top_k: int = 0, top_p: float = 1.0, draft: str | None = "auto",
                        draft_length: int | str | None = None, draft_confidence: float | None = None,
                        draft_confidence_rule: str = "survival", seed: int | None = None, stop: list | None = None,
-                       raw: bool = False, max_batch: int = 8) -> list:
+                       raw: bool = False, max_batch: int = 8, prefill_budget: int | str = "auto") -> list:
         """Generate completions for several prompts together (continuous batching, one verifier pass per
-        round for all active requests). Arguments as :meth:`generate`; request i uses seed ``seed + i``
+        round for all active requests). Arguments as :meth:`generate` (``prefill_budget`` as :meth:`batch`); request i
+        uses seed ``seed + i``
         when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
         request (its tokens/s is its own rate while sharing the batch). The loop's aggregate
         :class:`~dspark_runtime.decoding.BatchStats` is ``self.last_batch_stats``.
@@ -557,7 +570,7 @@ class Engine:
         params = self._check_request(max_new_tokens, temperature, top_k, top_p, stop)
         ids = [self.encode_prompt(p, raw=raw) for p in prompts]
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
-                         draft_confidence_rule=draft_confidence_rule, max_batch=max_batch)
+                         draft_confidence_rule=draft_confidence_rule, max_batch=max_batch, prefill_budget=prefill_budget)
         reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params,
                            seed=None if seed is None else seed + i, stop=stop) for i, x in enumerate(ids)]
         gen.run()

@@ -45,6 +45,9 @@ class RequestBook:
     the subclass's ``step(segments)``. Subclasses set ``self._length`` / ``self._feats`` entries in ``add`` and
     ``step`` and free their own KV slots in ``remove`` / ``rollback``."""
 
+    row_multiple = 1  # every call's rows are padded to a multiple of this (subclasses set theirs)
+    max_chunk = PREFILL_CHUNK  # the most tokens one segment of a call may carry
+
     def __init__(self):
         self._length: dict = {}  # rid -> committed cached positions
         self._feats: dict = {}  # rid -> float32 [capacity, F] target features by position
@@ -60,6 +63,14 @@ class RequestBook:
     def length(self, rid) -> int:
         """Cached positions of request ``rid``."""
         return self._length[rid]
+
+    def pass_rows(self, lengths: list) -> int:
+        """Query rows one ``step`` over segments of these token counts computes, padding included: here the
+        segments packed end to end, padded to a multiple of ``row_multiple`` (the packed layout; the scatter
+        layout's :class:`~dspark_runtime.slots.SlotRunner` computes ``segments x longest``). What the chunked
+        prefill planner (:func:`dspark_runtime.prefill.plan_prefill`) weighs."""
+        n = sum(lengths)
+        return n + (-n) % self.row_multiple
 
     def features(self, rid) -> np.ndarray | None:
         """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
@@ -139,12 +150,24 @@ class DecoderRunner:
             self._feats = store_features(self._feats, past, out.features[0, :q])
         return out.logits[0, :q]
 
-    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
-        """Feed a prompt in chunks of ``chunk`` tokens (at most the backend's ``max_q``, where it has one: a
-        TensorRT engine's prefill profile); returns the last position's logits [vocab]."""
+    def chunk_limit(self, chunk: int = PREFILL_CHUNK) -> int:
+        """The tokens one call may carry when asked for ``chunk``: at most the backend's ``max_q`` where it has one
+        (a TensorRT engine's prefill profile), rounded down to a multiple of ``row_multiple`` (a padded chunk must
+        still fit ``max_q``)."""
         chunk = min(chunk, getattr(self.backend, "max_q", chunk))
-        if chunk > self.row_multiple:  # a padded chunk must still fit the backend's max_q
+        if chunk > self.row_multiple:
             chunk -= chunk % self.row_multiple
+        return chunk
+
+    @property
+    def max_chunk(self) -> int:
+        """The prompt tokens one call carries (:meth:`chunk_limit` of :data:`PREFILL_CHUNK`)."""
+        return self.chunk_limit()
+
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed a prompt in chunks of ``chunk`` tokens (:meth:`chunk_limit`); returns the last position's logits
+        [vocab]."""
+        chunk = self.chunk_limit(chunk)
         logits = None
         for s in range(0, len(tokens), chunk):
             logits = self.step(tokens[s:s + chunk])
@@ -172,6 +195,11 @@ class SequenceRunner(RequestBook):
     @property
     def row_multiple(self) -> int:
         return self.runner.row_multiple
+
+    @property
+    def max_chunk(self) -> int:
+        """The prompt tokens one call carries: the one-sequence runner's own limit (a TensorRT engine's ``max_q``)."""
+        return getattr(self.runner, "max_chunk", PREFILL_CHUNK)
 
     def add(self, rid) -> None:
         """Hold request ``rid`` (empty cache). Raises DSparkError when another request is held."""

@@ -97,11 +97,11 @@ def _dspark_ext(stats) -> dict:
 def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | None = None,
                draft_confidence: float | None = None, max_batch: int = 8, max_queue: int = 64,
                max_context: int | None = None, default_max_tokens: int = 256, model_name: str | None = None,
-               shutdown_drain_s: float = 5.0) -> FastAPI:
+               shutdown_drain_s: float = 5.0, prefill_budget: int | str = "auto") -> FastAPI:
     """The FastAPI app serving ``engine`` (a loaded :class:`~dspark_runtime.engine.Engine`).
 
     Args:
-        draft, draft_length, draft_confidence, max_batch: as :meth:`Engine.batch` ("auto":
+        draft, draft_length, draft_confidence, max_batch, prefill_budget: as :meth:`Engine.batch` ("auto":
             :meth:`Engine.auto_draft` — the engine's draft LM when it has one, else the router over its DSpark
             drafter, else n-gram lookup; None/"none": target-only).
         max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
@@ -116,7 +116,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     Raises InputError (from :meth:`Engine.batch`) for a drafter the engine lacks or bad arguments.
     """
     gen = engine.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
-                       max_batch=max_batch)
+                       max_batch=max_batch, prefill_budget=prefill_budget)
     worker = EngineWorker(gen, max_queue=max_queue)
     metrics = ServerMetrics(worker)
     model_ctx = engine_max_context(engine)

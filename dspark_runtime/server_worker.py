@@ -84,7 +84,7 @@ class EngineWorker:
         self._jobs: dict = {}  # rid -> Job, requests inside the generator
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
-        self.snapshot: dict = {"stats": gen.stats.to_json(), "waiting": 0, "active": 0, "inflight": 0}
+        self.snapshot: dict = {"stats": gen.stats.to_json(), "waiting": 0, "prefilling": 0, "active": 0, "inflight": 0}
 
     # -- any thread
 
@@ -193,8 +193,8 @@ class EngineWorker:
 
     def _snapshot(self) -> None:
         g = self.gen
-        self.snapshot = {"stats": g.stats.to_json(), "waiting": len(g.waiting), "active": len(g.active),
-                         "inflight": self._inflight}
+        self.snapshot = {"stats": g.stats.to_json(), "waiting": len(g.waiting), "prefilling": len(g.prefilling),
+                         "active": len(g.active), "inflight": self._inflight}
 
     def _run(self) -> None:
         stop_at = None
@@ -264,7 +264,12 @@ class _EngineCollector:
                                ("dspark_draft_tokens_accepted", "accepted", "Draft tokens the target accepted."),
                                ("dspark_draft_tokens_wasted", "wasted", "Draft tokens the target rejected."),
                                ("dspark_committed_tokens", "committed", "Tokens committed by rounds."),
-                               ("dspark_prefill_tokens", "prefill_tokens", "Prompt tokens prefilled.")):
+                               ("dspark_prefill_tokens", "prefill_tokens", "Prompt tokens prefilled."),
+                               ("dspark_prefill_chunks", "prefill_chunks",
+                                "Prompt chunks fed (chunked prefill: one per prefilling request and round)."),
+                               ("dspark_mixed_rounds", "mixed_rounds",
+                                "Verify rounds that also fed prompt tokens (a joining prompt did not stall them)."),
+                               ("dspark_target_calls", "target_calls", "Verifier graph calls.")):
             yield CounterMetricFamily(name, doc, value=st.get(key, 0))
         yield GaugeMetricFamily("dspark_tau", "Tokens committed per request-round, bonus included (aggregate).",
                                 value=st.get("accepted_length_mean", 0.0))
@@ -281,7 +286,9 @@ class _EngineCollector:
                          st.get("verify_length_histogram", {}))
         yield _histogram("dspark_batch_size", "Requests per verify round.", st.get("batch_histogram", {}))
         yield GaugeMetricFamily("dspark_queue_depth", "Requests accepted and waiting for a decoding slot.",
-                                value=max(0, snap["inflight"] - snap["active"]))
+                                value=max(0, snap["inflight"] - snap["active"] - snap.get("prefilling", 0)))
+        yield GaugeMetricFamily("dspark_prefilling_requests", "Requests whose prompt is being fed (chunked prefill).",
+                                value=snap.get("prefilling", 0))
         yield GaugeMetricFamily("dspark_active_requests", "Requests decoding.", value=snap["active"])
         yield GaugeMetricFamily("dspark_capacity", "Most requests accepted at once (max_batch + max_queue).",
                                 value=self.worker.capacity)

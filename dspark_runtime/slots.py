@@ -102,6 +102,16 @@ class SlotRunner(RequestBook):
         self._check_rollback(rid, length)
         self._length[rid] = length
 
+    def pass_rows(self, lengths: list) -> int:
+        """Query rows one ``step`` over segments of these token counts computes: one batch row per segment, each
+        padded to the longest (``Q``), ``Q`` raised until ``rows x Q`` is a multiple of ``row_multiple``."""
+        if not lengths:
+            return 0
+        b, qq = len(lengths), max(lengths)
+        while (b * qq) % self.row_multiple:
+            qq += 1
+        return b * qq
+
     @property
     def slots(self) -> int:
         """Slots per row of the buffers."""
@@ -124,10 +134,7 @@ class SlotRunner(RequestBook):
         order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
         segs = [segments[i] for i in order]
         b = len(segs)
-        q_max = max(len(t) for _, t in segs)
-        qq = q_max
-        while (b * qq) % self.row_multiple:
-            qq += 1
+        qq = self.pass_rows([len(t) for _, t in segs]) // b
         need = max(self._length[rid] + qq for rid, _ in segs)
         if self.max_slots is not None and max(self._length[rid] + len(t) for rid, t in segs) > self.max_slots:
             raise DSparkError(f"a request would hold more than {self.max_slots} positions (the context limit)")
@@ -225,3 +232,4 @@ class SlotSequence:
 
     def rollback(self, length: int) -> None:
         self.slots.rollback(self._RID, length)
+

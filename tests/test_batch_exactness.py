@@ -1,7 +1,8 @@
 """A request's greedy output does not depend on which other requests share its rounds (the one-core issue):
-the same 8 prompts decoded alone, all 8 together, and in three fixed groupings with staggered joins give
-identical tokens, on tiny fp32 and int4 engines in the scatter KV layout (one batch row per request) and a tiny
-static-int8 engine in the growing layout (its integer attention matmuls are exact in the packed row)."""
+the same 8 prompts decoded alone, all 8 together, and in three fixed groupings with staggered joins (prompts that
+join mid-decode fed 5 tokens a round beside the decoding requests: chunked prefill, issue 21) give identical tokens,
+on tiny fp32 and int4 engines in the scatter KV layout (one batch row per request) and a tiny static-int8 engine in
+the growing layout (its integer attention matmuls are exact in the packed row)."""
 import pytest
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "Write a function that sorts",
@@ -41,8 +42,8 @@ def test_greedy_output_does_not_depend_on_the_batch(engine, draft):
     together = engine.generate_batch(PROMPTS, max_new_tokens=n, draft=draft, draft_length=3, max_batch=8)
     assert [r.token_ids for r in together] == alone
     ids = [engine.encode_prompt(p) for p in PROMPTS]
-    for grouping in GROUPINGS:
-        gen = engine.batch(draft=draft, draft_length=3, max_batch=8)
+    for grouping in GROUPINGS:  # staggered joins, prompts fed 5 tokens a round beside the decoding requests
+        gen = engine.batch(draft=draft, draft_length=3, max_batch=8, prefill_budget=5)
         reqs = {}
         for members, rounds in grouping:
             for i in members:
@@ -52,6 +53,7 @@ def test_greedy_output_does_not_depend_on_the_batch(engine, draft):
         gen.run()
         got = [reqs[i].token_ids for i in range(len(PROMPTS))]
         assert got == alone, f"grouping {grouping}: prompts {[i for i in range(8) if got[i] != alone[i]]} differ"
+        assert gen.stats.mixed_rounds > 0 and gen.stats.prefill_chunks > len(PROMPTS)  # the chunked path ran
 
 
 def test_scatter_is_refused_for_precisions_that_need_the_growing_layout():

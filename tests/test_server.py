@@ -378,11 +378,13 @@ def test_health_models_and_metrics(server, client):
               "dspark_acceptance_by_position", "dspark_verify_length_bucket", "dspark_batch_size_bucket",
               "dspark_queue_depth", "dspark_active_requests", "dspark_time_to_first_token_seconds_bucket",
               "dspark_time_per_output_token_seconds_bucket", "dspark_e2e_request_latency_seconds_count",
-              "dspark_request_tau_count"):
+              "dspark_request_tau_count", "dspark_prefill_chunks_total", "dspark_mixed_rounds_total",
+              "dspark_target_calls_total", "dspark_prefilling_requests"):
         assert n in names, n
     one = lambda n, **lab: m[(n, frozenset(lab.items()))]  # noqa: E731
     assert one("dspark_requests_total", endpoint="/v1/completions", outcome="length") > 0
     assert one("dspark_generation_tokens_total") > 0 and one("dspark_rounds_total") > 0
+    assert one("dspark_prefill_chunks_total") > 0 and one("dspark_target_calls_total") >= one("dspark_rounds_total")
     assert one("dspark_draft_tokens_accepted_total") > 0 and 1.0 < one("dspark_tau") <= 4.0
     assert 0.0 < one("dspark_acceptance_by_position", position="1") <= 1.0
     assert one("dspark_time_to_first_token_seconds_count") > 0

@@ -2,6 +2,8 @@
 and the no-op request hooks of a drafter."""
 import numpy as np
 
+from dspark_runtime.runners import RequestBook
+
 
 class BigramTarget:
     """A toy target (DecoderRunner interface): next-token logits = log T[last token]."""
@@ -39,3 +41,32 @@ class StatelessDrafter:
 
     def remove(self, rid):
         pass
+
+
+
+class BigramBook(RequestBook):
+    """A toy batched runner (the :class:`~dspark_runtime.runners.RequestBook` interface) over the bigram table: any
+    number of requests, packed rows (``pass_rows`` = tokens in the call); ``calls`` records each ``step``'s
+    segments as (rid, token count) pairs."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.logt = np.log(np.asarray(table, dtype=np.float64)).astype(np.float32)
+        self.calls = []
+
+    def add(self, rid):
+        self._length[rid] = 0
+
+    def remove(self, rid):
+        self._length.pop(rid, None)
+
+    def rollback(self, rid, length):
+        self._check_rollback(rid, length)
+        self._length[rid] = length
+
+    def step(self, segments):
+        self._check_segments(segments)
+        self.calls.append([(rid, len(t)) for rid, t in segments])
+        for rid, t in segments:
+            self._length[rid] += len(t)
+        return [self.logt[np.asarray(t)] for _, t in segments]
