@@ -311,6 +311,9 @@ def unpack(tarball, dest):
 @click.option("--prefill-budget", default="auto", show_default=True,
               help="Prompt tokens of joining requests fed per round while others decode (chunked prefill), or 'auto' "
                    "(from the engine's cost table; 64 without one).")
+@click.option("--prefix-cache-mb", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Prefix KV cache across requests (shared system prompts, chat turns): its memory bound in MiB, "
+                   "least recently used blocks evicted beyond it; 0 = off. Needs the scatter KV layout (int4 engines).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--max-context", type=click.IntRange(min=2), default=None,
               help="Prompt + max_tokens limit (default: the manifest's max_position_embeddings).")
@@ -337,9 +340,9 @@ def unpack(tarball, dest):
 @click.option("--ray-address", default=None,
               help="With --ray: the Ray cluster to join ('auto': the one `ray start` runs here, or ray://HOST:10001); "
                    "default: start a new local one on this machine for this command.")
-def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, prefill_budget, threads,
-          max_context, default_max_tokens, model_name, shutdown_timeout, log_level, placement, use_ray, replicas,
-          autoscale, target_ongoing_requests, replica_cpus, ray_address):
+def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, prefill_budget,
+          prefix_cache_mb, threads, max_context, default_max_tokens, model_name, shutdown_timeout, log_level, placement,
+          use_ray, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address):
     """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching; with --ray,
     in several replicas on Ray Serve."""
     prefill_budget = _prefill_budget(prefill_budget)
@@ -351,9 +354,9 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
             raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with --ray (serving on "
                              f"Ray Serve); add --ray or drop {'them' if len(given) > 1 else 'it'}")
     else:
-        if prefill_budget != "auto":
-            raise InputError("--prefill-budget is not passed to Ray Serve replicas yet (they use 'auto'); drop it or "
-                             "serve without --ray")
+        if prefill_budget != "auto" or prefix_cache_mb:
+            raise InputError("--prefill-budget and --prefix-cache-mb are not passed to Ray Serve replicas yet (they "
+                             "use 'auto' and no prefix cache); drop them or serve without --ray")
         _serve_ray(engine_dir, host=host, port=port, max_batch=max_batch, max_queue=max_queue, draft=draft,
                    draft_length=draft_length, draft_confidence=draft_confidence, threads=threads,
                    max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
@@ -373,7 +376,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     from dspark_runtime.backend import shared_pool_default
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
-                      shared_thread_pool=shared_pool_default(), placement=placement)
+                      shared_thread_pool=shared_pool_default(), placement=placement, prefix_cache_mb=prefix_cache_mb)
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,

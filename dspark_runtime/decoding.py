@@ -19,7 +19,8 @@ the runner's ``max_chunk`` when none does), so decoding requests keep committing
 instead of waiting for the whole prompt. The chunks ride in the verify pass, or in a second call of the same round
 where that computes fewer rows (the scatter layout's padded rows; :func:`dspark_runtime.prefill.plan_prefill`).
 A position's logits do not depend on how its prompt was chunked on the scatter layout and alone (row padding), so
-greedy output is unchanged.
+greedy output is unchanged. With a prefix cache (:mod:`dspark_runtime.prefix_cache`, the engine's) a joining request
+starts from the cached positions of its prompt's longest cached prefix, and a leaving one stores its own.
 
 Target-only decoding is the same loop without a drafter (every round verifies each request's anchor alone).
 The round's cost is ``B = sum_r (1 + l_r)`` token positions, the quantity of the cost table and the scheduler.
@@ -40,6 +41,7 @@ from dspark_runtime.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.drafters import Proposal
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.prefill import DEFAULT_PREFILL_BUDGET, plan_prefill
+from dspark_runtime.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
@@ -58,9 +60,11 @@ class GenerationStats:
     prefill produces, is not counted).
     draft_sources: per proposal source, rounds / proposed / accepted (the router; empty otherwise).
     placement: where each graph of the engine ran (``Engine.placement`` as "key=place,..."; empty outside an Engine).
+    cached_tokens: prompt tokens whose cached positions came from the prefix cache (not prefilled).
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not prefilled)
     new_tokens: int = 0
     num_rounds: int = 0
     proposed: int = 0
@@ -193,9 +197,12 @@ class BatchStats:
 
     rounds: verify rounds (rounds in which requests decoded); target_calls: verifier graph calls (one per round,
     two where a round's prompt chunks went in a call of their own); prefill_tokens: prompt tokens fed;
-    prefill_chunks: prompt chunks fed (one per prefilling request and round); mixed_rounds: verify rounds that also
+    prefill_chunks: prompt chunks fed (one per prefilling request and round); cached_prompt_tokens: prompt tokens
+    reused from the prefix cache instead (:mod:`dspark_runtime.prefix_cache`); mixed_rounds: verify rounds that also
     fed prompt tokens (rounds a whole-prompt prefill would have stalled); prefill_s: seconds of verifier calls spent
-    on prompt tokens (a merged pass is shared by token count; inside wall_s);
+    on prompt tokens (a merged pass is shared by token count; inside wall_s); first_tokens / ttft_s: requests that
+    got their first token and the sum of their times to it (seconds from submission), prefix_hit_requests /
+    ttft_prefix_hit_s: the same for those that reused cached prefix positions (mean TTFT = ttft_s / first_tokens);
     decode_tokens_per_second: committed tokens / (wall_s - prefill_s); verify_tokens: tokens verified in all rounds (anchors + drafts), i.e. sum of B;
     proposed/accepted: draft tokens verified / accepted; wasted: verified draft tokens the target rejected;
     committed: tokens committed by rounds (bonus included); batch_histogram: rounds by number of requests;
@@ -214,8 +221,13 @@ class BatchStats:
     target_calls: int = 0
     prefill_tokens: int = 0
     prefill_chunks: int = 0
+    cached_prompt_tokens: int = 0
     mixed_rounds: int = 0
     prefill_s: float = 0.0
+    first_tokens: int = 0
+    ttft_s: float = 0.0
+    prefix_hit_requests: int = 0
+    ttft_prefix_hit_s: float = 0.0
     wall_s: float = 0.0
     batch_histogram: dict = field(default_factory=dict)
     verify_length_histogram: dict = field(default_factory=dict)
@@ -251,12 +263,16 @@ class DecodingLoop:
         prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill;
             :func:`dspark_runtime.prefill.prefill_budget` derives it from a cost table), default
             :data:`~dspark_runtime.prefill.DEFAULT_PREFILL_BUDGET`.
+        prefix_cache: a :class:`~dspark_runtime.prefix_cache.PrefixCache` shared across loops (the engine's), or
+            None: a joining request starts from the cached positions of its prompt's longest cached prefix, and a
+            request that leaves stores its cached positions' full blocks (the target runner must export and import
+            positions: ``export_kv`` / ``import_kv``, the scatter KV layout).
     Raises InputError for an unknown mode, a missing cost table, a bad max_batch or prefill_budget.
     """
 
     def __init__(self, target, drafter=None, *, eos_ids=(), decode: Callable | None = None,
                  mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache=None):
         prefill_budget = DEFAULT_PREFILL_BUDGET if prefill_budget is None else prefill_budget
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or prefill_budget < 1:
             raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round), got "
@@ -272,7 +288,7 @@ class DecodingLoop:
         self._sources = getattr(drafter, "source_stats", None)  # the router's per-request source counts
         self.eos_ids, self.decode = list(eos_ids), decode
         self.mode, self.cost_table, self.max_batch = mode, cost_table, max_batch
-        self.prefill_budget = prefill_budget
+        self.prefill_budget, self.prefix_cache = prefill_budget, prefix_cache
         self.waiting: list = []
         self.prefilling: list = []  # admitted, prompt being fed (oldest first)
         self.active: list = []  # decoding
@@ -335,10 +351,31 @@ class DecodingLoop:
             self.step()
 
     def _admit(self, req: Request) -> None:
-        """Give ``req`` its verifier cache row; its prompt is fed from this round on (:meth:`step`)."""
+        """Give ``req`` its verifier cache row, filled with its prompt's longest cached prefix when there is a prefix
+        cache (never the last prompt token: its logits give the first token); the rest of the prompt is fed from
+        this round on (:meth:`step`)."""
         self.target.add(req.rid)
         req.fed = 0
+        if self.prefix_cache is not None:
+            blocks = self.prefix_cache.lookup(req.prompt[:-1], "target")
+            if blocks:
+                kv, feats = concat_blocks(blocks)
+                self.target.import_kv(req.rid, kv, feats)
+                req.fed = self.target.length(req.rid)
+                self.stats.cached_prompt_tokens += req.fed
+        req.stats.cached_tokens = req.fed
         self.prefilling.append(req)
+
+    def _store_prefix(self, req: Request) -> None:
+        """Store the full blocks of ``req``'s cached positions (prompt and committed tokens) in the prefix cache."""
+        rid = req.rid
+
+        def export(start: int, end: int) -> tuple:
+            payload = self.target.export_kv(rid, start, end)
+            return payload, payload_bytes(payload)
+
+        n = self.target.length(rid)
+        self.prefix_cache.insert((req.prompt + req.out)[:n], "target", export)
 
     def _first_token(self, req: Request, logits: np.ndarray) -> None:
         """``req``'s prompt is in the cache: pick its first token x0 from the last prompt position's ``logits``
@@ -347,6 +384,12 @@ class DecodingLoop:
         req.out = [select_token(logits, req.params, req.rng)]
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
+        st = self.stats
+        st.first_tokens += 1
+        st.ttft_s += req.stats.ttft_ms / 1e3
+        if req.stats.cached_tokens:
+            st.prefix_hit_requests += 1
+            st.ttft_prefix_hit_s += req.stats.ttft_ms / 1e3
         req.keep, reason = req.stopper.check(req.out, 0)
         if req.on_tokens:
             req.on_tokens(req.out[: req.keep])
@@ -357,6 +400,8 @@ class DecodingLoop:
             self.drafter.begin(req)
 
     def _leave(self, req: Request) -> None:
+        if self.prefix_cache is not None:
+            self._store_prefix(req)
         if req in self.prefilling:  # cancelled mid-prompt: the drafter has not begun it
             self.prefilling.remove(req)
         else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dspark_runtime.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.sampling import process_logits, sample
 
 
@@ -160,24 +161,41 @@ class LMDrafter:
     ``assistant_confidence_threshold``): a request's block ends after its first draft token whose draft
     probability (max softmax of the draft logits) is below it. The rule reads the draft's own distribution only,
     so sampling stays exact.
+
+    ``prefix_cache`` (a :class:`~dspark_runtime.prefix_cache.PrefixCache`, the engine's, or None): the draft cache
+    of a joining request starts from the cached ``"draft"`` blocks of its prompt, and a request that leaves stores
+    its draft cache's full blocks (the runner must export and import positions: the scatter KV layout).
     """
 
     name = "lm"
 
-    def __init__(self, runner, confidence_threshold: float | None = None):
+    def __init__(self, runner, confidence_threshold: float | None = None, prefix_cache=None):
         self.runner = runner
         self.confidence_threshold = confidence_threshold
+        self.prefix_cache = prefix_cache
         self._cached: dict = {}  # rid -> the tokens whose KV the draft cache holds
         self._known: dict = {}  # rid -> a prefix length of _cached known to equal the committed context
 
     def begin(self, req) -> None:
         self.runner.add(req.rid)
-        self._cached[req.rid], self._known[req.rid] = [], 0
-        if len(req.prompt) > 1:
-            self.runner.prefill(req.rid, req.prompt[:-1])
-            self._cached[req.rid] = list(req.prompt[:-1])
+        self._known[req.rid] = 0
+        ctx = req.prompt[:-1]
+        if self.prefix_cache is not None and ctx:
+            blocks = self.prefix_cache.lookup(ctx, "draft", count=False)  # the loop counts the target's lookup
+            if blocks:
+                self.runner.import_kv(req.rid, *concat_blocks(blocks))
+        n = self.runner.length(req.rid)
+        if len(ctx) > n:
+            self.runner.prefill(req.rid, ctx[n:])
+        self._cached[req.rid] = list(ctx)
 
     def remove(self, rid) -> None:
+        if self.prefix_cache is not None and rid in self._cached:
+            def export(start: int, end: int) -> tuple:
+                payload = self.runner.export_kv(rid, start, end)
+                return payload, payload_bytes(payload)
+
+            self.prefix_cache.insert(self._cached[rid][: self.runner.length(rid)], "draft", export)
         self.runner.remove(rid)
         self._cached.pop(rid, None)
         self._known.pop(rid, None)

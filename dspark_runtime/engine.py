@@ -78,6 +78,7 @@ class Engine:
         self.draft_graph = self.dspark_graph or self.lm_graph
         self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
         self._heads = None
+        self.prefix_cache = None  # a PrefixCache shared by this engine's decoding loops (enable_prefix_cache)
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
     def _target_sha256(self) -> str:
@@ -214,7 +215,8 @@ class Engine:
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
              verify: bool = True, rehash: bool = False, backend: str = "ort",
              allow_slow_precision: bool = False, row_multiple: int | None = None,
-             shared_thread_pool: bool = False, placement: str | dict | None = None) -> "Engine":
+             shared_thread_pool: bool = False, placement: str | dict | None = None,
+             prefix_cache_mb: float = 0) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -236,6 +238,7 @@ class Engine:
         ``"target=trt,draft=cuda,dspark=cpu"`` or one place for all (:mod:`dspark_runtime.placement`: cpu, cuda,
         trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
         for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
+        ``prefix_cache_mb``: the prefix KV cache's memory bound in MiB, 0 = off (:meth:`enable_prefix_cache`).
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -252,8 +255,31 @@ class Engine:
 
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
-        return cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                   backend, allow_slow_precision, row_multiple, placement)
+        eng = cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
+                  backend, allow_slow_precision, row_multiple, placement)
+        eng.enable_prefix_cache(prefix_cache_mb)
+        return eng
+
+    def enable_prefix_cache(self, max_mb: float) -> None:
+        """Reuse cached prompt positions across requests (:mod:`dspark_runtime.prefix_cache`): every decoding loop
+        of this engine (:meth:`batch`, :meth:`generate`, the server's) starts a joining request from the cached
+        blocks of its prompt's longest cached prefix — the target's keys, values and features (the DSpark drafter's
+        context comes from those features) and the draft LM's keys and values — and stores what a finished request
+        cached, least recently used blocks evicted beyond ``max_mb`` MiB. 0 turns it off and drops what it held.
+        Raises InputError for a negative bound, or (when turning it on) a target graph outside the scatter KV layout
+        or placed on TensorRT."""
+        from dspark_runtime.prefix_cache import PrefixCache
+
+        if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or max_mb < 0:
+            raise InputError(f"prefix_cache_mb must be a number of MiB >= 0 (0 = off), got {max_mb!r}")
+        self.prefix_cache = None
+        if not max_mb:
+            return
+        if self.manifest.graphs["target"].spec.kv_layout != "scatter" or self.placement.get("target") == "trt":
+            raise InputError(f"{self.dir}: the prefix cache reuses cached positions of the scatter KV layout, and this "
+                             "engine's target graph is not in it (or runs on TensorRT); rebuild it with `dspark-export "
+                             "build --kv-layout scatter` (the int4 default) or leave the prefix cache off")
+        self.prefix_cache = PrefixCache(max(1, int(max_mb * 2 ** 20)))
 
     @property
     def has_draft(self) -> bool:
@@ -355,7 +381,8 @@ class Engine:
                              f"{draft!r} ends a block after its first draft token below draft_confidence); use "
                              "draft='dspark' or 'router' over a DSpark drafter, or drop the rule")
         if draft == "lm":
-            return LMDrafter(self.loop_runner(self.lm_graph, max_batch), confidence_threshold)
+            runner = self.loop_runner(self.lm_graph, max_batch)
+            return LMDrafter(runner, confidence_threshold, self.prefix_cache if runner.can_import_kv else None)
         return NgramDrafter()
 
     def dspark_heads(self) -> DSparkHeads:
@@ -513,7 +540,8 @@ class Engine:
 
             prefill_budget = auto_budget(self.manifest.speculation.cost_table, max_chunk=target.max_chunk)
         gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
-                           cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget)
+                           cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget,
+                           prefix_cache=self.prefix_cache)
         block = getattr(drafter, "block_size", None)  # a DSpark block (also inside the router): one pass
         if isinstance(drafter, Router) and draft_length == "scheduled":
             gen.default_gamma = max(block or 0, drafter.ngram_max_length)  # n-gram continuations may run longer

@@ -47,6 +47,7 @@ class RequestBook:
 
     row_multiple = 1  # every call's rows are padded to a multiple of this (subclasses set theirs)
     max_chunk = PREFILL_CHUNK  # the most tokens one segment of a call may carry
+    can_import_kv = False  # export_kv / import_kv of cached positions (the prefix cache): the scatter layout
 
     def __init__(self):
         self._length: dict = {}  # rid -> committed cached positions
@@ -236,6 +237,27 @@ class SequenceRunner(RequestBook):
         out = self.runner.step(list(toks))
         self._length[rid] = self.runner.length
         return [out]
+
+    def export_kv(self, rid, start: int, end: int) -> tuple:
+        """The held request's positions start..end-1 as the runner exports them (scatter layout:
+        :meth:`~dspark_runtime.slots.SlotSequence.export_kv`). Raises DSparkError for a runner that cannot."""
+        return self._kv_io("export_kv")(start, end)
+
+    def import_kv(self, rid, kv: list, features) -> None:
+        """Fill the held (empty) request's first positions from cached arrays (:meth:`export_kv`'s form)."""
+        self._kv_io("import_kv")(kv, features)
+        self._length[rid] = self.runner.length
+
+    @property
+    def can_import_kv(self) -> bool:
+        return hasattr(self.runner, "import_kv")
+
+    def _kv_io(self, name: str):
+        fn = getattr(self.runner, name, None)
+        if fn is None:
+            raise DSparkError(f"{type(self.runner).__name__} cannot export or import cached positions (the prefix "
+                              "cache needs the scatter KV layout); rebuild the engine with --kv-layout scatter")
+        return fn
 
     def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """The held request's prompt through the runner's own chunked prefill; the last position's logits [vocab]."""

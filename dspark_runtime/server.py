@@ -91,6 +91,7 @@ def _dspark_ext(stats) -> dict:
             "draft_tokens_accepted": stats.accepted, "rounds": stats.num_rounds,
             "accepted_by_position": [round(x, 4) for x in stats.accepted_by_position],
             "ttft_ms": round(stats.ttft_ms, 2), "decode_ms": round(stats.decode_ms, 2),
+            "cached_prompt_tokens": stats.cached_tokens,
             "tokens_per_second": round(stats.tokens_per_second, 3)}
 
 
@@ -232,8 +233,10 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
         except Exception as e:  # noqa: BLE001 - text the tokenizer or the chat template cannot take
             raise APIError(400, f"the {param} could not be tokenized: {type(e).__name__}", param=param) from None
 
-    def _usage(n_prompt: int, n_gen: int) -> dict:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    def _usage(n_prompt: int, n_gen: int, stats) -> dict:
+        """OpenAI usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(stats, "cached_tokens", 0))}}
 
     def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None) -> None:
         metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
@@ -312,7 +315,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                    "finish_reason": fr} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": fr})
         return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
-                "usage": _usage(len(job.prompt_ids), len(out.token_ids)), "dspark": _dspark_ext(out.stats)}
+                "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats), "dspark": _dspark_ext(out.stats)}
 
     async def _stream(endpoint: str, job: Job, rid: str, chat: bool, include_usage: bool, t0: float):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -370,7 +373,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                                 extra={"dspark": _dspark_ext(out.stats)})
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
-                                    "usage": _usage(len(job.prompt_ids), len(out.token_ids))})
+                                    "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats)})
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the task is cancelled) or the server is stopping

@@ -84,7 +84,8 @@ class EngineWorker:
         self._jobs: dict = {}  # rid -> Job, requests inside the generator
         self.thread: threading.Thread | None = None
         self.failed: BaseException | None = None
-        self.snapshot: dict = {"stats": gen.stats.to_json(), "waiting": 0, "prefilling": 0, "active": 0, "inflight": 0}
+        self.snapshot: dict = {"stats": gen.stats.to_json(), "waiting": 0, "prefilling": 0, "active": 0, "inflight": 0,
+                               "prefix": None}
 
     # -- any thread
 
@@ -193,8 +194,10 @@ class EngineWorker:
 
     def _snapshot(self) -> None:
         g = self.gen
+        cache = getattr(g, "prefix_cache", None)
         self.snapshot = {"stats": g.stats.to_json(), "waiting": len(g.waiting), "prefilling": len(g.prefilling),
-                         "active": len(g.active), "inflight": self._inflight}
+                         "active": len(g.active), "inflight": self._inflight,
+                         "prefix": None if cache is None else cache.stats.to_json()}
 
     def _run(self) -> None:
         stop_at = None
@@ -290,6 +293,35 @@ class _EngineCollector:
         yield GaugeMetricFamily("dspark_prefilling_requests", "Requests whose prompt is being fed (chunked prefill).",
                                 value=snap.get("prefilling", 0))
         yield GaugeMetricFamily("dspark_active_requests", "Requests decoding.", value=snap["active"])
+        hits, ttft_hit = st.get("prefix_hit_requests", 0), st.get("ttft_prefix_hit_s", 0.0)
+        firsts = CounterMetricFamily("dspark_engine_first_tokens", "Requests that got their first token, by whether "
+                                     "they reused prefix-cache positions.", labels=["prefix_cache"])
+        firsts.add_metric(["hit"], hits)
+        firsts.add_metric(["miss"], st.get("first_tokens", 0) - hits)
+        yield firsts
+        ttft = CounterMetricFamily("dspark_engine_ttft_seconds", "Sum of submission-to-first-token seconds in the "
+                                   "engine, by prefix-cache hit (divide by dspark_engine_first_tokens for the mean).",
+                                   labels=["prefix_cache"])
+        ttft.add_metric(["hit"], ttft_hit)
+        ttft.add_metric(["miss"], st.get("ttft_s", 0.0) - ttft_hit)
+        yield ttft
+        yield CounterMetricFamily("dspark_prompt_tokens_cached", "Prompt tokens reused from the prefix cache.",
+                                  value=st.get("cached_prompt_tokens", 0))
+        pc = snap.get("prefix")
+        if pc is not None:
+            for name, key, doc in (("dspark_prefix_cache_lookups", "lookups", "Requests looked up in the prefix cache."),
+                                   ("dspark_prefix_cache_hits", "hits", "Lookups that reused at least one block."),
+                                   ("dspark_prefix_cache_lookup_tokens", "lookup_tokens",
+                                    "Prompt tokens looked up (each prompt less its last token)."),
+                                   ("dspark_prefix_cache_hit_tokens", "hit_tokens", "Prompt tokens reused."),
+                                   ("dspark_prefix_cache_evicted_blocks", "evicted_blocks",
+                                    "Blocks evicted (least recently used) to stay within the bound.")):
+                yield CounterMetricFamily(name, doc, value=pc[key])
+            for name, key, doc in (("dspark_prefix_cache_hit_rate", "hit_rate", "Reused / looked-up prompt tokens."),
+                                   ("dspark_prefix_cache_bytes", "bytes", "Bytes of cached keys, values and features."),
+                                   ("dspark_prefix_cache_max_bytes", "max_bytes", "The prefix cache's memory bound."),
+                                   ("dspark_prefix_cache_blocks", "blocks", "Blocks held (per part).")):
+                yield GaugeMetricFamily(name, doc, value=pc[key])
         yield GaugeMetricFamily("dspark_capacity", "Most requests accepted at once (max_batch + max_queue).",
                                 value=self.worker.capacity)
 

@@ -112,6 +112,40 @@ class SlotRunner(RequestBook):
             qq += 1
         return b * qq
 
+    can_import_kv = True
+
+    def export_kv(self, rid, start: int, end: int) -> tuple:
+        """Copies of request ``rid``'s cached positions start..end-1 (the prefix cache's block payload): per layer
+        (key, value) float32 [kv_heads, end - start, head_dim], and its target features float32 [end - start, F]
+        or None. Raises ValueError outside 0 <= start < end <= length(rid)."""
+        if not 0 <= start < end <= self._length[rid]:
+            raise ValueError(f"request {rid!r} holds {self._length[rid]} positions; cannot export {start}..{end}")
+        row = self._row[rid]
+        kv = [(k[row, :, start:end].copy(), v[row, :, start:end].copy()) for k, v in self._kv]
+        f = self._feats.get(rid)
+        return kv, None if f is None else f[start:end].copy()
+
+    def import_kv(self, rid, kv: list, features: np.ndarray | None) -> None:
+        """Fill an empty request's first n positions from cached arrays (a prefix cache hit): ``kv`` per layer
+        (key, value) float32 [kv_heads, n, head_dim], ``features`` float32 [n, F] or None. Raises DSparkError when
+        ``rid`` already holds positions or the arrays do not fit this graph."""
+        if self._length[rid]:
+            raise DSparkError(f"request {rid!r} already holds {self._length[rid]} positions; import a prefix into an "
+                              "empty request")
+        n = kv[0][0].shape[1]
+        if len(kv) != self._layers or kv[0][0].shape != (self._shape[0], n, self._shape[1]):
+            raise DSparkError(f"cached prefix of {len(kv)} layers x {kv[0][0].shape} does not fit this graph "
+                              f"({self._layers} layers x [{self._shape[0]}, n, {self._shape[1]}])")
+        if n > self.slots:
+            self._resize(self._kv[0][0].shape[0], -(-n // SLOT_STEP) * SLOT_STEP)
+        row = self._row[rid]
+        for (k, v), (ck, cv) in zip(self._kv, kv):
+            k[row, :, :n] = ck
+            v[row, :, :n] = cv
+        if features is not None:
+            self._store_features(rid, 0, features)
+        self._length[rid] = n
+
     @property
     def slots(self) -> int:
         """Slots per row of the buffers."""
@@ -233,3 +267,10 @@ class SlotSequence:
     def rollback(self, length: int) -> None:
         self.slots.rollback(self._RID, length)
 
+    def export_kv(self, start: int, end: int) -> tuple:
+        """:meth:`SlotRunner.export_kv` of this sequence."""
+        return self.slots.export_kv(self._RID, start, end)
+
+    def import_kv(self, kv: list, features: np.ndarray | None) -> None:
+        """:meth:`SlotRunner.import_kv` into this (emptied) sequence."""
+        self.slots.import_kv(self._RID, kv, features)
