@@ -13,6 +13,9 @@ exact). ``--transcript`` first prints one non-streaming and one streaming exchan
     python scripts/serve_bench.py --engine engines/qwen2.5-coder-1.5b --configs dspark,none --transcript
     # against a running `dspark serve` (one config)
     python scripts/serve_bench.py --url http://127.0.0.1:8000
+    # the prefix cache (issue 21): --clients conversations of 2 turns sharing a long system prompt, at once, cache
+    # off then on (a fresh cache each run); TTFT per turn, hit rate, outputs compared across the runs
+    python scripts/serve_bench.py --engine engines/qwen2.5-coder-1.5b --workload shared-prefix --prefix-cache-mb 0,512
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evalsets import ROOT, load_prompts, machine  # noqa: E402
+from evalsets import ROOT, load_prompts, loadavg, machine  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -40,11 +43,24 @@ def _pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+SYSTEM = ("You are a senior Python engineer reviewing and writing code for a team. Follow these rules in every "
+          "answer. Write idiomatic Python 3.10 with type hints on every function. Prefer the standard library; do not "
+          "invent APIs or import third-party packages unless asked. Name variables and functions clearly, keep "
+          "functions short, and handle edge cases such as empty inputs, negative numbers and None explicitly. Add a "
+          "docstring that states what the function returns and which errors it raises. When a question is "
+          "ambiguous, state the assumption you make in one sentence before the code. Keep explanations brief: at "
+          "most three sentences after the code. Never print debugging output, never use global state, and never "
+          "catch an exception only to ignore it. Format code in a single fenced block.")
+FOLLOW_UP = "Now write two short pytest tests for it."
+
+
 def one_request(client, model, prompt, max_tokens):
-    """Stream one greedy chat completion; returns text, tokens, ttft_s, tpot_s, the dspark extension."""
+    """Stream one greedy chat completion (``prompt``: a user message, or a list of chat messages); returns text,
+    tokens, ttft_s, tpot_s, the dspark extension and the prompt tokens reused from the prefix cache."""
     t0 = time.perf_counter()
     parts, t_first, t_last, usage, ext = [], None, None, None, {}
-    for c in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    for c in client.chat.completions.create(model=model, messages=msgs,
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True}):
         if c.choices and c.choices[0].delta.content:
@@ -58,9 +74,40 @@ def one_request(client, model, prompt, max_tokens):
             usage = c.usage
     n = usage.completion_tokens if usage else 0
     t_first = t_first or time.perf_counter()
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return {"text": "".join(parts), "tokens": n, "ttft_s": t_first - t0,
             "tpot_s": (t_last - t_first) / (n - 1) if n > 1 and t_last else None, "tau": ext.get("tau"),
-            "acceptance_rate": ext.get("acceptance_rate")}
+            "acceptance_rate": ext.get("acceptance_rate"), "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "cached_tokens": (getattr(details, "cached_tokens", 0) or 0) if details else 0}
+
+
+def one_conversation(client, model, question, max_tokens):
+    """Two turns sharing :data:`SYSTEM`: ``question``, then :data:`FOLLOW_UP` with the first answer in the history.
+    Returns the two turns' :func:`one_request` results."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    first = one_request(client, model, msgs, max_tokens)
+    msgs += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": FOLLOW_UP}]
+    return [first, one_request(client, model, msgs, max_tokens)]
+
+
+def run_conversations(client, model, questions, max_tokens, clients):
+    """The shared-prefix workload: one 2-turn conversation per question, ``clients`` at once. TTFT per turn, the
+    fraction of prompt tokens reused (usage.prompt_tokens_details.cached_tokens), aggregate tokens/s."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        convs = list(ex.map(lambda q: one_conversation(client, model, q, max_tokens), questions))
+    wall = time.perf_counter() - t0
+    res = [t for c in convs for t in c]
+    out = {"clients": clients, "requests": len(res), "tokens": sum(r["tokens"] for r in res), "wall_s": wall,
+           "tokens_per_second": sum(r["tokens"] for r in res) / wall,
+           "cached_fraction": sum(r["cached_tokens"] for r in res) / max(1, sum(r["prompt_tokens"] for r in res)),
+           "texts": [r["text"] for r in res]}
+    for k, name in ((0, "turn1"), (1, "turn2")):
+        ttft = [c[k]["ttft_s"] for c in convs]
+        out[f"{name}_ttft_p50_s"], out[f"{name}_ttft_p95_s"] = _pct(ttft, 0.5), _pct(ttft, 0.95)
+    ttft = [r["ttft_s"] for r in res]
+    out["ttft_p50_s"], out["ttft_p95_s"] = _pct(ttft, 0.5), _pct(ttft, 0.95)
+    return out
 
 
 def run_phase(client, model, prompts, max_tokens, clients):
@@ -105,6 +152,19 @@ def bench_server(url, model, prompts, a, label):
     return {"config": label, "solo": solo, "concurrent": conc, "identical_to_solo": same}
 
 
+def bench_prefix(url, model, questions, a, label):
+    """The shared-prefix workload against one server."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    model = model or client.models.list().data[0].id
+    r = run_conversations(client, model, questions, a.max_tokens, a.clients)
+    print(f"[{label}] {r['tokens_per_second']:.2f} tok/s; TTFT p50/p95 turn 1 {r['turn1_ttft_p50_s']:.2f} / "
+          f"{r['turn1_ttft_p95_s']:.2f} s, turn 2 {r['turn2_ttft_p50_s']:.2f} / {r['turn2_ttft_p95_s']:.2f} s; "
+          f"prompt tokens reused {r['cached_fraction']:.1%}", flush=True)
+    return {"config": label, "conversations": r}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
@@ -120,12 +180,24 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--transcript", action="store_true", help="print one openai exchange, streaming and not")
+    ap.add_argument("--prefill-budget", default="auto", help="with --engine: prompt tokens per round while others "
+                    "decode (chunked prefill), or 'auto'")
+    ap.add_argument("--prefix-cache-mb", default="0", help="with --engine: comma-separated prefix cache bounds in "
+                    "MiB, one server run each per config (0 = off)")
+    ap.add_argument("--workload", choices=["prompts", "shared-prefix"], default="prompts",
+                    help="prompts: solo then --clients concurrent single-turn requests; shared-prefix: --clients "
+                         "2-turn conversations at once sharing a long system prompt (the --humaneval questions)")
     ap.add_argument("--out", default=None, help="JSON output (default scripts/results/serve-<name>.json)")
     a = ap.parse_args(argv)
     prompts = load_prompts("humaneval", a.humaneval) + load_prompts("mt-bench", a.mt_bench)
+    if a.workload == "shared-prefix":
+        prompts = load_prompts("humaneval", a.humaneval)
+    bench = bench_prefix if a.workload == "shared-prefix" else bench_server
+    budget = a.prefill_budget if a.prefill_budget == "auto" else int(a.prefill_budget)
     runs = []
+    load_before = loadavg()
     if a.url:
-        runs.append(bench_server(a.url.rstrip("/"), None, prompts, a, a.url))
+        runs.append(bench(a.url.rstrip("/"), None, prompts, a, a.url))
         name = "url"
     else:
         from dspark_runtime.engine import DEFAULT_THREADS, Engine
@@ -133,17 +205,44 @@ def main(argv=None) -> int:
 
         eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
         name = eng.manifest.name
-        for i, c in enumerate(a.configs.split(",")):
+        for i, (c, mb) in enumerate((c, float(mb)) for c in a.configs.split(",")
+                                    for mb in a.prefix_cache_mb.split(",")):
             draft, _, dl = c.partition(":")
             dl = None if not dl else (dl if dl == "scheduled" else int(dl))
+            eng.enable_prefix_cache(mb)  # a fresh cache for every run
             app = create_app(eng, draft=None if draft == "none" else draft, draft_length=dl, max_batch=a.max_batch,
-                             max_queue=max(64, len(prompts)))
+                             max_queue=max(64, len(prompts)), prefill_budget=budget)
             with ServerThread(app) as srv:
                 a_i = argparse.Namespace(**{**vars(a), "transcript": a.transcript and i == 0})
-                runs.append(bench_server(srv.url, app.state.model_name, prompts, a_i, c))
+                label = c if mb == 0 else f"{c} prefix-cache {mb:g} MiB"
+                runs.append(bench(srv.url, app.state.model_name, prompts, a_i, label))
+                runs[-1]["prefill_budget"] = app.state.worker.gen.prefill_budget
+                if eng.prefix_cache is not None:
+                    runs[-1]["prefix_cache"] = eng.prefix_cache.stats.to_json()
+    if a.workload == "shared-prefix":
+        ref = runs[0]["conversations"]["texts"]
+        across = all(r["conversations"]["texts"] == ref for r in runs)
+        print(f"\n{machine()}; load average before/after {load_before} / {loadavg()}; {len(prompts)} conversations "
+              f"of 2 turns, {a.clients} at once, {a.max_tokens} max tokens, greedy, streamed")
+        print("| config | tok/s | TTFT p50 / p95 turn 1 (s) | TTFT p50 / p95 turn 2 (s) | prompt tokens reused |")
+        print("|---|---|---|---|---|")
+        for r in runs:
+            x = r["conversations"]
+            print(f"| {r['config']} | {x['tokens_per_second']:.2f} | {x['turn1_ttft_p50_s']:.2f} / "
+                  f"{x['turn1_ttft_p95_s']:.2f} | {x['turn2_ttft_p50_s']:.2f} / {x['turn2_ttft_p95_s']:.2f} | "
+                  f"{x['cached_fraction']:.1%} |")
+        print(f"outputs identical across all runs: {across}")
+        out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"serve-prefix-{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": machine(), "loadavg_before": load_before, "loadavg_after": loadavg(),
+                                   "conversations": len(prompts), "max_tokens": a.max_tokens,
+                                   "identical_across_runs": across, "runs": runs}, indent=2))
+        print(f"wrote {out}")
+        return 0 if across else 1
     ref = runs[0]["solo"]["texts"]
     across = all(r["solo"]["texts"] == ref and r["concurrent"]["texts"] == ref for r in runs)
-    print(f"\n{machine()}; {len(prompts)} prompts, {a.max_tokens} max tokens, greedy, streamed chat completions")
+    print(f"\n{machine()}; load average before/after {load_before} / {loadavg()}; {len(prompts)} prompts, "
+          f"{a.max_tokens} max tokens, greedy, streamed chat completions")
     print("| config | clients | tok/s | TTFT p50 / p95 (s) | per-token p50 / p95 (ms) | τ | identical to solo |")
     print("|---|---|---|---|---|---|---|")
     for r in runs:
@@ -157,7 +256,8 @@ def main(argv=None) -> int:
     print(f"outputs identical across all configs and phases: {across}")
     out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"serve-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "prompts": len(prompts), "max_tokens": a.max_tokens,
+    out.write_text(json.dumps({"machine": machine(), "loadavg_before": load_before, "loadavg_after": loadavg(),
+                               "prompts": len(prompts), "max_tokens": a.max_tokens,
                                "identical_across_configs": across, "runs": runs}, indent=2))
     print(f"wrote {out}")
     return 0 if across and all(r["identical_to_solo"] == len(prompts) for r in runs) else 1
