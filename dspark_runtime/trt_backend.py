@@ -164,6 +164,49 @@ def _cuda():
     return cudart
 
 
+def _bind_buffers(context, device_only: dict, pinned: dict) -> tuple:
+    """Device buffers for every tensor of ``device_only`` and ``pinned`` ({tensor name: bytes}), a pinned host
+    mirror for each tensor of ``pinned``, and every device address bound to its tensor in the TensorRT execution
+    ``context`` once (addresses never change). Returns (dev {name: device pointer}, host {name: (pinned pointer,
+    ctypes byte view)}). Raises DSparkError naming the tensor whose allocation or binding failed."""
+    cudart = _cuda()
+    dev, host = {}, {}
+    for name, nbytes in {**device_only, **pinned}.items():
+        dev[name] = _check(cudart.cudaMalloc(nbytes), f"cudaMalloc({name})")
+    for name, nbytes in pinned.items():
+        ptr = _check(cudart.cudaHostAlloc(nbytes, cudart.cudaHostAllocDefault), f"cudaHostAlloc({name})")
+        host[name] = (ptr, (ctypes.c_byte * nbytes).from_address(ptr))
+    for name, ptr in dev.items():
+        if not context.set_tensor_address(name, int(ptr)):
+            raise DSparkError(f"TensorRT refused the address of tensor {name}")
+    return dev, host
+
+
+def _set_input_shapes(context, entry, stream, shapes: dict, current: int | None) -> int:
+    """Select the optimisation profile of ``entry`` that admits ``shapes`` ({input name: shape};
+    :func:`~dspark_runtime.trt_profiles.pick_profile`), switching ``context`` to it on ``stream`` when it is not
+    ``current``, and set every input shape. Returns the profile index. Raises DSparkError naming the profile or the
+    tensor and shape TensorRT refused."""
+    prof = pick_profile(entry.profiles, shapes)
+    if prof != current and not context.set_optimization_profile_async(prof, stream):
+        raise DSparkError(f"TensorRT refused optimisation profile {prof} ({entry.profiles[prof]['name']})")
+    for name, shp in shapes.items():
+        if not context.set_input_shape(name, shp):
+            raise DSparkError(f"TensorRT refused input shape {shp} for tensor {name} (profile "
+                              f"{entry.profiles[prof]['name']})")
+    return prof
+
+
+def _free_buffers(dev: dict, host: dict, stream) -> None:
+    """Free what :func:`_bind_buffers` allocated, then destroy ``stream``."""
+    cudart = _cuda()
+    for ptr in dev.values():
+        cudart.cudaFree(ptr)
+    for ptr, _ in host.values():
+        cudart.cudaFreeHost(ptr)
+    cudart.cudaStreamDestroy(stream)
+
+
 def _check(res, what: str):
     """Unpack a cuda-python result tuple; raise DSparkError naming the call on an error."""
     cudart = _cuda()
@@ -217,20 +260,11 @@ class TrtDecoder:
         cudart = _cuda()
         self._trt, self._logger, self._runtime, self.engine, self.context = _open_engine(self.path, self.entry)
         self._stream = _check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
-        self._dev, self._host = {}, {}
-        d = self.spec.dims
         layer_bytes = self.plan.kv_scratch
-        for k, v in past_names(d.num_layers):
-            for name in (k, v):
-                self._dev[name] = _check(cudart.cudaMalloc(layer_bytes), f"cudaMalloc({name})")
         self._scratch = _check(cudart.cudaMalloc(layer_bytes), "cudaMalloc(scratch)")
-        for name, nbytes in {**self.plan.inputs, **self.plan.outputs}.items():
-            self._dev[name] = _check(cudart.cudaMalloc(nbytes), f"cudaMalloc({name})")
-            ptr = _check(cudart.cudaHostAlloc(nbytes, cudart.cudaHostAllocDefault), f"cudaHostAlloc({name})")
-            self._host[name] = (ptr, (ctypes.c_byte * nbytes).from_address(ptr))
-        for name, ptr in self._dev.items():  # addresses never change: set once
-            if not self.context.set_tensor_address(name, int(ptr)):
-                raise DSparkError(f"TensorRT refused the address of tensor {name}")
+        self._dev, self._host = _bind_buffers(
+            self.context, {n: layer_bytes for pair in past_names(self.spec.dims.num_layers) for n in pair},
+            {**self.plan.inputs, **self.plan.outputs})
         self._shape_key = None
         self._profile = None
         self._bucket = self.buckets[0]
@@ -246,12 +280,8 @@ class TrtDecoder:
         cudart = _cuda()
         for g in self._graphs.values():
             cudart.cudaGraphExecDestroy(g)
-        for ptr in self._dev.values():
-            cudart.cudaFree(ptr)
         cudart.cudaFree(self._scratch)
-        for ptr, _ in self._host.values():
-            cudart.cudaFreeHost(ptr)
-        cudart.cudaStreamDestroy(self._stream)
+        _free_buffers(self._dev, self._host, self._stream)
         self.context = self.engine = self._runtime = None
         self._graphs, self._dev, self._host = {}, {}, {}
 
@@ -306,15 +336,7 @@ class TrtDecoder:
         shapes = {"input_ids": (b, q), "position_ids": (b, q), "attention_mask": (b, 1, q, bucket + q)}
         for k, v in past_names(d.num_layers):
             shapes[k] = shapes[v] = (b, d.num_kv_heads, bucket, d.head_dim)
-        prof = pick_profile(self.entry.profiles, shapes)
-        if prof != self._profile:
-            if not self.context.set_optimization_profile_async(prof, self._stream):
-                raise DSparkError(f"TensorRT refused optimisation profile {prof} ({self.entry.profiles[prof]['name']})")
-            self._profile = prof
-        for name, shp in shapes.items():
-            if not self.context.set_input_shape(name, shp):
-                raise DSparkError(f"TensorRT refused input shape {shp} for tensor {name} (profile "
-                                  f"{self.entry.profiles[prof]['name']})")
+        self._profile = _set_input_shapes(self.context, self.entry, self._stream, shapes, self._profile)
         self._shape_key = key
 
     def _execute(self, key: tuple, capturable: bool) -> None:
@@ -494,16 +516,10 @@ class TrtDSparkGraph:
         cudart = _cuda()
         self._trt, self._logger, self._runtime, self.engine, self.context = _open_engine(self.path, self.entry)
         self._stream = _check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
-        self._dev, self._host = {}, {}
         per_layer = self.plan.kv // (2 * self.spec.dims.num_layers)
-        sizes = {**{n: per_layer for pair in self._past for n in pair}, **self.plan.inputs, **self.plan.outputs}
-        for name, nbytes in sizes.items():
-            self._dev[name] = _check(cudart.cudaMalloc(nbytes), f"cudaMalloc({name})")
-            ptr = _check(cudart.cudaHostAlloc(nbytes, cudart.cudaHostAllocDefault), f"cudaHostAlloc({name})")
-            self._host[name] = (ptr, (ctypes.c_byte * nbytes).from_address(ptr))
-        for name, ptr in self._dev.items():  # addresses never change: set once
-            if not self.context.set_tensor_address(name, int(ptr)):
-                raise DSparkError(f"TensorRT refused the address of tensor {name}")
+        self._dev, self._host = _bind_buffers(
+            self.context, {}, {**{n: per_layer for pair in self._past for n in pair}, **self.plan.inputs,
+                               **self.plan.outputs})
         self._profile = None
         self._resident = None  # the kv list the last call returned while its present is still on the device
         return self
@@ -512,12 +528,7 @@ class TrtDSparkGraph:
         """Free the buffers and the stream."""
         if self.context is None:
             return
-        cudart = _cuda()
-        for ptr in self._dev.values():
-            cudart.cudaFree(ptr)
-        for ptr, _ in self._host.values():
-            cudart.cudaFreeHost(ptr)
-        cudart.cudaStreamDestroy(self._stream)
+        _free_buffers(self._dev, self._host, self._stream)
         self.context = self.engine = self._runtime = None
         self._dev, self._host, self._resident = {}, {}, None
 
@@ -546,15 +557,7 @@ class TrtDSparkGraph:
                        f"{present} -> {past}")
 
     def _set_shapes(self, shapes: dict) -> None:
-        prof = pick_profile(self.entry.profiles, shapes)
-        if prof != self._profile:
-            if not self.context.set_optimization_profile_async(prof, self._stream):
-                raise DSparkError(f"TensorRT refused optimisation profile {prof} ({self.entry.profiles[prof]['name']})")
-            self._profile = prof
-        for name, shp in shapes.items():
-            if not self.context.set_input_shape(name, shp):
-                raise DSparkError(f"TensorRT refused input shape {shp} for tensor {name} (profile "
-                                  f"{self.entry.profiles[prof]['name']})")
+        self._profile = _set_input_shapes(self.context, self.entry, self._stream, shapes, self._profile)
 
     def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):
         """One drafting call; the interface of :meth:`OrtDSparkGraph.run`.
