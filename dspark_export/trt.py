@@ -564,7 +564,7 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
                 txn.link(f.path)
             src = st / g.model_file
             # the DSpark drafter's context cache grows by committed positions only and lives on the host
-            # (dspark_runtime.trt_backend.TrtDSparkGraph): its engine is the growing graph's, whatever kv_layouts says
+            # (dspark_runtime.trt_dspark.TrtDSparkGraph): its engine is the growing graph's, whatever kv_layouts says
             layouts = settings.kv_layouts if g.spec.kind == "causal_lm" else (KV_LAYOUT_GROWING,)
             for layout in layouts:
                 extra = []

@@ -171,7 +171,7 @@ class Engine:
     def _trt_engines(self) -> dict:
         """{graph key: the manifest's TensorRT engine the runtime runs for it}, fp32 first when several exist: a
         decoder's capacity-layout engine (``<key>.capacity[.bf16|.fp16]``), the DSpark drafter's growing-layout one
-        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.trt_backend.TrtDSparkGraph`)."""
+        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.trt_dspark.TrtDSparkGraph`)."""
         engines = self.manifest.trt_engines
         names = {"causal_lm": ("{}.capacity", "{}.capacity.bf16", "{}.capacity.fp16"),
                  "dspark_draft": ("{}", "{}.bf16", "{}.fp16")}
@@ -200,11 +200,12 @@ class Engine:
     def _use_tensorrt(self) -> None:
         """Run the graphs placed on ``trt`` on their TensorRT engines (:meth:`_trt_engines`): decoders on a
         :class:`~dspark_runtime.trt_backend.TrtDecoder`, the DSpark drafter on a
-        :class:`~dspark_runtime.trt_backend.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
+        :class:`~dspark_runtime.trt_dspark.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
         trt = [k for k, p in self.placement.items() if p == "trt"]
         if not trt:
             return
-        from dspark_runtime.trt_backend import TrtDecoder, TrtDSparkGraph
+        from dspark_runtime.trt_backend import TrtDecoder
+        from dspark_runtime.trt_dspark import TrtDSparkGraph
 
         engines = self._trt_engines()
         for key in trt:

@@ -137,8 +137,8 @@ def main() -> int:
 
 
 def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
-    """Check 4: the DSpark drafter graph on its TensorRT engine (dspark_runtime.trt_backend.TrtDSparkGraph)."""
-    from dspark_runtime.trt_backend import TrtDSparkGraph
+    """Check 4: the DSpark drafter graph on its TensorRT engine (dspark_runtime.trt_dspark.TrtDSparkGraph)."""
+    from dspark_runtime.trt_dspark import TrtDSparkGraph
 
     m = load_manifest(engine_dir)
     if "dspark" not in m.trt_engines:

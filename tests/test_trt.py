@@ -440,7 +440,8 @@ def trt_all_graphs_dir(tiny_engine_with_dspark, tmp_path_factory):
 def test_trt_rtx_builds_target_draft_and_dspark_drafter(trt_all_graphs_dir, trt_build_log):
     from dspark_runtime.engine import Engine
     from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.trt_backend import TrtDecoder, TrtDSparkGraph
+    from dspark_runtime.trt_backend import TrtDecoder
+    from dspark_runtime.trt_dspark import TrtDSparkGraph
 
     m = load_manifest(trt_all_graphs_dir, rehash=True)
     assert set(m.trt_engines) == {"target.capacity", "draft.capacity", "dspark"}

@@ -8,8 +8,8 @@ from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
 from dspark_runtime.kvcache import KVCache, causal_mask
 from dspark_runtime.manifest import FileEntry, TrtEngineEntry
-from dspark_runtime.trt_backend import (DeviceKV, TrtDecoder, TrtDSparkGraph, dspark_chunk_mask, plan_buffers,
-                                        plan_dspark_chunks, widen_mask)
+from dspark_runtime.trt_backend import DeviceKV, TrtDecoder, plan_buffers, widen_mask
+from dspark_runtime.trt_dspark import TrtDSparkGraph, dspark_chunk_mask, plan_dspark_chunks
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
 
 DIMS = DecoderDims(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=320, feature_layers=(-1, 0))
