@@ -354,11 +354,9 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
             raise InputError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with --ray (serving on "
                              f"Ray Serve); add --ray or drop {'them' if len(given) > 1 else 'it'}")
     else:
-        if prefill_budget != "auto" or prefix_cache_mb:
-            raise InputError("--prefill-budget and --prefix-cache-mb are not passed to Ray Serve replicas yet (they "
-                             "use 'auto' and no prefix cache); drop them or serve without --ray")
         _serve_ray(engine_dir, host=host, port=port, max_batch=max_batch, max_queue=max_queue, draft=draft,
                    draft_length=draft_length, draft_confidence=draft_confidence, threads=threads,
+                   prefill_budget=prefill_budget, prefix_cache_mb=float(prefix_cache_mb),
                    max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
                    shutdown_timeout=shutdown_timeout, placement=placement, replicas=replicas, autoscale=autoscale,
                    target_ongoing_requests=target_ongoing_requests, replica_cpus=replica_cpus,

@@ -65,8 +65,10 @@ class RayServeSettings:
     App (as ``dspark serve``'s options; :func:`~dspark_runtime.server.create_app`): ``draft`` (auto, router, dspark,
     lm, ngram, none), ``draft_length`` (an integer or "scheduled"), ``draft_confidence``, ``max_batch``,
     ``max_queue``, ``max_context``, ``default_max_tokens``, ``model_name``, ``shutdown_timeout`` (seconds open
-    requests may finish when a replica stops), ``threads`` (ONNX Runtime intra-op threads per replica; default:
-    ``replica_cpus`` rounded, at least 1), ``placement``.
+    requests may finish when a replica stops), ``prefill_budget`` (prompt tokens fed per round while others decode,
+    an integer >= 1 or "auto"), ``prefix_cache_mb`` (each replica's prefix KV cache bound in MiB, 0 = off).
+    Engine (:meth:`engine_kwargs`, as ``dspark serve`` loads it): ``threads`` (ONNX Runtime intra-op threads per
+    replica; default: ``replica_cpus`` rounded, at least 1), ``placement``, ``prefix_cache_mb``.
 
     Deployment: ``num_replicas`` (fixed count), or ``min_replicas`` and ``max_replicas`` together (autoscaling,
     with ``target_ongoing_requests`` in flight per replica as the target, default ``max_batch``; min 0 scales to
@@ -90,6 +92,8 @@ class RayServeSettings:
     shutdown_timeout: float = 30.0
     threads: int | None = None
     placement: str | None = None
+    prefill_budget: int | str = "auto"
+    prefix_cache_mb: float = 0.0
     num_replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -123,6 +127,11 @@ class RayServeSettings:
         for name, low in (("max_context", 2), ("threads", 1), ("max_ongoing_requests", 1)):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= low), f"{name} must be an integer >= {low}, got {v!r}")
+        need(self.prefill_budget == "auto" or (is_int(self.prefill_budget) and self.prefill_budget >= 1),
+             f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
+             f"{self.prefill_budget!r}")
+        need(is_num(self.prefix_cache_mb) and self.prefix_cache_mb >= 0,
+             f"prefix_cache_mb must be a number of MiB >= 0 (0 = no prefix cache), got {self.prefix_cache_mb!r}")
         need(is_num(self.shutdown_timeout) and self.shutdown_timeout >= 0,
              f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         need(is_num(self.replica_cpus) and self.replica_cpus > 0,
@@ -173,7 +182,17 @@ class RayServeSettings:
         return dict(draft=None if self.draft == "none" else self.draft, draft_length=self.draft_length,
                     draft_confidence=self.draft_confidence, max_batch=self.max_batch, max_queue=self.max_queue,
                     max_context=self.max_context, default_max_tokens=self.default_max_tokens,
-                    model_name=self.model_name, shutdown_drain_s=float(self.shutdown_timeout))
+                    model_name=self.model_name, shutdown_drain_s=float(self.shutdown_timeout),
+                    prefill_budget=self.prefill_budget)
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of :meth:`~dspark_runtime.engine.Engine.load` besides the path, as ``dspark serve``
+        loads its engine: ``threads`` (:attr:`replica_threads`), ``placement``, ``prefix_cache_mb``, and
+        ``shared_thread_pool`` (:func:`~dspark_runtime.backend.shared_pool_default`, read on the replica's node)."""
+        from dspark_runtime.backend import shared_pool_default
+
+        return dict(threads=self.replica_threads, shared_thread_pool=shared_pool_default(), placement=self.placement,
+                    prefix_cache_mb=float(self.prefix_cache_mb))
 
     def deployment_options(self) -> dict:
         """Keyword arguments of ``serve.deployment`` / ``Deployment.options``."""
@@ -224,15 +243,13 @@ def replica_app(settings: RayServeSettings, replica: str | None = None, deployme
 
     from prometheus_client import Gauge
 
-    from dspark_runtime.backend import shared_pool_default
     from dspark_runtime.engine import Engine
     from dspark_runtime.server import create_app
 
     if replica is None:
         ctx = _need_ray().get_replica_context()
         replica, deployment = ctx.replica_tag, ctx.deployment
-    engine = Engine.load(settings.engine, threads=settings.replica_threads, shared_thread_pool=shared_pool_default(),
-                         placement=settings.placement)
+    engine = Engine.load(settings.engine, **settings.engine_kwargs())
     app = create_app(engine, **settings.app_kwargs())
     app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
     info = Gauge("dspark_replica_info", "The Ray Serve replica behind this /metrics (always 1).",

@@ -117,6 +117,79 @@ def test_dspark_serve_ray_refuses_a_missing_engine_before_starting_ray(tmp_path,
     assert e.value.code == 2 and "does not exist" in err, err
 
 
+# `dspark serve` options that are not a replica setting of the same name: where each one goes instead
+SERVE_ONLY = {"engine_dir": "engine", "host": "run(host=)", "port": "run(port=)", "use_ray": "--ray itself",
+              "replicas": "num_replicas", "autoscale": "min_replicas/max_replicas", "ray_address": "run(address=)",
+              "log_level": "uvicorn's log level: Serve's proxy logs the requests"}
+
+
+def test_every_dspark_serve_option_reaches_the_replicas():
+    """Each `dspark serve` option is a RayServeSettings field of the same name or listed in SERVE_ONLY with where it
+    goes: an option added to `dspark serve` without its Ray plumbing fails here (add the field, pass it in
+    cli._serve_ray and use it in app_kwargs/engine_kwargs)."""
+    import dataclasses
+
+    from dspark_runtime.cli import serve
+
+    fields = {f.name for f in dataclasses.fields(RayServeSettings)}
+    missing = [p.name for p in serve.params if p.name not in fields and p.name not in SERVE_ONLY]
+    assert missing == [], f"dspark serve options not passed to Ray Serve replicas: {missing}"
+
+
+def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings(tmp_path, monkeypatch):
+    """`dspark serve --ray --prefill-budget 12 --prefix-cache-mb 3 ...` reaches ray_serve.run as settings, and those
+    settings become the replica's Engine.load and create_app arguments (no cluster: run and the engine are stubs)."""
+    from prometheus_client import CollectorRegistry
+
+    import dspark_runtime.engine
+    import dspark_runtime.ray_serve as rs
+    import dspark_runtime.server
+    from dspark_runtime.cli import main
+
+    got = {}
+    monkeypatch.setattr(rs, "run", lambda settings, **kw: got.update(settings=settings, run=kw))
+    (tmp_path / "manifest.json").write_text("{}")
+    monkeypatch.setattr("dspark_runtime.manifest.load_manifest", lambda *a, **k: None)
+    main(["serve", "--ray", "--engine", str(tmp_path), "--prefill-budget", "12", "--prefix-cache-mb", "3",
+          "--max-batch", "5", "--max-queue", "7", "--draft", "ngram", "--draft-length", "4", "--threads", "2",
+          "--max-context", "512", "--default-max-tokens", "9", "--model-name", "m", "--shutdown-timeout", "4",
+          "--placement", "cpu", "--replicas", "2", "--replica-cpus", "2", "--port", "8123"])
+    s = got["settings"]
+    assert (s.prefill_budget, s.prefix_cache_mb, s.max_batch, s.max_queue, s.draft, s.draft_length, s.threads) == \
+        (12, 3.0, 5, 7, "ngram", 4, 2)
+    assert (s.max_context, s.default_max_tokens, s.model_name, s.shutdown_timeout, s.placement) == \
+        (512, 9, "m", 4.0, "cpu")
+    assert (s.num_replicas, s.replica_cpus, got["run"]["port"]) == (2, 2.0, 8123)
+
+    loads, apps = [], []
+
+    class FakeApp:
+        def __init__(self):
+            self.state = type("S", (), {})()
+            self.state.metrics = type("M", (), {"registry": CollectorRegistry()})()
+
+        def add_middleware(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(dspark_runtime.engine.Engine, "load",
+                        classmethod(lambda cls, path, **kw: loads.append((path, kw)) or "ENGINE"))
+    monkeypatch.setattr(dspark_runtime.server, "create_app", lambda eng, **kw: apps.append((eng, kw)) or FakeApp())
+    app = rs.replica_app(s, replica="r-1")
+    assert app.state.replica_id == "r-1"
+    path, kw = loads[0]
+    assert path == s.engine and kw["prefix_cache_mb"] == 3.0 and kw["threads"] == 2 and kw["placement"] == "cpu"
+    assert "shared_thread_pool" in kw
+    eng, akw = apps[0]
+    assert eng == "ENGINE" and akw["prefill_budget"] == 12 and akw["max_batch"] == 5 and akw["max_queue"] == 7
+    assert akw["draft"] == "ngram" and akw["draft_length"] == 4 and akw["max_context"] == 512
+    assert akw["default_max_tokens"] == 9 and akw["model_name"] == "m" and akw["shutdown_drain_s"] == 4.0
+    for args, msg in [({"engine": "/e", "prefill_budget": 0}, "prefill_budget must be a positive integer"),
+                      ({"engine": "/e", "prefill_budget": "lots"}, "prefill_budget must be a positive integer"),
+                      ({"engine": "/e", "prefix_cache_mb": -1}, "prefix_cache_mb must be a number of MiB >= 0")]:
+        with pytest.raises(InputError, match=msg):
+            RayServeSettings.from_args(args)
+
+
 def test_the_shipped_serve_config_is_valid_and_builds_the_deployment():
     """docs/ray-serve.yaml passes Serve's own config schema, and its args build the deployment it documents
     (the builder Serve imports from import_path; nothing is loaded until replicas start)."""
