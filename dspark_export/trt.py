@@ -42,11 +42,13 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import (KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_LAYOUTS, GraphSpec,
+from dspark_runtime.graphspec import (ARGMAX, KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_LAYOUTS, GraphSpec,
                                       causal_lm_spec, new_names, past_names, present_names)
 from dspark_runtime.manifest import FileEntry, Manifest, TrtEngineEntry, load_manifest
 from dspark_runtime.trt_import import FLAVOUR_RTX, import_tensorrt
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
+
+ARGMAX_NODE = "capacity_argmax"  # the ArgMax node to_capacity_layout adds (to_half keeps it on the float32 logits)
 
 # Graph kinds build_trt makes engines of: decoders (target, draft LM) and the DSpark drafter.
 TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft")
@@ -141,7 +143,8 @@ def to_capacity_layout(src: Path, dst: Path, spec: GraphSpec) -> GraphSpec:
 
     The graph math is unchanged: attention still reads ``Concat(past.i, new_i)``; with ``past.i`` the
     capacity-sized buffer and the mask hiding unwritten slots it computes what the growing graph computes
-    on the written prefix. Raises DSparkError when ``src`` is not a growing causal_lm graph whose present
+    on the written prefix. One output is added: ``argmax`` (ArgMax of the logits over the vocabulary, int64
+    [batch, q_len]), which the batched runtime copies back for greedy requests instead of the logits. Raises DSparkError when ``src`` is not a growing causal_lm graph whose present
     outputs are that Concat (an export this code does not know).
     """
     import onnx
@@ -175,6 +178,10 @@ def to_capacity_layout(src: Path, dst: Path, spec: GraphSpec) -> GraphSpec:
             g.node.append(helper.make_node("Identity", [inner], [new], name=f"capacity_{new}"))
             vi = helper.make_tensor_value_info(new, onnx.TensorProto.FLOAT, list(decl[new].shape))
         outputs.append(vi)
+    # the argmax of the logits on the device (a greedy request copies ids back, not logits); ties: lowest index
+    g.node.append(helper.make_node("ArgMax", ["logits"], [ARGMAX], name=ARGMAX_NODE, axis=-1, keepdims=0,
+                                   select_last_index=0))
+    outputs.append(helper.make_tensor_value_info(ARGMAX, onnx.TensorProto.INT64, list(decl[ARGMAX].shape)))
     del g.output[:]
     g.output.extend(outputs)
     for vi in g.input:  # name the cache axes as the capacity declaration does
@@ -299,7 +306,8 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
             if o in outputs and not n.name.startswith("cast_"):
                 n.output[j] = f"{o}.{half}"
                 for u in users.get(o, []):
-                    u.input[:] = [f"{o}.{half}" if x == o else x for x in u.input]
+                    if u.name != ARGMAX_NODE:  # the argmax reads the float32 logits (exact: a widening cast)
+                        u.input[:] = [f"{o}.{half}" if x == o else x for x in u.input]
     for o in sorted(outputs):
         new_nodes.append(helper.make_node("Cast", [f"{o}.{half}"], [o], to=F, name=f"cast_out_{o}"))
     del g.node[:]

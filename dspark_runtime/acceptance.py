@@ -22,9 +22,12 @@ from dspark_runtime.sampling import sample
 
 def greedy_accept(
     draft_tokens: np.ndarray,  # int [l]; l >= 0
-    target_logits: np.ndarray,  # float [l + 1, vocab]; target logits at the anchor and each draft
+    target_logits: np.ndarray,  # float [l + 1, vocab] target logits at the anchor and each draft, or int [l + 1] argmax
 ) -> tuple[int, int]:  # (num_accepted in [0, l], next_token in [0, vocab))
     """Greedy verification: accept drafts while they equal the target's argmax.
+
+    ``target_logits`` may also be the argmax itself, int [l + 1] (a runner that takes it on the device,
+    :class:`~dspark_runtime.trt_batch.TrtBatchRunner`); the draft tokens' vocabulary range is then not checked.
 
     ``num_accepted`` is the length of the longest prefix with
     ``draft_tokens[k] == argmax(target_logits[k])``; ``next_token`` is
@@ -40,12 +43,16 @@ def greedy_accept(
     draft = _check_draft_tokens(draft_tokens)
     logits = np.asarray(target_logits)
     l = draft.shape[0]
-    if logits.ndim != 2 or logits.shape[0] != l + 1 or logits.shape[1] < 1:
+    if logits.ndim == 1 and np.issubdtype(logits.dtype, np.integer) and logits.shape[0] == l + 1:
+        target = logits  # the argmax, taken on the device
+    elif logits.ndim != 2 or logits.shape[0] != l + 1 or logits.shape[1] < 1:
         raise ValueError(
-            f"target_logits must have shape [l + 1, vocab] = [{l + 1}, vocab], got {logits.shape}"
+            f"target_logits must have shape [l + 1, vocab] = [{l + 1}, vocab] (or be int argmax ids [{l + 1}]), "
+            f"got {logits.shape}"
         )
-    _check_token_range(draft, logits.shape[1])
-    target = np.argmax(logits, axis=-1)  # int64 [l + 1]
+    else:
+        _check_token_range(draft, logits.shape[1])
+        target = np.argmax(logits, axis=-1)  # int64 [l + 1]
     mismatch = np.flatnonzero(draft != target[:l])
     num_accepted = int(mismatch[0]) if mismatch.size else l
     return num_accepted, int(target[num_accepted])

@@ -381,7 +381,7 @@ class DecodingLoop:
         """``req``'s prompt is in the cache: pick its first token x0 from the last prompt position's ``logits``
         (float32 [vocab]); it decodes from the next round (or finishes at once: EOS, a stop string, one token)."""
         self.prefilling.remove(req)
-        req.out = [select_token(logits, req.params, req.rng)]
+        req.out = [int(logits) if np.ndim(logits) == 0 else select_token(logits, req.params, req.rng)]  # 0-d: argmax
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
         st = self.stats
@@ -480,19 +480,23 @@ class DecodingLoop:
     def _verify(self, segs: list, psegs: list, merged: bool) -> tuple:
         """The round's verifier work: the decoding requests' verify ``segs`` and the prompt chunks ``psegs`` (lists
         of (rid, token ids)) in one ``target.step`` when ``merged``, else the chunks in a second call. Returns
-        (logits per verify segment, logits per prompt chunk), float32 [q, vocab] each; counts the calls and the
-        seconds spent on prompt tokens."""
+        (logits per verify segment, logits per prompt chunk), float32 [q, vocab] each (a greedy request's: int64 [q]
+        argmax ids where the runner takes the argmax on the device); counts the calls and the seconds spent on prompt
+        tokens."""
         st = self.stats
         ptoks, dtoks = sum(len(t) for _, t in psegs), sum(len(t) for _, t in segs)
+        kw = {}
+        if getattr(self.target, "device_argmax", False):  # greedy requests need only the argmax (TrtBatchRunner)
+            kw["argmax_for"] = {r.rid for r in self.active + self.prefilling if r.params.greedy}
         if merged or not segs or not psegs:
             t = time.perf_counter()
-            out = self.target.step(segs + psegs)
+            out = self.target.step(segs + psegs, **kw)
             st.target_calls += 1
             st.prefill_s += (time.perf_counter() - t) * ptoks / (ptoks + dtoks)
             return out[: len(segs)], out[len(segs):]
-        dec = self.target.step(segs)
+        dec = self.target.step(segs, **kw)
         t = time.perf_counter()
-        pre = self.target.step(psegs)
+        pre = self.target.step(psegs, **kw)
         st.prefill_s += time.perf_counter() - t
         st.target_calls += 2
         return dec, pre

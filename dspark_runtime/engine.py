@@ -209,8 +209,11 @@ class Engine:
 
         engines = self._trt_engines()
         for key in trt:
-            cls = TrtDSparkGraph if engines[key].spec.kind == "dspark_draft" else TrtDecoder
-            self._backends[key] = cls(self.dir, engines[key])
+            e = engines[key]
+            if e.spec.kind == "dspark_draft":  # rows for every request of a batch (its buffers are small)
+                self._backends[key] = TrtDSparkGraph(self.dir, e, batch=int(e.profile_settings["max_batch"]))
+            else:  # one row until a decoding loop sets its rows (TrtBatchRunner)
+                self._backends[key] = TrtDecoder(self.dir, e)
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
@@ -224,7 +227,7 @@ class Engine:
         Raises ManifestError for a missing directory or manifest, an unsupported schema version,
         or a missing/corrupted file (sha256; trusted by size+mtime after one full hash unless
         ``rehash``). ``backend``: "ort" (ONNX Runtime) or "trt" (the manifest's capacity-layout TensorRT
-        engines for the target / draft LM; one sequence at a time: ``generate``, not ``batch``).
+        engines for the target / draft LM; batches of up to the engines' ``--max-batch`` requests).
         ``allow_slow_precision``: let fp8/fp16 graphs (built for GPUs) run on the CPU provider; without it
         their first use raises DSparkError saying why. ``row_multiple``: pad every target call to a multiple
         of this many rows so target-only and speculative decoding compute every position bit for bit alike
@@ -297,17 +300,27 @@ class Engine:
 
     def runner(self, key: str) -> DecoderRunner:
         """The one-sequence runner of graph ``key`` ("target" or "draft"; a DecoderRunner, or its scatter-layout twin
-        SlotSequence), activating its session."""
+        SlotSequence), activating its session. On TensorRT it shares the graph's decoder with the decoding loops'
+        runners: using it ends a batched loop's use of that decoder (one runner at a time)."""
+        backend = self._backends[key].activate()
+        if self.placement.get(key) == "trt" and backend.batch != 1:  # a batched loop set its rows: back to one
+            backend.set_rows(1)
+            self._runners.pop(key, None)
         if key not in self._runners:
-            self._runners[key] = decoder_runner(self._backends[key].activate(),
-                                                row_multiple=self.row_multiple if key == "target" else 1)
+            self._runners[key] = decoder_runner(backend, row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
     def loop_runner(self, key: str, max_requests: int = 1):
         """The runner the decoding loop drives for graph ``key``. For one request: the graph's one-sequence runner
         (:meth:`runner`, kept across calls, with its row padding) behind a
         :class:`~dspark_runtime.runners.SequenceRunner`, emptied first — ``generate`` decodes one request after
-        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.batch_runner`."""
+        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.batch_runner`. A graph on
+        TensorRT always gets a new :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_requests`` rows over
+        its decoder (one decoding core for one request and many). Raises InputError when ``max_requests`` exceeds
+        a TensorRT engine's ``--max-batch``."""
+        if self.placement.get(key) == "trt":  # TrtBatchRunner for one request too; it activates the engine on use
+            self._check_trt_rows(key, max_requests)
+            return batch_runner(self._backends[key], max_requests=max_requests)
         if max_requests > 1:
             return batch_runner(self._backends[key].activate(), row_multiple=self.row_multiple if key == "target" else 1,
                                 max_requests=max_requests)
@@ -317,6 +330,17 @@ class Engine:
         for rid in r.requests:  # a request an interrupted call left behind
             r.remove(rid)
         return r
+
+    def _check_trt_rows(self, key: str, rows: int) -> None:
+        """Raise InputError when graph ``key``'s TensorRT engine (and the DSpark drafter's, when it runs on TensorRT)
+        takes fewer than ``rows`` rows per call (its ``--max-batch``)."""
+        engines = self._trt_engines()
+        for k in {key} | {g for g, p in self.placement.items() if p == "trt" and engines[g].spec.kind == "dspark_draft"}:
+            most = int(engines[k].profile_settings["max_batch"])
+            if rows > most:
+                raise InputError(f"max_batch {rows}, but the TensorRT engine of graph {k!r} takes at most {most} rows "
+                                 f"per call; use max_batch <= {most} or rebuild it with `dspark-export build-trt "
+                                 f"{self.dir} --max-batch {rows}`")
 
     def graph_backend(self, key: str):
         """The activated backend of graph ``key`` (``"target"``, ``"draft"``, the DSpark graph's key): an
@@ -488,14 +512,16 @@ class Engine:
             draft_length: γ (int), "auto" (the heuristic schedule per request), "scheduled" (DSpark or the router:
                 the paper's Algorithm 1 over all requests' calibrated prefix survivals and the manifest's cost
                 table), or None for the default (a DSpark block; the manifest's draft length otherwise).
-            max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; the
-                TensorRT backend decodes one request at a time).
+            max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; on
+                TensorRT a :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_batch`` rows, at most the
+                engine's ``--max-batch``).
             prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill): an integer
                 >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table, 64
-                without one).
+                without one; a target on TensorRT: its prefill chunk, so a prompt is chunked alike in any batch).
         Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
         ``default_adaptive`` are what ``submit`` uses unless told.
-        Raises InputError for bad arguments, a drafter the engine lacks, or "scheduled" without a cost table.
+        Raises InputError for bad arguments, a drafter the engine lacks, "scheduled" without a cost table, or a
+        ``max_batch`` beyond a TensorRT engine's rows.
         """
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -503,9 +529,6 @@ class Engine:
                                          or prefill_budget < 1):
             raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
                              f"{prefill_budget!r}")
-        if "trt" in self.placement.values() and max_batch > 1:
-            raise InputError("the TensorRT backend decodes one request at a time so far (max_batch=1); load the "
-                             "engine with backend='ort' (no graph placed on 'trt') for batched decoding")
         if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
                                                                 or not isinstance(draft_length, int)
                                                                 or draft_length < 1):
@@ -536,7 +559,9 @@ class Engine:
             mode = "scheduled"
             if isinstance(drafter, Router):
                 drafter.cost_table = table  # the router scores proposals by expected tokens/s
-        if prefill_budget == "auto":
+        if prefill_budget == "auto" and self.placement.get("target") == "trt":
+            prefill_budget = target.max_chunk  # a call costs its fixed shape: whole chunks, the same in any batch
+        elif prefill_budget == "auto":
             from dspark_runtime.prefill import prefill_budget as auto_budget
 
             prefill_budget = auto_budget(self.manifest.speculation.cost_table, max_chunk=target.max_chunk)

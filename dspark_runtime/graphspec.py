@@ -34,6 +34,8 @@ inputs
 outputs
   logits, features  as above
   new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]      keys (after RoPE) / values of the q_len tokens
+  argmax          int64   [batch, q_len]   argmax of the logits (lowest index on ties in ONNX; TensorRT's TopK
+                                           decides its ties), so greedy decoding need not copy the logits back
 
 *Scatter* KV layout (one batch row per request, exact whatever shares the call): the cache inputs are per-row
 slot buffers indexed by position; the graph writes each row's new keys/values into its buffer at that row's
@@ -62,6 +64,7 @@ KV_LAYOUTS = (KV_LAYOUT_GROWING, KV_LAYOUT_CAPACITY, KV_LAYOUT_SCATTER)
 
 BATCH, Q_LEN, PAST_LEN, TOTAL_LEN = "batch", "q_len", "past_len", "total_len"
 CAPACITY, KV_LEN = "capacity", "kv_len"
+ARGMAX = "argmax"  # the capacity layout's (TensorRT's) extra output: argmax of the logits, int64 [batch, q_len]
 SLOTS = "slots"
 
 
@@ -184,8 +187,11 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
 
 
 def _causal_lm_capacity_spec(dims: DecoderDims) -> GraphSpec:
-    return _causal_lm_layout_spec(dims, KV_LAYOUT_CAPACITY, mask_len=KV_LEN, cache_len=CAPACITY,
+    spec = _causal_lm_layout_spec(dims, KV_LAYOUT_CAPACITY, mask_len=KV_LEN, cache_len=CAPACITY,
                                   out_len=Q_LEN, out_names=new_names(dims.num_layers))
+    # the argmax of the logits, taken on the device: a greedy request copies 8 bytes a position back, not the vocab
+    argmax = TensorSpec(ARGMAX, "int64", (BATCH, Q_LEN))
+    return GraphSpec(spec.kind, spec.kv_layout, spec.inputs, (*spec.outputs, argmax), dims)
 
 
 def _causal_lm_layout_spec(dims: DecoderDims, layout: str, *, mask_len: str, cache_len: str, out_len: str,

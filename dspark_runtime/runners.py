@@ -8,9 +8,11 @@
   profiler and the feature extraction of drafter training use it directly).
 * :class:`SequenceRunner` — a :class:`RequestBook` holding exactly one request over a one-sequence runner: the loop's
   runner for a request decoded alone on the growing layout (its KV cache is cut at every rollback, so speculative
-  greedy output is bit-identical to target-only) and for the TensorRT backend (one sequence per engine context).
-* :class:`~dspark_runtime.packed.PackedRunner` (growing layout, several requests packed into one row) and
-  :class:`~dspark_runtime.slots.SlotRunner` (scatter layout, one batch row per request) live in their modules.
+  greedy output is bit-identical to target-only).
+* :class:`~dspark_runtime.packed.PackedRunner` (growing layout, several requests packed into one row),
+  :class:`~dspark_runtime.slots.SlotRunner` (scatter layout, one batch row per request) and
+  :class:`~dspark_runtime.trt_batch.TrtBatchRunner` (a TensorRT engine, one row per request, fixed call shapes)
+  live in their modules.
 
 :func:`batch_runner` picks one for a graph and a request count; :func:`decoder_runner` the one-sequence runner.
 """
@@ -206,7 +208,7 @@ class SequenceRunner(RequestBook):
         """Hold request ``rid`` (empty cache). Raises DSparkError when another request is held."""
         if self._rid is not None:
             raise DSparkError(f"this runner decodes one request at a time and holds request {self._rid!r}; "
-                              "remove it first (or use a batched runner: max_batch > 1 on ONNX Runtime)")
+                              "remove it first (or use a batched runner: max_batch > 1)")
         self.runner.reset()
         self._rid = rid
         self._length[rid] = 0
@@ -284,8 +286,10 @@ def batch_runner(backend, row_multiple: int = 1, max_requests: int = 8):
 
     * scatter KV layout: a :class:`~dspark_runtime.slots.SlotRunner` (one batch row per request: a request's
       logits do not depend on its batch, and one request alone runs the calls it runs in a batch);
-    * growing layout with one request, and the capacity layout (TensorRT: one sequence per context): a
-      :class:`SequenceRunner` over a :class:`DecoderRunner` (bit-exact row padding, the cache cut at every rollback);
+    * the capacity layout (a TensorRT engine): a :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of
+      ``max_requests`` rows (every call at a fixed shape: a request's output does not depend on its batch);
+    * growing layout with one request: a :class:`SequenceRunner` over a :class:`DecoderRunner` (bit-exact row
+      padding, the cache cut at every rollback);
     * growing layout, several requests: a :class:`~dspark_runtime.packed.PackedRunner` (one packed row; see
       ``scripts/batch_invariance.py`` for how its rounding depends on the batch).
     """
@@ -294,7 +298,13 @@ def batch_runner(backend, row_multiple: int = 1, max_requests: int = 8):
         from dspark_runtime.slots import SlotRunner
 
         return SlotRunner(backend, row_multiple=row_multiple)
-    if max_requests <= 1 or layout != "growing":
+    if layout == "capacity":  # TensorRT
+        if row_multiple != 1:
+            raise DSparkError("the TensorRT runner pads every call to a fixed shape itself; row_multiple must be 1")
+        from dspark_runtime.trt_batch import TrtBatchRunner
+
+        return TrtBatchRunner(backend, rows=max_requests)
+    if max_requests <= 1:
         return SequenceRunner(DecoderRunner(backend, row_multiple=row_multiple))
     from dspark_runtime.packed import PackedRunner
 

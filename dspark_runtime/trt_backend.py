@@ -197,14 +197,15 @@ def _set_input_shapes(context, entry, stream, shapes: dict, current: int | None)
     return prof
 
 
-def _free_buffers(dev: dict, host: dict, stream) -> None:
-    """Free what :func:`_bind_buffers` allocated, then destroy ``stream``."""
+def _free_buffers(dev: dict, host: dict, stream=None) -> None:
+    """Free what :func:`_bind_buffers` allocated, then destroy ``stream`` when one is given."""
     cudart = _cuda()
     for ptr in dev.values():
         cudart.cudaFree(ptr)
     for ptr, _ in host.values():
         cudart.cudaFreeHost(ptr)
-    cudart.cudaStreamDestroy(stream)
+    if stream is not None:
+        cudart.cudaStreamDestroy(stream)
 
 
 def _check(res, what: str):
@@ -260,6 +261,12 @@ class TrtDecoder:
         cudart = _cuda()
         self._trt, self._logger, self._runtime, self.engine, self.context = _open_engine(self.path, self.entry)
         self._stream = _check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
+        self._alloc()
+        return self
+
+    def _alloc(self) -> None:
+        """Allocate the buffers of ``self.plan`` (batch rows) and reset the shape, bucket and graph state."""
+        cudart = _cuda()
         layer_bytes = self.plan.kv_scratch
         self._scratch = _check(cudart.cudaMalloc(layer_bytes), "cudaMalloc(scratch)")
         self._dev, self._host = _bind_buffers(
@@ -268,22 +275,42 @@ class TrtDecoder:
         self._shape_key = None
         self._profile = None
         self._bucket = self.buckets[0]
-        self._length = 0  # positions written on the device
+        self._length = 0  # positions written on the device (the longest row's)
         self._seen: dict = {}
         self._graphs: dict = {}
+
+    def _release(self) -> None:
+        """Free the graphs and buffers of :meth:`_alloc` (the engine, context and stream stay)."""
+        cudart = _cuda()
+        for g in self._graphs.values():
+            cudart.cudaGraphExecDestroy(g)
+        cudart.cudaFree(self._scratch)
+        _free_buffers(self._dev, self._host)
+        self._graphs, self._dev, self._host = {}, {}, {}
+
+    def set_rows(self, batch: int) -> "TrtDecoder":
+        """Serve ``batch`` rows per call from now on (a batched runner's ``rows``): the buffers are re-planned and,
+        when activated, re-allocated for it (the engine and its context stay loaded; every cached position and
+        captured graph is dropped, so only one runner uses this decoder at a time). No-op when already at
+        ``batch``. Raises DSparkError beyond the engine's max_batch."""
+        if batch == self.batch:
+            return self
+        plan = plan_buffers(self.entry, batch, self.capacity)  # validates before anything is freed
+        if self.context is not None:
+            _cuda().cudaStreamSynchronize(self._stream)
+            self._release()
+        self.batch, self.plan = batch, plan
+        if self.context is not None:
+            self._alloc()
         return self
 
     def deactivate(self) -> None:
         """Free the graphs, buffers and stream."""
         if self.context is None:
             return
-        cudart = _cuda()
-        for g in self._graphs.values():
-            cudart.cudaGraphExecDestroy(g)
-        cudart.cudaFree(self._scratch)
-        _free_buffers(self._dev, self._host, self._stream)
+        self._release()
+        _cuda().cudaStreamDestroy(self._stream)
         self.context = self.engine = self._runtime = None
-        self._graphs, self._dev, self._host = {}, {}, {}
 
     @property
     def max_q(self) -> int:
@@ -364,9 +391,90 @@ class TrtDecoder:
             raise DSparkError(f"TensorRT execute_async_v3 failed for shape (batch, q, bucket) = {key}")
         self.stats["uncaptured"] += 1
 
+    def use_bucket(self, needed: int, keep: int | None = None) -> int:
+        """Make the cache buffers' pitch the smallest bucket holding ``needed`` positions (the longest row's cached
+        plus new ones), re-laying out the first ``keep`` positions of every row (default: all the device holds) when
+        it changes. Returns the bucket. Raises DSparkError beyond the capacity."""
+        if self.context is None:
+            self.activate()
+        bucket = choose_bucket(needed, self.buckets)
+        if bucket != self._bucket:
+            keep = min(self._length if keep is None else keep, bucket, self._bucket)
+            if keep:
+                self._relayout(self._bucket, bucket, keep)
+            self._bucket = bucket
+        return bucket
+
+    def run_rows(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                 writes: list, reads: list, with_logits: bool = True) -> dict:
+        """One engine call over all ``batch`` rows at the current bucket (:meth:`use_bucket` first).
+
+        input_ids, position_ids: int64 [batch, q]; attention_mask: bool [batch, 1, q, bucket + q] (the capacity
+        layout's own mask: cache slots, then the q new positions). ``writes``: [(row, past, n)]: the row's first n
+        new K/V positions go to cache slots past..past+n-1 (other rows' and padded positions are not written).
+        ``reads``: [(row, n)]: what comes back to the host, the row's first n positions only, of every output but
+        the new K/V (the ``argmax`` output, where the engine has one, always: 8 bytes a position). ``with_logits``:
+        False copies no logits back (then the engine must have an ``argmax`` output).
+        Returns {"logits" / "argmax" / "features": {row: float32 [n, vocab] / int64 [n] / float32 [n, F]}}
+        (arrays of their own, not views). Raises DSparkError for a shape outside the engine's profiles, a write
+        beyond the bucket, or a TensorRT/CUDA failure."""
+        if self.context is None:
+            self.activate()
+        cudart = _cuda()
+        H2D, D2H, D2D = (cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
+        b, q = input_ids.shape
+        bucket = self._bucket
+        if b != self.batch:
+            raise DSparkError(f"batch {b} but this backend was activated for batch {self.batch}")
+        if attention_mask.shape != (b, 1, q, bucket + q):
+            raise DSparkError(f"attention_mask {attention_mask.shape} does not match (batch, 1, q, bucket + q) = "
+                              f"{(b, 1, q, bucket + q)}")
+        for row, past, n in writes:
+            if past + n > bucket:
+                raise DSparkError(f"row {row}: positions {past}..{past + n - 1} do not fit capacity bucket {bucket}")
+        for name, arr, dt in (("input_ids", input_ids, np.int64), ("position_ids", position_ids, np.int64),
+                              ("attention_mask", attention_mask, np.bool_)):
+            view = self._view(name, arr.shape, dt)
+            view[...] = arr
+            _check(cudart.cudaMemcpyAsync(self._dev[name], self._host[name][0], view.nbytes, H2D, self._stream), name)
+        self._set_shapes(b, q, bucket)
+        capturable = q <= self.decode_q and self.entry.profiles[self._profile]["name"] == PROFILE_DECODE
+        self._execute((b, q, bucket), capturable)
+        d = self.spec.dims
+        row_b = d.head_dim * 4
+        heads = d.num_kv_heads
+        for (pk, pv), (nk, nv) in zip(past_names(d.num_layers), new_names(d.num_layers)):
+            for cache, new in ((pk, nk), (pv, nv)):  # new [b*heads, q, hd] -> cache [b*heads, bucket, hd] at past
+                for row, past, n in writes:
+                    _check(cudart.cudaMemcpy2DAsync(int(self._dev[cache]) + (row * heads * bucket + past) * row_b,
+                                                    bucket * row_b, int(self._dev[new]) + row * heads * q * row_b,
+                                                    q * row_b, n * row_b, heads, D2D, self._stream), f"write {new}")
+        names = [t.name for t in self.spec.outputs if not t.name.startswith("new.")
+                 and (t.name != "logits" or with_logits)]
+        if not with_logits and "argmax" not in names:
+            raise DSparkError(f"{self.path.name} has no argmax output; copy the logits back (with_logits=True) or "
+                              "rebuild the engine with `dspark-export build-trt`")
+        specs = {t.name: t for t in self.spec.outputs}
+        for name in names:  # [b, q] (argmax) or [b, q, width]: a row's first n positions are one contiguous span
+            t = specs[name]
+            per_pos = (int(t.shape[-1]) if len(t.shape) == 3 else 1) * np.dtype(_NP[t.dtype]).itemsize
+            for row, n in reads:
+                off = row * q * per_pos
+                _check(cudart.cudaMemcpyAsync(int(self._host[name][0]) + off, int(self._dev[name]) + off,
+                                              n * per_pos, D2H, self._stream), name)
+        _check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        self._length = max([self._length] + [past + n for _, past, n in writes])
+        out = {}
+        for name in names:
+            t = specs[name]
+            full = self._view(name, (b, q, *t.shape[2:]), _NP[t.dtype])
+            out[name] = {row: full[row, :n].copy() for row, n in reads}
+        return out
+
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              kv: list) -> StepOutput:
-        """Run the engine once; the interface of :meth:`OrtDecoder.step`.
+        """Run the engine once; the interface of :meth:`OrtDecoder.step` (every row at the same past).
 
         input_ids, position_ids: int64 [batch, q]; attention_mask: bool [batch, 1, q, past + q] (the growing
         layout's); kv: the per-layer handles of the cached past (``past`` = their length, which may be shorter
@@ -376,50 +484,19 @@ class TrtDecoder:
         """
         if self.context is None:
             self.activate()
-        cudart = _cuda()
-        H2D, D2H, D2D = (cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
         b, q = input_ids.shape
         past = kv[0][0].shape[2]
         if b != self.batch:
             raise DSparkError(f"batch {b} but this backend was activated for batch {self.batch}")
         if past > self._length:
             raise DSparkError(f"the runner's cache claims {past} positions but the device holds {self._length}")
-        bucket = choose_bucket(past + q, self.buckets)
-        if bucket != self._bucket:
-            if past:
-                self._relayout(self._bucket, bucket, past)
-            self._bucket = bucket
-        ids = self._view("input_ids", (b, q), np.int64)
-        ids[...] = input_ids
-        pos = self._view("position_ids", (b, q), np.int64)
-        pos[...] = position_ids
-        widen_mask(attention_mask, past, bucket, out=self._view("attention_mask", (b, 1, q, bucket + q), np.bool_))
-        for name, arr in (("input_ids", ids), ("position_ids", pos)):
-            _check(cudart.cudaMemcpyAsync(self._dev[name], self._host[name][0], arr.nbytes, H2D, self._stream), name)
-        _check(cudart.cudaMemcpyAsync(self._dev["attention_mask"], self._host["attention_mask"][0],
-                                      b * q * (bucket + q), H2D, self._stream), "attention_mask")
-        self._set_shapes(b, q, bucket)
-        capturable = q <= self.decode_q and self.entry.profiles[self._profile]["name"] == PROFILE_DECODE
-        self._execute((b, q, bucket), capturable)
+        bucket = self.use_bucket(past + q, keep=past)
+        mask = widen_mask(attention_mask, past, bucket)
+        out = self.run_rows(input_ids, position_ids, mask, [(r, past, q) for r in range(b)],
+                            [(r, q) for r in range(b)])
+        logits = np.stack([out["logits"][r] for r in range(b)])
+        feats = np.stack([out["features"][r] for r in range(b)]) if "features" in out else None
         d = self.spec.dims
-        row = d.head_dim * 4
-        for (pk, pv), (nk, nv) in zip(past_names(d.num_layers), new_names(d.num_layers)):
-            for cache, new in ((pk, nk), (pv, nv)):  # new [b*heads, q, hd] -> cache [b*heads, bucket, hd] at past
-                _check(cudart.cudaMemcpy2DAsync(int(self._dev[cache]) + past * row, bucket * row, self._dev[new],
-                                                q * row, q * row, b * d.num_kv_heads, D2D, self._stream),
-                       f"write {new}")
-        outs = {}
-        for t in self.spec.outputs:
-            if t.name.startswith("new."):
-                continue
-            shape = (b, q, t.shape[-1])
-            nbytes = int(np.prod(shape)) * 4
-            _check(cudart.cudaMemcpyAsync(self._host[t.name][0], self._dev[t.name], nbytes, D2H, self._stream), t.name)
-            outs[t.name] = shape
-        _check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         self._length = past + q
-        logits = self._view("logits", outs["logits"], np.float32).copy()
-        feats = self._view("features", outs["features"], np.float32).copy() if "features" in outs else None
         h = DeviceKV((b, d.num_kv_heads, past + q, d.head_dim))
         return StepOutput(logits, feats, [(h, h) for _ in range(d.num_layers)])

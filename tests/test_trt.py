@@ -122,7 +122,7 @@ def test_capacity_graph_matches_growing_graph(tiny_engine_dir, tmp_path):
     shutil.copytree(tiny_engine_dir, d)
     g = load_manifest(d).graphs["target"]
     cap_spec = to_capacity_layout(d / "target.onnx", d / "target.capacity.onnx", g.spec)
-    assert cap_spec.kv_layout == "capacity" and cap_spec.output_names[-1] == "new.1.value"
+    assert cap_spec.kv_layout == "capacity" and cap_spec.output_names[-2:] == ["new.1.value", "argmax"]
     grow = OrtDecoder(d / "target.onnx", g.spec, threads=1)
     import onnxruntime as ort
 
@@ -146,10 +146,44 @@ def test_capacity_graph_matches_growing_graph(tiny_engine_dir, tmp_path):
     res = dict(zip(cap_spec.output_names, cap.run(cap_spec.output_names, feeds)))
     assert np.abs(res["logits"] - ref.logits).max() < 1e-4
     assert np.abs(res["features"] - ref.features).max() < 1e-4
+    # the device-side argmax output: what greedy decoding copies back instead of the logits
+    assert res["argmax"].dtype == np.int64 and res["argmax"].shape == (1, 8)
+    np.testing.assert_array_equal(res["argmax"], res["logits"].argmax(-1))
     for i, (k, v) in enumerate(ref.kv):  # the new entries are the growing graph's present tail
         assert res[f"new.{i}.key"].shape == (1, dims.num_kv_heads, 8, dims.head_dim)
         assert np.abs(res[f"new.{i}.key"] - k[:, :, 12:]).max() < 1e-5
         assert np.abs(res[f"new.{i}.value"] - v[:, :, 12:]).max() < 1e-5
+
+
+def test_half_capacity_graph_argmax_reads_the_float32_logits(tiny_engine_dir, tmp_path):
+    """to_half keeps the capacity graph's ArgMax on the float32 logits (a widening cast: the same argmax), so the
+    int64 ``argmax`` output equals the argmax of the 16-bit graph's own logits output (fp16 on ONNX Runtime)."""
+    import onnx
+    import onnxruntime as ort
+
+    from dspark_export.trt import ARGMAX_NODE, to_capacity_layout, to_half
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    g = load_manifest(d).graphs["target"]
+    spec = to_capacity_layout(d / "target.onnx", d / "target.capacity.onnx", g.spec)
+    to_half(d / "target.capacity.onnx", d / "target.capacity.fp16.onnx", "fp16")
+    node = next(n for n in onnx.load(str(d / "target.capacity.fp16.onnx"), load_external_data=False).graph.node
+                if n.name == ARGMAX_NODE)
+    assert list(node.input) == ["logits"]
+    sess = ort.InferenceSession(str(d / "target.capacity.fp16.onnx"), providers=["CPUExecutionProvider"])
+    C, q, dims = 32, 6, spec.dims
+    rng = np.random.default_rng(1)
+    feeds = {"input_ids": rng.integers(3, 300, size=(2, q)), "position_ids": np.tile(np.arange(q), (2, 1))}
+    mask = np.zeros((2, 1, q, C + q), dtype=bool)
+    mask[..., C:] = np.tril(np.ones((q, q), dtype=bool))
+    feeds["attention_mask"] = mask
+    for k, v in [(f"past.{i}.key", f"past.{i}.value") for i in range(dims.num_layers)]:
+        feeds[k] = feeds[v] = np.zeros((2, dims.num_kv_heads, C, dims.head_dim), np.float32)
+    logits, argmax = sess.run(["logits", "argmax"], feeds)
+    assert argmax.shape == (2, q) and argmax.dtype == np.int64
+    np.testing.assert_array_equal(argmax, logits.argmax(-1))
 
 
 def test_capacity_layout_refuses_unknown_graphs(tiny_engine_dir, tmp_path):

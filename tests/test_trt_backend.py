@@ -107,7 +107,7 @@ def test_engine_backend_choice(tiny_engine_dir):
         Engine.load(tiny_engine_dir, backend="cuda")
 
 
-def test_engine_wires_trt_backends_and_refuses_batching(tiny_engine_dir, tmp_path, monkeypatch):
+def test_engine_wires_trt_backends_and_batches_within_max_batch(tiny_engine_dir, tmp_path, monkeypatch):
     import shutil
 
     from dspark_runtime import Engine
@@ -120,8 +120,18 @@ def test_engine_wires_trt_backends_and_refuses_batching(tiny_engine_dir, tmp_pat
     eng = Engine(d, m, threads=1, backend="trt")
     assert isinstance(eng._backends["target"], TrtDecoder)
     assert not isinstance(eng._backends["draft"], TrtDecoder)  # no draft engine: the draft stays on ONNX Runtime
-    with pytest.raises(InputError, match="decodes one request at a time so far"):  # generate() is a loop of one
+    with pytest.raises(InputError, match=r"max_batch 8, but the TensorRT engine of graph 'target' takes at most 2 "
+                                         r"rows per call; use max_batch <= 2 or rebuild it with `dspark-export "
+                                         r"build-trt .* --max-batch 8`"):
         eng.batch(draft="ngram")
+    from dspark_runtime.trt_batch import TrtBatchRunner
+
+    gen = eng.batch(draft="ngram", max_batch=2)  # batched TensorRT: a runner of 2 rows, the engine not yet touched
+    assert isinstance(gen.target, TrtBatchRunner) and gen.target.rows == 2 and gen.max_batch == 2
+    assert gen.prefill_budget == 32  # "auto" on TensorRT: whole prefill chunks, the same in any batch
+    assert eng._backends["target"].batch == 2 and eng._backends["target"].context is None
+    solo = eng.batch(draft=None, max_batch=1)  # generate(): the same runner class at one row
+    assert isinstance(solo.target, TrtBatchRunner) and solo.target.rows == 1 and eng._backends["target"].batch == 1
 
 
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
