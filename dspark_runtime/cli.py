@@ -324,9 +324,13 @@ def unpack(tarball, dest):
               help="At shutdown, seconds open requests may still finish before they are cancelled.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime. trt: the engine's TensorRT engines (= --placement trt; batches of up to the "
+                   "engines' build-trt --max-batch requests, so --max-batch must not exceed it). Not yet verified on a "
+                   "GPU.")
 @click.option("--placement", default=None,
-              help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep; batched serving "
-                   "cannot use 'trt' yet).")
+              help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep, trt). Not yet "
+                   "verified on a GPU.")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve on Ray Serve (pip install 'dspark[ray]'): the same app in --replicas replicas, each loading "
                    "the engine (docs/serving.md, 'Scale-out on Ray Serve').")
@@ -341,11 +345,15 @@ def unpack(tarball, dest):
               help="With --ray: the Ray cluster to join ('auto': the one `ray start` runs here, or ray://HOST:10001); "
                    "default: start a new local one on this machine for this command.")
 def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, prefill_budget,
-          prefix_cache_mb, threads, max_context, default_max_tokens, model_name, shutdown_timeout, log_level, placement,
-          use_ray, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address):
+          prefix_cache_mb, threads, max_context, default_max_tokens, model_name, shutdown_timeout, log_level, backend,
+          placement, use_ray, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address):
     """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching; with --ray,
     in several replicas on Ray Serve."""
     prefill_budget = _prefill_budget(prefill_budget)
+    if backend == "trt":
+        if placement is not None:
+            raise InputError("give either --backend trt or --placement (--placement trt is the same), not both")
+        placement = "trt"
     ray_opts = {"--replicas": replicas, "--autoscale": autoscale, "--target-ongoing-requests": target_ongoing_requests,
                 "--replica-cpus": replica_cpus, "--ray-address": ray_address}
     if not use_ray:

@@ -281,3 +281,20 @@ def test_dspark_drafter_on_gpu_matches_onnx_runtime(tiny_engine_with_dspark, tmp
     spec = trt_eng.generate("def add(a, b):", max_new_tokens=24, draft="dspark", draft_length=4)
     assert spec.token_ids == ref.token_ids and spec.stats.placement == "target=cpu,draft=cpu,dspark=trt"
     assert isinstance(trt_eng.drafter("dspark", trt_eng.runner("target")), DSparkDrafter)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ([], "placement 'trt' needs the target's TensorRT engine; build it with `dspark-export build-trt ENGINE`"),
+    (["--placement", "cpu"], r"give either --backend trt or --placement \(--placement trt is the same\), not both"),
+])
+def test_serve_backend_trt_refusals(extra, msg, tiny_engine_dir, capsys):
+    """`dspark serve --backend trt` is `--placement trt`: refused by name where the engine has no TensorRT target
+    engine, or beside --placement (before any server or GPU is touched)."""
+    import re
+
+    from dspark_runtime.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--engine", str(tiny_engine_dir), "--backend", "trt", "--threads", "1", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(msg, err) and "Traceback" not in err, err
