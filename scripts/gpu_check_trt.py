@@ -15,7 +15,13 @@ the point of checking them). Checks, each printed PASS/FAIL with its numbers:
    ONNX graph on ONNX Runtime CPU over a first call longer than the engine's prefill chunk (chunked) and three
    rounds (the device-resident context reused); speculative greedy with ``draft="dspark"`` on
    ``target=trt,dspark=trt`` == target-only greedy on TensorRT == ONNX Runtime CPU's target-only and DSpark
-   speculative greedy; drafting pass time, TensorRT against ONNX Runtime CPU.
+   speculative greedy; drafting pass time, TensorRT against ONNX Runtime CPU;
+5. batched decoding (``TrtBatchRunner``, 4 rows): 4 prompts decoded together on TensorRT, target-only and with the
+   draft LM and the DSpark drafter on TensorRT, against each prompt alone in a 4-row runner (the same call shapes:
+   independent of the batch by construction except the capacity bucket), alone through ``generate`` (1 row: equal
+   only where TensorRT's GEMMs do not depend on the row count), and ONNX Runtime CPU's target-only greedy; the same
+   with the bucket pinned; timings (batched against one after another), capture keys, CUDA-graph replays and
+   whether the engine's argmax output was used.
 Exit status 0 only if every check passed.
 """
 from __future__ import annotations
@@ -63,7 +69,7 @@ def main() -> int:
         ccs = (cc,) if flavour == "tensorrt-rtx" and cc else None
         t0 = time.perf_counter()
         build_trt(a.engine_dir, TrtBuildSettings(flavour=a.flavour, compute_capabilities=ccs, profile=ProfileSettings(
-            max_batch=1, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)), isolate=False)
+            max_batch=4, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)), isolate=False)
         print(f"built TensorRT engines here in {time.perf_counter() - t0:.1f} s")
     else:
         e = m.trt_engines["target.capacity"]
@@ -132,6 +138,7 @@ def main() -> int:
     print(f"decode step (q=5, tiny model): {t_plain * 1e6:.0f} us without CUDA graphs, {t_graph * 1e6:.0f} us with "
           f"({t_plain / t_graph:.2f}x)")
     check_dspark(a.engine_dir, ort_eng)
+    check_batched(a.engine_dir, ort_eng)
     print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed")
     return 0 if all(RESULTS) else 1
 
@@ -189,6 +196,62 @@ def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
     t_ort, t_trt = time_pass(ga), time_pass(gb)
     print(f"DSpark drafting pass (tiny drafter, 20-position context, one new position): ONNX Runtime CPU "
           f"{t_ort * 1e6:.0f} us, TensorRT {t_trt * 1e6:.0f} us (context uploaded each call here)")
+
+
+BATCH_PROMPTS = ["def add(a, b):", "Write a haiku about rain falling on a quiet city street at night.", "def fib(n):",
+                 "List three prime numbers and explain why each one is prime, step by step."]
+
+
+def check_batched(engine_dir: Path, ort_eng: Engine, n: int = 32) -> None:
+    """Check 5: batched TensorRT decoding (dspark_runtime.trt_batch.TrtBatchRunner) against each request alone."""
+    m = load_manifest(engine_dir)
+    most = int(m.trt_engines["target.capacity"].profile_settings["max_batch"])
+    if most < 4:
+        check("TensorRT engines take 4 rows", False, f"built for max_batch {most}; re-run --prepare (max_batch 4)")
+        return
+    eng = Engine.load(engine_dir, backend="trt")
+    ort_ref = [ort_eng.generate(p, max_new_tokens=n, draft=None).token_ids for p in BATCH_PROMPTS]
+
+    def alone_in(rows: int, p: str, draft, pin: bool = False) -> list:
+        gen = eng.batch(draft=draft, max_batch=rows)
+        gen.target.pin_bucket = pin
+        req = gen.submit(eng.encode_prompt(p), max_new_tokens=n)
+        gen.run()
+        return req.token_ids
+
+    for draft in (None, "lm", "dspark"):
+        name = draft or "target-only"
+        for pin in (False, True):
+            gen = eng.batch(draft=draft, max_batch=4)
+            gen.target.pin_bucket = pin
+            t0 = time.perf_counter()
+            reqs = [gen.submit(eng.encode_prompt(p), max_new_tokens=n) for p in BATCH_PROMPTS]
+            gen.run()
+            t_batch = time.perf_counter() - t0
+            batched = [r.token_ids for r in reqs]
+            runner, dec = gen.target, gen.target.decoder
+            keys, dstats = sorted(runner.calls), dict(dec.stats)
+            alone4 = [alone_in(4, p, draft, pin) for p in BATCH_PROMPTS]
+            what = f"{name}, bucket {'pinned' if pin else 'by the longest row'}"
+            check(f"batched == alone in a 4-row runner ({what})", batched == alone4,
+                  f"{sum(map(len, batched))} tokens, {gen.stats.rounds} rounds, {gen.stats.target_calls} target "
+                  f"calls; capture keys (rows, q, bucket) {keys}; decoder {dstats}; device argmax "
+                  f"{runner.device_argmax}; first differing request "
+                  f"{next((i for i, (x, y) in enumerate(zip(batched, alone4)) if x != y), None)}")
+            if pin:
+                continue
+            check(f"batched == ONNX Runtime CPU target-only greedy ({name})", batched == ort_ref,
+                  f"first differing request {next((i for i, (x, y) in enumerate(zip(batched, ort_ref)) if x != y), None)}")
+            t0 = time.perf_counter()
+            solo = [eng.generate(p, max_new_tokens=n, draft=draft).token_ids for p in BATCH_PROMPTS]
+            t_solo = time.perf_counter() - t0
+            check(f"batched (4 rows) == generate one at a time (1 row) ({name})", batched == solo,
+                  "equal only where a row's GEMM results do not depend on the call's row count; first differing "
+                  f"request {next((i for i, (x, y) in enumerate(zip(batched, solo)) if x != y), None)}")
+            toks = sum(map(len, batched))
+            print(f"  {name}: 4 requests batched {t_batch:.2f} s ({toks / t_batch:.0f} tok/s) against one after "
+                  f"another {t_solo:.2f} s ({toks / t_solo:.0f} tok/s): {t_solo / t_batch:.2f}x (tiny model, first "
+                  "runs include warm-up and CUDA-graph capture)", flush=True)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ with tempfile.TemporaryDirectory() as tmp:
                         draft_length=4), out, isolate=False)
     ckpt = add_tiny_dspark(out, t)  # graph "dspark"; its checkpoint folder is not needed afterwards
     import shutil; shutil.rmtree(ckpt)
-# prefill_chunk 16: the drafter's first call on a 40-token prompt runs as three chunks (the path a long prompt takes)
-build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=1, decode_q=5, prefill_chunk=16, capacity=128,
+# prefill_chunk 16: the drafter's first call on a 40-token prompt runs as three chunks (the path a long prompt takes);
+# max_batch 4: check 5 decodes 4 requests in one TrtBatchRunner
+build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=4, decode_q=5, prefill_chunk=16, capacity=128,
                                                         min_bucket=32)), isolate=False)
 PYEOF
   du -sh "$WHEELS" "$ENGINE"

@@ -241,3 +241,44 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     TrtBatchRunner(r.decoder, rows=1)  # takes the decoder over
     with pytest.raises(DSparkError, match="set to 1 rows by another runner after this one \\(2 rows\\)"):
         r.step([("c", [1])])
+
+
+def _gpu_reason():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return "cuda-python is not installed (pip install -e '.[trt]')"
+    err, n = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or not n:
+        return f"no CUDA GPU here ({err.name}); batched TensorRT decoding needs an NVIDIA GPU"
+    return None
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_batched_trt_on_gpu_matches_alone_and_onnx_runtime(tiny_engine_dir, tmp_path):
+    """GPU only: 3 prompts decoded together on the TensorRT engine (3 rows) == each alone in a 3-row runner ==
+    ONNX Runtime CPU's target-only greedy; the engine's argmax output used; decode calls captured and replayed."""
+    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_runtime import Engine
+    from dspark_runtime.trt_profiles import ProfileSettings
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    build_trt(d, TrtBuildSettings(graphs=("target",), profile=ProfileSettings(
+        max_batch=3, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)), isolate=False, log=print)
+    prompts = ["def add(a, b):", "Write a haiku about rain falling on a quiet street.", "def fib(n):"]
+    ort_eng, trt_eng = Engine.load(d, threads=1), Engine.load(d, threads=1, placement="target=trt")
+    ref = [ort_eng.generate(p, max_new_tokens=24, draft=None).token_ids for p in prompts]
+    gen = trt_eng.batch(draft=None, max_batch=3)
+    reqs = [gen.submit(trt_eng.encode_prompt(p), max_new_tokens=24) for p in prompts]
+    gen.run()
+    assert gen.target.device_argmax and [r.token_ids for r in reqs] == ref
+    assert gen.target.decoder.stats["captured"] > 0 and gen.target.decoder.stats["replayed"] > 0
+    assert all(k[0] == 3 and k[1] in (5, 16) for k in gen.target.calls)
+    for p, want in zip(prompts, ref):
+        alone = trt_eng.batch(draft=None, max_batch=3)
+        r = alone.submit(trt_eng.encode_prompt(p), max_new_tokens=24)
+        alone.run()
+        assert r.token_ids == want
+    res = trt_eng.generate_batch(prompts, max_new_tokens=24, draft="ngram", max_batch=3)
+    assert [r.token_ids for r in res] == ref
