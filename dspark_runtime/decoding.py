@@ -481,13 +481,14 @@ class DecodingLoop:
         """The round's verifier work: the decoding requests' verify ``segs`` and the prompt chunks ``psegs`` (lists
         of (rid, token ids)) in one ``target.step`` when ``merged``, else the chunks in a second call. Returns
         (logits per verify segment, logits per prompt chunk), float32 [q, vocab] each (a greedy request's: int64 [q]
-        argmax ids where the runner takes the argmax on the device); counts the calls and the seconds spent on prompt
-        tokens."""
+        argmax ids where the runner takes the argmax on the device; a prompt chunk's: its last position's only, where
+        the runner takes ``last_only``); counts the calls and the seconds spent on prompt tokens."""
         st = self.stats
         ptoks, dtoks = sum(len(t) for _, t in psegs), sum(len(t) for _, t in segs)
         kw = {}
-        if getattr(self.target, "device_argmax", False):  # greedy requests need only the argmax (TrtBatchRunner)
-            kw["argmax_for"] = {r.rid for r in self.active + self.prefilling if r.params.greedy}
+        if getattr(self.target, "step_hints", False):  # TrtBatchRunner: copy back only what this round reads
+            kw = {"argmax_for": {r.rid for r in self.active + self.prefilling if r.params.greedy},
+                  "last_only": {rid for rid, _ in psegs}}  # a prompt chunk: its last position's logits
         if merged or not segs or not psegs:
             t = time.perf_counter()
             out = self.target.step(segs + psegs, **kw)

@@ -412,10 +412,11 @@ class TrtDecoder:
         input_ids, position_ids: int64 [batch, q]; attention_mask: bool [batch, 1, q, bucket + q] (the capacity
         layout's own mask: cache slots, then the q new positions). ``writes``: [(row, past, n)]: the row's first n
         new K/V positions go to cache slots past..past+n-1 (other rows' and padded positions are not written).
-        ``reads``: [(row, n)]: what comes back to the host, the row's first n positions only, of every output but
-        the new K/V (the ``argmax`` output, where the engine has one, always: 8 bytes a position). ``with_logits``:
-        False copies no logits back (then the engine must have an ``argmax`` output).
-        Returns {"logits" / "argmax" / "features": {row: float32 [n, vocab] / int64 [n] / float32 [n, F]}}
+        ``reads``: [(row, n, first)]: what comes back to the host: the row's first n positions of every output but
+        the new K/V (the ``argmax`` output, where the engine has one, always: 8 bytes a position), the logits only
+        from position ``first`` on (n - 1: the last one, all a prompt chunk needs). ``with_logits``: False copies
+        no logits back (then the engine must have an ``argmax`` output).
+        Returns {"logits" / "argmax" / "features": {row: float32 [n - first, vocab] / int64 [n] / float32 [n, F]}}
         (arrays of their own, not views). Raises DSparkError for a shape outside the engine's profiles, a write
         beyond the bucket, or a TensorRT/CUDA failure."""
         if self.context is None:
@@ -459,17 +460,18 @@ class TrtDecoder:
         for name in names:  # [b, q] (argmax) or [b, q, width]: a row's first n positions are one contiguous span
             t = specs[name]
             per_pos = (int(t.shape[-1]) if len(t.shape) == 3 else 1) * np.dtype(_NP[t.dtype]).itemsize
-            for row, n in reads:
-                off = row * q * per_pos
+            for row, n, first in reads:
+                lo = first if name == "logits" else 0
+                off = (row * q + lo) * per_pos
                 _check(cudart.cudaMemcpyAsync(int(self._host[name][0]) + off, int(self._dev[name]) + off,
-                                              n * per_pos, D2H, self._stream), name)
+                                              (n - lo) * per_pos, D2H, self._stream), name)
         _check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         self._length = max([self._length] + [past + n for _, past, n in writes])
         out = {}
         for name in names:
             t = specs[name]
             full = self._view(name, (b, q, *t.shape[2:]), _NP[t.dtype])
-            out[name] = {row: full[row, :n].copy() for row, n in reads}
+            out[name] = {row: full[row, (first if name == "logits" else 0):n].copy() for row, n, first in reads}
         return out
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
@@ -493,7 +495,7 @@ class TrtDecoder:
         bucket = self.use_bucket(past + q, keep=past)
         mask = widen_mask(attention_mask, past, bucket)
         out = self.run_rows(input_ids, position_ids, mask, [(r, past, q) for r in range(b)],
-                            [(r, q) for r in range(b)])
+                            [(r, q, 0) for r in range(b)])
         logits = np.stack([out["logits"][r] for r in range(b)])
         feats = np.stack([out["features"][r] for r in range(b)]) if "features" in out else None
         d = self.spec.dims

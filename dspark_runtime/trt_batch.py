@@ -27,9 +27,10 @@ GEMM results of a row not to depend on the call's row count, which ``scripts/gpu
 CUDA graphs: keyed (rows, q, bucket) (:func:`capture_key`); with fixed shapes a decode-profile call has one key per
 bucket, so a runner captures at most ``len(buckets)`` graphs. Prefill-profile calls run uncaptured.
 
-Copies back: only each segment's real positions (not the padded ones, not the idle rows), and for greedy requests
-on an engine with an ``argmax`` output only the argmax (8 bytes a position instead of ``vocab`` floats); the loop
-asks for it (``step(segments, argmax_for=...)``). Without that output the logits of the real positions come back.
+Copies back: only each segment's real positions (not the padded ones, not the idle rows), for greedy requests on
+an engine with an ``argmax`` output only the argmax (8 bytes a position instead of ``vocab`` floats), and for a
+prompt chunk only its last position's logits (the only ones the loop reads); the loop says which
+(``step(segments, argmax_for=..., last_only=...)``). Without that output the real positions' logits come back.
 
 Not verified on a GPU yet (none where it was written); ``scripts/gpu_check_trt.sh`` check 5 is the prepared check.
 """
@@ -134,7 +135,8 @@ class TrtBatchRunner(RequestBook):
     """The decoding loop's runner on a capacity-layout TensorRT engine: several requests, one row each, every call
     at a fixed shape (see the module docstring). Interface of :class:`~dspark_runtime.runners.RequestBook`
     (``add``, ``remove``, ``step(segments)``, ``rollback``, ``length``, ``features``, ``prefill``, ``pass_rows``,
-    ``max_chunk``); ``step`` also takes ``argmax_for`` (the requests whose logits the host only needs the argmax of).
+    ``max_chunk``); ``step`` also takes ``argmax_for`` / ``last_only`` (``step_hints``: the requests whose logits the
+    host needs only the argmax of / only the last position of).
 
     Args:
         decoder: a :class:`~dspark_runtime.trt_backend.TrtDecoder` (set to ``rows`` rows here, activated on first use;
@@ -145,6 +147,7 @@ class TrtBatchRunner(RequestBook):
     """
 
     row_multiple = 1  # padding is the fixed call shape's, not a probed multiple
+    step_hints = True  # step() takes argmax_for / last_only (the decoding loop passes them)
     can_import_kv = False  # the prefix cache needs the scatter layout on ONNX Runtime
 
     def __init__(self, decoder, rows: int = 1, pin_bucket: bool = False):
@@ -188,11 +191,12 @@ class TrtBatchRunner(RequestBook):
         """:func:`pass_rows` at this runner's rows and call lengths."""
         return pass_rows(lengths, self.rows, self.decode_q, self.max_chunk)
 
-    def step(self, segments: list, argmax_for=()) -> list:
+    def step(self, segments: list, argmax_for=(), last_only=()) -> list:
         """Feed every ``(rid, tokens)`` of ``segments`` after that request's cached positions.
 
         Returns per segment, in order, float32 [q_r, vocab] logits, or int64 [q_r] argmax ids for a request in
-        ``argmax_for`` when the engine has an ``argmax`` output (:attr:`device_argmax`). Raises DSparkError for an
+        ``argmax_for`` when the engine has an ``argmax`` output (:attr:`device_argmax`); for a request in
+        ``last_only`` only the last position's ([1, vocab] / [1]: a prompt chunk). Raises DSparkError for an
         unknown or repeated request, an empty segment or one longer than ``max_chunk``, or a request outgrowing
         the engine's capacity."""
         if not segments:
@@ -212,7 +216,8 @@ class TrtBatchRunner(RequestBook):
             ids, pos, mask = call_inputs(self.rows, call.q, bucket, placed)
             ids_only = self.device_argmax and all(rid in argmax_for for rid, _ in segs)
             out = dec.run_rows(ids, pos, mask, [(row, past, len(t)) for row, past, t in placed],
-                               [(row, len(t)) for row, _, t in placed], with_logits=not ids_only)
+                               [(row, len(t), len(t) - 1 if rid in last_only else 0)
+                                for (rid, _), (row, _, t) in zip(segs, placed)], with_logits=not ids_only)
             key = capture_key(self.rows, call.q, bucket)
             self.calls[key] = self.calls.get(key, 0) + 1
             for i, (rid, toks) in zip(call.segments, segs):
@@ -220,10 +225,16 @@ class TrtBatchRunner(RequestBook):
                 if "features" in out:
                     self._store_features(rid, n0, out["features"][row])
                 self._length[rid] = n0 + len(toks)
-                results[i] = out["argmax"][row] if self.device_argmax and rid in argmax_for else out["logits"][row]
+                res = out["argmax"][row] if self.device_argmax and rid in argmax_for else out["logits"][row]
+                results[i] = res[-1:] if rid in last_only else res
         return results
 
     def prefill(self, rid, tokens: list, chunk: int | None = None) -> np.ndarray:
         """Feed request ``rid``'s tokens in chunks of at most :attr:`max_chunk` (``chunk`` when smaller); returns the
-        last position's logits float32 [vocab] (the draft LM's context, :class:`~dspark_runtime.drafters.LMDrafter`)."""
-        return super().prefill(rid, tokens, min(chunk or self.max_chunk, self.max_chunk))
+        last position's logits float32 [vocab] (the draft LM's context, :class:`~dspark_runtime.drafters.LMDrafter`),
+        copying back no other position's."""
+        chunk = min(chunk or self.max_chunk, self.max_chunk)
+        logits = None
+        for s in range(0, len(tokens), chunk):
+            logits = self.step([(rid, tokens[s:s + chunk])], last_only={rid})[0]
+        return logits[-1]

@@ -136,7 +136,8 @@ class OrtDevice:
                 k[row, :, past:past + n] = out[f"new.{i}.key"][row, :, :n]
                 v[row, :, past:past + n] = out[f"new.{i}.value"][row, :, :n]
         back = ["features", "argmax"] + (["logits"] if with_logits else [])
-        return {name: {row: out[name][row, :n].copy() for row, n in reads} for name in back if name in out}
+        return {name: {row: out[name][row, (first if name == "logits" else 0):n].copy() for row, n, first in reads}
+                for name in back if name in out}
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +228,14 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     np.testing.assert_array_equal(ids[0], full[0].argmax(-1))  # the engine's argmax output
     assert ids[1].shape == (1, spec.dims.vocab_size)  # b is not greedy: its logits
     assert r.features("a").shape == (3, spec.outputs[1].shape[-1]) and r.length("b") == 1
+    r.rollback("a", 0)
+    r.rollback("b", 0)
+    tail = r.step([("a", [5, 6, 7]), ("b", [8])], argmax_for={"b"}, last_only={"a", "b"})  # prompt chunks
+    np.testing.assert_array_equal(tail[0], full[0][-1:])  # only the last position's logits came back
+    assert tail[1].dtype == np.int64 and tail[1].shape == (1,) and tail[1][0] == full[1][-1].argmax()
+    assert r.features("a").shape[0] == 3  # the features of every position still come back (the DSpark context)
+    r.rollback("a", 0)
+    np.testing.assert_array_equal(r.prefill("a", [5, 6, 7]), full[0][-1])
     with pytest.raises(DSparkError, match="all 2 rows of the TensorRT runner are taken"):
         r.add("c")
     with pytest.raises(DSparkError, match="a segment of 17 tokens"):
