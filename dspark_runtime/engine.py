@@ -319,7 +319,7 @@ class Engine:
         its decoder (one decoding core for one request and many). Raises InputError when ``max_requests`` exceeds
         a TensorRT engine's ``--max-batch``."""
         if self.placement.get(key) == "trt":  # TrtBatchRunner for one request too; it activates the engine on use
-            self._check_trt_rows(key, max_requests)
+            self._check_trt_rows(max_requests)
             return batch_runner(self._backends[key], max_requests=max_requests)
         if max_requests > 1:
             return batch_runner(self._backends[key].activate(), row_multiple=self.row_multiple if key == "target" else 1,
@@ -331,11 +331,11 @@ class Engine:
             r.remove(rid)
         return r
 
-    def _check_trt_rows(self, key: str, rows: int) -> None:
-        """Raise InputError when graph ``key``'s TensorRT engine (and the DSpark drafter's, when it runs on TensorRT)
-        takes fewer than ``rows`` rows per call (its ``--max-batch``)."""
+    def _check_trt_rows(self, rows: int) -> None:
+        """Raise InputError when the TensorRT engine of a graph placed on ``trt`` takes fewer than ``rows`` rows per
+        call (its ``--max-batch``), naming the graph and the fix."""
         engines = self._trt_engines()
-        for k in {key} | {g for g, p in self.placement.items() if p == "trt" and engines[g].spec.kind == "dspark_draft"}:
+        for k in sorted(g for g, p in self.placement.items() if p == "trt"):
             most = int(engines[k].profile_settings["max_batch"])
             if rows > most:
                 raise InputError(f"max_batch {rows}, but the TensorRT engine of graph {k!r} takes at most {most} rows "
@@ -525,6 +525,7 @@ class Engine:
         """
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self._check_trt_rows(max_batch)
         if prefill_budget != "auto" and (isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int)
                                          or prefill_budget < 1):
             raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "

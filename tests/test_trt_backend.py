@@ -134,6 +134,36 @@ def test_engine_wires_trt_backends_and_batches_within_max_batch(tiny_engine_dir,
     assert isinstance(solo.target, TrtBatchRunner) and solo.target.rows == 1 and eng._backends["target"].batch == 1
 
 
+def test_engine_sizes_the_dspark_drafter_engine_for_its_rows(tiny_engine_with_dspark, tmp_path):
+    """The DSpark drafter's TensorRT engine gets the engine's max_batch rows; a batch above them is refused up front
+    even when only the drafter runs on TensorRT (it would fail mid-run otherwise)."""
+    import shutil
+
+    from dspark_runtime import Engine
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_with_dspark, d)
+    m = load_manifest(d)
+    m.trt_engines["dspark"] = _dspark_entry()  # max_batch 2; wiring only
+    eng = Engine(d, m, threads=1, placement="dspark=trt")
+    g = eng._backends["dspark"]
+    assert isinstance(g, TrtDSparkGraph) and g.batch == 2 and g.plan.kv == 2 * 2 * 2 * 2 * 128 * 16 * 4
+    with pytest.raises(InputError, match="max_batch 3, but the TensorRT engine of graph 'dspark' takes at most 2 rows"):
+        eng.batch(draft=None, max_batch=3)
+
+
+def test_trt_decoder_set_rows_replans_its_buffers(tmp_path):
+    dec = TrtDecoder(tmp_path, _entry(), capacity=96)  # not activated: re-planned only
+    one = dec.plan
+    assert dec.set_rows(2) is dec and dec.batch == 2 and dec.plan.kv == 2 * one.kv
+    assert dec.plan.inputs["attention_mask"] == 2 * one.inputs["attention_mask"]
+    assert dec.plan.outputs["argmax"] == 2 * 32 * 8 and dec.empty_kv(2)[0][0].shape == (2, 2, 0, 16)
+    with pytest.raises(DSparkError, match="batch 3 exceeds the engine's max_batch 2; rebuild with --max-batch"):
+        dec.set_rows(3)
+    assert dec.batch == 2  # a refused change leaves the decoder as it was
+
+
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 def test_trt_backend_on_gpu_matches_onnx_runtime(tiny_engine_dir, tmp_path):
     """GPU only: logits parity with ONNX Runtime over prefill, decode and a rollback; speculative greedy ==
