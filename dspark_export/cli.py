@@ -354,7 +354,10 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
               help="Largest verify batch B profiled (batched serving: max batch x (gamma + 1), e.g. 64).")
 @click.option("--draft-rows", default="1", show_default=True,
               help="Comma-separated request counts at which to time one batched DSpark drafting pass (e.g. 1,2,4,8).")
-@click.option("--context", type=int, default=256, show_default=True, help="Cached positions during the timing.")
+@click.option("--context", default=None, metavar="N[,N...]",
+              help="Cached positions during the timing: the context buckets, comma-separated (the runtime reads the "
+                   "table at each round's cached positions, interpolating between buckets). Default: 128,512,1024, "
+                   "those that fit the engine's context.")
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("--threads", type=int, default=None)
 @click.option("--row-probe/--no-row-probe", default=True, show_default=True,
@@ -363,9 +366,10 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
 @click.option("--row-probe-only", is_flag=True,
               help="Only probe and store the row padding; keep the manifest's cost table as it is.")
 def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_probe, row_probe_only):
-    """Measure the round cost table (t_draft + t_verify(B), B = 1..max) of ENGINE_DIR on this machine and
-    store it in the manifest for `--draft-length scheduled`; with --row-probe (default) also the row padding
-    the runtime needs on this machine for bit-exact speculative output (speculation.row_invariance)."""
+    """Measure the round cost table (t_draft + t_verify(B), B = 1..max) of ENGINE_DIR on this machine at each
+    context bucket (cached positions) and store it in the manifest for `--draft-length scheduled`, the drafting
+    decision and the auto prefill budget; with --row-probe (default) also the row padding the runtime needs on
+    this machine for bit-exact speculative output (speculation.row_invariance)."""
     from dspark_export.profile import profile_engine
 
     try:
@@ -376,12 +380,25 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
                                  param_hint="--draft-rows")
     if row_probe_only and not row_probe:
         raise click.UsageError("--row-probe-only and --no-row-probe contradict each other; drop one")
+    contexts = None
+    if context is not None:
+        try:
+            contexts = tuple(int(x) for x in context.split(",") if x.strip())
+            assert contexts
+        except (ValueError, AssertionError):
+            raise click.BadParameter(f"expected cached-position counts separated by commas (e.g. 128,512,1024), "
+                                     f"got {context!r}", param_hint="--context")
     from dspark_runtime.backend import shared_pool_default
 
     # timed as `dspark generate` / `dspark serve` run (on the shared thread pool unless DSPARK_SHARED_THREAD_POOL=0)
-    t = profile_engine(engine_dir, max_tokens=max_tokens, context=context, repeats=repeats, threads=threads,
+    t = profile_engine(engine_dir, max_tokens=max_tokens, context=contexts, repeats=repeats, threads=threads,
                        draft_rows=rows, probe_rows=row_probe, probe_only=row_probe_only,
                        shared_thread_pool=shared_pool_default())
+    _echo_profile(t, row_probe_only)
+
+
+def _echo_profile(t: dict, row_probe_only: bool) -> None:
+    """Print what `dspark-export profile` measured: the row probe, then the cost table per context bucket."""
     probe = t.get("row_invariance")
     if probe is not None:
         diffs = ", ".join(f"x{m}: {d:.3g}" for m, d in probe["max_abs_difference"].items())
@@ -396,12 +413,17 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
                        "differ from target-only output by float rounding on this machine", err=True)
     if row_probe_only:
         return
-    click.echo(f"drafter {t['drafter']}: t_draft {t['t_draft'] * 1e3:.1f} ms; context {t['context']}; "
+    buckets = t.get("buckets") or [t]
+    ctxs = " / ".join(str(b["context"]) for b in buckets)
+    click.echo(f"contexts {ctxs} cached positions (reference {t['context']}: the manifest's top-level lists); "
                f"{t['machine']}, {t['threads']} threads")
-    for r, td in zip(t["draft_rows"], t["t_draft_rows"]):
-        click.echo(f"  batched draft pass, {r} request(s): {td * 1e3:.1f} ms")
-    for b, tv, s in zip(t["tokens"], t["t_verify"], t["seconds"]):
-        click.echo(f"  B={b:2d}  t_verify {tv * 1e3:7.1f} ms  round {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
+    click.echo(f"drafter {t['drafter']}: t_draft " + " / ".join(f"{b['t_draft'] * 1e3:.1f}" for b in buckets) + " ms")
+    for i, r in enumerate(t["draft_rows"]):
+        click.echo(f"  batched draft pass, {r} request(s): "
+                   + " / ".join(f"{b['t_draft_rows'][i] * 1e3:.1f}" for b in buckets) + " ms")
+    for i, (b, s) in enumerate(zip(t["tokens"], t["seconds"])):
+        tv = " / ".join(f"{bk['t_verify'][i] * 1e3:7.1f}" for bk in buckets)
+        click.echo(f"  B={b:2d}  t_verify {tv} ms  round at {t['context']} {s * 1e3:7.1f} ms  SPS {1 / s:6.2f}")
 
 
 @cli.command()

@@ -3,8 +3,9 @@
 A speculative round costs the drafting pass (fixed: the DSpark block is drafted in full) plus one
 verifier step over B = 1 + ℓ tokens, so SPS(B) = 1 / (t_draft + t_verify(B)) rounds per second
 (docs/design.md §1 step 4). ``profile_engine`` measures both on the engine at hand, after a warm-up, as
-the median of ``repeats`` runs, at a given context length (the verifier's cost grows with the KV
-cache), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
+the median of ``repeats`` runs, at several context lengths (the passes' cost grows with the KV cache they
+attend over: one bucket per context, :mod:`dspark_runtime.cost_table`; the runtime reads the table at each
+round's cached positions), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
 deployment machine: re-profile there (``dspark generate --profile-on-load`` does it at load).
 Both stored records carry ``cpu`` (:func:`dspark_runtime.sysinfo.cpu_features`): ``Engine.load`` warns
 when this machine's CPU differs from it. The manifest is replaced in one transaction
@@ -16,13 +17,17 @@ import time
 import warnings
 from pathlib import Path
 
-from dspark_runtime.profile import PROFILE_POINTS, profile_runtime  # noqa: F401  (re-exported)
+from dspark_runtime.profile import PROFILE_POINTS, engine_contexts, profile_runtime  # noqa: F401  (re-exported)
 
 
-def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256, repeats: int = 5,
+def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context=None, repeats: int = 5,
                    threads: int | None = None, write: bool = True, draft_rows=(1,),
                    probe_rows: bool = True, probe_only: bool = False, shared_thread_pool: bool = False) -> dict:
     """Profile ``engine_dir`` and (``write``) store the table as ``speculation.cost_table`` in its manifest.
+
+    ``context``: the cached-position buckets to time (an int or a sequence of ints; None:
+    :data:`~dspark_runtime.profile.DEFAULT_CONTEXTS`, those the engine's context holds); see
+    :func:`~dspark_runtime.profile.profile_runtime` for the table's form.
 
     With ``probe_rows`` it first measures the target's row-count invariance on this machine
     (:meth:`Engine.probe_row_invariance`, ~1 minute for a 1.5B model on 2 cores), stores it as
@@ -31,7 +36,8 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
     padding in effect. The table is returned with the probe under "row_invariance". ``probe_only``: probe
     and store ``row_invariance`` only, keeping the manifest's cost table (returns {"row_invariance": probe}).
 
-    Raises ValueError for ``probe_only`` without ``probe_rows``, ManifestError/DSparkError when the engine does
+    Raises ValueError for ``probe_only`` without ``probe_rows``, InputError for contexts that are not integers >= 8
+    or do not fit the engine's context (before anything is measured), ManifestError/DSparkError when the engine does
     not load, DSparkError when the manifest cannot be written (read-only directory, full disk; it is then
     unchanged).
     """
@@ -45,6 +51,8 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context: int = 256,
         warnings.simplefilter("ignore", OtherCpuWarning)
         eng = Engine.load(engine_dir, threads=threads or DEFAULT_THREADS, row_multiple=1 if probe_rows else None,
                           shared_thread_pool=shared_thread_pool)
+    if not probe_only:  # bad contexts fail now, not after the minute-long row probe
+        engine_contexts(eng, context, max_tokens=max_tokens)
     probe = None
     if probe_rows:
         import onnxruntime

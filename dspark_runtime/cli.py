@@ -267,7 +267,9 @@ def info(engine_dir):
     if ct:
         toks = ct.get("tokens") or []
         span = f"{toks[0]}..{toks[-1]}" if toks else "?"
-        click.echo(f"  cost table: verify B = {span} tokens, measured on {ct.get('machine', '?')}, "
+        ctxs = [str(b.get("context")) for b in ct.get("buckets") or [ct] if b.get("context") is not None]
+        at = f" at {', '.join(ctxs)} cached positions" if ctxs else ""
+        click.echo(f"  cost table: verify B = {span} tokens{at}, measured on {ct.get('machine', '?')}, "
                    f"{ct.get('threads', '?')} threads")
         click.echo(f"    cost table CPU: {cpu_line(ct.get('cpu'))}")
     else:

@@ -40,7 +40,9 @@ import numpy as np
 from dspark_runtime.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.drafters import Proposal
 from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.cost_table import check_cost_table, cost_table_at
 from dspark_runtime.prefill import DEFAULT_PREFILL_BUDGET, plan_prefill
+from dspark_runtime.prefill import prefill_budget as auto_prefill_budget
 from dspark_runtime.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
@@ -257,25 +259,36 @@ class DecodingLoop:
         mode: "fixed" (verify min(γ, drafted) tokens), "scheduled" (paper Algorithm 1 over all requests'
             calibrated prefix survivals and ``cost_table``; needs a drafter with a confidence head).
             A static threshold is the drafter's ``confidence_threshold``.
-        cost_table: the manifest's ``speculation.cost_table`` dict (for "scheduled").
+        cost_table: the manifest's ``speculation.cost_table`` dict: needed for "scheduled", and the auto prefill
+            budget reads it. Each round reads it at the round's cached positions (the longest decoding request's;
+            :func:`dspark_runtime.cost_table.cost_table_at` over its context buckets).
         max_batch: most requests decoding or being prefilled at once; more wait in the queue and join between
             rounds (a :class:`~dspark_runtime.runners.SequenceRunner` target holds one).
-        prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill;
-            :func:`dspark_runtime.prefill.prefill_budget` derives it from a cost table), default
-            :data:`~dspark_runtime.prefill.DEFAULT_PREFILL_BUDGET`.
+        prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill), an int >= 1, or
+            "auto": :func:`dspark_runtime.prefill.prefill_budget` of ``cost_table`` at each round's cached
+            positions (:data:`~dspark_runtime.prefill.DEFAULT_PREFILL_BUDGET` without a table); default
+            :data:`~dspark_runtime.prefill.DEFAULT_PREFILL_BUDGET`. ``self.prefill_budget`` is the last round's.
         prefix_cache: a :class:`~dspark_runtime.prefix_cache.PrefixCache` shared across loops (the engine's), or
             None: a joining request starts from the cached positions of its prompt's longest cached prefix, and a
             request that leaves stores its cached positions' full blocks (the target runner must export and import
             positions: ``export_kv`` / ``import_kv``, the scatter KV layout).
-    Raises InputError for an unknown mode, a missing cost table, a bad max_batch or prefill_budget.
+    Raises InputError for an unknown mode, a missing or malformed cost table, a bad max_batch or prefill_budget.
     """
 
     def __init__(self, target, drafter=None, *, eos_ids=(), decode: Callable | None = None,
                  mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8,
-                 prefill_budget: int | None = None, prefix_cache=None):
+                 prefill_budget: int | str | None = None, prefix_cache=None):
         prefill_budget = DEFAULT_PREFILL_BUDGET if prefill_budget is None else prefill_budget
+        if cost_table:
+            try:
+                check_cost_table(cost_table)
+            except ValueError as e:
+                raise InputError(str(e)) from None
+        self._auto_budget = prefill_budget == "auto"
+        if self._auto_budget:  # the reference context's until a round with decoding requests says otherwise
+            prefill_budget = auto_prefill_budget(cost_table, max_chunk=target.max_chunk)
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or prefill_budget < 1:
-            raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round), got "
+            raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
                              f"{prefill_budget!r}")
         if mode not in ("fixed", "scheduled"):
             raise InputError(f"unknown verify-length mode {mode!r}: use 'fixed' or 'scheduled'")
@@ -430,7 +443,9 @@ class DecodingLoop:
             s.tokens_per_second = (len(req.out) - 1) / (s.decode_ms / 1e3)
         self._leave(req)
 
-    def _lengths(self, reqs: list, props: list, caps: list) -> list:
+    def _lengths(self, reqs: list, props: list, caps: list, table: dict | None = None) -> list:
+        """Each request's verify length this round: min(drafted, cap) in fixed mode, else Algorithm 1 over the
+        proposals' survivals with ``table`` (the cost table at this round's context; default ``self.cost_table``)."""
         if self.mode == "fixed":
             return [min(len(p.tokens), c) for p, c in zip(props, caps)]
         from dspark_runtime.scheduler import schedule_greedy
@@ -440,10 +455,10 @@ class DecodingLoop:
                               "(the DSpark confidence head)")
         from dspark_runtime.scheduler import round_cost_table
 
-        cost = round_cost_table(self.cost_table, len(reqs))
+        cost = round_cost_table(self.cost_table if table is None else table, len(reqs))
         return schedule_greedy([p.survival for p in props], cost, max_len=caps)
 
-    def _drafting_pays(self, reqs: list, caps: list) -> bool:
+    def _drafting_pays(self, reqs: list, caps: list, table: dict | None = None) -> bool:
         """Whether this round should run the drafting pass (scheduled mode; always True otherwise).
 
         The asynchronous decision (DSpark paper section 4: the scheduler's inputs come from earlier rounds): with each
@@ -455,10 +470,11 @@ class DecodingLoop:
         weak drafter: the verifier is batched and the drafting pass is pure cost), except one probing pass after
         :data:`SKIP_PROBE_EVERY` undrafted rounds to refresh the survivals; the interval doubles (up to
         :data:`SKIP_PROBE_MAX`) while each probe confirms the skip and is reset by a round that pays. Needs the
-        profiled split of the cost table (``t_draft`` / ``t_verify``); without it, or with no prior before any
-        request has drafted, it drafts."""
+        profiled split of the cost table (``t_draft`` / ``t_verify``; ``table``: at this round's context, default
+        ``self.cost_table``); without it, or with no prior before any request has drafted, it drafts."""
         self._probing = False
-        if self.mode != "scheduled" or self.drafter is None or "t_verify" not in self.cost_table:
+        table = self.cost_table if table is None else table
+        if self.mode != "scheduled" or self.drafter is None or "t_verify" not in table:
             return True
         prior = np.zeros(0) if self.prior_survival is None else np.asarray(self.prior_survival, dtype=np.float64)
         if self.prior_survival is None and all(r.last_survival is None for r in reqs):
@@ -466,9 +482,9 @@ class DecodingLoop:
         from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
 
         survs = [(prior if r.last_survival is None else r.last_survival)[:c] for r, c in zip(reqs, caps)]
-        cost = round_cost_table(self.cost_table, len(reqs))
+        cost = round_cost_table(table, len(reqs))
         drafted = expected_throughput(survs, schedule_greedy(survs, cost, max_len=caps), cost)
-        verify_only = CostTable(tuple(self.cost_table["tokens"]), tuple(self.cost_table["t_verify"]))
+        verify_only = CostTable(tuple(table["tokens"]), tuple(table["t_verify"]))
         if drafted > expected_throughput(survs, [0] * len(reqs), verify_only):
             self._probe_every = SKIP_PROBE_EVERY
             return True
@@ -515,11 +531,15 @@ class DecodingLoop:
             self.stats.wall_s += time.perf_counter() - t0
             return finished
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
+        # the cost table at the positions this round's passes attend over (the longest decoding request's)
+        table = cost_table_at(self.cost_table, max(self.target.length(r.rid) for r in reqs)) if reqs else None
+        if table and self._auto_budget and self.prefilling:
+            self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
         if not reqs:
             props, lengths = [], []
-        elif self.drafter is not None and self._drafting_pays(reqs, caps):
+        elif self.drafter is not None and self._drafting_pays(reqs, caps, table):
             props = self.drafter.propose_batch(reqs, caps)
-            lengths = self._lengths(reqs, props, caps)
+            lengths = self._lengths(reqs, props, caps, table)
             if self._probing:  # a probe: the next one waits twice as long unless a round pays before
                 self._probe_every = min(2 * self._probe_every, SKIP_PROBE_MAX)
             self._undrafted = 0

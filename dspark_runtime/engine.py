@@ -489,7 +489,8 @@ class Engine:
     def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,
                 draft_rows=(1, 2, 4, 8)) -> dict:
         """Re-measure the round cost table on this machine (``--profile-on-load``) and use it from now on
-        (in memory; ``dspark-export profile`` writes it to the manifest). ``max_tokens`` defaults to
+        (in memory; ``dspark-export profile`` writes it to the manifest). ``context``: cached positions, an int
+        (one bucket, quick) or a sequence of context buckets. ``max_tokens`` defaults to
         8 x (block size + 1) so batched rounds of 8 requests are covered. Returns the table
         (see :func:`dspark_runtime.profile.profile_runtime`)."""
         from dspark_runtime.profile import profile_runtime
@@ -516,8 +517,9 @@ class Engine:
                 TensorRT a :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_batch`` rows, at most the
                 engine's ``--max-batch``).
             prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill): an integer
-                >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table, 64
-                without one; a target on TensorRT: its prefill chunk, so a prompt is chunked alike in any batch).
+                >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table at each
+                round's cached positions, 64 without one; a target on TensorRT: its prefill chunk, so a prompt is
+                chunked alike in any batch).
         Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
         ``default_adaptive`` are what ``submit`` uses unless told.
         Raises InputError for bad arguments, a drafter the engine lacks, "scheduled" without a cost table, or a
@@ -562,10 +564,8 @@ class Engine:
                 drafter.cost_table = table  # the router scores proposals by expected tokens/s
         if prefill_budget == "auto" and self.placement.get("target") == "trt":
             prefill_budget = target.max_chunk  # a call costs its fixed shape: whole chunks, the same in any batch
-        elif prefill_budget == "auto":
-            from dspark_runtime.prefill import prefill_budget as auto_budget
-
-            prefill_budget = auto_budget(self.manifest.speculation.cost_table, max_chunk=target.max_chunk)
+        if table is None:  # the auto prefill budget reads it (at each round's cached positions)
+            table = self.manifest.speculation.cost_table
         gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
                            cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget,
                            prefix_cache=self.prefix_cache)

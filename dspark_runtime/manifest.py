@@ -38,7 +38,7 @@ A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``. ``Spec
        "sts_temperatures": [float > 0, ...] | null,  # calibrate
        "calibration": {...}},             # calibrate: {"rounds", "ece": [...]}
      "router": {...},                     # calibrate / add-draft: the router's priors (router.router_priors)
-     "cost_table": {...},                 # profile: round costs (profile.profile_runtime); quantize drops it
+     "cost_table": {...},                 # profile: round costs per context bucket (profile.profile_runtime, cost_table.py); quantize drops it
      "row_invariance": {...}}             # profile: the row padding probe (invariance); quantize drops it
 
 Other keys of ``speculation`` and of ``dspark`` are kept and written back unchanged (``extra``), so a manifest

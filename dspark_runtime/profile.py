@@ -12,58 +12,128 @@ import time
 
 import numpy as np
 
+from dspark_runtime.errors import InputError
+
 
 PROFILE_POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
+DEFAULT_CONTEXTS = (128, 512, 1024)  # `dspark-export profile`'s context buckets (those the engine's context holds)
+MIN_CONTEXT = 8  # the DSpark drafting pass reads 8 new feature positions after context - 8 cached ones
 
 
-def profile_runtime(engine, *, max_tokens: int = 8, context: int = 256, repeats: int = 5,
-                    drafter: str | None = None, draft_rows=(1,)) -> dict:
-    """Measure t_verify(B) at ``context`` cached positions for B in :data:`PROFILE_POINTS` up to
-    ``max_tokens`` (the batched runtime verifies B = sum_r (1 + l_r) tokens of several requests in one packed
-    pass: profile up to max_batch * (γ + 1)), and t_draft of the engine's drafter; for the DSpark drafter
-    also t_draft at each row count of ``draft_rows`` (one graph call drafts a block for every request).
-    Returns the JSON-safe cost table {"tokens", "seconds", "t_draft", "t_verify", "draft_rows",
-    "t_draft_rows", ...}; ``seconds[i]`` = t_draft + t_verify(tokens[i]), wall seconds of a one-request round.
+def profile_contexts(context, *, limit: int | None = None, extra: int = 0, explicit: bool = True) -> list:
+    """The sorted context buckets to profile: ``context`` (an int, or a sequence of ints: cached positions) checked
+    against the engine's context ``limit`` (``max_position_embeddings``; None: unchecked) with ``extra`` more
+    positions per pass (the largest verify pass or drafted block). With ``explicit`` False (a default list) the
+    buckets that do not fit are dropped instead, keeping at least the smallest. Pure function.
+
+    Raises:
+        InputError: a context is not an integer >= :data:`MIN_CONTEXT`, appears twice, or (explicit) does not fit
+            ``limit``; naming it and the fix.
     """
-    from dspark_runtime.sampling import SamplingParams
+    values = [context] if isinstance(context, int) else list(context)
+    if not values:
+        raise InputError("no context given: profile at least one cached-position count (e.g. --context 128,512,1024)")
+    for c in values:
+        if not isinstance(c, int) or isinstance(c, bool) or c < MIN_CONTEXT:
+            raise InputError(f"profile contexts must be integers >= {MIN_CONTEXT} (cached positions), got {c!r}")
+    if len(set(values)) != len(values):
+        raise InputError(f"profile contexts must differ from each other, got {values}")
+    values.sort()
+    if limit is not None:
+        fits = [c for c in values if c + extra <= limit]
+        if explicit and len(fits) < len(values):
+            bad = [c for c in values if c not in fits]
+            raise InputError(f"context {bad[0]} + {extra} positions per pass is beyond the engine's context "
+                             f"({limit} positions, max_position_embeddings): profile contexts up to {limit - extra}")
+        if not explicit:
+            values = fits or values[:1]
+            if values[0] + extra > limit:
+                raise InputError(f"even context {values[0]} + {extra} positions per pass is beyond the engine's "
+                                 f"context ({limit}); pass smaller contexts")
+    return values
+
+
+def engine_contexts(engine, context=None, *, max_tokens: int = 8, drafter: str | None = None) -> list:
+    """:func:`profile_contexts` for ``engine``: ``context`` (None: :data:`DEFAULT_CONTEXTS`, dropping those beyond
+    the engine's context) against the target's ``max_position_embeddings``, with room for the largest verify pass
+    (``max_tokens``) and drafted block (of ``drafter``, default the engine's kind). Raises InputError as
+    :func:`profile_contexts`."""
+    kind = drafter or engine.draft_kind
+    block = (engine.manifest.speculation.dspark.block_size if kind == "dspark" else engine.default_draft_length) or 0
+    limit = engine.manifest.graphs["target"].model_config.get("max_position_embeddings")
+    return profile_contexts(DEFAULT_CONTEXTS if context is None else context, limit=limit,
+                            extra=max(max_tokens, block + 1), explicit=context is not None)
+
+
+def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 5,
+                    drafter: str | None = None, draft_rows=(1,)) -> dict:
+    """Measure t_verify(B) for B in :data:`PROFILE_POINTS` up to ``max_tokens`` (the batched runtime verifies
+    B = sum_r (1 + l_r) tokens of several requests in one packed pass: profile up to max_batch * (γ + 1)) and
+    t_draft of the engine's drafter (for the DSpark drafter also at each row count of ``draft_rows``: one graph
+    call drafts a block for every request), at each context bucket of ``context``: an int or a sequence of ints,
+    cached positions (:func:`profile_contexts`; None: :data:`DEFAULT_CONTEXTS`, those the engine's context holds).
+    The target's cache grows from one bucket to the next (ascending), so each prompt position is prefilled once.
+
+    Returns the JSON-safe cost table (:mod:`dspark_runtime.cost_table` describes the form): ``buckets`` (one
+    ``{"context", "t_verify", "t_verify_raw", "t_draft", "t_draft_rows"}`` per context, ascending) and, at the top
+    level, the reference bucket's (:func:`~dspark_runtime.cost_table.reference_bucket`: the middle one) ``context``,
+    ``t_verify``, ``t_verify_raw``, ``t_draft``, ``t_draft_rows`` and ``seconds[i]`` = t_draft + t_verify(tokens[i])
+    (wall seconds of a one-request round), plus "tokens", "draft_rows", "drafter", "repeats", "date". t_verify is
+    the monotone fit (:func:`monotone`) of the raw medians in B at each context.
+
+    Raises:
+        InputError: bad contexts, or one that does not fit the engine's context (:func:`profile_contexts`).
+    """
+    from dspark_runtime.cost_table import reference_bucket
 
     target = engine.runner("target")
     rng = np.random.default_rng(0)
     vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
     hi = min(vocab, 30000)
-    prompt = rng.integers(0, hi, size=context).tolist()
-    target.reset()
-    target.prefill(prompt)
-    t_verify = []
-    points = [b for b in PROFILE_POINTS if b <= max_tokens]
-    for b in points:
-        toks = rng.integers(0, hi, size=b).tolist()
-        times = []
-        for r in range(repeats + 1):  # the first run is a warm-up
-            t0 = time.perf_counter()
-            target.step(toks)
-            dt = time.perf_counter() - t0
-            target.rollback(context)
-            if r:
-                times.append(dt)
-        t_verify.append(statistics.median(times))
     kind = drafter or engine.draft_kind
-    t_draft = 0.0
-    if kind == "dspark":  # one row: the graph call over 8 new positions plus the heads, as in steady-state decoding
-        t_draft = _time_dspark_rows(engine, 1, context, repeats, rng)
-    elif kind == "lm":  # the draft LM's own draft length: its round drafts that many tokens, one step each
-        t_draft = _time_lm_draft(engine, prompt, engine.default_draft_length, repeats, rng, hi)
-    rows, t_rows = [], []
-    if kind == "dspark":
-        for r in sorted(set(int(x) for x in draft_rows)):
-            rows.append(r)
-            t_rows.append(_time_dspark_rows(engine, r, context, repeats, rng))
+    contexts = engine_contexts(engine, context, max_tokens=max_tokens, drafter=kind)
+    prompt = rng.integers(0, hi, size=contexts[-1]).tolist()
+    points = [b for b in PROFILE_POINTS if b <= max_tokens]
+    rows = sorted(set(int(x) for x in draft_rows)) if kind == "dspark" else []
+    lm = engine.runner(engine.lm_graph) if kind == "lm" else None
     target.reset()
-    raw, t_verify = t_verify, monotone(t_verify)
-    return {"tokens": points, "seconds": [t_draft + t for t in t_verify],
-            "t_draft": t_draft, "t_verify": t_verify, "t_verify_raw": raw, "draft_rows": rows,
-            "t_draft_rows": monotone(t_rows),
-            "drafter": kind, "context": context, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if lm is not None:
+        lm.reset()
+    buckets = []
+    for ctx in contexts:  # ascending: each bucket's cache extends the previous one's
+        target.prefill(prompt[target.length:ctx])
+        raw = [_time_verify(target, rng.integers(0, hi, size=b).tolist(), ctx, repeats) for b in points]
+        t_draft, t_rows = 0.0, []
+        if kind == "dspark":  # one row: the graph call over 8 new positions plus the heads, as in steady-state decoding
+            t_draft = _time_dspark_rows(engine, 1, ctx, repeats, rng)
+            t_rows = monotone([_time_dspark_rows(engine, r, ctx, repeats, rng) for r in rows])
+        elif kind == "lm":  # the draft LM's own draft length: its round drafts that many tokens, one step each
+            lm.prefill(prompt[lm.length:ctx])
+            t_draft = _time_lm_draft(lm, engine.default_draft_length, repeats, rng, hi)
+        buckets.append({"context": ctx, "t_verify": monotone(raw), "t_verify_raw": raw, "t_draft": t_draft,
+                        "t_draft_rows": t_rows})
+    target.reset()
+    if lm is not None:
+        lm.reset()
+    ref = buckets[reference_bucket(contexts)]
+    return {"tokens": points, "seconds": [ref["t_draft"] + t for t in ref["t_verify"]],
+            "t_draft": ref["t_draft"], "t_verify": ref["t_verify"], "t_verify_raw": ref["t_verify_raw"],
+            "draft_rows": rows, "t_draft_rows": ref["t_draft_rows"], "drafter": kind, "context": ref["context"],
+            "buckets": buckets, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _time_verify(target, toks: list, context: int, repeats: int) -> float:
+    """Median seconds of one verifier step over ``toks`` after ``context`` cached positions (the first of
+    ``repeats + 1`` runs is a warm-up; each run is rolled back)."""
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        target.step(toks)
+        dt = time.perf_counter() - t0
+        target.rollback(context)
+        if r:
+            times.append(dt)
+    return statistics.median(times)
 
 
 def monotone(values) -> list:
@@ -113,11 +183,9 @@ def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> flo
     return statistics.median(times)
 
 
-def _time_lm_draft(engine, prompt: list, gamma: int, repeats: int, rng, hi: int) -> float:
-    """Median seconds of one draft-LM round for one request: ``gamma`` one-token steps after a cached ``prompt``."""
-    runner = engine.runner(engine.lm_graph)
-    runner.reset()
-    runner.prefill(prompt)
+def _time_lm_draft(runner, gamma: int, repeats: int, rng, hi: int) -> float:
+    """Median seconds of one draft-LM round for one request: ``gamma`` one-token steps after the positions
+    ``runner`` (the draft LM's one-sequence runner) holds; rolled back after each run."""
     n0 = runner.length
     times = []
     for r in range(repeats + 1):
@@ -128,5 +196,4 @@ def _time_lm_draft(engine, prompt: list, gamma: int, repeats: int, rng, hi: int)
         runner.rollback(n0)
         if r:
             times.append(dt)
-    runner.reset()
     return statistics.median(times)

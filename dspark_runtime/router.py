@@ -358,7 +358,8 @@ class Router:
     pass serves every row that needs it and is skipped when none does; rows decided without it get no draws
     from their random generators. The chosen proposal carries its survival, so the loop's verify-length
     scheduler (``draft_length="scheduled"``) cuts it like a DSpark block; with ``cost_table`` set (the manifest's
-    table, scheduled mode) the scores are expected tokens/s at the round's row count, else expected accepted tokens.
+    table, scheduled mode) the scores are expected tokens/s at the round's row count and cached positions, else
+    expected accepted tokens.
 
     Args:
         inner: the model drafter (not n-gram lookup).
@@ -434,7 +435,9 @@ class Router:
         if self.cost_table is not None:
             from dspark_runtime.scheduler import round_cost_table
 
-            cost = round_cost_table(self.cost_table, len(reqs))
+            # at the positions the round attends over: the longest request's (its prompt and output but the anchor)
+            ctx = max(len(r.prompt) + len(r.out) - 1 for r in reqs)
+            cost = round_cost_table(self.cost_table, len(reqs), context=ctx)
         plans, need = {}, set()
         for r, g in zip(reqs, gammas):
             if only is not None and r.rid not in only:

@@ -184,10 +184,19 @@ class CostTable:
         return cls(tokens=tuple(data["tokens"]), seconds=tuple(data["seconds"]))
 
 
-def round_cost_table(table: Mapping[str, Any], rows: int) -> CostTable:
+def round_cost_table(table: Mapping[str, Any], rows: int, context: float | None = None) -> CostTable:
     """The per-round :class:`CostTable` for ``rows`` requests from a manifest ``cost_table`` dict: t_draft at that
     many rows (``draft_rows``/``t_draft_rows`` when profiled, else the single-row ``t_draft``) plus the
-    verifier's t_verify(B). Tables without the split use their stored ``seconds``. Pure function."""
+    verifier's t_verify(B), at ``context`` cached positions (the round's longest request; the table's context
+    buckets interpolated by :func:`dspark_runtime.cost_table.cost_table_at`; None or a table without buckets:
+    the stored reference costs). Tables without the split use their stored ``seconds``. Pure function.
+
+    Raises:
+        ValueError: a malformed table or ``context`` (see :class:`CostTable` and ``cost_table_at``).
+    """
+    from dspark_runtime.cost_table import cost_table_at
+
+    table = cost_table_at(table, context)
     if "t_verify" not in table:
         return CostTable.from_dict(table)
     t_draft = float(table.get("t_draft", 0.0))

@@ -166,7 +166,8 @@ class Speculation:
     dspark (DSparkSection | None): the DSpark drafter, where the engine has one.
     router (dict | None):      the router's calibrated priors; its inner format belongs to
                                :func:`dspark_runtime.router.router_priors`, which checks it.
-    cost_table (dict | None):  the measured round costs (:func:`dspark_runtime.profile.profile_runtime`).
+    cost_table (dict | None):  the measured round costs (:func:`dspark_runtime.profile.profile_runtime`), with
+                               context buckets where profiled (:mod:`dspark_runtime.cost_table` checks them).
     row_invariance (dict | None): the target's row padding probe (:mod:`dspark_runtime.invariance`).
     extra (dict):              any other key, kept and written back unchanged (manifests of newer tools).
 
@@ -199,6 +200,13 @@ class Speculation:
         s = _read_section(cls, d, "speculation", where)
         if s.dspark is not None:
             s.dspark = DSparkSection.from_json(s.dspark, where)
+        if s.cost_table is not None:  # its context buckets (dspark_runtime.cost_table); older tables pass as they are
+            from dspark_runtime.cost_table import check_cost_table
+
+            try:
+                check_cost_table(s.cost_table)
+            except ValueError as e:
+                raise ManifestError(f"{where + ': ' if where else ''}speculation.{e}") from None
         return s
 
     def to_json(self) -> dict:
