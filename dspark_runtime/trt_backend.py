@@ -13,21 +13,26 @@ How a step runs:
   sequences do not pay attention over the whole capacity), laid out contiguously as
   ``[batch, kv_heads, bucket, head_dim]``; moving to another bucket re-lays the written prefix out once
   (one device-to-device 2-D copy per layer through a scratch buffer).
-* Inputs are written into pinned host buffers and copied asynchronously; the mask handed in
-  (``[batch, 1, q, past + q]``, the growing layout's) is widened to ``[batch, 1, q, bucket + q]`` with
-  unwritten slots hidden. The engine outputs the new keys/values only; the runtime copies them into the
-  cache buffers at positions ``past .. past + q - 1`` (2-D copies on the same stream).
+* Inputs are written into pinned host buffers and copied asynchronously; :meth:`TrtDecoder.step` widens the
+  growing layout's mask (``[batch, 1, q, past + q]``) to ``[batch, 1, q, bucket + q]`` with unwritten slots
+  hidden; :meth:`TrtDecoder.run_rows` takes that mask as built by its caller (the batched runner: every row at its
+  own length). The engine outputs the new keys/values only; the runtime copies each row's real ones into the cache
+  buffers at that row's positions (2-D copies on the same stream), and only the real positions' outputs back (the
+  ``argmax`` output instead of the logits where the caller needs no more).
 * Tensor addresses are set once (buffers never move); input shapes and the optimisation profile are set
   only when (batch, q, bucket) changes.
 * Decode/verify steps (``q <= decode_q``) are captured as a CUDA graph per (batch, q, bucket) after
   ``warmup`` uncaptured runs of that shape, and replayed from then on. Prefill chunks run uncaptured.
 
-The ``kv`` objects handed back are :class:`DeviceKV` handles (shape only; the data stays on the device), so
-one backend instance serves one sequence at a time, as a :class:`DecoderRunner` uses it; the packed batched
-runtime (``dspark_runtime.packed``) gathers KV slots on the host and needs ONNX Runtime.
+Two callers: :meth:`TrtDecoder.step` (the ``OrtDecoder`` interface; the ``kv`` objects it hands back are
+:class:`DeviceKV` handles, shape only, so it serves one sequence at a time, as a :class:`DecoderRunner` uses it) and
+:meth:`TrtDecoder.run_rows` with :meth:`TrtDecoder.use_bucket` / :meth:`TrtDecoder.set_rows`, the device side of
+the decoding loop's batched runner (:class:`dspark_runtime.trt_batch.TrtBatchRunner`: a row per request). One
+caller at a time per decoder.
 
 Not verified on a GPU yet (none was available where it was written); ``scripts/gpu_check_trt.sh`` is the
-prepared check. The CPU-testable parts (buckets, mask widening, buffer plan) are tested in tests/test_trt_backend.py.
+prepared check. The CPU-testable parts (buckets, mask widening, buffer plan) are tested in tests/test_trt_backend.py,
+the batched planning in tests/test_trt_batch.py.
 """
 from __future__ import annotations
 
@@ -224,7 +229,8 @@ class TrtDecoder:
     Args:
         engine_dir: the engine directory.
         entry: its manifest entry (``Manifest.trt_engines[...]``, ``kv_layout == "capacity"``).
-        batch: sequences per call (<= the engine's max_batch; DecoderRunner uses 1).
+        batch: rows per call (<= the engine's max_batch; DecoderRunner uses 1, a TrtBatchRunner sets its own with
+            :meth:`set_rows`).
         capacity: KV positions to allocate (default: the engine's capacity).
         cuda_graphs: capture and replay decode steps.
         warmup: uncaptured runs of a (batch, q, bucket) shape before it is captured (TensorRT-RTX specialises
