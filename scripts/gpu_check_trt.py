@@ -1,6 +1,7 @@
 """GPU check of the TensorRT runtime path on a tiny engine (run by scripts/gpu_check_trt.sh; prints a transcript).
 
     python scripts/gpu_check_trt.py ENGINE_DIR [--flavour auto|rtx|enterprise] [--rebuild]
+    python scripts/gpu_check_trt.py ENGINE_DIR --cpu-stand-in   # no GPU: check 5's own code, see below
 
 ENGINE_DIR is a tiny engine (ONNX graphs + manifest; scripts/gpu_check_trt.sh --prepare makes one on any
 machine). If it carries no TensorRT engines, or --rebuild, they are built here (enterprise TensorRT must
@@ -23,6 +24,11 @@ the point of checking them). Checks, each printed PASS/FAIL with its numbers:
    with the bucket pinned; timings (batched against one after another), capture keys, CUDA-graph replays and
    whether the engine's argmax output was used.
 Exit status 0 only if every check passed.
+
+``--cpu-stand-in`` runs check 5 alone on any machine, with ONNX Runtime CPU standing in for the TensorRT engines (the
+capacity graph behind ``TrtDecoder``'s row interface, ``tests/test_trt_batch.py``'s ``OrtDevice``; the drafter's ONNX
+graph for ``TrtDSparkGraph``): it checks this script's own code and the batched runner's bookkeeping before a GPU run,
+not TensorRT (the engine directory needs its TensorRT engines in the manifest: ``--prepare`` builds them on a CPU).
 """
 from __future__ import annotations
 
@@ -55,7 +61,13 @@ def main() -> int:
     ap.add_argument("engine_dir", type=Path)
     ap.add_argument("--flavour", default="auto")
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--cpu-stand-in", action="store_true", help="check 5 only, ONNX Runtime CPU for the engines")
     a = ap.parse_args()
+    if a.cpu_stand_in:
+        use_cpu_stand_ins()
+        check_batched(a.engine_dir, Engine.load(a.engine_dir, threads=2))
+        print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed (ONNX Runtime CPU standing in for TensorRT: not a GPU run)")
+        return 0 if all(RESULTS) else 1
     trt, flavour, version = import_tensorrt(a.flavour)
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -196,6 +208,30 @@ def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
     t_ort, t_trt = time_pass(ga), time_pass(gb)
     print(f"DSpark drafting pass (tiny drafter, 20-position context, one new position): ONNX Runtime CPU "
           f"{t_ort * 1e6:.0f} us, TensorRT {t_trt * 1e6:.0f} us (context uploaded each call here)")
+
+
+def use_cpu_stand_ins() -> None:
+    """Make the Engine run its trt-placed graphs on ONNX Runtime CPU (see the module docstring)."""
+    import dspark_runtime.trt_backend as trt_backend
+    import dspark_runtime.trt_dspark as trt_dspark
+    from dspark_runtime.dspark import OrtDSparkGraph
+    from dspark_runtime.trt_profiles import capacity_buckets
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_trt_batch import OrtDevice
+
+    def decoder(engine_dir, entry, **_):
+        ps = entry.profile_settings
+        dev = OrtDevice(Path(engine_dir) / entry.onnx, entry.spec, decode_q=ps["decode_q"], max_q=ps["prefill_chunk"],
+                        buckets=capacity_buckets(ps["capacity"], ps["min_bucket"]))
+        dev.stats, dev.activate = {"stand-in": "onnxruntime"}, (lambda: dev)
+        return dev
+
+    def dspark_graph(engine_dir, entry, **_):
+        g = load_manifest(engine_dir).graphs[entry.graph]
+        return OrtDSparkGraph(Path(engine_dir) / g.model_file, g.spec, threads=2)
+
+    trt_backend.TrtDecoder, trt_dspark.TrtDSparkGraph = decoder, dspark_graph
 
 
 BATCH_PROMPTS = ["def add(a, b):", "Write a haiku about rain falling on a quiet city street at night.", "def fib(n):",
