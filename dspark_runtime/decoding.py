@@ -260,8 +260,9 @@ class DecodingLoop:
             calibrated prefix survivals and ``cost_table``; needs a drafter with a confidence head).
             A static threshold is the drafter's ``confidence_threshold``.
         cost_table: the manifest's ``speculation.cost_table`` dict: needed for "scheduled", and the auto prefill
-            budget reads it. Each round reads it at the round's cached positions (the longest decoding request's;
-            :func:`dspark_runtime.cost_table.cost_table_at` over its context buckets).
+            budget reads it. Each round reads it at the cached positions its pass reads (the target runner's
+            ``attended_positions`` of the decoding requests: the longest one's, or the scatter / packed layout's
+            whole slot array; :func:`dspark_runtime.cost_table.cost_table_at` over its context buckets).
         max_batch: most requests decoding or being prefilled at once; more wait in the queue and join between
             rounds (a :class:`~dspark_runtime.runners.SequenceRunner` target holds one).
         prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill), an int >= 1, or
@@ -531,8 +532,8 @@ class DecodingLoop:
             self.stats.wall_s += time.perf_counter() - t0
             return finished
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
-        # the cost table at the positions this round's passes attend over (the longest decoding request's)
-        table = cost_table_at(self.cost_table, max(self.target.length(r.rid) for r in reqs)) if reqs else None
+        # the cost table at the cached positions this round's pass reads (the runner's: RequestBook.attended_positions)
+        table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         if table and self._auto_budget and self.prefilling:
             self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
         if not reqs:

@@ -90,6 +90,11 @@ class PackedRunner(RequestBook):
         """Slots in the K/V arrays (live + free)."""
         return int(self._owner.size)
 
+    def attended_positions(self, rids) -> int:
+        """Positions a call reads: every slot of the shared row (all requests' cached positions, and free slots
+        until the next compaction), at least the longest request's cached length."""
+        return max(self.slots, super().attended_positions(rids))
+
     @property
     def live_slots(self) -> int:
         return int((self._owner >= 0).sum())

@@ -75,6 +75,12 @@ class RequestBook:
         n = sum(lengths)
         return n + (-n) % self.row_multiple
 
+    def attended_positions(self, rids) -> int:
+        """Cached positions a ``step`` over requests ``rids`` reads per row: what its cost grows with besides its
+        tokens (the cost table's context buckets, :mod:`dspark_runtime.cost_table`). Here the longest request's
+        cached length (0 for none); the packed and scatter layouts read their whole slot arrays and say so."""
+        return max((self._length[r] for r in rids), default=0)
+
     def features(self, rid) -> np.ndarray | None:
         """Target features of ``rid``'s cached positions, float32 [length, F] (a view), or None when the graph
         outputs none. Rolled back with the cache."""
@@ -223,6 +229,12 @@ class SequenceRunner(RequestBook):
         if rid != self._rid:
             raise KeyError(rid)
         return self.runner.features
+
+    def attended_positions(self, rids) -> int:
+        """Cached positions the held request's next call reads: the one-sequence runner's own count where it
+        keeps one (the scatter layout's slot buffer), else its cached length."""
+        own = getattr(self.runner, "attended_positions", None)
+        return max(super().attended_positions(rids), own() if callable(own) else 0)
 
     def rollback(self, rid, length: int) -> None:
         """Keep the first ``length`` positions. Raises ValueError beyond the cached positions."""

@@ -151,6 +151,11 @@ class SlotRunner(RequestBook):
         """Slots per row of the buffers."""
         return int(self._kv[0][0].shape[2])
 
+    def attended_positions(self, rids) -> int:
+        """Positions a call reads per row: every slot of the buffers (a multiple of :data:`SLOT_STEP`, never
+        shrinking: the longest request so far sets it), at least the longest request's cached length."""
+        return max(self.slots, super().attended_positions(rids))
+
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
         return int(sum(k.nbytes + v.nbytes for k, v in self._kv))
@@ -252,6 +257,10 @@ class SlotSequence:
     @property
     def length(self) -> int:
         return self.slots.length(self._RID)
+
+    def attended_positions(self) -> int:
+        """Positions a call reads: the buffers' slots (:meth:`SlotRunner.attended_positions`)."""
+        return self.slots.attended_positions([self._RID])
 
     def reset(self) -> None:
         self.slots.rollback(self._RID, 0)

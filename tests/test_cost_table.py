@@ -158,6 +158,53 @@ def test_the_auto_prefill_budget_follows_the_decoding_requests_context():
     assert a.out
 
 
+def test_the_loop_reads_the_table_at_the_runners_attended_positions():
+    """The round's context is what the target runner's pass reads (RequestBook.attended_positions): a runner whose
+    calls read 42 positions (a scatter buffer grown by an earlier long request) gets the budget of context 42
+    beside a request holding 3."""
+
+    class WideBook(BigramBook):
+        def attended_positions(self, rids):
+            return 42
+
+    book = WideBook(BIGRAM)
+    loop = DecodingLoop(book, None, max_batch=4, prefill_budget="auto", cost_table=TABLE)
+    a = loop.submit([2, 3], max_new_tokens=30)
+    loop.step()
+    loop.step()
+    loop.submit(LONG, max_new_tokens=4)
+    loop.step()
+    assert book.length(a.rid) == 4 and book.calls[-1][1][1] == 16 and loop.prefill_budget == 16
+
+
+def test_attended_positions_of_the_scatter_layout_is_its_slot_buffer():
+    from types import SimpleNamespace
+
+    from dspark_runtime.runners import SequenceRunner
+    from dspark_runtime.slots import SLOT_STEP, SlotRunner, SlotSequence
+
+    spec = SimpleNamespace(kind="causal_lm", kv_layout="scatter",
+                           dims=SimpleNamespace(num_kv_heads=1, head_dim=2, num_layers=1))
+    backend = SimpleNamespace(spec=spec)
+    runner = SlotRunner(backend)
+    runner.add("a")
+    runner.add("b")
+    kv = [(np.zeros((1, 130, 2), np.float32), np.zeros((1, 130, 2), np.float32))]
+    runner.import_kv("a", kv, None)  # 130 positions: the buffers grow to 2 x 128 slots
+    assert runner.slots == 2 * SLOT_STEP and runner.length("a") == 130 and runner.length("b") == 0
+    assert runner.attended_positions(["b"]) == 256 == runner.attended_positions(["a", "b"])  # every row reads all
+    runner.rollback("a", 3)
+    assert runner.attended_positions(["a"]) == 256  # the buffer never shrinks
+    book = BigramBook(BIGRAM)
+    book.add("x")
+    book.step([("x", [1, 2, 3])])
+    assert book.attended_positions(["x"]) == 3 and book.attended_positions([]) == 0  # the default: the longest
+    seq = SequenceRunner(SlotSequence(backend))
+    seq.add("s")
+    seq.runner.import_kv(kv, None)
+    assert seq.attended_positions(["s"]) == 256
+
+
 # ------------------------------------------------------------------------------------------- the profiler
 
 
