@@ -265,12 +265,23 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
 @click.option("--mask-token-id", type=click.IntRange(min=0), default=None,
               help="The block's mask token (default: an unused special token of the target's tokenizer).")
-@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--lr", type=float, default=6e-4, show_default=True, help="Peak learning rate (AdamW, warmup, cosine).")
+@click.option("--ce-weight", type=click.FloatRange(min=0), default=0.1, show_default=True,
+              help="Weight of the cross-entropy term of the loss (DeepSpec: 0.1).")
+@click.option("--l1-weight", type=click.FloatRange(min=0), default=0.9, show_default=True,
+              help="Weight of the L1 distance to the target's distribution (DeepSpec: 0.9).")
+@click.option("--anchors", "anchors_per_seq", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Blocks (anchors) sampled per training sequence and step.")
+@click.option("--reuse-data", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Start this new run from another run's work directory: its answers, sequences and features "
+                   "(linked, not copied) and their settings, so another configuration trains on the same data "
+                   "without repeating those stages.")
 @click.pass_context
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
                 answer_prompts,
                 sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, layers, intermediate_size, moe_experts,
-                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, mask_token_id, lr):
+                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, mask_token_id, lr,
+                ce_weight, l1_weight, anchors_per_seq, reuse_data):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
     answers -> sequences -> features -> training -> calibration.
 
@@ -298,6 +309,16 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
     else:
         if out_dir is None:
             raise click.UsageError("give --out CKPT (the checkpoint folder to write), or --resume WORK")
+        if reuse_data is not None:
+            data_flags = ("seed_answers", "answer_prompts", "sharegpt_prompts", "stdlib_tokens", "sharegpt_tokens",
+                          "feature_tokens", "draft_vocab")
+            given = [f"--{n.replace('_', '-')}" for n in data_flags
+                     if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+            if given:
+                raise click.UsageError(f"--reuse-data takes the data (and its settings) of {reuse_data}; drop "
+                                       f"{', '.join(given)}")
+            if work_dir is None:
+                raise click.UsageError("--reuse-data starts a new run: give it its own --work directory")
         tdir = resolve_model(target)
         work = work_dir or cache_root() / "drafter" / tdir.name
         p = PipelineSettings(answer_prompts=answer_prompts, sharegpt_prompts=sharegpt_prompts,
@@ -307,9 +328,11 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              sharegpt_tokens=sharegpt_tokens, feature_tokens=feature_tokens,
                              moe_experts=moe_experts, moe_top_k=moe_top_k,
                              moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id)
-        rep = train_draft_pipeline(tdir, work, out_dir, p, TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12),
-                                   engine_dir=engine_dir, time_limit_s=_hours(time_limit),
-                                   compile_into_engine=compile_into, seed_answers=seed_answers, log=click.echo)
+        s = TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12, ce_alpha=ce_weight, l1_alpha=l1_weight,
+                          anchors_per_seq=anchors_per_seq)
+        rep = train_draft_pipeline(tdir, work, out_dir, p, s, engine_dir=engine_dir, time_limit_s=_hours(time_limit),
+                                   compile_into_engine=compile_into, seed_answers=seed_answers, reuse_data=reuse_data,
+                                   log=click.echo)
         resume_dir = work
     if not rep["finished"]:
         click.echo(f"stopped; continue with: dspark-export train-draft --resume {resume_dir}")

@@ -45,6 +45,10 @@ class PipelineSettings:
     mask_token_id: int | None = None  # the block's mask token (None: an unused special token of the tokenizer)
 
 
+# The settings that decide a run's data (answers, sequences, features): a run started with ``reuse_data`` takes
+# them from the run whose data it reuses.
+DATA_FIELDS = ("answer_prompts", "answer_tokens", "answer_batch", "sharegpt_prompts", "stdlib_tokens",
+               "sharegpt_tokens", "feature_tokens", "max_seq_len", "feature_layers", "draft_vocab_size")
 STATE_FILE = "state.json"  # the run's settings and each stage's progress, in the work directory
 STAGES = ("answers", "sequences", "features", "train", "calibrate")
 
@@ -105,7 +109,7 @@ class RunState:
 def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None, p: PipelineSettings | None,
                          s: TrainSettings | None, *, engine_dir: Path | None = None, time_limit_s: float | None = None,
                          compile_into_engine: bool = True, seed_answers: Path | None = None,
-                         feature_tokens: int | None = None, log=print) -> dict:
+                         feature_tokens: int | None = None, reuse_data: Path | None = None, log=print) -> dict:
     """Answers -> sequences -> feature cache -> training -> calibration, resumable in stages.
 
     The run lives in ``work_dir`` (:class:`RunState`): with ``p``/``s`` None it is resumed as it was started
@@ -131,6 +135,10 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     progress — the one setting a resumed run may change, since it only decides how many of the (mixed) sequences get
     features: training then uses the leading shards holding that many tokens (the shards already extracted count).
     Raises DSparkError when the training stage has already started (its data would change).
+    ``reuse_data``: the work directory of another run whose features stage is done; this (new) run starts from its
+    answers, sequences and features (answers and sequences copied, the feature directory linked, not copied) and
+    takes its data settings (:data:`DATA_FIELDS`), target and engine, so another drafter configuration or training
+    setting trains on exactly the same data without repeating the expensive stages (:func:`_reuse_data`).
     Returns {"finished", "stages" (per stage: seconds and figures), "train" (the last training report, or None),
     "checkpoint_bytes"}; a finished run also writes ``out_dir/train_report.json`` with the data sizes by source,
     wall time per stage and the machine.
@@ -150,7 +158,11 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         fresh = {"target": str(target_dir), "engine": None if engine_dir is None else str(engine_dir),
                  "out": str(out_dir), "pipeline": asdict(p), "train": asdict(s)}
         fresh["pipeline"]["feature_layers"] = list(p.feature_layers)
+        if reuse_data is not None:
+            src = _reuse_source(Path(reuse_data), fresh)
     state = RunState.open(work_dir, fresh)
+    if fresh is not None and reuse_data is not None:
+        _reuse_data(src, Path(reuse_data), state, work_dir, log)
     d = state.data
     if feature_tokens is not None and feature_tokens != d["pipeline"].get("feature_tokens"):
         tr = d["stages"].get("train", {})
@@ -307,6 +319,48 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return {"finished": True, "stages": d["stages"], "train": d["stages"]["train"].get("report"),
             "checkpoint_bytes": report["checkpoint_bytes"]}
+
+
+def _reuse_source(src_dir: Path, fresh: dict) -> dict:
+    """The state of the run whose data a new run reuses; fills ``fresh``'s data settings, target and engine from
+    it. Raises DSparkError when ``src_dir`` holds no run, its features are not done, or it has another target /
+    engine than the new run names."""
+    src = RunState.open(src_dir, None).data
+    if not src["stages"].get("features", {}).get("done"):
+        raise DSparkError(f"{src_dir}: that run's features stage is not finished, so there is no data to reuse yet; "
+                          f"finish it first (`dspark-export train-draft --resume {src_dir}`)")
+    if Path(src["target"]).resolve() != Path(fresh["target"]).resolve():
+        raise DSparkError(f"{src_dir} holds features of the target {src['target']}, not {fresh['target']}: reuse "
+                          "the data of a run of the same target")
+    if fresh["engine"] is not None and src["engine"] is not None and \
+            Path(src["engine"]).resolve() != Path(fresh["engine"]).resolve():
+        raise DSparkError(f"{src_dir} extracted its features through the engine {src['engine']}, not "
+                          f"{fresh['engine']}: drop --engine (the reused run's engine is taken) or give that one")
+    fresh["engine"] = src["engine"] if fresh["engine"] is None else fresh["engine"]
+    for k in DATA_FIELDS:
+        fresh["pipeline"][k] = src["pipeline"][k]
+    return src
+
+
+def _reuse_data(src: dict, src_dir: Path, state: RunState, work_dir: Path, log) -> None:
+    """Bring ``src_dir``'s answers and sequences (copied) and features (a symbolic link) into ``work_dir`` and mark
+    those stages done with the source run's records (``reused_from``); nothing is done twice on a re-run."""
+    import shutil
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("answers.jsonl", "sequences.npz"):
+        if (src_dir / name).exists() and not (work_dir / name).exists():
+            shutil.copy2(src_dir / name, work_dir / name)
+    feats = work_dir / "features"
+    if not feats.exists():
+        feats.symlink_to((src_dir / "features").resolve(), target_is_directory=True)
+    for name in ("answers", "sequences", "features"):
+        if not state.stage(name).get("done"):
+            state.data["stages"][name] = {**src["stages"].get(name, {"done": True, "seconds": 0.0}),
+                                          "reused_from": str(src_dir)}
+    state.save()
+    log(f"[1-3/5] answers, sequences and features reused from {src_dir} (features linked: {feats} -> "
+        f"{feats.resolve()})")
 
 
 def import_answers(src: Path, answers: Path) -> int:

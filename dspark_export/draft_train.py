@@ -40,7 +40,8 @@ class TrainSettings:
     weight_decay: float = 0.0
     warmup_steps: int = 50
     anchors_per_seq: int = 32
-    max_seq_len: int = 1024
+    max_seq_len: int = 1024  # training crop (a random window of a longer sequence)
+    eval_seq_len: int = 1024  # held-out crop (fixed, so runs with another training crop compare)
     seqs_per_step: int = 2
     loss_decay_gamma: float = 4.0
     ce_alpha: float = 0.1
@@ -236,11 +237,11 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         torch.save(st, tmp)
         tmp.replace(resume)
 
-    def get(i, rng):
+    def get(i, rng, crop=s.max_seq_len):
         ids, m, f, l = store.get(i)
-        if len(ids) > s.max_seq_len:
-            a = int(rng.integers(0, len(ids) - s.max_seq_len + 1))
-            ids, m, f, l = ids[a:a + s.max_seq_len], m[a:a + s.max_seq_len], f[a:a + s.max_seq_len], l[a:a + s.max_seq_len]
+        if len(ids) > crop:
+            a = int(rng.integers(0, len(ids) - crop + 1))
+            ids, m, f, l = ids[a:a + crop], m[a:a + crop], f[a:a + crop], l[a:a + crop]
         return np.asarray(ids), np.asarray(m), np.asarray(f, np.float32), l
 
     def evaluate():
@@ -249,7 +250,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         erng = np.random.default_rng(1234)
         with torch.no_grad():
             for i in held:
-                seq = get(i, erng)
+                seq = get(i, erng, s.eval_seq_len)
                 an = sample_anchors(seq[1], s.anchors_per_seq, erng)
                 if len(an) == 0:
                     continue

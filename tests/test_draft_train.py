@@ -247,6 +247,32 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     assert not st["calibrate"]["done"]  # --no-compile: the engine is left as it is
     r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, log=lambda *a: None)
     assert r["finished"]  # a finished run resumes to its end at once
+    # another configuration on the same data: no answer or feature is made again, the features are shared
+    from dataclasses import replace
+
+    import dspark_export.draft_pipeline as dp
+    from dspark_runtime.errors import DSparkError
+
+    monkeypatch.setattr(dp, "extract_features_ort", lambda *a, **k: pytest.fail("features extracted again"))
+    monkeypatch.setattr(draft_data, "generate_answers_engine", lambda *a, **k: pytest.fail("answered again"))
+    p2 = replace(p, markov_rank=4, stdlib_tokens=5)  # a data setting given here is replaced by the reused run's
+    work2, lines = tmp_path / "work2", []
+    r2 = train_draft_pipeline(tiny_pair[0], work2, tmp_path / "ckpt2", p2, replace(s, ce_alpha=1.0),
+                              compile_into_engine=False, reuse_data=work, log=lines.append)
+    d2 = json.loads((work2 / "state.json").read_text())
+    assert r2["finished"] and (work2 / "features").resolve() == (work / "features").resolve()
+    assert d2["pipeline"]["stdlib_tokens"] == 800 and d2["pipeline"]["markov_rank"] == 4
+    assert d2["engine"] == str(tiny_engine_dir) and d2["stages"]["features"]["reused_from"] == str(work)
+    assert d2["train"]["ce_alpha"] == 1.0 and r2["train"]["finished"]
+    assert json.loads((tmp_path / "ckpt2" / "config.json").read_text())["markov_rank"] == 4
+    assert any("reused from" in x for x in lines)
+    unfinished = tmp_path / "unfinished"  # a run stopped before its features: nothing to reuse yet
+    unfinished.mkdir()
+    (unfinished / "state.json").write_text(json.dumps({"target": str(tiny_pair[0]), "engine": None, "out": "o",
+                                                       "pipeline": {}, "train": {}, "stages": {}}))
+    with pytest.raises(DSparkError, match="features stage is not finished.*--resume"):
+        train_draft_pipeline(tiny_pair[0], tmp_path / "w3", tmp_path / "c3", p, s, reuse_data=unfinished,
+                             log=lambda *a: None)
 
 
 def test_capped_shards_keep_the_leading_shards_that_start_before_the_cap():
@@ -300,3 +326,17 @@ def test_feature_token_cap_sizes_a_run_in_progress_until_training_starts(tiny_en
     with pytest.raises(DSparkError, match="can no longer change"):
         train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, feature_tokens=600,
                              log=lambda *a: None)
+
+
+def test_cli_reuse_data_refuses_data_settings_and_needs_its_own_work_dir(tmp_path):
+    """`train-draft --reuse-data RUN` takes that run's data settings: giving one of them, or no --work of its own,
+    is refused with the flag named (before anything is loaded)."""
+    from click.testing import CliRunner
+
+    from dspark_export.cli import cli as main
+
+    args = ["train-draft", "--out", str(tmp_path / "c"), "--reuse-data", str(tmp_path)]
+    r = CliRunner().invoke(main, args + ["--work", str(tmp_path / "w"), "--stdlib-tokens", "5", "--draft-vocab", "8"])
+    assert r.exit_code == 2 and "drop --stdlib-tokens, --draft-vocab" in r.output
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "give it its own --work directory" in r.output
