@@ -553,6 +553,9 @@ class Engine:
                           "exact. Rebuild with `dspark-export build --kv-layout scatter` for batch-independent output",
                           stacklevel=2)
         drafter = self.drafter(draft, target, draft_confidence, draft_confidence_rule, max_batch)
+        if hasattr(target, "keep_features"):  # TensorRT: copy the target features back only for a DSpark drafter
+            target.keep_features = isinstance(drafter, DSparkDrafter) or isinstance(getattr(drafter, "inner", None),
+                                                                                    DSparkDrafter)
         mode, table = "fixed", None
         if draft_length == "scheduled":
             if not isinstance(drafter, (DSparkDrafter, Router)):

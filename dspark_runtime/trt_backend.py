@@ -412,7 +412,7 @@ class TrtDecoder:
         return bucket
 
     def run_rows(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                 writes: list, reads: list, with_logits: bool = True) -> dict:
+                 writes: list, reads: list, with_logits: bool = True, with_features: bool = True) -> dict:
         """One engine call over all ``batch`` rows at the current bucket (:meth:`use_bucket` first).
 
         input_ids, position_ids: int64 [batch, q]; attention_mask: bool [batch, 1, q, bucket + q] (the capacity
@@ -421,7 +421,8 @@ class TrtDecoder:
         ``reads``: [(row, n, first)]: what comes back to the host: the row's first n positions of every output but
         the new K/V (the ``argmax`` output, where the engine has one, always: 8 bytes a position), the logits only
         from position ``first`` on (n - 1: the last one, all a prompt chunk needs). ``with_logits``: False copies
-        no logits back (then the engine must have an ``argmax`` output).
+        no logits back (then the engine must have an ``argmax`` output); ``with_features``: False copies no target
+        features back (no DSpark drafter reads them).
         Returns {"logits" / "argmax" / "features": {row: float32 [n - first, vocab] / int64 [n] / float32 [n, F]}}
         (arrays of their own, not views). Raises DSparkError for a shape outside the engine's profiles, a write
         beyond the bucket, or a TensorRT/CUDA failure."""
@@ -458,7 +459,7 @@ class TrtDecoder:
                                                     bucket * row_b, int(self._dev[new]) + row * heads * q * row_b,
                                                     q * row_b, n * row_b, heads, D2D, self._stream), f"write {new}")
         names = [t.name for t in self.spec.outputs if not t.name.startswith("new.")
-                 and (t.name != "logits" or with_logits)]
+                 and (t.name != "logits" or with_logits) and (t.name != "features" or with_features)]
         if not with_logits and "argmax" not in names:
             raise DSparkError(f"{self.path.name} has no argmax output; copy the logits back (with_logits=True) or "
                               "rebuild the engine with `dspark-export build-trt`")

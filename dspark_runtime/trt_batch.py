@@ -148,6 +148,7 @@ class TrtBatchRunner(RequestBook):
 
     row_multiple = 1  # padding is the fixed call shape's, not a probed multiple
     step_hints = True  # step() takes argmax_for / last_only (the decoding loop passes them)
+    keep_features = True  # copy the target features back (Engine.batch: False unless a DSpark drafter reads them)
     can_import_kv = False  # the prefix cache needs the scatter layout on ONNX Runtime
 
     def __init__(self, decoder, rows: int = 1, pin_bucket: bool = False):
@@ -187,6 +188,11 @@ class TrtBatchRunner(RequestBook):
         self._check_rollback(rid, length)
         self._length[rid] = length
 
+    def features(self, rid) -> np.ndarray | None:
+        """Target features of ``rid``'s cached positions (float32 [length, F]), or None when the engine outputs none
+        or they stay on the device (``keep_features`` False)."""
+        return super().features(rid) if self.keep_features else None
+
     def pass_rows(self, lengths: list) -> int:
         """:func:`pass_rows` at this runner's rows and call lengths."""
         return pass_rows(lengths, self.rows, self.decode_q, self.max_chunk)
@@ -217,7 +223,8 @@ class TrtBatchRunner(RequestBook):
             ids_only = self.device_argmax and all(rid in argmax_for for rid, _ in segs)
             out = dec.run_rows(ids, pos, mask, [(row, past, len(t)) for row, past, t in placed],
                                [(row, len(t), len(t) - 1 if rid in last_only else 0)
-                                for (rid, _), (row, _, t) in zip(segs, placed)], with_logits=not ids_only)
+                                for (rid, _), (row, _, t) in zip(segs, placed)], with_logits=not ids_only,
+                               with_features=self.keep_features)
             key = capture_key(self.rows, call.q, bucket)
             self.calls[key] = self.calls.get(key, 0) + 1
             for i, (rid, toks) in zip(call.segments, segs):

@@ -132,6 +132,23 @@ def test_engine_wires_trt_backends_and_batches_within_max_batch(tiny_engine_dir,
     assert eng._backends["target"].batch == 2 and eng._backends["target"].context is None
     solo = eng.batch(draft=None, max_batch=1)  # generate(): the same runner class at one row
     assert isinstance(solo.target, TrtBatchRunner) and solo.target.rows == 1 and eng._backends["target"].batch == 1
+    assert not gen.target.keep_features and not solo.target.keep_features  # no DSpark drafter reads them
+
+
+def test_trt_target_features_come_back_for_the_dspark_drafter(tiny_engine_with_dspark, tmp_path):
+    import shutil
+
+    from dspark_runtime import Engine
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_with_dspark, d)
+    m = load_manifest(d)
+    m.trt_engines["target.capacity"] = _entry()  # wiring only: the target's engine is not activated
+    eng = Engine(d, m, threads=1, placement="target=trt")
+    assert eng.batch(draft="dspark", max_batch=2).target.keep_features
+    assert eng.batch(draft="router", max_batch=2).target.keep_features  # the router over the DSpark drafter
+    assert not eng.batch(draft="lm", max_batch=2).target.keep_features
 
 
 def test_engine_sizes_the_dspark_drafter_engine_for_its_rows(tiny_engine_with_dspark, tmp_path):

@@ -123,7 +123,7 @@ class OrtDevice:
             self.kv, self._bucket = new, bucket
         return bucket
 
-    def run_rows(self, ids, pos, mask, writes, reads, with_logits=True):
+    def run_rows(self, ids, pos, mask, writes, reads, with_logits=True, with_features=True):
         assert ids.shape[0] == self.batch and mask.shape[-1] == self._bucket + ids.shape[1]
         feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
         for i, (k, v) in enumerate(self.kv):
@@ -135,7 +135,7 @@ class OrtDevice:
             for i, (k, v) in enumerate(self.kv):
                 k[row, :, past:past + n] = out[f"new.{i}.key"][row, :, :n]
                 v[row, :, past:past + n] = out[f"new.{i}.value"][row, :, :n]
-        back = ["features", "argmax"] + (["logits"] if with_logits else [])
+        back = ["argmax"] + (["logits"] if with_logits else []) + (["features"] if with_features else [])
         return {name: {row: out[name][row, (first if name == "logits" else 0):n].copy() for row, n, first in reads}
                 for name in back if name in out}
 
@@ -236,6 +236,10 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     assert r.features("a").shape[0] == 3  # the features of every position still come back (the DSpark context)
     r.rollback("a", 0)
     np.testing.assert_array_equal(r.prefill("a", [5, 6, 7]), full[0][-1])
+    r.keep_features = False  # no DSpark drafter: the features stay on the device
+    r.rollback("b", 0)
+    np.testing.assert_array_equal(r.step([("b", [8])])[0], full[1])
+    assert r.features("b") is None and r.features("a") is None
     with pytest.raises(DSparkError, match="all 2 rows of the TensorRT runner are taken"):
         r.add("c")
     with pytest.raises(DSparkError, match="a segment of 17 tokens"):
