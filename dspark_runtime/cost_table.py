@@ -8,15 +8,21 @@ over, so the profiler measures them at several cached-position counts and stores
     {"tokens": [1, 2, ..., 64],                     # verify pass sizes B, shared by every bucket
      "t_verify": [...], "t_draft": s, "t_draft_rows": [...], "seconds": [...],   # the reference bucket
      "context": 512,                                # ... measured at this many cached positions
-     "buckets": [{"context": 128, "t_verify": [...], "t_verify_raw": [...], "t_draft": s, "t_draft_rows": [...]},
-                 {"context": 512, ...}, {"context": 1024, ...}],               # ascending context
+     "buckets": [{"context": 128, "attended": 256, "t_verify": [...], "t_verify_raw": [...], "t_draft": s,
+                  "t_draft_rows": [...]}, {"context": 512, ...}, {"context": 1024, ...}],   # ascending context
      ...}
+
+A bucket's ``attended`` (where profiled) is how many cached positions its timed passes actually read: the
+runner's ``attended_positions`` (:meth:`dspark_runtime.runners.RequestBook.attended_positions`), which is the
+context itself except in the scatter KV layout, whose every pass reads the whole slot buffer (grown in steps of
+128). Buckets are looked up by ``attended`` when they have it, else by ``context``, in the same unit the decoding
+loop asks with (its runner's ``attended_positions``).
 
 The top-level lists repeat the reference bucket, so a reader that knows nothing of buckets (an older runtime, a
 tool) sees a complete one-context table. A table without ``buckets`` (profiled before they existed) is one bucket
 at its ``context``: the same costs at every context, as before.
 
-:func:`cost_table_at` resolves a table to the round's cached positions — linear interpolation between the two
+:func:`cost_table_at` resolves a table to the round's read positions — linear interpolation between the two
 neighbouring buckets, the first bucket's costs below it, and above the last bucket linear extrapolation along the
 last two (a verifier pass's attention work grows linearly with the positions it reads), never below the last
 bucket's costs. Every consumer (the verify-length scheduler, the drafting-pays rule, the router, the prefill
@@ -58,7 +64,8 @@ def check_cost_table(table: Mapping[str, Any]) -> None:
     A table with buckets needs ``tokens`` (positive ints, strictly ascending) and ``buckets``: a non-empty list of
     objects with ``context`` (cached positions, int >= 0, strictly ascending across buckets), ``t_verify`` (one
     positive time per entry of ``tokens``), ``t_draft`` (seconds >= 0) and, when the table has ``draft_rows``,
-    ``t_draft_rows`` (one time >= 0 per entry); ``t_verify_raw``, when present, like ``t_verify``.
+    ``t_draft_rows`` (one time >= 0 per entry); ``t_verify_raw``, when present, like ``t_verify``; ``attended``
+    in every bucket or none (int >= context, strictly ascending).
 
     Raises:
         ValueError: naming the entry (``cost_table.buckets[1].t_verify``), what it must be, and the fix.
@@ -78,7 +85,11 @@ def check_cost_table(table: Mapping[str, Any]) -> None:
         raise ValueError(f"cost_table.buckets must be a non-empty list of per-context timings, got {buckets!r}; "
                          f"{_FIX}")
     rows = table.get("draft_rows") or []
-    prev = None
+    prev = prev_read = None
+    with_read = sum(isinstance(b, Mapping) and "attended" in b for b in buckets)
+    if with_read not in (0, len(buckets)):
+        raise ValueError(f"cost_table.buckets: {with_read} of {len(buckets)} buckets have 'attended'; every bucket "
+                         f"needs it or none; {_FIX}")
     for i, b in enumerate(buckets):
         where = f"buckets[{i}]"
         if not isinstance(b, Mapping):
@@ -91,6 +102,15 @@ def check_cost_table(table: Mapping[str, Any]) -> None:
         if prev is not None and c <= prev:
             raise ValueError(f"cost_table.buckets must be in strictly ascending context, got {prev} then {c}; {_FIX}")
         prev = c
+        if with_read:
+            a = b["attended"]
+            if not isinstance(a, int) or isinstance(a, bool) or a < c:
+                raise ValueError(f"cost_table.{where}.attended must be the positions the timed passes read, an int "
+                                 f">= its context {c}, got {a!r}; {_FIX}")
+            if prev_read is not None and a <= prev_read:
+                raise ValueError(f"cost_table.buckets must read strictly ascending positions ('attended'), got "
+                                 f"{prev_read} then {a}; {_FIX}")
+            prev_read = a
         _times(f"{where}.t_verify", b.get("t_verify"), len(tokens), positive=True)
         if "t_verify_raw" in b:
             _times(f"{where}.t_verify_raw", b["t_verify_raw"], len(tokens), positive=True)
@@ -114,8 +134,9 @@ def cost_table_at(table: Mapping[str, Any] | None, context: float | None) -> Map
 
     Args:
         table: a manifest ``cost_table`` dict (with or without ``buckets``) or None.
-        context: cached positions the round's passes attend over (the longest of its requests'), a finite
-            number >= 0; None: the table as stored (its reference bucket).
+        context: cached positions the round's pass reads (its runner's ``attended_positions``), a finite
+            number >= 0, compared with each bucket's ``attended`` (else its ``context``); None: the table as
+            stored (its reference bucket).
     Returns:
         ``table`` itself when it is None, has no ``buckets`` or ``context`` is None; otherwise a new dict: the
         table's other keys plus ``t_verify``, ``t_draft``, ``t_draft_rows`` (when profiled) and ``seconds`` =
@@ -136,7 +157,7 @@ def cost_table_at(table: Mapping[str, Any] | None, context: float | None) -> Map
     if not math.isfinite(c) or c < 0:
         raise ValueError(f"context must be a finite number of cached positions >= 0, got {context!r}")
     buckets = table["buckets"]
-    ctxs = [b["context"] for b in buckets]
+    ctxs = [b.get("attended", b["context"]) for b in buckets]
     if len(buckets) == 1 or c <= ctxs[0]:
         lo = hi = 0
         w, extrapolate = 0.0, False

@@ -20,15 +20,18 @@ DEFAULT_CONTEXTS = (128, 512, 1024)  # `dspark-export profile`'s context buckets
 MIN_CONTEXT = 8  # the DSpark drafting pass reads 8 new feature positions after context - 8 cached ones
 
 
-def profile_contexts(context, *, limit: int | None = None, extra: int = 0, explicit: bool = True) -> list:
+def profile_contexts(context, *, limit: int | None = None, extra: int = 0, explicit: bool = True,
+                     slot_step: int | None = None) -> list:
     """The sorted context buckets to profile: ``context`` (an int, or a sequence of ints: cached positions) checked
     against the engine's context ``limit`` (``max_position_embeddings``; None: unchecked) with ``extra`` more
     positions per pass (the largest verify pass or drafted block). With ``explicit`` False (a default list) the
-    buckets that do not fit are dropped instead, keeping at least the smallest. Pure function.
+    buckets that do not fit are dropped instead, keeping at least the smallest. ``slot_step``: the target's KV
+    buffer grows in steps of this many slots and every pass reads all of them (the scatter layout), so two
+    contexts in one step would time the same pass. Pure function.
 
     Raises:
-        InputError: a context is not an integer >= :data:`MIN_CONTEXT`, appears twice, or (explicit) does not fit
-            ``limit``; naming it and the fix.
+        InputError: a context is not an integer >= :data:`MIN_CONTEXT`, appears twice, shares a ``slot_step``
+            with another, or (explicit) does not fit ``limit``; naming it and the fix.
     """
     values = [context] if isinstance(context, int) else list(context)
     if not values:
@@ -39,6 +42,15 @@ def profile_contexts(context, *, limit: int | None = None, extra: int = 0, expli
     if len(set(values)) != len(values):
         raise InputError(f"profile contexts must differ from each other, got {values}")
     values.sort()
+    if slot_step:
+        width = {}
+        for c in values:
+            w = -(-(c + 1) // slot_step) * slot_step
+            if w in width:
+                raise InputError(f"contexts {width[w]} and {c} both read {w} slots: this engine's scatter KV layout "
+                                 f"grows its buffer in steps of {slot_step} positions and every pass reads all of "
+                                 f"them; choose contexts in different steps (e.g. 128,512,1024)")
+            width[w] = c
     if limit is not None:
         fits = [c for c in values if c + extra <= limit]
         if explicit and len(fits) < len(values):
@@ -61,8 +73,12 @@ def engine_contexts(engine, context=None, *, max_tokens: int = 8, drafter: str |
     kind = drafter or engine.draft_kind
     block = (engine.manifest.speculation.dspark.block_size if kind == "dspark" else engine.default_draft_length) or 0
     limit = engine.manifest.graphs["target"].model_config.get("max_position_embeddings")
+    from dspark_runtime.slots import SLOT_STEP
+
+    scatter = engine.manifest.graphs["target"].spec.kv_layout == "scatter" and engine.placement.get("target") != "trt"
     return profile_contexts(DEFAULT_CONTEXTS if context is None else context, limit=limit,
-                            extra=max(max_tokens, block + 1), explicit=context is not None)
+                            extra=max(max_tokens, block + 1), explicit=context is not None,
+                            slot_step=SLOT_STEP if scatter else None)
 
 
 def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 5,
@@ -75,7 +91,10 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
     The target's cache grows from one bucket to the next (ascending), so each prompt position is prefilled once.
 
     Returns the JSON-safe cost table (:mod:`dspark_runtime.cost_table` describes the form): ``buckets`` (one
-    ``{"context", "t_verify", "t_verify_raw", "t_draft", "t_draft_rows"}`` per context, ascending) and, at the top
+    ``{"context", "attended", "t_verify", "t_verify_raw", "t_draft", "t_draft_rows"}`` per context, ascending;
+    ``attended``: the positions the timed passes read, the runner's
+    :meth:`~dspark_runtime.runners.RequestBook.attended_positions` — on the scatter layout the slot buffer, which
+    a fresh runner grows bucket by bucket — what the runtime looks the table up by) and, at the top
     level, the reference bucket's (:func:`~dspark_runtime.cost_table.reference_bucket`: the middle one) ``context``,
     ``t_verify``, ``t_verify_raw``, ``t_draft``, ``t_draft_rows`` and ``seconds[i]`` = t_draft + t_verify(tokens[i])
     (wall seconds of a one-request round), plus "tokens", "draft_rows", "drafter", "repeats", "date". t_verify is
@@ -86,7 +105,7 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
     """
     from dspark_runtime.cost_table import reference_bucket
 
-    target = engine.runner("target")
+    target = _fresh(engine.runner("target"))
     rng = np.random.default_rng(0)
     vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
     hi = min(vocab, 30000)
@@ -95,14 +114,15 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
     prompt = rng.integers(0, hi, size=contexts[-1]).tolist()
     points = [b for b in PROFILE_POINTS if b <= max_tokens]
     rows = sorted(set(int(x) for x in draft_rows)) if kind == "dspark" else []
-    lm = engine.runner(engine.lm_graph) if kind == "lm" else None
+    lm = _fresh(engine.runner(engine.lm_graph)) if kind == "lm" else None
     target.reset()
     if lm is not None:
         lm.reset()
     buckets = []
     for ctx in contexts:  # ascending: each bucket's cache extends the previous one's
         target.prefill(prompt[target.length:ctx])
-        raw = [_time_verify(target, rng.integers(0, hi, size=b).tolist(), ctx, repeats) for b in points]
+        timed = [_time_verify(target, rng.integers(0, hi, size=b).tolist(), ctx, repeats) for b in points]
+        raw, attended = [t for t, _ in timed], max(a for _, a in timed)
         t_draft, t_rows = 0.0, []
         if kind == "dspark":  # one row: the graph call over 8 new positions plus the heads, as in steady-state decoding
             t_draft = _time_dspark_rows(engine, 1, ctx, repeats, rng)
@@ -110,8 +130,8 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
         elif kind == "lm":  # the draft LM's own draft length: its round drafts that many tokens, one step each
             lm.prefill(prompt[lm.length:ctx])
             t_draft = _time_lm_draft(lm, engine.default_draft_length, repeats, rng, hi)
-        buckets.append({"context": ctx, "t_verify": monotone(raw), "t_verify_raw": raw, "t_draft": t_draft,
-                        "t_draft_rows": t_rows})
+        buckets.append({"context": ctx, "attended": attended, "t_verify": monotone(raw), "t_verify_raw": raw,
+                        "t_draft": t_draft, "t_draft_rows": t_rows})
     target.reset()
     if lm is not None:
         lm.reset()
@@ -122,10 +142,23 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
             "buckets": buckets, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _time_verify(target, toks: list, context: int, repeats: int) -> float:
-    """Median seconds of one verifier step over ``toks`` after ``context`` cached positions (the first of
-    ``repeats + 1`` runs is a warm-up; each run is rolled back)."""
+def _fresh(runner):
+    """A new one-sequence runner over ``runner``'s graph when ``runner`` keeps a slot buffer that never shrinks (the
+    scatter layout's :class:`~dspark_runtime.slots.SlotSequence`, possibly grown by earlier, longer sequences), so
+    each context bucket reads its own width; ``runner`` itself otherwise."""
+    from dspark_runtime.slots import SlotSequence
+
+    if isinstance(runner, SlotSequence):
+        return SlotSequence(runner.backend, row_multiple=runner.row_multiple)
+    return runner
+
+
+def _time_verify(target, toks: list, context: int, repeats: int) -> tuple:
+    """(median seconds of one verifier step over ``toks`` after ``context`` cached positions, the positions the
+    step read: the runner's ``attended_positions()`` where it has one, else ``context``). The first of
+    ``repeats + 1`` runs is a warm-up; each run is rolled back."""
     times = []
+    attended = getattr(target, "attended_positions", None)
     for r in range(repeats + 1):
         t0 = time.perf_counter()
         target.step(toks)
@@ -133,7 +166,7 @@ def _time_verify(target, toks: list, context: int, repeats: int) -> float:
         target.rollback(context)
         if r:
             times.append(dt)
-    return statistics.median(times)
+    return statistics.median(times), (attended() if callable(attended) else context)
 
 
 def monotone(values) -> list:

@@ -77,6 +77,26 @@ def test_the_scheduler_and_the_prefill_budget_read_the_rounds_context():
     assert prefill_budget(cost_table_at(TABLE, 0)) == 8 and prefill_budget(cost_table_at(TABLE, 40)) == 16
 
 
+def test_buckets_are_looked_up_by_the_positions_their_passes_read():
+    # a scatter engine's buckets: contexts 0 and 40 read 128 and 168 slots; a round reading 148 is halfway
+    table = json.loads(json.dumps(TABLE))
+    for b, a in zip(table["buckets"], (128, 168)):
+        b["attended"] = a
+    check_cost_table(table)
+    np.testing.assert_allclose(cost_table_at(table, 148)["t_verify"], [0.15, 0.475, 0.8, 1.7])
+    np.testing.assert_allclose(cost_table_at(table, 40)["t_verify"], [0.1, 0.45, 0.9, 1.8])  # below 128: the first
+    table["buckets"][1]["attended"] = 30
+    with pytest.raises(ValueError, match=r"buckets\[1\]\.attended must be the positions the timed passes read, "
+                                         r"an int >= its context 40"):
+        check_cost_table(table)
+    table["buckets"][1]["attended"] = 128
+    with pytest.raises(ValueError, match="strictly ascending positions \\('attended'\\), got 128 then 128"):
+        check_cost_table(table)
+    del table["buckets"][1]["attended"]
+    with pytest.raises(ValueError, match="1 of 2 buckets have 'attended'"):
+        check_cost_table(table)
+
+
 def test_reference_bucket_is_the_middle_one():
     assert [reference_bucket(c) for c in ([256], [128, 512], [128, 512, 1024], [1, 2, 3, 4])] == [0, 1, 1, 2]
     with pytest.raises(ValueError, match="no contexts"):
@@ -216,6 +236,10 @@ def test_profile_contexts():
         profile_contexts([128, 1024], limit=1024, extra=8)
     with pytest.raises(InputError, match="even context 128 \\+ 8"):
         profile_contexts(DEFAULT_CONTEXTS, limit=100, extra=8, explicit=False)
+    assert profile_contexts([128, 512, 1024], slot_step=128) == [128, 512, 1024]
+    with pytest.raises(InputError, match="contexts 130 and 200 both read 256 slots: this engine's scatter KV layout "
+                                         "grows its buffer in steps of 128 positions"):
+        profile_contexts([200, 130], slot_step=128)
     for bad, msg in (([4], "integers >= 8"), ([128, 128], "differ from each other"), ([], "no context given"),
                      ([True], "integers >= 8")):
         with pytest.raises(InputError, match=msg):
@@ -234,6 +258,7 @@ def test_profile_of_the_tiny_engine_stores_buckets_the_runtime_reads(tiny_engine
     stored = json.loads((d / "manifest.json").read_text())["speculation"]["cost_table"]
     assert stored["context"] == 48 == t["context"]  # the middle bucket is the reference
     assert [b["context"] for b in stored["buckets"]] == [16, 48, 96]
+    assert [b["attended"] for b in stored["buckets"]] == [16, 48, 96]  # the growing layout reads what it caches
     assert stored["tokens"] == [1, 2, 3, 4] and stored["drafter"] == "lm"
     for b in stored["buckets"]:
         assert len(b["t_verify"]) == 4 and all(x > 0 for x in b["t_verify"]) and b["t_draft"] > 0
@@ -277,3 +302,24 @@ def test_dspark_export_profile_cli_prints_and_stores_the_buckets(tiny_engine_dir
     dspark_main(["info", "--engine", str(d)])
     info = capsys.readouterr().out
     assert "cost table: verify B = 1..2 tokens at 16, 32 cached positions" in info, info
+
+
+def test_profile_of_a_scatter_engine_records_the_slots_each_bucket_reads(tiny_pair, tmp_path):
+    """The scatter layout reads its whole slot buffer (steps of 128) in every pass: each bucket is timed on a fresh
+    buffer and records the width it read, even after the engine's own runner has grown to a long sequence."""
+    from dspark_export.build import Recipe, build_engine
+    from dspark_runtime import Engine
+
+    tdir, ddir = tiny_pair
+    d = tmp_path / "scatter"
+    build_engine(Recipe(name="tiny-scatter", target=str(tdir), draft=str(ddir), target_feature_layers=[-1, 0],
+                        draft_length=4, kv_layout="scatter"), d, isolate=False, log=lambda *a: None)
+    eng = Engine.load(d, threads=1)
+    runner = eng.runner("target")
+    runner.prefill(list(range(3, 303)))  # 300 positions: this runner's buffer now holds 384 slots
+    assert runner.attended_positions() == 384
+    with pytest.raises(InputError, match="contexts 16 and 100 both read 128 slots"):
+        eng.profile(context=(16, 100), max_tokens=4, repeats=1)
+    t = eng.profile(context=(16, 200), max_tokens=4, repeats=1)
+    assert [(b["context"], b["attended"]) for b in t["buckets"]] == [(16, 128), (200, 256)]
+    assert eng.manifest.speculation.cost_table is t and t["context"] == 200  # in use from now on
