@@ -120,7 +120,8 @@ def test_dspark_serve_ray_refuses_a_missing_engine_before_starting_ray(tmp_path,
 # `dspark serve` options that are not a replica setting of the same name: where each one goes instead
 SERVE_ONLY = {"engine_dir": "engine", "host": "run(host=)", "port": "run(port=)", "use_ray": "--ray itself",
               "replicas": "num_replicas", "autoscale": "min_replicas/max_replicas", "ray_address": "run(address=)",
-              "log_level": "uvicorn's log level: Serve's proxy logs the requests"}
+              "log_level": "uvicorn's log level: Serve's proxy logs the requests",
+              "backend": "placement (--backend trt is --placement trt)"}
 
 
 def test_every_dspark_serve_option_reaches_the_replicas():
@@ -160,6 +161,8 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
     assert (s.max_context, s.default_max_tokens, s.model_name, s.shutdown_timeout, s.placement) == \
         (512, 9, "m", 4.0, "cpu")
     assert (s.num_replicas, s.replica_cpus, got["run"]["port"]) == (2, 2.0, 8123)
+    main(["serve", "--ray", "--engine", str(tmp_path), "--backend", "trt"])
+    assert got["settings"].placement == "trt"
 
     loads, apps = [], []
 
