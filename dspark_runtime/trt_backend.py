@@ -37,6 +37,7 @@ the batched planning in tests/test_trt_batch.py.
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,7 +256,10 @@ class TrtDecoder:
         self.cuda_graphs = cuda_graphs
         self.warmup = warmup
         self.context = None
-        self.stats = {"captured": 0, "replayed": 0, "uncaptured": 0, "relayouts": 0}
+        # engine runs by kind, bucket re-layouts, the per-row K/V write copies (count and host seconds spent issuing
+        # them) and the bytes copied back to the host: what scripts/gpu_check_trt.sh prints
+        self.stats = {"captured": 0, "replayed": 0, "uncaptured": 0, "relayouts": 0, "kv_writes": 0, "kv_write_s": 0.0,
+                      "d2h_bytes": 0}
 
     # -- lifecycle
 
@@ -452,12 +456,15 @@ class TrtDecoder:
         d = self.spec.dims
         row_b = d.head_dim * 4
         heads = d.num_kv_heads
+        t0 = time.perf_counter()
         for (pk, pv), (nk, nv) in zip(past_names(d.num_layers), new_names(d.num_layers)):
             for cache, new in ((pk, nk), (pv, nv)):  # new [b*heads, q, hd] -> cache [b*heads, bucket, hd] at past
                 for row, past, n in writes:
                     _check(cudart.cudaMemcpy2DAsync(int(self._dev[cache]) + (row * heads * bucket + past) * row_b,
                                                     bucket * row_b, int(self._dev[new]) + row * heads * q * row_b,
                                                     q * row_b, n * row_b, heads, D2D, self._stream), f"write {new}")
+        self.stats["kv_writes"] += 2 * d.num_layers * len(writes)
+        self.stats["kv_write_s"] += time.perf_counter() - t0
         names = [t.name for t in self.spec.outputs if not t.name.startswith("new.")
                  and (t.name != "logits" or with_logits) and (t.name != "features" or with_features)]
         if not with_logits and "argmax" not in names:
@@ -472,6 +479,7 @@ class TrtDecoder:
                 off = (row * q + lo) * per_pos
                 _check(cudart.cudaMemcpyAsync(int(self._host[name][0]) + off, int(self._dev[name]) + off,
                                               (n - lo) * per_pos, D2H, self._stream), name)
+                self.stats["d2h_bytes"] += (n - lo) * per_pos
         _check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         self._length = max([self._length] + [past + n for _, past, n in writes])
         out = {}

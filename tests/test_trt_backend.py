@@ -88,6 +88,8 @@ def test_buffer_plan_sizes():
 def test_trt_decoder_constructs_cheaply_and_checks_arguments(tmp_path):
     dec = TrtDecoder(tmp_path, _entry(), batch=1, capacity=96)  # no TensorRT, no GPU touched
     assert dec.buckets == [32, 64, 96] and dec.decode_q == 5 and dec.context is None
+    assert dec.stats == {"captured": 0, "replayed": 0, "uncaptured": 0, "relayouts": 0, "kv_writes": 0,
+                         "kv_write_s": 0.0, "d2h_bytes": 0}
     assert dec.kv_bytes == 2 * 2 * 1 * 2 * 96 * 16 * 4
     assert dec.empty_kv(1)[0][0].shape == (1, 2, 0, 16)
     with pytest.raises(DSparkError, match="activated for batch 1, not 2"):

@@ -99,6 +99,7 @@ class OrtDevice:
         self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.spec, self.decode_q, self.max_q, self.buckets = spec, decode_q, max_q, list(buckets)
         self.batch, self._bucket, self.shapes = 0, buckets[0], []
+        self.stats = {"stand-in": "onnxruntime", "kv_writes": 0, "kv_write_s": 0.0, "d2h_bytes": 0}  # as TrtDecoder's
         self._rng = np.random.default_rng(7)
         self.set_rows(1)
 
@@ -131,13 +132,16 @@ class OrtDevice:
         names = [t.name for t in self.spec.outputs]
         out = dict(zip(names, self.sess.run(names, feeds)))
         self.shapes.append((ids.shape[0], ids.shape[1], self._bucket))
+        self.stats["kv_writes"] += 2 * len(self.kv) * len(writes)
         for row, past, n in writes:
             for i, (k, v) in enumerate(self.kv):
                 k[row, :, past:past + n] = out[f"new.{i}.key"][row, :, :n]
                 v[row, :, past:past + n] = out[f"new.{i}.value"][row, :, :n]
         back = ["argmax"] + (["logits"] if with_logits else []) + (["features"] if with_features else [])
-        return {name: {row: out[name][row, (first if name == "logits" else 0):n].copy() for row, n, first in reads}
-                for name in back if name in out}
+        res = {name: {row: out[name][row, (first if name == "logits" else 0):n].copy() for row, n, first in reads}
+               for name in back if name in out}
+        self.stats["d2h_bytes"] += sum(a.nbytes for rows in res.values() for a in rows.values())
+        return res
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +186,10 @@ def test_batched_greedy_output_is_independent_of_the_batch(capacity_graph, tiny_
     batched = _run(_loop(runner), PROMPTS)
     assert batched == ref
     assert {s[:2] for s in dev.shapes} == {(3, 5), (3, 16)} and {s[2] for s in dev.shapes} >= {16, 32, 64}
+    # greedy on an engine with the argmax output: ids and features come back, never a row of logits (8 bytes an id,
+    # 128 floats a feature row, 320 floats a logits row in the tiny model)
+    fed = sum(len(p) for p in PROMPTS) + sum(len(t) for t in batched)
+    assert dev.stats["d2h_bytes"] < fed * (8 + 128 * 4) + 320 * 4
     assert set(runner.calls) == {capture_key(*s) for s in dev.shapes}
     solo = [_run(_loop(TrtBatchRunner(dev, rows=3)), [p])[0] for p in PROMPTS]
     assert solo == batched
