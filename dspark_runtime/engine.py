@@ -565,6 +565,7 @@ class Engine:
             mode = "scheduled"
             if isinstance(drafter, Router):
                 drafter.cost_table = table  # the router scores proposals by expected tokens/s
+                drafter.attended_positions = target.attended_positions  # ... at the positions the pass reads
         if prefill_budget == "auto" and self.placement.get("target") == "trt":
             prefill_budget = target.max_chunk  # a call costs its fixed shape: whole chunks, the same in any batch
         if table is None:  # the auto prefill budget reads it (at each round's cached positions)

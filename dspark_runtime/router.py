@@ -358,8 +358,9 @@ class Router:
     pass serves every row that needs it and is skipped when none does; rows decided without it get no draws
     from their random generators. The chosen proposal carries its survival, so the loop's verify-length
     scheduler (``draft_length="scheduled"``) cuts it like a DSpark block; with ``cost_table`` set (the manifest's
-    table, scheduled mode) the scores are expected tokens/s at the round's row count and cached positions, else
-    expected accepted tokens.
+    table, scheduled mode) the scores are expected tokens/s at the round's row count and cached positions (those
+    ``attended_positions`` says when set: ``Engine.batch`` sets the target runner's, as the loop reads the table),
+    else expected accepted tokens.
 
     Args:
         inner: the model drafter (not n-gram lookup).
@@ -398,6 +399,7 @@ class Router:
         self.recalibration_strength = recalibration_strength
         self.ngram_max_length = int(ngram_max_length)
         self.cost_table: dict | None = None
+        self.attended_positions = None  # the target runner's (RequestBook.attended_positions): the cost table's context
         self._state: dict = {}
 
     # -- requests
@@ -435,8 +437,10 @@ class Router:
         if self.cost_table is not None:
             from dspark_runtime.scheduler import round_cost_table
 
-            # at the positions the round attends over: the longest request's (its prompt and output but the anchor)
-            ctx = max(len(r.prompt) + len(r.out) - 1 for r in reqs)
+            # at the positions the round's pass reads: the target runner's count (as the loop's scheduler), else the
+            # longest request's cached positions (its prompt and output but the anchor)
+            ctx = (self.attended_positions([r.rid for r in reqs]) if self.attended_positions is not None
+                   else max(len(r.prompt) + len(r.out) - 1 for r in reqs))
             cost = round_cost_table(self.cost_table, len(reqs), context=ctx)
         plans, need = {}, set()
         for r, g in zip(reqs, gammas):

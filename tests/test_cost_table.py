@@ -197,6 +197,31 @@ def test_the_loop_reads_the_table_at_the_runners_attended_positions():
     assert book.length(a.rid) == 4 and book.calls[-1][1][1] == 16 and loop.prefill_budget == 16
 
 
+def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
+    """The router's round cost (scheduled mode) reads the table at its ``attended_positions`` (Engine.batch sets the
+    target runner's, as the loop's scheduler reads it), else at the longest request's cached positions."""
+    import dspark_runtime.scheduler as sched
+    from dspark_runtime.router import AcceptanceStats, NgramConfidence, Router
+    from dspark_runtime.runners import SequenceRunner
+    from test_router import FakeDSpark
+    from toy import BigramTarget
+
+    seen, real = [], sched.round_cost_table
+    monkeypatch.setattr(sched, "round_cost_table", lambda t, rows, context=None: seen.append(context)
+                        or real(t, rows, context))
+    router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
+                    confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=AcceptanceStats((0.8,)))
+    router.cost_table = TABLE
+    loop = DecodingLoop(SequenceRunner(BigramTarget(BIGRAM)), router)
+    loop.submit([3, 0, 1, 2, 3, 0, 1, 2, 3], max_new_tokens=20, gamma=2)
+    loop.step()  # the prompt
+    loop.step()
+    assert seen == [9]  # 9 prompt positions + 1 output token - the anchor
+    router.attended_positions = lambda rids: 300
+    loop.step()
+    assert seen[-1] == 300
+
+
 def test_attended_positions_of_the_scatter_layout_is_its_slot_buffer():
     from types import SimpleNamespace
 
