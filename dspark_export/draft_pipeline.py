@@ -337,8 +337,8 @@ def _reuse_source(src_dir: Path, fresh: dict) -> dict:
         raise DSparkError(f"{src_dir} extracted its features through the engine {src['engine']}, not "
                           f"{fresh['engine']}: drop --engine (the reused run's engine is taken) or give that one")
     fresh["engine"] = src["engine"] if fresh["engine"] is None else fresh["engine"]
-    for k in DATA_FIELDS:
-        fresh["pipeline"][k] = src["pipeline"][k]
+    for k in DATA_FIELDS:  # a field the source run predates keeps the default it then had (the new run's)
+        fresh["pipeline"][k] = src["pipeline"].get(k, fresh["pipeline"][k])
     return src
 
 

@@ -340,3 +340,21 @@ def test_cli_reuse_data_refuses_data_settings_and_needs_its_own_work_dir(tmp_pat
     assert r.exit_code == 2 and "drop --stdlib-tokens, --draft-vocab" in r.output
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and "give it its own --work directory" in r.output
+
+
+def test_reuse_source_takes_the_data_settings_and_fills_fields_an_older_run_lacks(tmp_path):
+    from dspark_export.draft_pipeline import DATA_FIELDS, _reuse_source
+    from dspark_runtime.errors import DSparkError
+
+    src = {"target": str(tmp_path / "t"), "engine": "e", "out": "o", "train": {},
+           "pipeline": {k: 7 for k in DATA_FIELDS if k != "feature_tokens"},  # written before feature_tokens existed
+           "stages": {"features": {"done": True}}}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_text(json.dumps(src))
+    fresh = {"target": str(tmp_path / "t"), "engine": None, "pipeline": {k: 1 for k in DATA_FIELDS}}
+    fresh["pipeline"]["feature_tokens"] = None
+    _reuse_source(tmp_path / "run", fresh)
+    assert fresh["engine"] == "e" and fresh["pipeline"]["feature_tokens"] is None
+    assert all(fresh["pipeline"][k] == 7 for k in DATA_FIELDS if k != "feature_tokens")
+    with pytest.raises(DSparkError, match="features of the target .* not "):
+        _reuse_source(tmp_path / "run", dict(fresh, target=str(tmp_path / "other")))
