@@ -193,6 +193,12 @@ class TrtBatchRunner(RequestBook):
         or they stay on the device (``keep_features`` False)."""
         return super().features(rid) if self.keep_features else None
 
+    def attended_positions(self, rids) -> int:
+        """Cache slots a call reads per row (the cost table's context, :mod:`dspark_runtime.cost_table`): the capacity
+        bucket holding every row in use (:func:`call_bucket`; the largest when pinned), not only ``rids``'."""
+        held = list(self._length.values())
+        return call_bucket(held, [], self.decoder.buckets, self.pin_bucket)
+
     def pass_rows(self, lengths: list) -> int:
         """:func:`pass_rows` at this runner's rows and call lengths."""
         return pass_rows(lengths, self.rows, self.decode_q, self.max_chunk)

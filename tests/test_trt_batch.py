@@ -248,12 +248,18 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     r.rollback("b", 0)
     np.testing.assert_array_equal(r.step([("b", [8])])[0], full[1])
     assert r.features("b") is None and r.features("a") is None
+    assert r.attended_positions(["b"]) == 16  # b holds 1 position, a 3: both fit the smallest bucket
+    r.step([("a", list(range(20, 36)))])
+    assert r.attended_positions(["b"]) == 32  # a's 19 positions set the bucket b's next call reads
+    r.pin_bucket = True
+    assert r.attended_positions(["b"]) == 128
+    r.pin_bucket = False
     with pytest.raises(DSparkError, match="all 2 rows of the TensorRT runner are taken"):
         r.add("c")
     with pytest.raises(DSparkError, match="a segment of 17 tokens"):
         r.step([("a", [1] * 17)])
-    with pytest.raises(ValueError, match="cannot roll request 'a' back to 9"):
-        r.rollback("a", 9)
+    with pytest.raises(ValueError, match="cannot roll request 'a' back to 20: it holds 19 positions"):
+        r.rollback("a", 20)
     r.remove("a")
     r.add("c")  # a freed row is reused
     assert r._row["c"] == 0
