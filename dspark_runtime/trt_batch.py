@@ -15,9 +15,10 @@ the shape of the call that computes a request's tokens — (rows, q) — does no
 batch, nor on its own verify length, and a row's inputs (ids, positions, mask) are a function of that request
 alone (:func:`call_inputs`): no row attends to another. What remains batch-dependent is the **capacity bucket**:
 the smallest bucket that holds every row's cached positions (:func:`call_bucket`), so a short request beside a
-long one is computed over more (masked) cache slots than alone. That leaves the result unchanged where the
-attention kernels sum trailing masked slots as exact zeros (the property the scatter layout relies on, measured on
-ONNX Runtime's CPU kernels; **not yet measured on TensorRT**); ``pin_bucket=True`` removes it by construction
+long one is computed over more masked cache slots than alone, and they sit between its cached keys and its new ones
+(a gap inside the key block, which ONNX Runtime's CPU kernels do not promise to sum bit-exactly:
+:mod:`dspark_runtime.graphspec`). The result is unchanged only where the attention kernels treat masked slots as exact
+zeros wherever they sit (**not yet measured on TensorRT**); ``pin_bucket=True`` removes it by construction
 (every call at the largest bucket, at the cost of attention over the whole capacity). The prompt is chunked the
 same way whatever shares the batch when the prefill budget is the runner's ``max_chunk`` (``Engine.batch``'s
 "auto" on TensorRT): each round feeds a prompt its next ``prefill_chunk`` tokens. A request's output is then
