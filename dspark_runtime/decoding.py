@@ -38,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.draft_skip import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DraftSkipRule  # noqa: F401 (re-exported)
 from dspark_runtime.drafters import Proposal
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.cost_table import check_cost_table, cost_table_at
@@ -47,8 +48,6 @@ from dspark_runtime.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
-SKIP_PROBE_EVERY = 8  # scheduled mode: after this many rounds without drafting, draft once to refresh the survivals
-SKIP_PROBE_MAX = 64  # ... and the interval doubles, up to this, while each probe confirms that drafting does not pay
 
 
 @dataclass
@@ -172,7 +171,7 @@ class Request:
     stopper: Stopper
     on_tokens: Callable | None = None
     adaptive: bool = False
-    last_survival: np.ndarray | None = None  # prefix survivals of its last drafted proposal (scheduled mode)
+    last_survival: np.ndarray | None = None  # prefix survivals: its last drafted block's (scheduled), else observed
     fed: int = 0  # prompt tokens in the verifier's cache; it is being prefilled while fed < len(prompt)
     out: list = field(default_factory=list)
     keep: int = 0
@@ -211,7 +210,8 @@ class BatchStats:
     verify_length_histogram: request-rounds by verify length l_r; accepted_by_position[k]: fraction of
     request-rounds verifying position k+1 that accepted it; wall_s: seconds inside ``step``;
     tokens_per_second: committed tokens / wall_s (aggregate, prefill time included); draft_skipped: rounds that ran
-    no drafting pass because the scheduler expected drafts not to pay (scheduled mode, :meth:`DecodingLoop._drafting_pays`).
+    no drafting pass because drafts were not expected to pay (:meth:`DecodingLoop._drafting_pays`, any mode with a
+    profiled cost table).
     """
 
     rounds: int = 0
@@ -313,10 +313,7 @@ class DecodingLoop:
         self._bhist: Counter = Counter()
         self._next_id = 0
         self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
-        self._undrafted = 0  # consecutive rounds without a drafting pass (scheduled mode)
-        self._probe_every = SKIP_PROBE_EVERY  # undrafted rounds before the next probing pass
-        self._probing = False  # this round's pass is a probe (drafting was not expected to pay)
-        self.prior_survival: np.ndarray | None = None  # float64 [γ]: survivals assumed for a request not drafted yet
+        self.skip = DraftSkipRule(observed=mode == "fixed")  # whether a round's drafting pass pays
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -459,40 +456,25 @@ class DecodingLoop:
         cost = round_cost_table(self.cost_table if table is None else table, len(reqs))
         return schedule_greedy([p.survival for p in props], cost, max_len=caps)
 
+    @property
+    def prior_survival(self) -> np.ndarray | None:
+        """float64 [γ]: survivals assumed for a request that has not drafted yet (:attr:`DraftSkipRule.prior`)."""
+        return self.skip.prior
+
+    @prior_survival.setter
+    def prior_survival(self, value) -> None:
+        self.skip.prior = None if value is None else np.asarray(value, dtype=np.float64)
+
     def _drafting_pays(self, reqs: list, caps: list, table: dict | None = None) -> bool:
-        """Whether this round should run the drafting pass (scheduled mode; always True otherwise).
-
-        The asynchronous decision (DSpark paper section 4: the scheduler's inputs come from earlier rounds): with each
-        request's prefix survivals of its last drafted proposal ``a_r`` (none yet: ``prior_survival``, the drafter's
-        acceptance fitted on the calibration split when the engine has it, else zeros), the round cost
-        table at this many requests and Algorithm 1's verify lengths ``l_r``, drafting is expected to commit
-        ``Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + t_verify(B))`` tokens/s against
-        ``Theta_0 = R / t_verify(R)`` without the pass. It is skipped when ``Theta_0 >= Theta_d`` (many requests, a
-        weak drafter: the verifier is batched and the drafting pass is pure cost), except one probing pass after
-        :data:`SKIP_PROBE_EVERY` undrafted rounds to refresh the survivals; the interval doubles (up to
-        :data:`SKIP_PROBE_MAX`) while each probe confirms the skip and is reset by a round that pays. Needs the
-        profiled split of the cost table (``t_draft`` / ``t_verify``; ``table``: at this round's context, default
-        ``self.cost_table``); without it, or with no prior before any request has drafted, it drafts."""
-        self._probing = False
+        """Whether this round should run the drafting pass: :meth:`DraftSkipRule.pays` (the DSpark paper's
+        asynchronous variant, section 4; :mod:`dspark_runtime.draft_skip`) over each request's survivals of earlier
+        rounds — calibrated (scheduled mode) or observed verdicts (fixed verify lengths, any drafter) — and the
+        cost table at this round's context (``table``, default ``self.cost_table``); always True without the
+        profiled split (``t_verify``)."""
         table = self.cost_table if table is None else table
-        if self.mode != "scheduled" or self.drafter is None or "t_verify" not in table:
+        if self.drafter is None or not table:
             return True
-        prior = np.zeros(0) if self.prior_survival is None else np.asarray(self.prior_survival, dtype=np.float64)
-        if self.prior_survival is None and all(r.last_survival is None for r in reqs):
-            return True
-        from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
-
-        survs = [(prior if r.last_survival is None else r.last_survival)[:c] for r, c in zip(reqs, caps)]
-        cost = round_cost_table(table, len(reqs))
-        drafted = expected_throughput(survs, schedule_greedy(survs, cost, max_len=caps), cost)
-        verify_only = CostTable(tuple(table["tokens"]), tuple(table["t_verify"]))
-        if drafted > expected_throughput(survs, [0] * len(reqs), verify_only):
-            self._probe_every = SKIP_PROBE_EVERY
-            return True
-        if self._undrafted >= self._probe_every:
-            self._probing = True
-            return True
-        return False
+        return self.skip.pays([r.last_survival for r in reqs], caps, table)
 
     def _verify(self, segs: list, psegs: list, merged: bool) -> tuple:
         """The round's verifier work: the decoding requests' verify ``segs`` and the prompt chunks ``psegs`` (lists
@@ -539,18 +521,21 @@ class DecodingLoop:
         if not reqs:
             props, lengths = [], []
         elif self.drafter is not None and self._drafting_pays(reqs, caps, table):
+            steady = self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
+            t_d = time.perf_counter()
             props = self.drafter.propose_batch(reqs, caps)
+            if steady:  # every request drafted last round too: no catch-up of skipped tokens in this timing
+                self.skip.record_draft_time(len(reqs), time.perf_counter() - t_d)
             lengths = self._lengths(reqs, props, caps, table)
-            if self._probing:  # a probe: the next one waits twice as long unless a round pays before
-                self._probe_every = min(2 * self._probe_every, SKIP_PROBE_MAX)
-            self._undrafted = 0
-            for r, p in zip(reqs, props):
-                if p.survival is not None and len(p.survival):
-                    r.last_survival = np.asarray(p.survival, dtype=np.float64)
+            self.skip.drafted()
+            if not self.skip.observed:
+                for r, p in zip(reqs, props):
+                    if p.survival is not None and len(p.survival):
+                        r.last_survival = np.asarray(p.survival, dtype=np.float64)
         else:
             props, lengths = [Proposal([])] * len(reqs), [0] * len(reqs)
             if self.drafter is not None:
-                self._undrafted += 1
+                self.skip.skipped()
                 self.stats.draft_skipped += 1
         segs, bases = [], []
         for r, p, ell in zip(reqs, props, lengths):
@@ -589,6 +574,8 @@ class DecodingLoop:
             self.target.rollback(r.rid, base + 1 + n)
             if self._observe is not None:
                 self._observe(r.rid, ell, n)
+            if self.skip.observed and ell:
+                r.last_survival = self.skip.record_verdict(r.last_survival, ell, n)
             before = len(r.out)
             r.out += p.tokens[:n] + [nxt]
             s = r.stats

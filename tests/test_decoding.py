@@ -65,7 +65,7 @@ def test_scheduled_rounds_skip_the_drafting_pass_when_it_does_not_pay():
     assert req.stats.draft_length_histogram.get("0", 0) == st.draft_skipped
 
 
-def test_fixed_mode_always_drafts():
+def test_fixed_mode_without_a_cost_table_always_drafts():
     drafter = GreedyOracle()
     loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", max_batch=1)
     loop.submit([0, 1], max_new_tokens=20, gamma=3)
@@ -85,3 +85,74 @@ def test_a_prior_lets_the_first_round_skip_too():
     loop.run()
     assert drafter.at and drafter.at[0] == SKIP_PROBE_EVERY
     assert req.token_ids == _run(t_draft=10.0, n=20)[3]
+
+
+class SlowOracle(GreedyOracle):
+    """The oracle's always-accepted drafts, at ``delay`` seconds a drafting pass, without survivals (like the draft
+    LM or n-gram lookup: the fixed mode judges them by their observed verdicts)."""
+
+    def __init__(self, delay: float, wrong: bool = False):
+        super().__init__()
+        self.delay, self.wrong = delay, wrong
+
+    def propose_batch(self, reqs, gammas, only=None):
+        import time
+
+        time.sleep(self.delay)
+        props = super().propose_batch(reqs, gammas, only)
+        if self.wrong:  # every drafted token rejected (the target's argmax never equals argmax + 1 here)
+            return [Proposal([(t + 1) % 4 for t in p.tokens]) for p in props]
+        return [Proposal(p.tokens) for p in props]
+
+
+def _fixed(drafter, t_verify, n=40):
+    table = {"tokens": [1, 2, 4, 8], "t_verify": list(t_verify), "t_draft": 0.0}
+    table["seconds"] = list(t_verify)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", cost_table=table, max_batch=1)
+    drafter.loop = loop
+    req = loop.submit([0, 1], max_new_tokens=n, gamma=3)
+    loop.run()
+    return req, loop
+
+
+def test_fixed_mode_skips_a_drafter_whose_measured_pass_does_not_pay():
+    """Fixed verify lengths, any drafter: the loop times the drafting pass itself and judges by the requests'
+    observed verdicts. A 30 ms pass against a 1 ms verifier does not pay even with every draft accepted: after the
+    first round (no verdict yet) and the second (the first timing) the pass runs only as probes; output unchanged."""
+    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
+    alone = ref.submit([0, 1], max_new_tokens=40)
+    ref.run()
+    req, loop = _fixed(SlowOracle(0.03), [0.001, 0.0011, 0.0012, 0.0014])
+    gaps = [b - a - 1 for a, b in zip(loop.drafter.at, loop.drafter.at[1:])]
+    assert req.token_ids == alone.token_ids and loop.stats.draft_skipped > 0
+    assert loop.drafter.at[:2] == [0, 1] and gaps[1:] == [min(8 * 2 ** i, 64) for i in range(len(gaps) - 1)]
+    assert loop.skip.draft_time(1) >= 0.03
+    # a cheap pass (no delay) with accepted drafts pays (4 tokens a round for about one verifier pass): never skipped
+    req, loop = _fixed(SlowOracle(0.0), [0.05, 0.051, 0.052, 0.054])
+    assert req.token_ids == alone.token_ids and loop.stats.draft_skipped == 0
+    # a cheap pass whose drafts are always rejected gains nothing and makes the pass longer: skipped after the
+    # verdicts are in
+    req, loop = _fixed(SlowOracle(0.0, wrong=True), [0.05, 0.06, 0.07, 0.09])
+    assert req.token_ids == alone.token_ids and loop.stats.draft_skipped > 0
+    assert np.allclose(req.last_survival, 0.0)
+
+
+def test_observed_survival_and_measured_draft_time():
+    from dspark_runtime.draft_skip import DraftSkipRule, observed_survival
+
+    a = observed_survival(None, 3, 1)
+    assert a.tolist() == [1.0, 0.0, 0.0]
+    b = observed_survival(a, 4, 4, alpha=0.5)  # grows to 4 positions; position 4 starts at its first verdict (1),
+    assert b.tolist() == [1.0, 0.5, 0.5, 0.5]  # capped by position 3: survivals never increase with the position
+    assert observed_survival(b, 2, 0, alpha=0.5).tolist() == [0.5, 0.25, 0.25, 0.25]
+    import pytest
+
+    with pytest.raises(ValueError, match="accepted must be in"):
+        observed_survival(None, 2, 3)
+    rule = DraftSkipRule(observed=True)
+    assert rule.draft_time(4) is None
+    rule.record_draft_time(1, 0.010)
+    rule.record_draft_time(4, 0.040)
+    assert rule.draft_time(2) == pytest.approx(0.020) and rule.draft_time(8) == pytest.approx(0.040)
+    rule.record_draft_time(1, 0.020)  # moving average, newest weight 0.3
+    assert rule.draft_time(1) == pytest.approx(0.013)
