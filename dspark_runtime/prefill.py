@@ -28,17 +28,19 @@ from typing import Callable, Mapping, Sequence
 from dspark_runtime.errors import InputError
 
 DEFAULT_PREFILL_BUDGET = 64  # prompt tokens per round while others decode, when the engine has no cost table
-PREFILL_STALL = 4.0  # auto budget: a pass carrying prompt tokens may cost this many one-token passes
+PREFILL_STALL = 16.0  # auto budget: a pass carrying prompt tokens may cost this many one-token passes
+# (4 until 2026-12-02: on the 2-core CPU its 25-token chunks made a burst of 8 requests slower on every figure,
+# TTFT, per-token latency and tokens/s, than 96-token or whole-prompt chunks; docs/serving.md "Chunked prefill")
 MIN_PREFILL_BUDGET = 8  # the auto budget never goes below this (a prompt must progress every round)
 
 
-def prefill_budget(cost_table: Mapping | None, *, stall: float = PREFILL_STALL, max_chunk: int = 256) -> int:
+def prefill_budget(cost_table: Mapping | None, *, stall: float | None = None, max_chunk: int = 256) -> int:
     """Prompt tokens per round while other requests decode, from an engine's cost table.
 
     Args:
         cost_table: the manifest's ``speculation.cost_table`` dict (``tokens``: tokens in a pass, ascending ints;
             ``t_verify``: seconds of the verifier pass at each, or only ``seconds``: whole-round seconds), or None.
-        stall: how many one-token passes a pass carrying prompt tokens may cost (> 1).
+        stall: how many one-token passes a pass carrying prompt tokens may cost (> 1; None: :data:`PREFILL_STALL`).
         max_chunk: the most prompt tokens a call takes (the runner's ``max_chunk``).
     Returns:
         int in [MIN_PREFILL_BUDGET, max_chunk] (max_chunk when it is smaller): the largest pass size ``B`` with
@@ -48,6 +50,7 @@ def prefill_budget(cost_table: Mapping | None, *, stall: float = PREFILL_STALL, 
         at ``max_chunk``) without a table or with a one-point or flat table.
     Raises InputError for ``stall <= 1`` or a table whose lists are missing or of different lengths.
     """
+    stall = PREFILL_STALL if stall is None else stall
     if not (isinstance(stall, (int, float)) and stall > 1):
         raise InputError(f"the prefill stall factor must be a number > 1, got {stall!r}")
     if not cost_table:

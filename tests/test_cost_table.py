@@ -59,7 +59,7 @@ def test_below_the_first_bucket_is_flat_and_above_the_last_extrapolates_never_be
 def test_tables_without_buckets_and_no_context_are_returned_as_they_are():
     assert cost_table_at(OLD, 5000) is OLD and cost_table_at(TABLE, None) is TABLE and cost_table_at(None, 3) is None
     np.testing.assert_allclose(round_cost_table(OLD, 1, context=5000).seconds, [0.15, 0.5, 0.95, 1.85])
-    assert prefill_budget(OLD) == prefill_budget(cost_table_at(OLD, 900)) == 8
+    assert prefill_budget(OLD, stall=4.0) == prefill_budget(cost_table_at(OLD, 900), stall=4.0) == 8
     check_cost_table(OLD)  # nothing to check
     for bad in (-1, float("nan"), "x"):
         with pytest.raises(ValueError, match="context must be a"):
@@ -74,7 +74,8 @@ def test_the_scheduler_and_the_prefill_budget_read_the_rounds_context():
     np.testing.assert_allclose(far.seconds, [0.36, 0.66, 0.86, 1.76])
     np.testing.assert_allclose(round_cost_table(TABLE, 4).seconds, near.seconds)  # no context: the top level
     # largest pass <= 4 one-token passes: 8 tokens at context 0 (16 costs 0.9 > 0.4), 16 at 40 (0.7 <= 0.8)
-    assert prefill_budget(cost_table_at(TABLE, 0)) == 8 and prefill_budget(cost_table_at(TABLE, 40)) == 16
+    assert prefill_budget(cost_table_at(TABLE, 0), stall=4.0) == 8
+    assert prefill_budget(cost_table_at(TABLE, 40), stall=4.0) == 16
 
 
 def test_buckets_are_looked_up_by_the_positions_their_passes_read():
@@ -158,7 +159,8 @@ def _join_beside(first_prompt):
     return book.calls[-1][1][1], loop.prefill_budget
 
 
-def test_the_auto_prefill_budget_follows_the_decoding_requests_context():
+def test_the_auto_prefill_budget_follows_the_decoding_requests_context(monkeypatch):
+    monkeypatch.setattr("dspark_runtime.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
     # beside a request with 3 cached positions: the table near context 0, 8 tokens a round; beside one with 42
     # (past the last bucket, 40): 16 tokens a round
     assert _join_beside([2, 3]) == (8, 8)
@@ -178,10 +180,11 @@ def test_the_auto_prefill_budget_follows_the_decoding_requests_context():
     assert a.out
 
 
-def test_the_loop_reads_the_table_at_the_runners_attended_positions():
+def test_the_loop_reads_the_table_at_the_runners_attended_positions(monkeypatch):
     """The round's context is what the target runner's pass reads (RequestBook.attended_positions): a runner whose
     calls read 42 positions (a scatter buffer grown by an earlier long request) gets the budget of context 42
     beside a request holding 3."""
+    monkeypatch.setattr("dspark_runtime.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
 
     class WideBook(BigramBook):
         def attended_positions(self, rids):

@@ -29,12 +29,15 @@ def padded(lengths):  # the scatter layout: one row per segment, each padded to 
 def test_budget_from_the_cost_table():
     # 4 x t(1) = 0.4456 s: every profiled size fits, so the table is extended along its mean slope
     # (0.3668 - 0.1114) / 19 = 0.01344 s/token: 1 + floor(0.3342 / 0.01344) = 1 + 24 = 25 tokens
-    assert prefill_budget(QWEN_TABLE) == 25
+    assert prefill_budget(QWEN_TABLE, stall=4.0) == 25
+    # the default factor 16 (1.7824 s): 1 + floor(1.671 / 0.01344) = 1 + 124 = 125 tokens
+    assert prefill_budget(QWEN_TABLE) == 125
     # a factor 2 (0.2228 s) stops inside the table: 12 tokens (0.1964 s), 16 costs 0.3668 s
     assert prefill_budget(QWEN_TABLE, stall=2.0) == 12
     # a whole-round table ("seconds" only) is read the same way; clamps to [MIN_PREFILL_BUDGET, max_chunk]
-    # (slope 0.1 / 63 s/token: 1 + floor(0.3 / 0.001587) = 190)
-    assert prefill_budget({"tokens": [1, 64], "seconds": [0.1, 0.2]}) == 190
+    # (slope 0.1 / 63 s/token: 1 + floor(0.3 / 0.001587) = 190 at a factor 4; past max_chunk 256 at 16)
+    assert prefill_budget({"tokens": [1, 64], "seconds": [0.1, 0.2]}, stall=4.0) == 190
+    assert prefill_budget({"tokens": [1, 64], "seconds": [0.1, 0.2]}) == 256
     assert prefill_budget({"tokens": [1, 64], "seconds": [0.1, 0.2]}, max_chunk=128) == 128
     assert prefill_budget({"tokens": [1, 2], "t_verify": [0.1, 1.0]}) == MIN_PREFILL_BUDGET
 
