@@ -3,6 +3,7 @@ argument checks, engine wiring); the GPU parts (parity with ONNX Runtime, specul
 CUDA-graph replay) run only where a CUDA device is present and skip with the reason elsewhere."""
 import numpy as np
 import pytest
+from cuda_gpu import gpu_skip_reason
 
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
@@ -34,14 +35,7 @@ def _dspark_entry(**ps):
 
 
 def _gpu_reason():
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        return "cuda-python is not installed (pip install -e '.[trt]')"
-    err, n = cudart.cudaGetDeviceCount()
-    if err != cudart.cudaError_t.cudaSuccess or not n:
-        return f"no CUDA GPU here ({err.name}); the TensorRT runtime path needs an NVIDIA GPU"
-    return None
+    return gpu_skip_reason("the TensorRT runtime path")
 
 
 def test_device_kv_handles_work_with_the_kv_cache():

@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from cuda_gpu import gpu_skip_reason
 
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.trt_batch import (TrtBatchRunner, call_bucket, call_inputs, capture_key, pass_rows, plan_calls)
@@ -271,14 +272,7 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
 
 
 def _gpu_reason():
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        return "cuda-python is not installed (pip install -e '.[trt]')"
-    err, n = cudart.cudaGetDeviceCount()
-    if err != cudart.cudaError_t.cudaSuccess or not n:
-        return f"no CUDA GPU here ({err.name}); batched TensorRT decoding needs an NVIDIA GPU"
-    return None
+    return gpu_skip_reason("batched TensorRT decoding")
 
 
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
