@@ -273,12 +273,14 @@ class DecodingLoop:
             None: a joining request starts from the cached positions of its prompt's longest cached prefix, and a
             request that leaves stores its cached positions' full blocks (the target runner must export and import
             positions: ``export_kv`` / ``import_kv``, the scatter KV layout).
+        draft_skip: rounds skip the drafting pass when it is not expected to pay (:meth:`_drafting_pays`); None:
+            in scheduled mode only (with fixed lengths the rule reads measured wall times, so it is opt-in there).
     Raises InputError for an unknown mode, a missing or malformed cost table, a bad max_batch or prefill_budget.
     """
 
     def __init__(self, target, drafter=None, *, eos_ids=(), decode: Callable | None = None,
                  mode: str = "fixed", cost_table: dict | None = None, max_batch: int = 8,
-                 prefill_budget: int | str | None = None, prefix_cache=None):
+                 prefill_budget: int | str | None = None, prefix_cache=None, draft_skip: bool | None = None):
         prefill_budget = DEFAULT_PREFILL_BUDGET if prefill_budget is None else prefill_budget
         if cost_table:
             try:
@@ -314,6 +316,7 @@ class DecodingLoop:
         self._next_id = 0
         self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
         self.skip = DraftSkipRule(observed=mode == "fixed")  # whether a round's drafting pass pays
+        self.draft_skip = mode == "scheduled" if draft_skip is None else bool(draft_skip)
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -472,7 +475,7 @@ class DecodingLoop:
         cost table at this round's context (``table``, default ``self.cost_table``); always True without the
         profiled split (``t_verify``)."""
         table = self.cost_table if table is None else table
-        if self.drafter is None or not table:
+        if self.drafter is None or not table or not self.draft_skip:
             return True
         return self.skip.pays([r.last_survival for r in reqs], caps, table)
 

@@ -504,7 +504,7 @@ class Engine:
 
     def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,
               draft_confidence: float | None = None, draft_confidence_rule: str = "survival", max_batch: int = 8,
-              prefill_budget: int | str = "auto"):
+              prefill_budget: int | str = "auto", draft_skip: bool | None = None):
         """The decoding loop (:class:`~dspark_runtime.decoding.DecodingLoop`) over this engine: requests join and
         leave between rounds, one verifier pass per round for all of them; :meth:`generate` is a loop of one.
 
@@ -520,6 +520,11 @@ class Engine:
                 >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table at each
                 round's cached positions, 64 without one; a target on TensorRT: its prefill chunk, so a prompt is
                 chunked alike in any batch).
+            draft_skip: whether rounds skip the drafting pass when drafts are not expected to pay
+                (:mod:`dspark_runtime.draft_skip`: calibrated survivals in scheduled mode, the requests' observed
+                verdicts and the measured drafting time with fixed lengths; needs the manifest's profiled cost
+                table). None: in scheduled mode only (fixed lengths then draft every round, deterministically);
+                ``dspark serve`` passes True. The output is the same either way.
         Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
         ``default_adaptive`` are what ``submit`` uses unless told.
         Raises InputError for bad arguments, a drafter the engine lacks, "scheduled" without a cost table, or a
@@ -572,7 +577,7 @@ class Engine:
             table = self.manifest.speculation.cost_table
         gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
                            cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget,
-                           prefix_cache=self.prefix_cache)
+                           prefix_cache=self.prefix_cache, draft_skip=draft_skip)
         block = getattr(drafter, "block_size", None)  # a DSpark block (also inside the router): one pass
         if isinstance(drafter, Router) and draft_length == "scheduled":
             gen.default_gamma = max(block or 0, drafter.ngram_max_length)  # n-gram continuations may run longer

@@ -117,7 +117,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     Raises InputError (from :meth:`Engine.batch`) for a drafter the engine lacks or bad arguments.
     """
     gen = engine.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
-                       max_batch=max_batch, prefill_budget=prefill_budget)
+                       max_batch=max_batch, prefill_budget=prefill_budget, draft_skip=True)
     worker = EngineWorker(gen, max_queue=max_queue)
     metrics = ServerMetrics(worker)
     model_ctx = engine_max_context(engine)

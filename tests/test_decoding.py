@@ -108,7 +108,8 @@ class SlowOracle(GreedyOracle):
 def _fixed(drafter, t_verify, n=40):
     table = {"tokens": [1, 2, 4, 8], "t_verify": list(t_verify), "t_draft": 0.0}
     table["seconds"] = list(t_verify)
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", cost_table=table, max_batch=1)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", cost_table=table, max_batch=1,
+                        draft_skip=True)
     drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=n, gamma=3)
     loop.run()
@@ -135,6 +136,13 @@ def test_fixed_mode_skips_a_drafter_whose_measured_pass_does_not_pay():
     req, loop = _fixed(SlowOracle(0.0, wrong=True), [0.05, 0.06, 0.07, 0.09])
     assert req.token_ids == alone.token_ids and loop.stats.draft_skipped > 0
     assert np.allclose(req.last_survival, 0.0)
+    # opt-in with fixed lengths: without draft_skip the loop drafts every round, whatever it costs
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), SlowOracle(0.03), mode="fixed", max_batch=1,
+                        cost_table={"tokens": [1, 2, 4, 8], "t_verify": [0.001, 0.0011, 0.0012, 0.0014]})
+    loop.drafter.loop = loop
+    loop.submit([0, 1], max_new_tokens=12, gamma=3)
+    loop.run()
+    assert loop.stats.draft_skipped == 0 and loop.drafter.calls == loop.stats.rounds
 
 
 def test_observed_survival_and_measured_draft_time():
@@ -156,3 +164,4 @@ def test_observed_survival_and_measured_draft_time():
     assert rule.draft_time(2) == pytest.approx(0.020) and rule.draft_time(8) == pytest.approx(0.040)
     rule.record_draft_time(1, 0.020)  # moving average, newest weight 0.3
     assert rule.draft_time(1) == pytest.approx(0.013)
+
