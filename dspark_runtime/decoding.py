@@ -459,15 +459,6 @@ class DecodingLoop:
         cost = round_cost_table(self.cost_table if table is None else table, len(reqs))
         return schedule_greedy([p.survival for p in props], cost, max_len=caps)
 
-    @property
-    def prior_survival(self) -> np.ndarray | None:
-        """float64 [γ]: survivals assumed for a request that has not drafted yet (:attr:`DraftSkipRule.prior`)."""
-        return self.skip.prior
-
-    @prior_survival.setter
-    def prior_survival(self, value) -> None:
-        self.skip.prior = None if value is None else np.asarray(value, dtype=np.float64)
-
     def _drafting_pays(self, reqs: list, caps: list, table: dict | None = None) -> bool:
         """Whether this round should run the drafting pass: :meth:`DraftSkipRule.pays` (the DSpark paper's
         asynchronous variant, section 4; :mod:`dspark_runtime.draft_skip`) over each request's survivals of earlier

@@ -592,7 +592,7 @@ class Engine:
             except ValueError:
                 fitted = None  # a malformed entry: the router refuses it by name; the skip rule just drafts first
             if fitted is not None:
-                gen.prior_survival = fitted.survival(0, gen.default_gamma)
+                gen.skip.prior = np.asarray(fitted.survival(0, gen.default_gamma), dtype=np.float64)
         return gen
 
     def _check_request(self, max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:

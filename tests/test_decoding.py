@@ -80,7 +80,7 @@ def test_a_prior_lets_the_first_round_skip_too():
     table["seconds"] = [10.0 + t for t in table["t_verify"]]
     drafter = GreedyOracle()
     loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
-    drafter.loop, loop.prior_survival = loop, np.array([0.5, 0.25, 0.125, 0.06])
+    drafter.loop, loop.skip.prior = loop, np.array([0.5, 0.25, 0.125, 0.06])
     req = loop.submit([0, 1], max_new_tokens=20, gamma=4)
     loop.run()
     assert drafter.at and drafter.at[0] == SKIP_PROBE_EVERY
