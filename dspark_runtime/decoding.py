@@ -501,6 +501,7 @@ class DecodingLoop:
         in this round (a prompt fed to its end can finish at once: EOS, a stop string, one token)."""
         t0 = time.perf_counter()
         finished = []
+        admitted = bool(self.waiting) and len(self.active) + len(self.prefilling) < self.max_batch
         while self.waiting and len(self.active) + len(self.prefilling) < self.max_batch:
             self._admit(self.waiting.pop(0))
         reqs = list(self.active)
@@ -512,9 +513,11 @@ class DecodingLoop:
         table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         if table and self._auto_budget and self.prefilling:
             self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
+        drafted, steady = False, True
         if not reqs:
             props, lengths = [], []
         elif self.drafter is not None and self._drafting_pays(reqs, caps, table):
+            drafted = True
             steady = self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
             t_d = time.perf_counter()
             props = self.drafter.propose_batch(reqs, caps)
@@ -597,7 +600,10 @@ class DecodingLoop:
                 self._finish(r, reason)
                 finished.append(r)
         st = self.stats
-        st.wall_s += time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        st.wall_s += wall
+        if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
+            self.skip.record_round(table, len(reqs), sum(len(t) for _, t in segs), drafted, wall)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}
         st.verify_length_histogram = {str(k): v for k, v in sorted(self._vlen.items())}
         st.accepted_by_position = [self._pos_hits[k] / self._pos_tries[k] for k in sorted(self._pos_tries)]

@@ -21,6 +21,13 @@ Two sources of ``a_r`` and ``t_draft``:
   wall time measured by the loop itself at R requests (:meth:`DraftSkipRule.record_draft_time`), since the
   profiled table times the engine's DSpark drafter only. ``t_verify`` comes from the profiled table in both.
 
+The cost table times the engine's passes, not the loop's rounds: a round also pays per-request work (acceptance,
+rollback, bookkeeping, the drafter's own context update) that the table does not see, and more of it when it
+drafts. So the loop reports the wall time of every steady round (no prompt chunk, no admission, no catch-up) with
+its kind (:meth:`DraftSkipRule.record_round`), and the rule keeps per kind the ratio measured / predicted (moving
+average, :data:`ROUND_RATIO_EMA`): drafted rounds ``t_draft(R) + t_verify(B)``, undrafted ``t_verify(R)``. Each side of
+the comparison is scaled by its own kind's ratio; a kind not measured yet borrows the other's (neutral).
+
 Skipped rounds leave the estimates stale, so after :data:`SKIP_PROBE_EVERY` undrafted rounds one probing round
 drafts; the interval doubles up to :data:`SKIP_PROBE_MAX` while probes confirm the skip, and a round that pays
 resets it. Pure logic (numpy only): :class:`DraftSkipRule` holds the state, the loop
@@ -34,6 +41,8 @@ SKIP_PROBE_EVERY = 8  # after this many rounds without drafting, draft once to r
 SKIP_PROBE_MAX = 64  # ... and the interval doubles, up to this, while each probe confirms that drafting does not pay
 SURVIVAL_EMA = 0.3  # weight of the newest verdict in an observed survival estimate
 DRAFT_TIME_EMA = 0.3  # weight of the newest timing in the measured drafting-pass seconds
+ROUND_RATIO_EMA = 0.2  # weight of the newest round in a kind's measured / predicted wall-time ratio
+ROUND_RATIO_BOUNDS = (0.25, 4.0)  # a ratio is clamped to this range (one stalled round cannot flip the rule)
 
 
 def observed_survival(prev: np.ndarray | None, drafted: int, accepted: int, alpha: float = SURVIVAL_EMA) -> np.ndarray:
@@ -76,6 +85,7 @@ class DraftSkipRule:
         self.prior: np.ndarray | None = None
         self.loop_survival: np.ndarray | None = None  # observed mode: every request's verdicts together
         self.draft_seconds: dict = {}
+        self.round_ratio: dict = {}  # {"drafted" | "undrafted": measured / predicted round wall time}
 
     # --- what the loop reports -----------------------------------------------------------------------------
     def drafted(self) -> None:
@@ -105,6 +115,44 @@ class DraftSkipRule:
         old = self.draft_seconds.get(rows)
         self.draft_seconds[rows] = seconds if old is None else (1 - DRAFT_TIME_EMA) * old + DRAFT_TIME_EMA * seconds
 
+    def predicted_round(self, table: dict, rows: int, tokens: int, drafted: bool) -> float | None:
+        """Predicted wall seconds of a round over ``rows`` requests verifying ``tokens`` tokens in all: the table's
+        ``t_verify(tokens)``, plus the drafting pass when ``drafted`` (scheduled mode: the table's ``t_draft`` at
+        ``rows``; observed mode: the measured pass, None before it is measured). None without ``t_verify``."""
+        from dspark_runtime.scheduler import CostTable, round_cost_table
+
+        if "t_verify" not in table:
+            return None
+        if not drafted:
+            return CostTable(tuple(table["tokens"]), tuple(table["t_verify"])).round_seconds(tokens)
+        if self.observed:
+            t_draft = self.draft_time(rows)
+            if t_draft is None:
+                return None
+            return t_draft + CostTable(tuple(table["tokens"]), tuple(table["t_verify"])).round_seconds(tokens)
+        return round_cost_table(table, rows).round_seconds(tokens)
+
+    def record_round(self, table: dict, rows: int, tokens: int, drafted: bool, seconds: float) -> None:
+        """The measured wall time of one steady round (no prompt chunk, no admission, no draft-model catch-up):
+        ``rows`` decoding requests, ``tokens`` verified in all (R + the drafted tokens verified), whether it
+        drafted. Updates that kind's measured / predicted ratio (moving average, clamped to
+        :data:`ROUND_RATIO_BOUNDS`); nothing when the table cannot predict it."""
+        pred = self.predicted_round(table, rows, tokens, drafted)
+        if not pred or not seconds > 0:
+            return
+        r = float(np.clip(seconds / pred, *ROUND_RATIO_BOUNDS))
+        kind = "drafted" if drafted else "undrafted"
+        old = self.round_ratio.get(kind)
+        self.round_ratio[kind] = r if old is None else (1 - ROUND_RATIO_EMA) * old + ROUND_RATIO_EMA * r
+
+    def ratios(self) -> tuple:
+        """(drafted, undrafted) measured / predicted round-time ratios; a kind not measured yet borrows the
+        other's, and 1.0 when neither is."""
+        d, u = self.round_ratio.get("drafted"), self.round_ratio.get("undrafted")
+        d = d if d is not None else (u if u is not None else 1.0)
+        u = u if u is not None else d
+        return d, u
+
     def draft_time(self, rows: int) -> float | None:
         """Estimated drafting-pass seconds at ``rows`` requests from the measured row counts (interpolated, clamped
         at the ends); None before any measurement."""
@@ -124,7 +172,8 @@ class DraftSkipRule:
             table: the cost table at this round's context (``t_verify`` at ``tokens``; scheduled mode also its
                 ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduler.round_cost_table`).
         Verify lengths if the round drafts: Algorithm 1 (scheduled), or each estimate's length within the cap
-        (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain).
+        (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain). Each
+        side's costs are scaled by its kind's measured / predicted round-time ratio (:meth:`ratios`).
         Returns True to draft (also: no profiled ``t_verify``, nothing known yet, or a probe is due).
         """
         from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
@@ -136,20 +185,22 @@ class DraftSkipRule:
         if prior is None and all(s is None for s in survivals):
             return True  # nothing known yet: draft and learn
         rows = len(survivals)
+        k_d, k_0 = self.ratios()
         if self.observed:
             t_draft = self.draft_time(rows)
             if t_draft is None:
                 return True  # the drafting pass has not been timed yet
-            cost = CostTable(tuple(table["tokens"]), tuple(t_draft + t for t in table["t_verify"]))
+            cost = CostTable(tuple(table["tokens"]), tuple(k_d * (t_draft + t) for t in table["t_verify"]))
         else:
-            cost = round_cost_table(table, rows)
+            base_cost = round_cost_table(table, rows)
+            cost = CostTable(base_cost.tokens, tuple(k_d * t for t in base_cost.seconds))
         base = np.zeros(0) if prior is None else np.asarray(prior, dtype=np.float64)
         survs = [(base if s is None else np.asarray(s, dtype=np.float64))[:c] for s, c in zip(survivals, caps)]
         if self.observed:
             lens = [len(a) for a in survs]
         else:
             lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs])
-        verify_only = CostTable(tuple(table["tokens"]), tuple(table["t_verify"]))
+        verify_only = CostTable(tuple(table["tokens"]), tuple(k_0 * t for t in table["t_verify"]))
         if expected_throughput(survs, lens, cost) > expected_throughput(survs, [0] * rows, verify_only):
             self.probe_every = SKIP_PROBE_EVERY
             return True

@@ -2,6 +2,7 @@
 calibrated survivals, so the loop's rules are checked exactly — here the scheduled mode's decision to skip the
 drafting pass when the cost table says drafts do not pay (issue 21, "never slower than no speculation")."""
 import numpy as np
+import pytest
 
 from dspark_runtime.decoding import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DecodingLoop
 from dspark_runtime.drafters import Proposal
@@ -165,3 +166,49 @@ def test_observed_survival_and_measured_draft_time():
     rule.record_draft_time(1, 0.020)  # moving average, newest weight 0.3
     assert rule.draft_time(1) == pytest.approx(0.013)
 
+
+
+def test_measured_round_times_correct_the_tables_prediction():
+    """The table times passes, the loop pays rounds: a kind of round that runs slower than the table predicts
+    (per-request work the profile does not see) counts at its measured / predicted ratio. Here drafting pays by
+    the table (1 + 0.6 + 0.36 tokens for 1.0 + 0.1 s against 1 token for 1.0 s) until drafted rounds are
+    measured at twice their prediction while undrafted ones run as predicted; a kind not yet measured borrows the
+    other's ratio, and one wild round is clamped."""
+    import pytest
+
+    from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS, DraftSkipRule
+
+    table = {"tokens": [1, 2, 3, 4], "t_verify": [1.0, 1.0, 1.0, 1.0], "t_draft": 0.1, "seconds": [1.1] * 4}
+    surv = [np.array([0.6, 0.36])]
+    rule = DraftSkipRule(observed=False)
+    assert rule.ratios() == (1.0, 1.0) and rule.pays(surv, [2], table)
+    assert rule.predicted_round(table, 1, 3, drafted=True) == pytest.approx(1.1)
+    assert rule.predicted_round(table, 1, 1, drafted=False) == pytest.approx(1.0)
+    rule.record_round(table, 1, 3, True, 2.2)  # drafted: 2x the prediction; undrafted not measured: borrows it
+    assert rule.ratios() == pytest.approx((2.0, 2.0)) and rule.pays(surv, [2], table)
+    rule.record_round(table, 1, 1, False, 1.0)  # undrafted as predicted: drafting no longer pays
+    assert rule.ratios() == pytest.approx((2.0, 1.0)) and not rule.pays(surv, [2], table)
+    rule.record_round(table, 1, 1, False, 1000.0)  # one stalled round is clamped, then averaged in
+    hi = ROUND_RATIO_BOUNDS[1]
+    assert rule.ratios()[1] == pytest.approx(0.8 * 1.0 + 0.2 * hi)
+    # observed mode predicts a drafted round only once its drafting pass has been timed
+    obs = DraftSkipRule(observed=True)
+    assert obs.predicted_round(table, 2, 4, drafted=True) is None
+    obs.record_round(table, 2, 4, True, 5.0)
+    assert "drafted" not in obs.round_ratio
+    obs.record_draft_time(2, 0.5)
+    assert obs.predicted_round(table, 2, 4, drafted=True) == pytest.approx(1.5)
+    assert obs.predicted_round({"tokens": [1], "seconds": [1.0]}, 1, 1, drafted=False) is None
+
+
+def test_the_loop_feeds_steady_rounds_to_the_ratios():
+    """Every steady round (no prompt chunk, no admission) is timed into its kind's ratio; the toy's rounds take
+    microseconds against a table of seconds, so both ratios sit at the lower clamp and the decisions (drafting
+    pays, by the table) are unchanged: the output stays the target's."""
+    from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS
+
+    req, st, drafter, ref = _run(t_draft=0.01)
+    assert req.token_ids == ref and st.draft_skipped == 0
+    loop = drafter.loop
+    assert loop.skip.round_ratio["drafted"] == pytest.approx(ROUND_RATIO_BOUNDS[0])
+    assert "undrafted" not in loop.skip.round_ratio
