@@ -309,6 +309,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
         if given:
             raise click.UsageError(f"--resume continues a run with the settings it was started with; drop "
                                    f"{', '.join(given)} (or start a new run in another --work directory)")
+        if ctx.get_parameter_source("compile_into") != ParameterSource.COMMANDLINE:
+            compile_into = None  # as the run was started
         rep = train_draft_pipeline(None, resume_dir, None, None, None, time_limit_s=_hours(time_limit),
                                    compile_into_engine=compile_into, feature_tokens=feature_tokens, log=click.echo)
     else:

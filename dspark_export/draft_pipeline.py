@@ -108,7 +108,7 @@ class RunState:
 
 def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None, p: PipelineSettings | None,
                          s: TrainSettings | None, *, engine_dir: Path | None = None, time_limit_s: float | None = None,
-                         compile_into_engine: bool = True, seed_answers: Path | None = None,
+                         compile_into_engine: bool | None = None, seed_answers: Path | None = None,
                          feature_tokens: int | None = None, reuse_data: Path | None = None, log=print) -> dict:
     """Answers -> sequences -> feature cache -> training -> calibration, resumable in stages.
 
@@ -128,6 +128,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
        calibration split (:func:`dspark_export.calibrate.calibrate_engine`, also written to the checkpoint's
        ``sts.json``).
 
+    ``compile_into_engine``: whether stage 5 runs; None: as the run was started (a new run: True). A resumed run
+    keeps its own choice unless this is given.
     ``time_limit_s``: this call stops (state saved) when it has run that long; calling again resumes.
     ``seed_answers``: a JSONL (or .jsonl.gz) file of answers from an earlier run (:func:`import_answers`) added to
     the work directory before stage 1, which then answers only the prompts it lacks.
@@ -156,7 +158,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         from dataclasses import asdict
 
         fresh = {"target": str(target_dir), "engine": None if engine_dir is None else str(engine_dir),
-                 "out": str(out_dir), "pipeline": asdict(p), "train": asdict(s)}
+                 "out": str(out_dir), "pipeline": asdict(p), "train": asdict(s),
+                 "compile": True if compile_into_engine is None else bool(compile_into_engine)}
         fresh["pipeline"]["feature_layers"] = list(p.feature_layers)
         if reuse_data is not None:
             src = _reuse_source(Path(reuse_data), fresh)
@@ -173,6 +176,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         d["stages"].get("features", {})["done"] = False  # re-judged against the new cap below
         state.save()
         log(f"[3/5] features capped at {feature_tokens} tokens")
+    if compile_into_engine is None:
+        compile_into_engine = d.get("compile", True)  # runs started before it was stored: the old default
     p = PipelineSettings(**{**d["pipeline"], "feature_layers": tuple(d["pipeline"]["feature_layers"])})
     s = TrainSettings(**d["train"])
     target_dir, out_dir = Path(d["target"]), Path(d["out"])

@@ -229,11 +229,12 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     s = TrainSettings(lr=3e-3, epochs=2.0, eval_seqs=2, anchors_per_seq=4, warmup_steps=2, eval_every=1000)
     work, out = tmp_path / "work", tmp_path / "ckpt"
     r = train_draft_pipeline(tiny_pair[0], work, out, p, s, engine_dir=tiny_engine_dir, time_limit_s=1e-9,
-                             log=lambda *a: None)
+                             compile_into_engine=False, log=lambda *a: None)
     assert not r["finished"] and not r["stages"]["answers"]["done"]
-    assert json.loads((work / "state.json").read_text())["pipeline"]["feature_layers"] == [-1, 0]
+    started = json.loads((work / "state.json").read_text())
+    assert started["pipeline"]["feature_layers"] == [-1, 0] and started["compile"] is False
     lines = []
-    r = train_draft_pipeline(None, work, None, None, None, compile_into_engine=False, log=lines.append)
+    r = train_draft_pipeline(None, work, None, None, None, log=lines.append)  # --resume keeps --no-compile
     st = r["stages"]
     assert r["finished"] and all(st[k]["done"] for k in ("answers", "sequences", "features", "train"))
     assert st["answers"]["prompts"] == 6 and st["answers"]["new_tokens"] > 0
