@@ -446,7 +446,9 @@ class DecodingLoop:
 
     def _lengths(self, reqs: list, props: list, caps: list, table: dict | None = None) -> list:
         """Each request's verify length this round: min(drafted, cap) in fixed mode, else Algorithm 1 over the
-        proposals' survivals with ``table`` (the cost table at this round's context; default ``self.cost_table``)."""
+        proposals' survivals with ``table`` (the cost table at this round's context; default ``self.cost_table``),
+        costed at the tokens the target's pass really computes (``pass_rows``: the scatter layout pads each request's
+        row to the longest)."""
         if self.mode == "fixed":
             return [min(len(p.tokens), c) for p, c in zip(props, caps)]
         from dspark_runtime.scheduler import schedule_greedy
@@ -457,7 +459,7 @@ class DecodingLoop:
         from dspark_runtime.scheduler import round_cost_table
 
         cost = round_cost_table(self.cost_table if table is None else table, len(reqs))
-        return schedule_greedy([p.survival for p in props], cost, max_len=caps)
+        return schedule_greedy([p.survival for p in props], cost, max_len=caps, pass_tokens=self.target.pass_rows)
 
     def _drafting_pays(self, reqs: list, caps: list, table: dict | None = None) -> bool:
         """Whether this round should run the drafting pass: :meth:`DraftSkipRule.pays` (the DSpark paper's
@@ -468,7 +470,7 @@ class DecodingLoop:
         table = self.cost_table if table is None else table
         if self.drafter is None or not table or not self.draft_skip:
             return True
-        return self.skip.pays([r.last_survival for r in reqs], caps, table)
+        return self.skip.pays([r.last_survival for r in reqs], caps, table, pass_tokens=self.target.pass_rows)
 
     def _verify(self, segs: list, psegs: list, merged: bool) -> tuple:
         """The round's verifier work: the decoding requests' verify ``segs`` and the prompt chunks ``psegs`` (lists
@@ -603,7 +605,7 @@ class DecodingLoop:
         wall = time.perf_counter() - t0
         st.wall_s += wall
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
-            self.skip.record_round(table, len(reqs), sum(len(t) for _, t in segs), drafted, wall)
+            self.skip.record_round(table, len(reqs), self.target.pass_rows([len(t) for _, t in segs]), drafted, wall)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}
         st.verify_length_histogram = {str(k): v for k, v in sorted(self._vlen.items())}
         st.accepted_by_position = [self._pos_hits[k] / self._pos_tries[k] for k in sorted(self._pos_tries)]

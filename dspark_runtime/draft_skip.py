@@ -134,7 +134,8 @@ class DraftSkipRule:
 
     def record_round(self, table: dict, rows: int, tokens: int, drafted: bool, seconds: float) -> None:
         """The measured wall time of one steady round (no prompt chunk, no admission, no draft-model catch-up):
-        ``rows`` decoding requests, ``tokens`` verified in all (R + the drafted tokens verified), whether it
+        ``rows`` decoding requests, ``tokens`` the verifier pass computed (R + the drafted tokens verified, plus the
+        runner's padding: its ``pass_rows``), whether it
         drafted. Updates that kind's measured / predicted ratio (moving average, clamped to
         :data:`ROUND_RATIO_BOUNDS`); nothing when the table cannot predict it."""
         pred = self.predicted_round(table, rows, tokens, drafted)
@@ -162,7 +163,7 @@ class DraftSkipRule:
         return float(np.interp(rows, ks, [self.draft_seconds[k] for k in ks]))
 
     # --- the decision ----------------------------------------------------------------------------------------
-    def pays(self, survivals: list, caps: list, table: dict) -> bool:
+    def pays(self, survivals: list, caps: list, table: dict, pass_tokens=None) -> bool:
         """Whether this round should draft.
 
         Args:
@@ -171,6 +172,9 @@ class DraftSkipRule:
             caps: per request its draft-length cap this round (the estimates are cut to it).
             table: the cost table at this round's context (``t_verify`` at ``tokens``; scheduled mode also its
                 ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduler.round_cost_table`).
+            pass_tokens: the target runner's ``pass_rows`` (verify tokens per request -> tokens the pass computes,
+                padding included), or None for their sum; both sides are costed there
+                (:func:`dspark_runtime.scheduler.schedule_greedy`).
         Verify lengths if the round drafts: Algorithm 1 (scheduled), or each estimate's length within the cap
         (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain). Each
         side's costs are scaled by its kind's measured / predicted round-time ratio (:meth:`ratios`).
@@ -199,9 +203,10 @@ class DraftSkipRule:
         if self.observed:
             lens = [len(a) for a in survs]
         else:
-            lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs])
+            lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs], pass_tokens=pass_tokens)
         verify_only = CostTable(tuple(table["tokens"]), tuple(k_0 * t for t in table["t_verify"]))
-        if expected_throughput(survs, lens, cost) > expected_throughput(survs, [0] * rows, verify_only):
+        if (expected_throughput(survs, lens, cost, pass_tokens)
+                > expected_throughput(survs, [0] * rows, verify_only, pass_tokens)):
             self.probe_every = SKIP_PROBE_EVERY
             return True
         if self.undrafted >= self.probe_every:

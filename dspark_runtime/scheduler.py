@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -290,10 +290,19 @@ def _admission_order(arrays: list[np.ndarray], caps: list[int]) -> Iterator[tupl
 # ------------------------------------------------------------------------------- schedulers
 
 
+def _pass_size(pass_tokens: Callable[[list[int]], int] | None, lengths: list[int]) -> int:
+    """Tokens the verifier pass computes for verify lengths ``lengths``: ``B = sum_r (1 + l_r)``, or
+    ``pass_tokens([1 + l_r ...])`` (the runner's own count, padding included) when given."""
+    if pass_tokens is None:
+        return sum(1 + int(x) for x in lengths)
+    return int(pass_tokens([1 + int(x) for x in lengths]))
+
+
 def schedule_greedy(
     survival: Sequence[np.ndarray],  # R arrays, float [gamma_r]; a_{r,1..gamma_r}, non-increasing
     cost: CostTable,
     max_len: int | Sequence[int] | None = None,  # optional cap on l_r (int, or one per request)
+    pass_tokens: Callable[[list[int]], int] | None = None,  # verify tokens per request -> tokens computed
 ) -> list[int]:  # l_r in [0, min(gamma_r, max_len_r)], one per request
     """Greedy verify-length scheduling: the DSpark paper's Algorithm 1.
 
@@ -323,6 +332,14 @@ def schedule_greedy(
             survivals in ``[0, 1]``, non-increasing; lengths may differ between requests.
         cost: the round-time table giving ``SPS(B)``.
         max_len: optional cap on each ``l_r`` (e.g. tokens left before ``max_new_tokens``).
+        pass_tokens: what the verifier pass really computes for per-request verify token counts
+            ``[1 + l_r ...]`` (the runner's ``pass_rows``: the scatter layout pads every request's
+            row to the longest, ``R x max_r(1 + l_r)``); ``SPS`` is read there instead of at
+            ``B``. Then a position whose admission leaves that count unchanged costs nothing, so
+            after the stop every request also takes the positions that still fit in the padded
+            pass (in position order, each with ``a > 0``). Non-anticipation holds: the padded
+            length is fixed by positions visited before the stop, and request ``r``'s later
+            positions are never visited before its earlier ones.
 
     Returns:
         list of ``R`` ints ``l_r``.
@@ -336,18 +353,27 @@ def schedule_greedy(
     n = len(arrays)
     lengths = [0] * n
     tau = float(n)
-    batch = n
+    batch = _pass_size(pass_tokens, lengths)
     theta = tau * cost.sps(batch)
     for r, j, a in _admission_order(arrays, caps):
         if j != lengths[r] + 1:  # prefix rule; unreachable with the frontier order, kept as a guard
             continue
-        new_theta = (tau + a) * cost.sps(batch + 1)
+        lengths[r] = j
+        new_batch = _pass_size(pass_tokens, lengths)
+        new_theta = (tau + a) * cost.sps(new_batch)
         if not new_theta > theta:
+            lengths[r] = j - 1
             break
         tau += a
-        batch += 1
+        batch = new_batch
         theta = new_theta
-        lengths[r] = j
+    if pass_tokens is not None:  # the positions the padded pass computes anyway
+        for r, a in enumerate(arrays):
+            while lengths[r] < caps[r] and a[lengths[r]] > 0:
+                lengths[r] += 1
+                if _pass_size(pass_tokens, lengths) != batch:
+                    lengths[r] -= 1
+                    break
     return lengths
 
 
@@ -476,11 +502,13 @@ def expected_throughput(
     survival: Sequence[np.ndarray],  # R arrays, float [gamma_r]
     lengths: Sequence[int],  # l_r in [0, gamma_r]
     cost: CostTable,
+    pass_tokens: Callable[[list[int]], int] | None = None,
 ) -> float:  # Theta in expected committed tokens per second
     """Expected throughput ``Theta = tau_hat * SPS(B)`` of a given schedule.
 
     ``tau_hat = sum_r (1 + sum_{j <= l_r} a_{r,j})`` expected tokens per round,
-    ``B = sum_r (1 + l_r)`` verify tokens; the result is in tokens per second.
+    ``B = sum_r (1 + l_r)`` verify tokens, or ``pass_tokens([1 + l_r ...])`` when given (as
+    :func:`schedule_greedy`); the result is in tokens per second.
 
     Raises:
         ValueError: ``survival`` is invalid, ``lengths`` has the wrong length, or some ``l_r``
@@ -491,10 +519,8 @@ def expected_throughput(
     if len(lens) != len(arrays):
         raise ValueError(f"lengths must hold one value per request ({len(arrays)}), got {len(lens)}")
     tau = 0.0
-    batch = 0
     for r, (a, l) in enumerate(zip(arrays, lens)):
         if isinstance(l, bool) or not isinstance(l, (int, np.integer)) or not 0 <= l <= a.shape[0]:
             raise ValueError(f"lengths[{r}] must be an integer in [0, {a.shape[0]}], got {l!r}")
         tau += 1.0 + float(a[: int(l)].sum())
-        batch += 1 + int(l)
-    return tau * cost.sps(batch)
+    return tau * cost.sps(_pass_size(pass_tokens, lens))

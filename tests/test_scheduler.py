@@ -171,6 +171,28 @@ def test_greedy_step_cost_stops_at_the_step():
     assert schedule_global(a, STEP) == [1, 1]
 
 
+def padded(verify_tokens: list) -> int:
+    """The scatter layout's pass: one row per request, each padded to the longest (SlotRunner.pass_rows)."""
+    return len(verify_tokens) * max(verify_tokens)
+
+
+def test_greedy_costs_the_padded_pass_and_fills_its_free_positions():
+    # LINEAR, both rows padded to the longest: start [0, 0], B 2, Theta 2/1.2 = 1.667.
+    # +0.9 (r0,1): B 2x2 = 4 -> 2.9/1.4 = 2.071; +0.8 (r0,2): B 2x3 = 6 -> 3.7/1.6 = 2.3125;
+    # +0.6 (r1,1): B still 6 (free) -> 4.3/1.6 = 2.6875; +0.3 (r0,3): B 8 -> 4.6/1.8 = 2.556: stop.
+    # Then the free positions of the 3-wide pass: r1's second (0.2) -> [2, 2], 4.5/1.6 = 2.8125.
+    a = [arr(0.9, 0.8, 0.3), arr(0.6, 0.2)]
+    assert schedule_greedy(a, LINEAR, pass_tokens=padded) == [2, 2]
+    assert expected_throughput(a, [2, 2], LINEAR, pass_tokens=padded) == pytest.approx(4.5 / 1.6)
+    # the schedule that ignores the padding ([3, 1]) computes a 2x4 pass and is worth less
+    assert expected_throughput(a, [3, 1], LINEAR, pass_tokens=padded) == pytest.approx(4.6 / 1.8)
+    # the summed pass is the default: the same as pass_tokens=sum
+    assert schedule_greedy(a, LINEAR, pass_tokens=sum) == schedule_greedy(a, LINEAR) == [3, 1]
+    # a free position with zero survival is not taken; nor past a request's cap
+    assert schedule_greedy([arr(0.9, 0.8, 0.3), arr(0.6, 0.0)], LINEAR, pass_tokens=padded) == [2, 1]
+    assert schedule_greedy(a, LINEAR, max_len=[3, 1], pass_tokens=padded) == [2, 1]
+
+
 def test_step_cost_optimum_jumps_past_the_step():
     # One request, a = 0.99 .. 0.93. Theta(l) = (1 + sum_{j<=l} a_j) / s(1 + l):
     # l=3: 3.94 / 1.0 = 3.94; l=4: 4.90 / 1.5 = 3.267 (first drop: greedy stops at 3);
@@ -318,9 +340,11 @@ def test_single_request_non_anticipation():
     assert checked > 1000
 
 
-def test_multi_request_non_anticipation():
+@pytest.mark.parametrize("pass_tokens", [None, padded], ids=["summed", "padded"])
+def test_multi_request_non_anticipation(pass_tokens):
     """With several requests: lowering every survival below a cutoff c (keeping each row
-    non-increasing and the new values < c) leaves min(l_r, #{j: a_{r,j} >= c}) unchanged."""
+    non-increasing and the new values < c) leaves min(l_r, #{j: a_{r,j} >= c}) unchanged; also
+    when the pass pads every row to the longest (the free positions filled after the stop)."""
     for seed in range(300):
         rng = np.random.default_rng(seed)
         cost = random_cost(rng)
@@ -329,7 +353,7 @@ def test_multi_request_non_anticipation():
         if flat.size == 0:
             continue
         c = float(rng.choice(flat))
-        lengths = schedule_greedy(rows, cost)
+        lengths = schedule_greedy(rows, cost, pass_tokens=pass_tokens)
         changed = []
         for a in rows:
             keep = int(np.sum(a >= c))
@@ -338,7 +362,7 @@ def test_multi_request_non_anticipation():
                 top = np.nextafter(c, 0.0) if keep == 0 else min(a[keep - 1], np.nextafter(c, 0.0))
                 b[keep:] = random_survival(rng, a.size - keep, start=top)
             changed.append(b)
-        new_lengths = schedule_greedy(changed, cost)
+        new_lengths = schedule_greedy(changed, cost, pass_tokens=pass_tokens)
         for a, l, lb in zip(rows, lengths, new_lengths):
             keep = int(np.sum(a >= c))
             assert min(l, keep) == min(lb, keep), (seed, rows, changed, c)
