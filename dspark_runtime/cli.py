@@ -155,22 +155,29 @@ def verify(engine_dir):
 def speculation_lines(m) -> list:
     """``dspark info``'s lines on speculation for manifest ``m``: the engine's drafters, what ``--draft auto``
     runs and with how many draft tokens per round (as ``Engine.auto_draft`` and ``Engine.generate`` decide: the
-    draft LM at the manifest's draft_length when the engine has one, else the router over the DSpark drafter,
-    whose blocks are block_size tokens, else n-gram lookup at draft_length), and whether router priors exist."""
-    from dspark_runtime.engine import auto_draft_choice, manifest_drafters
+    router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
+    draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
+    n-gram lookup at draft_length), and whether router priors exist."""
+    from dspark_runtime.engine import auto_draft_choice, manifest_drafters, manifest_schedulable
 
     sp = m.speculation
     dl = sp.draft_length
     lm, ds = manifest_drafters(m)
-    choice = auto_draft_choice(lm, ds)
+    scheduled = manifest_schedulable(m)
+    choice = auto_draft_choice(lm, ds, scheduled)
     block = sp.dspark.block_size if sp.dspark is not None else "?"
     drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
     lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
     if choice == "lm":
         auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
+    elif choice == "router" and scheduled:
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
+                "to commit more, verify lengths scheduled from the calibrated survivals and the cost table "
+                "(--draft-length N: fixed blocks of at most N)")
     elif choice == "router":
         auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
-                "to commit more (--draft-length N caps the block; 'scheduled' sizes it from the cost table)")
+                "to commit more (--draft-length N caps the block; 'scheduled' needs `dspark-export calibrate` and "
+                "`profile` first)")
     else:
         auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
     lines.append(f"  --draft auto: {auto}")

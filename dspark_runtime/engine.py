@@ -32,10 +32,21 @@ def manifest_drafters(manifest: Manifest) -> tuple:
     return lm, ds
 
 
-def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None) -> str:
-    """What ``draft="auto"`` runs given the engine's drafters: the draft LM when there is one (measured fastest on
-    the CPU, :meth:`Engine.auto_draft`), else the router over the DSpark drafter, else n-gram lookup."""
+def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None, schedulable: bool = False) -> str:
+    """What ``draft="auto"`` runs given the engine's drafters: the router over the DSpark drafter when it can
+    schedule (``schedulable``: :func:`manifest_schedulable`; it then runs with scheduled verify lengths), else the
+    draft LM when there is one, else the router over an uncalibrated DSpark drafter (fixed blocks), else n-gram
+    lookup. Measured in :meth:`Engine.auto_draft`."""
+    if dspark_graph and schedulable:
+        return "router"
     return "lm" if lm_graph else ("router" if dspark_graph else "ngram")
+
+
+def manifest_schedulable(manifest: Manifest) -> bool:
+    """Whether the engine's DSpark drafter can run with scheduled verify lengths: its confidence head calibrated
+    (``speculation.dspark.sts_temperatures``) and a profiled cost table (``speculation.cost_table``)."""
+    sp = manifest.speculation
+    return bool(sp.dspark is not None and sp.dspark.sts_temperatures and sp.cost_table)
 
 
 class Engine:
@@ -290,13 +301,16 @@ class Engine:
         return bool(self.draft_graph) and self.draft_graph in self._backends
 
     def auto_draft(self) -> str:
-        """What ``draft="auto"`` means for this engine: its draft LM when it has one, else the router over its
-        DSpark drafter, else n-gram lookup. Measured on the 1.5B int4 target with the 0.5B int4 draft (2-core
-        CPU, 4 held-out prompts, 128 tokens): the LM at gamma 3 1.62x target-only, the router over the
-        CPU-trained DSpark drafter 0.80x (on the fp32 target: 2.11x vs 2.04x transformers)."""
+        """What ``draft="auto"`` means for this engine (:func:`auto_draft_choice`): the router over its calibrated
+        DSpark drafter with scheduled verify lengths (with a profiled cost table), else its draft LM, else the
+        router over an uncalibrated DSpark drafter, else n-gram lookup. Measured on the 1.5B int4 target, 2-core
+        CPU, the same runs beside the 0.5B int4 draft LM at gamma 3 (docs/serving.md, docs/drafter.md): one
+        request, 32 prompts, 128 tokens: the router 1.47x int4 target-only, the LM 1.43x; served to 1, 2, 4, 8
+        concurrent clients the router led the LM at every level (scripts/serve_bench.py)."""
         have = self._backends
         return auto_draft_choice(self.lm_graph if self.lm_graph in have else None,
-                                 self.dspark_graph if self.dspark_graph in have else None)
+                                 self.dspark_graph if self.dspark_graph in have else None,
+                                 manifest_schedulable(self.manifest))
 
     def runner(self, key: str) -> DecoderRunner:
         """The one-sequence runner of graph ``key`` ("target" or "draft"; a DecoderRunner, or its scatter-layout twin
@@ -544,6 +558,9 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
+        if draft == "auto" and draft_length is None and self.auto_draft() == "router" and self.dspark_graph \
+                and manifest_schedulable(self.manifest):
+            draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
         target = self.loop_runner("target", max_batch)
         from dspark_runtime.packed import PackedRunner
 
@@ -652,8 +669,8 @@ class Engine:
             prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
-            draft: "auto" (:meth:`auto_draft`: the engine's draft LM, else the router over its DSpark drafter, else n-gram
-                lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
+            draft: "auto" (:meth:`auto_draft`: the router over the engine's calibrated DSpark drafter with scheduled
+                verify lengths unless ``draft_length`` is given, else its draft LM, else n-gram lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
                 expected to commit more; :mod:`dspark_runtime.router`), "dspark" (the DSpark drafter), "lm"
                 (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no
                 weights), or None/"none" for target-only decoding.

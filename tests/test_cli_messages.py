@@ -128,6 +128,29 @@ def test_info_says_what_auto_runs_dspark_engine(tiny_engine_dir, tmp_path, capsy
     assert "router priors: none" in out and "dspark-export calibrate" in out, out
     assert "cost table: none" in out, out
 
+    # calibrated (STS temperatures) and profiled: auto schedules the router's verify lengths
+    def calibrated(m):
+        dspark_only(m)
+        m["speculation"]["dspark"]["sts_temperatures"] = [1.0, 1.2, 1.5, 2.0, 2.0, 2.0, 2.0]
+
+    d3 = _manifest_variant(tiny_engine_dir, tmp_path / "ds3", calibrated)
+    rc, out, err = _run(main, ["info", "--engine", str(d3)], capsys)
+    assert rc == 0, err
+    auto = next(l for l in out.splitlines() if "--draft auto" in l)
+    assert "router" in auto and "scheduled from the calibrated survivals" in auto, out
+
+
+def test_auto_prefers_the_router_over_a_calibrated_dspark_drafter():
+    """auto_draft_choice: the router over a DSpark drafter that can schedule (calibrated, profiled) comes before a
+    draft LM; an uncalibrated DSpark drafter does not (the LM, else the router's fixed blocks); else n-gram."""
+    from dspark_runtime.engine import auto_draft_choice
+
+    assert auto_draft_choice("draft", "dspark", True) == "router"
+    assert auto_draft_choice("draft", "dspark", False) == "lm"
+    assert auto_draft_choice("draft", None, True) == "lm"
+    assert auto_draft_choice(None, "dspark", False) == "router"
+    assert auto_draft_choice(None, None, True) == "ngram"
+
 
 def test_info_no_drafter(tiny_engine_dir, tmp_path, capsys):
     from dspark_runtime.cli import main

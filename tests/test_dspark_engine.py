@@ -200,6 +200,9 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     assert m["speculation"]["cost_table"]["tokens"] == [1, 2, 3, 4, 5]
 
     eng = Engine.load(eng_dir, threads=1)
+    # calibrated with its checkpoint (sts.json) and now profiled: auto schedules (a draft length given: fixed)
+    assert eng.auto_draft() == "router"
+    assert eng.batch(draft="auto").mode == "scheduled" and eng.batch(draft="auto", draft_length=3).mode == "fixed"
     ref = eng.generate("hello world", max_new_tokens=40, draft="none")
     got = eng.generate("hello world", max_new_tokens=40, draft="dspark", draft_length="scheduled")
     assert got.token_ids == ref.token_ids
@@ -223,6 +226,8 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
                                inner["hits"][0][0] / inner["tries"][0][0])
     assert drafter.confidence.prior_tries[:, 0].max() <= 32 + 1e-9  # scaled to at most 32 pseudo-rounds
     assert eng.generate("hello world", max_new_tokens=40, draft="router").token_ids == ref.token_ids
+    auto = eng.generate("hello world", max_new_tokens=40)
+    assert auto.token_ids == ref.token_ids and auto.stats.drafter == "router"
     m["speculation"]["router"]["ngram"] = {"edges": [1, 2]}
     (eng_dir / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(InputError, match="speculation.router is malformed"):
