@@ -10,7 +10,7 @@ A drafter proposes a block for every request of a round in one pass:
 * optionally ``observe(rid, sent, accepted)`` after verification: the target accepted ``accepted`` of the
   ``sent`` tokens verified for ``rid``.
 
-A request (:class:`dspark_runtime.decoding.Request`) carries ``rid``, ``prompt``, ``out`` (committed tokens, the
+A request (:class:`dspark_runtime.request.Request`) carries ``rid``, ``prompt``, ``out`` (committed tokens, the
 last one the anchor), ``params`` (:class:`~dspark_runtime.sampling.SamplingParams`) and ``rng`` (its own
 generator, so a sampled request draws the same numbers whatever shares its batch).
 

@@ -10,7 +10,8 @@ from dspark_runtime.backend import OrtDecoder
 from dspark_runtime.placement import PROVIDERS, format_placement, parse_placement
 from dspark_runtime.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads, EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.errors import InputError
-from dspark_runtime.decoding import DecodingLoop, GenerationResult, cut_at_stop, streamable_length
+from dspark_runtime.decoding import DecodingLoop
+from dspark_runtime.request import GenerationResult, cut_at_stop, streamable_length
 from dspark_runtime.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import Router, router_priors
@@ -624,7 +625,7 @@ class Engine:
 
     def completion_text(self, token_ids: list, finish_reason: str | None, stop) -> str:
         """The text of generated ``token_ids``; for ``finish_reason == "stop"`` cut before the stop string that
-        ended it (:func:`~dspark_runtime.decoding.cut_at_stop`)."""
+        ended it (:func:`~dspark_runtime.request.cut_at_stop`)."""
         text = self.tokenizer.decode(token_ids)
         return cut_at_stop(text, stop) if finish_reason == "stop" else text
 
@@ -644,7 +645,7 @@ class Engine:
         uses seed ``seed + i``
         when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
         request (its tokens/s is its own rate while sharing the batch). The loop's aggregate
-        :class:`~dspark_runtime.decoding.BatchStats` is ``self.last_batch_stats``.
+        :class:`~dspark_runtime.request.BatchStats` is ``self.last_batch_stats``.
         Raises InputError for bad arguments or an empty prompt list."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError("prompts must be a non-empty list of prompts")

@@ -43,7 +43,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark_runtime.decoding import streamable_length
+from dspark_runtime.request import streamable_length
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.sampling import SamplingParams
 from dspark_runtime.server_api import (_ERRORS, APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,

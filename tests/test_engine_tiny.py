@@ -106,7 +106,7 @@ def test_stop_string_and_streaming(engine):
 
 
 def test_streamable_length_holds_back_possible_stop_prefixes():
-    from dspark_runtime.decoding import cut_at_stop, streamable_length
+    from dspark_runtime.request import cut_at_stop, streamable_length
 
     assert streamable_length("abc</s", ["</stop>"]) == 3  # "</s" may become "</stop>"
     assert streamable_length("abc</stop> more", ["</stop>"]) == 3
@@ -132,7 +132,7 @@ def test_bad_generation_arguments(engine, kwargs, message):
 def test_stopper_ignores_tokens_past_max_new_tokens():
     """A speculative round can commit more tokens than max_new_tokens allows: an EOS or a stop
     string in the overshoot must not count."""
-    from dspark_runtime.decoding import Stopper
+    from dspark_runtime.request import Stopper
 
     dec = lambda ids: "".join(chr(97 + i) for i in ids)  # 0 -> "a", 1 -> "b", ...
     st = Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
