@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-confidence", type=float, default=None,
                     help="end a draft block after the first draft token below this probability")
     ap.add_argument("--draft", default="lm",
-                    help="drafter(s) for the speculative modes, comma-separated: dspark, lm, ngram, router, each "
+                    help="drafter(s) for the speculative modes, comma-separated: auto (what `dspark generate` "
+                         "runs by default), dspark, lm, ngram, router, each "
                          "optionally with its own draft length (dspark:scheduled, lm:3); each runs on every "
                          "prompt next to the same target-only run")
     ap.add_argument("--engine-as", action="append", default=[], metavar="NAME=DIR",
@@ -92,9 +93,9 @@ def main(argv=None) -> int:
         name, _, ln = spec.partition(":")
         lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
         engine_of[d] = others.get(where) if where else eng
-    bad = [d for d in drafters if lengths[d][0] not in ("dspark", "lm", "ngram", "router")]
+    bad = [d for d in drafters if lengths[d][0] not in ("auto", "dspark", "lm", "ngram", "router")]
     if bad or not drafters:
-        print(f"error: unknown drafter(s) {bad}; use dspark, lm, ngram, router", file=sys.stderr)
+        print(f"error: unknown drafter(s) {bad}; use auto, dspark, lm, ngram, router", file=sys.stderr)
         return 2
     unknown = [d for d in drafters if engine_of[d] is None]
     if unknown:

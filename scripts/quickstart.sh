@@ -23,6 +23,7 @@ fi
 if ! grep -q '"cost_table"' engines/qwen2.5-coder-1.5b/manifest.json; then
   .venv/bin/dspark-export profile engines/qwen2.5-coder-1.5b --max-tokens 20
 fi
-# target-only vs: the 0.5B draft LM at gamma 3 (what --draft auto picks on this engine), and n-gram prompt lookup
+# target-only vs: --draft auto (on this engine the router over n-gram lookup and the DSpark drafter, scheduled verify
+# lengths), the 0.5B draft LM at gamma 3, and n-gram prompt lookup alone
 .venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
-  --draft lm:3,ngram:4 --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json
+  --draft auto,lm:3,ngram:4 --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json
