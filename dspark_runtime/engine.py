@@ -13,6 +13,8 @@ from dspark_runtime.errors import InputError
 from dspark_runtime.decoding import DecodingLoop
 from dspark_runtime.request import GenerationResult, cut_at_stop, streamable_length
 from dspark_runtime.drafters import LMDrafter, NgramDrafter
+from dspark_runtime.load_checks import check_cpu, check_int8_weights, target_sha256
+from dspark_runtime.load_checks import row_multiple as load_row_multiple
 from dspark_runtime.manifest import Manifest, load_manifest
 from dspark_runtime.router import Router, router_priors
 from dspark_runtime.runners import DecoderRunner, SequenceRunner, batch_runner, decoder_runner
@@ -80,9 +82,9 @@ class Engine:
             self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
-        self.row_multiple = self._row_multiple(row_multiple, threads)
-        self._check_cpu(probe_used=row_multiple is None)
-        self._check_int8_weights()
+        self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)
+        check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
+        check_int8_weights(manifest, self.dir, self.backend)
         self.default_draft_length = manifest.speculation.draft_length or 5
         self._warned_packed = False  # batch() warns once that packed batches are not batch-invariant
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
@@ -92,93 +94,6 @@ class Engine:
         self._heads = None
         self.prefix_cache = None  # a PrefixCache shared by this engine's decoding loops (enable_prefix_cache)
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
-
-    def _target_sha256(self) -> str:
-        g = self.manifest.graphs["target"]
-        return g.files[0].sha256
-
-    def _row_multiple(self, given: int | None, threads: int) -> int:
-        """The target's row padding (:mod:`dspark_runtime.invariance`): ``given``, else the probed value in
-        the manifest (``speculation.row_invariance.row_multiple``, written by ``dspark-export profile`` for
-        the ONNX Runtime backend), else 1. A stored probe is ignored (with a warning) when it was made on
-        another target graph, and a warning says when it was made with another thread count. Raises
-        InputError for a value that is not a positive integer, or above 1 with the TensorRT backend (its
-        decode profile and CUDA graphs are sized for unpadded verify blocks; not probed)."""
-        import warnings
-
-        if given is None:
-            probe = self.manifest.speculation.row_invariance or {}
-            given = probe.get("row_multiple") if probe.get("backend", "ort") == self.backend else None
-            if given is not None and probe.get("target_sha256") not in (None, self._target_sha256()):
-                warnings.warn(f"{self.dir}: the stored row padding was probed on another target graph; ignored (run "
-                              "`dspark-export profile --row-probe-only` on this engine)", stacklevel=3)
-                given = None
-            elif given is not None and probe.get("threads") not in (None, threads):
-                warnings.warn(f"{self.dir}: the row padding ({given}) was probed with {probe['threads']} threads, this "
-                              f"engine runs {threads}; re-probe with `dspark-export profile --row-probe-only --threads "
-                              f"{threads}` if outputs must be bit-exact", stacklevel=3)
-            given = 1 if given is None else given
-        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-            raise InputError(f"row_multiple must be a positive integer (1 = no padding), got {given!r}")
-        if given > 1 and self.backend != "ort":
-            raise InputError("row padding (row_multiple > 1) is for the ONNX Runtime backend; the TensorRT engines' "
-                             "decode profile and CUDA graphs are sized for unpadded verify blocks")
-        return given
-
-    def _check_int8_weights(self) -> None:
-        """Warn (:class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when an INT8 graph holds 8-bit U8S8 weights
-        (``reduce_range`` False in its quantization record) and this CPU's u8·s8 kernel saturates
-        (:func:`~dspark_runtime.kernel_probe.u8s8_saturates`): its outputs would be wrong here."""
-        import warnings
-
-        from dspark_runtime.sysinfo import OtherCpuWarning
-
-        eight_bit = [k for k, g in self.manifest.graphs.items()
-                     if g.precision == "int8" and (g.quantization or {}).get("reduce_range") is False]
-        if eight_bit and self.backend == "ort":
-            try:
-                from dspark_runtime.kernel_probe import u8s8_saturates
-
-                saturates = u8s8_saturates()
-            except ImportError:  # the probe builds its graph with onnx (the export extra)
-                saturates = False
-            if saturates:
-                warnings.warn(f"{self.dir}: graph(s) {', '.join(eight_bit)} hold 8-bit U8S8 weights, but this CPU's "
-                              "u8*s8 kernel saturates (no VNNI): their outputs will be wrong here; re-quantize with "
-                              "the default 7-bit weights (`dspark-export quantize`)", OtherCpuWarning, stacklevel=4)
-
-    def _check_cpu(self, probe_used: bool = True) -> None:
-        """Warn (once, :class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when the stored row padding probe
-        (``speculation.row_invariance``, when this engine uses it: ``probe_used`` and its backend and target
-        graph) or the cost table (``speculation.cost_table``) was measured on another CPU than this one
-        (:func:`~dspark_runtime.sysinfo.cpu_difference` of their ``cpu`` records): both depend on the ISA
-        paths of ONNX Runtime's kernels. Records without ``cpu`` (older engines) are not checked."""
-        import warnings
-
-        from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
-
-        spec = self.manifest.speculation
-        probe = spec.row_invariance or {}
-        table = spec.cost_table or {}
-        records = []
-        if (probe_used and isinstance(probe.get("cpu"), dict) and probe.get("backend", "ort") == self.backend
-                and probe.get("target_sha256") in (None, self._target_sha256())):
-            records.append(("the row padding probe (speculation.row_invariance)", probe["cpu"]))
-        if isinstance(table.get("cpu"), dict):
-            records.append(("the cost table (speculation.cost_table)", table["cpu"]))
-        if not records:
-            return
-        here = cpu_features()
-        diffs = [(what, d) for what, rec in records if (d := cpu_difference(rec, here)) is not None]
-        if not diffs:
-            return
-        if len(diffs) == 2 and diffs[0][1] == diffs[1][1]:
-            what = f"the row padding probe and the cost table were measured on another CPU ({diffs[0][1]})"
-        else:
-            what = "; ".join(f"{w} was measured on another CPU ({d})" for w, d in diffs)
-        warnings.warn(f"{self.dir}: {what}; row-count invariance and round costs depend on the CPU's ISA paths "
-                      f"in ONNX Runtime's kernels: run `dspark-export profile {self.dir}` on this machine",
-                      OtherCpuWarning, stacklevel=4)
 
     def _trt_engines(self) -> dict:
         """{graph key: the manifest's TensorRT engine the runtime runs for it}, fp32 first when several exist: a
@@ -473,7 +388,7 @@ class Engine:
         what catches the rare differences of quantized graphs) and use it from now on (``self.row_multiple``; ``dspark-export
         profile`` also stores it in the manifest). When no candidate is invariant the padding is left at 1
         and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend" and "target_sha256".
-        Raises InputError on the TensorRT backend (padding is refused there, see :meth:`_row_multiple`)."""
+        Raises InputError on the TensorRT backend (padding is refused there, see :func:`dspark_runtime.load_checks.row_multiple`)."""
         from dspark_runtime.invariance import kernel_row_difference, probe_row_multiple
 
         if self.backend != "ort":
@@ -494,7 +409,7 @@ class Engine:
                         "alone can miss the rare differences of quantized graphs")
         res = probe_row_multiple(self.runner("target"), ids[:prompt_tokens], ids[prompt_tokens:], kernel_check=check)
         res["backend"] = self.backend
-        res["target_sha256"] = self._target_sha256()
+        res["target_sha256"] = target_sha256(self.manifest)
         if note:
             res["note"] = note
         self.row_multiple = res["row_multiple"] or 1
