@@ -69,6 +69,15 @@ def observed_survival(prev: np.ndarray | None, drafted: int, accepted: int, alph
     return np.minimum.accumulate(out)
 
 
+def verify_table(table: dict, scale: float = 1.0, extra: float = 0.0):
+    """The verify-only round costs of a cost table at one context (``tokens``, ``t_verify`` seconds) as a
+    :class:`~dspark_runtime.scheduler.CostTable` of ``scale * (extra + t_verify(B))`` seconds per round (``extra``: a
+    measured drafting pass, seconds; ``scale``: a measured / predicted round-time ratio)."""
+    from dspark_runtime.scheduler import CostTable
+
+    return CostTable(tuple(table["tokens"]), tuple(scale * (extra + t) for t in table["t_verify"]))
+
+
 class DraftSkipRule:
     """The loop's drafting decision and what it learns from (see the module docstring for the rule and source).
 
@@ -119,17 +128,17 @@ class DraftSkipRule:
         """Predicted wall seconds of a round over ``rows`` requests verifying ``tokens`` tokens in all: the table's
         ``t_verify(tokens)``, plus the drafting pass when ``drafted`` (scheduled mode: the table's ``t_draft`` at
         ``rows``; observed mode: the measured pass, None before it is measured). None without ``t_verify``."""
-        from dspark_runtime.scheduler import CostTable, round_cost_table
+        from dspark_runtime.scheduler import round_cost_table
 
         if "t_verify" not in table:
             return None
         if not drafted:
-            return CostTable(tuple(table["tokens"]), tuple(table["t_verify"])).round_seconds(tokens)
+            return verify_table(table).round_seconds(tokens)
         if self.observed:
             t_draft = self.draft_time(rows)
             if t_draft is None:
                 return None
-            return t_draft + CostTable(tuple(table["tokens"]), tuple(table["t_verify"])).round_seconds(tokens)
+            return verify_table(table, extra=t_draft).round_seconds(tokens)
         return round_cost_table(table, rows).round_seconds(tokens)
 
     def record_round(self, table: dict, rows: int, tokens: int, drafted: bool, seconds: float) -> None:
@@ -194,7 +203,7 @@ class DraftSkipRule:
             t_draft = self.draft_time(rows)
             if t_draft is None:
                 return True  # the drafting pass has not been timed yet
-            cost = CostTable(tuple(table["tokens"]), tuple(k_d * (t_draft + t) for t in table["t_verify"]))
+            cost = verify_table(table, scale=k_d, extra=t_draft)
         else:
             base_cost = round_cost_table(table, rows)
             cost = CostTable(base_cost.tokens, tuple(k_d * t for t in base_cost.seconds))
@@ -204,7 +213,7 @@ class DraftSkipRule:
             lens = [len(a) for a in survs]
         else:
             lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs], pass_tokens=pass_tokens)
-        verify_only = CostTable(tuple(table["tokens"]), tuple(k_0 * t for t in table["t_verify"]))
+        verify_only = verify_table(table, scale=k_0)
         if (expected_throughput(survs, lens, cost, pass_tokens)
                 > expected_throughput(survs, [0] * rows, verify_only, pass_tokens)):
             self.probe_every = SKIP_PROBE_EVERY
