@@ -212,3 +212,19 @@ def test_the_loop_feeds_steady_rounds_to_the_ratios():
     loop = drafter.loop
     assert loop.skip.round_ratio["drafted"] == pytest.approx(ROUND_RATIO_BOUNDS[0])
     assert "undrafted" not in loop.skip.round_ratio
+
+
+def test_the_skip_rule_costs_the_padded_pass():
+    """The scatter layout pads every request's row to the longest (SlotRunner.pass_rows): one request's 3-token block
+    beside three anchors makes a 4 x 4 pass, not 7 tokens. With t_verify(B) = 1 + 0.1 B: summed, drafting pays
+    (4 + 2.7 tokens for 1.7 s = 3.94 tok/s against 4 for 1.4 s = 2.86); padded it does not (6.7 for 2.6 s = 2.58)."""
+    from dspark_runtime.draft_skip import DraftSkipRule
+
+    table = {"tokens": [1, 64], "t_verify": [1.1, 7.4]}
+    rule = DraftSkipRule(observed=True)
+    rule.prior = np.zeros(0)  # the other three requests: nothing known to draft
+    rule.record_draft_time(4, 0.0)
+    surv = [np.array([0.9, 0.9, 0.9]), None, None, None]
+    assert rule.pays(surv, [3] * 4, table)
+    assert rule.pays(surv, [3] * 4, table, pass_tokens=sum)
+    assert not rule.pays(surv, [3] * 4, table, pass_tokens=lambda q: len(q) * max(q))
