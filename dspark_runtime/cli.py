@@ -83,7 +83,9 @@ def cli():
               show_default=True,
               help="Drafter: router (per round, n-gram prompt lookup or the engine's DSpark/LM drafter, whichever "
                    "is expected to commit more), the engine's DSpark drafter, its draft LM, n-gram prompt lookup, "
-                   "or auto (the engine's draft LM when it has one, else the router over its DSpark drafter, else n-gram).")
+                   "or auto (the router over a calibrated DSpark drafter with scheduled verify lengths where the "
+                   "engine has a cost table, else its draft LM, else the router, else n-gram; `dspark info` says "
+                   "which).")
 @click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
@@ -312,9 +314,10 @@ def unpack(tarball, dest):
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests accepted beyond --max-batch, waiting for a slot; more are answered 429.")
 @click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram", "none"]), default="auto",
-              show_default=True, help="Drafter (auto: the engine's draft LM when it has one, else the router — "
-              "n-gram lookup or the DSpark drafter per request and round — over its DSpark drafter, else n-gram; "
-              "`dspark info` says which); none = target-only.")
+              show_default=True, help="Drafter (auto: the router — n-gram lookup or the DSpark drafter per request "
+              "and round — with scheduled verify lengths over a calibrated DSpark drafter where the engine has a "
+              "cost table, else the engine's draft LM, else the router, else n-gram; `dspark info` says which); "
+              "none = target-only.")
 @click.option("--draft-length", default=None, help="Draft tokens per round, or 'scheduled' (DSpark + cost table).")
 @click.option("--draft-confidence", type=float, default=None, help="Static confidence threshold (see generate).")
 @click.option("--prefill-budget", default="auto", show_default=True,
