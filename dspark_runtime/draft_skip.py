@@ -7,7 +7,9 @@ expected to commit
 
     Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + t_verify(B)),   B = sum_r (1 + l_r)
 
-tokens per second, and a round that verifies the anchors only ``Theta_0 = R / t_verify(R)``. When
+tokens per second (``B``, here and in ``t_verify(R)``: the tokens the verifier's pass computes, the runner's
+``pass_rows``: the scatter layout pads every request's row to the longest, so ``R x max_r(1 + l_r)`` there), and a
+round that verifies the anchors only ``Theta_0 = R / t_verify(R)``. When
 ``Theta_0 >= Theta_d`` (many requests sharing a batched verifier, a weak or dear drafter) the round skips the
 drafting pass; the output is the same either way (speculation is exact), only the speed differs.
 
