@@ -113,7 +113,7 @@ def test_kv_buffer_bytes():
 
 
 def test_capacity_graph_matches_growing_graph(tiny_engine_dir, tmp_path):
-    from dspark_export.trt import to_capacity_layout
+    from dspark_export.trt_graphs import to_capacity_layout
     from dspark_runtime.backend import OrtDecoder
     from dspark_runtime.kvcache import causal_mask
     from dspark_runtime.manifest import load_manifest
@@ -161,7 +161,7 @@ def test_half_capacity_graph_argmax_reads_the_float32_logits(tiny_engine_dir, tm
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt import ARGMAX_NODE, to_capacity_layout, to_half
+    from dspark_export.trt_graphs import ARGMAX_NODE, to_capacity_layout, to_half
     from dspark_runtime.manifest import load_manifest
 
     d = tmp_path / "e"
@@ -187,7 +187,7 @@ def test_half_capacity_graph_argmax_reads_the_float32_logits(tiny_engine_dir, tm
 
 
 def test_capacity_layout_refuses_unknown_graphs(tiny_engine_dir, tmp_path):
-    from dspark_export.trt import to_capacity_layout
+    from dspark_export.trt_graphs import to_capacity_layout
 
     spec = causal_lm_spec(DIMS, "capacity")
     with pytest.raises(DSparkError, match="only growing causal_lm graphs"):
@@ -380,7 +380,7 @@ def test_half_graphs_match_fp32_on_onnx_runtime(tiny_engine_dir, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt import graph_precision, to_half
+    from dspark_export.trt_graphs import graph_precision, to_half
 
     for f in ("target.onnx", "target.onnx.data"):
         shutil.copy(tiny_engine_dir / f, tmp_path / f)
@@ -523,7 +523,7 @@ def test_half_dspark_drafter_matches_fp32_on_onnx_runtime(tiny_engine_with_dspar
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt import to_half
+    from dspark_export.trt_graphs import to_half
     from dspark_runtime.dspark import EmbeddingRows
     from dspark_runtime.manifest import load_manifest
 

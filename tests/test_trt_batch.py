@@ -147,7 +147,7 @@ class OrtDevice:
 
 @pytest.fixture(scope="module")
 def capacity_graph(tiny_engine_dir, tmp_path_factory):
-    from dspark_export.trt import to_capacity_layout
+    from dspark_export.trt_graphs import to_capacity_layout
     from dspark_runtime.manifest import load_manifest
 
     d = tmp_path_factory.mktemp("trt-batch") / "e"
