@@ -23,8 +23,9 @@ greedy output is unchanged. With a prefix cache (:mod:`dspark_runtime.prefix_cac
 starts from the cached positions of its prompt's longest cached prefix, and a leaving one stores its own.
 
 Target-only decoding is the same loop without a drafter (every round verifies each request's anchor alone).
-The round's cost is ``B = sum_r (1 + l_r)`` token positions (what the runner's pass computes, its ``pass_rows``: the
-scatter layout pads each request's row to the longest), the quantity of the cost table and the scheduler. A request's
+The round verifies ``sum_r (1 + l_r)`` token positions; its cost is read from the cost table at ``B``, the positions
+the runner's pass computes (its ``pass_rows``: that sum on the packed layout, ``R x max_r(1 + l_r)`` on the scatter
+layout, which pads each request's row to the longest) — the quantity the scheduler and the skip rule weigh. A request's
 state, stop rule and metrics are :mod:`dspark_runtime.request`.
 Each request owns its RNG (``seed``), so a sampled request gives the same tokens whatever else shares its batch;
 a greedy request's tokens equal decoding it alone, target-only — bit for bit on the scatter KV layout (one batch

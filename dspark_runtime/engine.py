@@ -586,7 +586,8 @@ class Engine:
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
             draft: "auto" (:meth:`auto_draft`: the router over the engine's calibrated DSpark drafter with scheduled
-                verify lengths unless ``draft_length`` is given, else its draft LM, else n-gram lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
+                verify lengths unless ``draft_length`` is given, else its draft LM, else the router over an
+                uncalibrated DSpark drafter, else n-gram lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
                 expected to commit more; :mod:`dspark_runtime.router`), "dspark" (the DSpark drafter), "lm"
                 (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no
                 weights), or None/"none" for target-only decoding.

@@ -104,7 +104,8 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     Args:
         draft, draft_length, draft_confidence, max_batch, prefill_budget: as :meth:`Engine.batch` ("auto":
             :meth:`Engine.auto_draft` — the router over a calibrated DSpark drafter with scheduled verify lengths
-            where the engine has a cost table, else its draft LM, else n-gram lookup; None/"none": target-only).
+            where the engine has a cost table, else its draft LM, else the router over an uncalibrated DSpark
+            drafter, else n-gram lookup; None/"none": target-only).
         max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
         max_context: prompt + max_tokens limit; default: the manifest's ``max_position_embeddings``
             (else 4096); a larger value than that raises InputError.
