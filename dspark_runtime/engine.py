@@ -474,7 +474,7 @@ class Engine:
         if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
                                                  and 0.0 <= draft_confidence <= 1.0):
             raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        if draft == "auto" and draft_length is None and self.auto_draft() == "router" and self.dspark_graph \
+        if draft == "auto" and draft_length is None and self.auto_draft() == "router" \
                 and manifest_schedulable(self.manifest):
             draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
         target = self.loop_runner("target", max_batch)
