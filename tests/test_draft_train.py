@@ -172,6 +172,29 @@ def test_training_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
     assert not all(torch.equal(a[k], _tiny_drafter().state_dict()[k]) for k in a)  # it did train
 
 
+def test_bf16_autocast_trains_like_fp32_but_is_applied(tmp_path):
+    import torch
+
+    from dspark_export.draft_train import TrainSettings, bf16_native, train
+
+    store = _synthetic_store(tmp_path / "features")
+    init = {k: v.clone() for k, v in _tiny_drafter().state_dict().items()}
+    runs = {}
+    for bf16 in (False, True):
+        s = TrainSettings(lr=3e-3, warmup_steps=3, anchors_per_seq=4, epochs=2.0, eval_every=100, eval_seqs=2,
+                          time_budget_s=600, bf16=bf16)
+        m, lines = _tiny_drafter(), []
+        rep = train(store, m, None, tmp_path / str(bf16), s, gamma=4, mask_token=39, log=lines.append)
+        assert rep["finished"] and rep["steps"] == 8
+        assert any(("bf16 autocast" if bf16 else "fp32);") in x for x in lines)
+        runs[bf16] = torch.cat([(m.state_dict()[k] - init[k]).flatten().float() for k in init
+                                if m.state_dict()[k].is_floating_point()])
+    a, b = runs[False], runs[True]
+    assert a.abs().sum() > 0 and not torch.equal(a, b)  # trained, and the bf16 forward changed the numbers
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.95  # ... but not the direction of training
+    assert bf16_native(["avx512f", "amx_tile", "amx_bf16"]) and not bf16_native(["avx512f", "avx512_bf16"])
+
+
 def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
     from dspark_export.draft_pipeline import RunState
     from dspark_runtime.errors import DSparkError
