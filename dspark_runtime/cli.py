@@ -160,7 +160,7 @@ def speculation_lines(m) -> list:
     router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
     draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
     n-gram lookup at draft_length), and whether router priors exist."""
-    from dspark_runtime.engine import auto_draft_choice, manifest_drafters, manifest_schedulable
+    from dspark_runtime.draft_choice import auto_draft_choice, manifest_drafters, manifest_schedulable
 
     sp = m.speculation
     dl = sp.draft_length
