@@ -47,7 +47,7 @@ from dspark_runtime.cost_table import check_cost_table, cost_table_at
 from dspark_runtime.prefill import DEFAULT_PREFILL_BUDGET, plan_prefill
 from dspark_runtime.prefill import prefill_budget as auto_prefill_budget
 from dspark_runtime.prefix_cache import concat_blocks, payload_bytes
-from dspark_runtime.request import MAX_DRAFT_LENGTH, BatchStats, GenerationStats, Request, Stopper
+from dspark_runtime.request import MAX_DRAFT_LENGTH, BatchStats, GenerationStats, Request, RoundRecord, Stopper
 from dspark_runtime.sampling import SamplingParams, process_logits, sample
 
 def select_token(logits: np.ndarray, params: SamplingParams, rng) -> int:
@@ -132,6 +132,7 @@ class DecodingLoop:
         self.default_gamma, self.default_adaptive = 5, False  # Engine.batch sets the engine's defaults
         self.skip = DraftSkipRule(observed=mode == "fixed")  # whether a round's drafting pass pays
         self.draft_skip = mode == "scheduled" if draft_skip is None else bool(draft_skip)
+        self.round_trace: list | None = None  # a list: each round appends its RoundRecord (scripts/round_trace.py)
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None, stop: list | None = None,
@@ -330,11 +331,12 @@ class DecodingLoop:
         table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         if table and self._auto_budget and self.prefilling:
             self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
-        drafted, steady = False, True
+        drafted, steady, probe, committed0 = False, True, False, self.stats.committed
         if not reqs:
             props, lengths = [], []
         elif self.drafter is not None and self._drafting_pays(reqs, caps, table):
             drafted = True
+            probe = self.draft_skip and bool(table) and self.skip.probing
             steady = self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
             t_d = time.perf_counter()
             props = self.drafter.propose_batch(reqs, caps)
@@ -419,6 +421,12 @@ class DecodingLoop:
         st = self.stats
         wall = time.perf_counter() - t0
         st.wall_s += wall
+        if self.round_trace is not None:
+            self.round_trace.append(RoundRecord(
+                rows=len(reqs), prefilling=len(psegs), prompt_tokens=plan.tokens,
+                verify_tokens=sum(len(t) for _, t in segs),
+                pass_tokens=int(self.target.pass_rows([len(t) for _, t in segs])) if segs else 0,
+                drafted=drafted, probe=probe, wall_s=wall, committed=st.committed - committed0))
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
             self.skip.record_round(table, len(reqs), self.target.pass_rows([len(t) for _, t in segs]), drafted, wall)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}

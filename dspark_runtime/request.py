@@ -150,6 +150,30 @@ class Request:
 
 
 @dataclass
+class RoundRecord:
+    """One round of :class:`~dspark_runtime.decoding.DecodingLoop` (kept where the loop's ``round_trace`` is a list;
+    ``scripts/round_trace.py`` summarises them by kind).
+
+    rows: decoding requests verified; prefilling: prompt chunks fed in the round; prompt_tokens: their tokens;
+    verify_tokens: anchors + drafts verified (sum of 1 + l_r); pass_tokens: what the target pass computes for the
+    decoding rows, padding included (the runner's ``pass_rows``); drafted: whether the drafting pass ran; probe:
+    whether it ran as a probe of the skip rule (drafting was not expected to pay, :mod:`dspark_runtime.draft_skip`);
+    wall_s: seconds inside ``step``; committed: tokens the round's verification committed (bonus included; not a
+    request's first token, which the last chunk of its prompt gives).
+    """
+
+    rows: int
+    prefilling: int
+    prompt_tokens: int
+    verify_tokens: int
+    pass_tokens: int
+    drafted: bool
+    probe: bool
+    wall_s: float
+    committed: int
+
+
+@dataclass
 class BatchStats:
     """Aggregate metrics of a batched run.
 

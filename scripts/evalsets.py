@@ -57,3 +57,37 @@ def ids_digest(ids) -> str:
     import hashlib
 
     return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def round_kinds(records) -> dict:
+    """Per-round records of the decoding loop (:class:`dspark_runtime.request.RoundRecord`, or dicts of its fields)
+    summarised by kind: "drafted" (the drafting pass ran because it was expected to pay, or nothing was known yet),
+    "probe" (it ran as a probe of the skip rule) and "undrafted", each "+prefill" where the round also fed prompt
+    chunks; "prefill-only" for rounds with no decoding row. Per kind: rounds, wall_s (sum, seconds), ms_per_round,
+    committed, tokens_per_second (committed / wall_s), rows_mean, pass_tokens_mean, prompt_tokens; and
+    "share_of_wall" of the whole trace. Kinds with no round are left out."""
+    out: dict = {}
+    for r in records:
+        r = r if isinstance(r, dict) else vars(r)
+        if not r["rows"]:
+            kind = "prefill-only"
+        else:
+            kind = ("probe" if r["probe"] else "drafted") if r["drafted"] else "undrafted"
+            kind += "+prefill" if r["prefilling"] else ""
+        k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "committed": 0, "rows": 0, "pass_tokens": 0,
+                                  "prompt_tokens": 0})
+        k["rounds"] += 1
+        k["wall_s"] += r["wall_s"]
+        k["committed"] += r["committed"]
+        k["rows"] += r["rows"]
+        k["pass_tokens"] += r["pass_tokens"]
+        k["prompt_tokens"] += r["prompt_tokens"]
+    total = sum(k["wall_s"] for k in out.values())
+    for k in out.values():
+        n = k["rounds"]
+        k["ms_per_round"] = 1e3 * k["wall_s"] / n
+        k["tokens_per_second"] = k["committed"] / k["wall_s"] if k["wall_s"] > 0 else 0.0
+        k["rows_mean"] = k.pop("rows") / n
+        k["pass_tokens_mean"] = k.pop("pass_tokens") / n
+        k["share_of_wall"] = k["wall_s"] / total if total > 0 else 0.0
+    return dict(sorted(out.items()))

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evalsets import ROOT, load_prompts, loadavg, machine  # noqa: E402
+from evalsets import ROOT, load_prompts, loadavg, machine, round_kinds  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -137,7 +137,7 @@ def transcript(client, model, prompt, max_tokens):
     print("=== done", flush=True)
 
 
-def bench_server(url, model, prompts, a, label):
+def bench_server(url, model, prompts, a, label, gen=None):
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -145,11 +145,27 @@ def bench_server(url, model, prompts, a, label):
     if a.transcript:
         transcript(client, model, prompts[0], min(a.max_tokens, 48))
     solo = run_phase(client, model, prompts, a.max_tokens, 1)
+    if gen is not None and gen.round_trace is not None:
+        gen.round_trace = []  # the concurrent phase's rounds only
     conc = run_phase(client, model, prompts, a.max_tokens, a.clients)
     same = sum(x == y for x, y in zip(solo["texts"], conc["texts"]))
     print(f"[{label}] solo {solo['tokens_per_second']:.2f} tok/s; {a.clients} clients "
           f"{conc['tokens_per_second']:.2f} tok/s; identical to solo {same}/{len(prompts)}", flush=True)
-    return {"config": label, "solo": solo, "concurrent": conc, "identical_to_solo": same}
+    out = {"config": label, "solo": solo, "concurrent": conc, "identical_to_solo": same}
+    if gen is not None and gen.round_trace is not None:
+        out["round_kinds"] = round_kinds(list(gen.round_trace))
+        print_round_kinds(label, out["round_kinds"])
+    return out
+
+
+def print_round_kinds(label, kinds):
+    """The concurrent phase's rounds by kind (``--round-trace``): a markdown table."""
+    print(f"[{label}] rounds of the concurrent phase by kind")
+    print("| kind | rounds | ms a round | rows | pass tokens | prompt tokens | committed | tok/s | share of wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, k in kinds.items():
+        print(f"| {kind} | {k['rounds']} | {k['ms_per_round']:.0f} | {k['rows_mean']:.1f} | {k['pass_tokens_mean']:.1f} "
+              f"| {k['prompt_tokens']} | {k['committed']} | {k['tokens_per_second']:.1f} | {k['share_of_wall']:.1%} |")
 
 
 def bench_prefix(url, model, questions, a, label):
@@ -187,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=["prompts", "shared-prefix"], default="prompts",
                     help="prompts: solo then --clients concurrent single-turn requests; shared-prefix: --clients "
                          "2-turn conversations at once sharing a long system prompt (the --humaneval questions)")
+    ap.add_argument("--round-trace", action="store_true", help="with --engine and the prompts workload: keep the "
+                    "decoding loop's per-round records (DecodingLoop.round_trace) of the concurrent phase and report "
+                    "them by kind: drafted / probe / undrafted, with or without prompt chunks")
     ap.add_argument("--out", default=None, help="JSON output (default scripts/results/serve-<name>.json)")
     a = ap.parse_args(argv)
     prompts = load_prompts("humaneval", a.humaneval) + load_prompts("mt-bench", a.mt_bench)
@@ -215,7 +234,10 @@ def main(argv=None) -> int:
             with ServerThread(app) as srv:
                 a_i = argparse.Namespace(**{**vars(a), "transcript": a.transcript and i == 0})
                 label = c if mb == 0 else f"{c} prefix-cache {mb:g} MiB"
-                runs.append(bench(srv.url, app.state.model_name, prompts, a_i, label))
+                if a.round_trace:
+                    app.state.worker.gen.round_trace = []
+                extra = {"gen": app.state.worker.gen} if bench is bench_server else {}
+                runs.append(bench(srv.url, app.state.model_name, prompts, a_i, label, **extra))
                 runs[-1]["prefill_budget"] = app.state.worker.gen.prefill_budget
                 if eng.prefix_cache is not None:
                     runs[-1]["prefix_cache"] = eng.prefix_cache.stats.to_json()

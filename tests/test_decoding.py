@@ -35,11 +35,12 @@ class GreedyOracle(StatelessDrafter):
         return out
 
 
-def _run(t_draft: float, n: int = 60):
+def _run(t_draft: float, n: int = 60, trace: list | None = None):
     table = {"tokens": [1, 2, 3, 4, 5, 8], "t_verify": [1.0, 1.01, 1.02, 1.03, 1.04, 1.07], "t_draft": t_draft}
     table["seconds"] = [t_draft + t for t in table["t_verify"]]
     drafter = GreedyOracle()
     loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
+    loop.round_trace = trace
     drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=n, gamma=4)
     loop.run()
@@ -64,6 +65,24 @@ def test_scheduled_rounds_skip_the_drafting_pass_when_it_does_not_pay():
     assert drafter.at[0] == 0 and len(gaps) >= 1
     assert gaps == [min(SKIP_PROBE_EVERY * 2 ** i, SKIP_PROBE_MAX) for i in range(len(gaps))]
     assert req.stats.draft_length_histogram.get("0", 0) == st.draft_skipped
+
+
+def test_the_round_trace_records_each_round_and_marks_the_probes():
+    trace = []
+    req, st, drafter, ref = _run(t_draft=10.0, trace=trace)
+    assert req.token_ids == ref
+    # the first round feeds the prompt alone (no decoding rows); every later one verifies the request's block
+    assert trace[0].rows == 0 and trace[0].prompt_tokens == 2 and trace[0].prefilling == 1
+    rounds = trace[1:]
+    assert len(rounds) == st.rounds and all(r.rows == 1 and r.prefilling == 0 for r in rounds)
+    assert sum(r.committed for r in trace) == st.committed
+    assert sum(r.verify_tokens for r in trace) == st.verify_tokens
+    assert sum(r.prompt_tokens for r in trace) == st.prefill_tokens
+    assert [i for i, r in enumerate(rounds) if r.drafted] == drafter.at
+    # the first drafted round drafts because nothing is known yet, not as a probe; every later one is a probe
+    assert [r.probe for r in rounds if r.drafted] == [False] + [True] * (len(drafter.at) - 1)
+    assert all(r.wall_s >= 0 for r in trace) and all(r.pass_tokens == r.verify_tokens for r in rounds)
+    assert DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None).round_trace is None  # off by default
 
 
 def test_fixed_mode_without_a_cost_table_always_drafts():

@@ -1,0 +1,51 @@
+"""scripts/serve_bench.py --round-trace: the decoding loop's per-round records of the concurrent phase, summarised by
+kind (scripts/evalsets.py round_kinds), on the tiny engine served in-process; and the summary itself on known rounds."""
+import json
+
+import pytest
+from script_loader import load_script
+
+from dspark_runtime.request import RoundRecord
+
+
+@pytest.fixture(scope="module")
+def evalsets():
+    return load_script("evalsets", "evalsets_script")
+
+
+def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1):
+    return RoundRecord(rows=rows, prefilling=prefilling, prompt_tokens=8 * prefilling, verify_tokens=rows,
+                       pass_tokens=rows, drafted=drafted, probe=probe, wall_s=wall, committed=committed)
+
+
+def test_round_kinds_groups_and_sums(evalsets):
+    k = evalsets.round_kinds([_rec(0, prefilling=1, wall=0.2, committed=0), _rec(2, drafted=True, committed=5),
+                              _rec(2, drafted=True, probe=True, committed=3, wall=0.3),
+                              _rec(4, prefilling=2, wall=0.2, committed=4), _rec(4, wall=0.2, committed=4)])
+    assert list(k) == ["drafted", "prefill-only", "probe", "undrafted", "undrafted+prefill"]
+    assert k["drafted"]["committed"] == 5 and k["probe"]["ms_per_round"] == pytest.approx(300)
+    assert k["undrafted+prefill"]["prompt_tokens"] == 16 and k["undrafted"]["tokens_per_second"] == pytest.approx(20)
+    assert sum(x["share_of_wall"] for x in k.values()) == pytest.approx(1.0)
+    assert k["prefill-only"]["share_of_wall"] == pytest.approx(0.2 / 1.0)
+    assert evalsets.round_kinds([]) == {}
+
+
+def test_serve_bench_round_trace_on_the_tiny_engine(tiny_engine_with_dspark, tmp_path, capsys):
+    sb = load_script("serve_bench", "serve_bench_script")
+    out = tmp_path / "serve.json"
+    rc = sb.main(["--engine", str(tiny_engine_with_dspark), "--configs", "dspark,none", "--humaneval", "2",
+                  "--mt-bench", "2", "--max-tokens", "8", "--clients", "4", "--max-batch", "4", "--round-trace",
+                  "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["identical_across_configs"]
+    for run in r["runs"]:
+        kinds = run["round_kinds"]
+        assert kinds and set(kinds) <= {"drafted", "probe", "undrafted", "prefill-only", "drafted+prefill",
+                                        "probe+prefill", "undrafted+prefill"}
+        # every completion token of the concurrent phase was committed by one of its rounds, but each request's
+        # first, which its prompt's last chunk gives
+        conc = run["concurrent"]
+        assert sum(k["committed"] for k in kinds.values()) + conc["requests"] >= conc["tokens"] > 0
+        drafted = sum(v["rounds"] for kind, v in kinds.items() if not kind.startswith(("undrafted", "prefill")))
+        assert (drafted > 0) == (run["config"] == "dspark")
+    assert "rounds of the concurrent phase by kind" in capsys.readouterr().out
