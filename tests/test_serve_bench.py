@@ -34,7 +34,7 @@ def test_serve_bench_round_trace_on_the_tiny_engine(tiny_engine_with_dspark, tmp
     sb = load_script("serve_bench", "serve_bench_script")
     out = tmp_path / "serve.json"
     rc = sb.main(["--engine", str(tiny_engine_with_dspark), "--configs", "dspark,none", "--humaneval", "2",
-                  "--mt-bench", "2", "--max-tokens", "8", "--clients", "4", "--max-batch", "4", "--round-trace",
+                  "--mt-bench", "1", "--max-tokens", "6", "--clients", "3", "--max-batch", "3", "--round-trace",
                   "--out", str(out)])
     r = json.loads(out.read_text())
     assert rc == 0 and r["identical_across_configs"]
