@@ -38,6 +38,50 @@ from dspark_runtime.sampling import SamplingParams, process_logits, sample
 # Static-threshold rules (module docstring, step 3): "survival" = ours, on the calibrated running product a_j;
 # "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
 THRESHOLD_RULES = ("survival", "deepspec")
+# A drafter graph call's fixed cost, in drafter positions (session dispatch, feeds, K/V copies): the price of
+# splitting one padded call into several (:func:`context_groups`); docs/serving.md "The drafter's catch-up".
+DRAFT_CALL_OVERHEAD = 32
+
+
+def context_groups(new_counts, block: int, overhead: int = DRAFT_CALL_OVERHEAD) -> list:
+    """Split one round's drafting pass into graph calls so that rows of very different new-context lengths are not
+    padded to the longest (pure function).
+
+    A call over the rows G computes ``|G| x (max_{r in G} n_r + block)`` drafter positions (every row is padded to
+    the longest new context in its call, the padding masked) plus a fixed ``overhead``. A request that has just
+    joined brings its whole prompt's features (hundreds of positions), a request that decoded last round one to
+    eight, so one call would pad every row to the prompt: R times the drafter work of the new row alone. The
+    partition minimising the total is contiguous in the rows sorted by ``n_r`` (descending), found by dynamic
+    programming over that order: O(R^2).
+
+    Args:
+        new_counts: per row its new context positions this round, ints >= 0 (R of them).
+        block: γ, the block positions every row computes.
+        overhead: a call's fixed cost in positions (>= 0).
+    Returns:
+        list of lists of row indices (into ``new_counts``), each list one call; every row in exactly one; the
+        calls in order of their longest row, descending; one call holding every row when splitting does not pay.
+    Raises ValueError for a negative count or overhead.
+    """
+    counts = [int(n) for n in new_counts]
+    if any(n < 0 for n in counts) or overhead < 0:
+        raise ValueError(f"new context counts and the call overhead must be >= 0, got {counts}, {overhead}")
+    order = sorted(range(len(counts)), key=lambda i: -counts[i])
+    R = len(order)
+    if R <= 1:
+        return [order] if order else []
+    best = [0.0] + [float("inf")] * R  # best[k]: cheapest calls for the first k rows of ``order``
+    cut = [0] * (R + 1)
+    for k in range(1, R + 1):
+        for j in range(k):  # the last call holds order[j:k], padded to order[j]'s count
+            c = best[j] + (k - j) * (counts[order[j]] + block) + overhead
+            if c < best[k]:
+                best[k], cut[k] = c, j
+    groups, k = [], R
+    while k > 0:
+        groups.append(order[cut[k]:k])
+        k = cut[k]
+    return groups[::-1]
 
 
 def check_threshold_rule(rule: str) -> str:
@@ -260,7 +304,9 @@ def _sigmoid(x):
 class DSparkDrafter:
     """The DSpark drafter (:mod:`dspark_runtime.drafters` interface) for one request or many: one ``dspark_draft``
     graph call per round with one row per request (block = anchor + γ-1 mask tokens; rows padded to the longest
-    new context, padding masked), then the numpy Markov/confidence heads per row.
+    new context, padding masked), split into several calls when one row's new context is much longer than the
+    others' (a request that has just joined brings its whole prompt; :func:`context_groups`), then the numpy
+    Markov/confidence heads per row.
 
     The context K/V is a [R, kv_heads, S, head_dim] array per drafter layer with a validity mask [R, S]: rows
     join (zero row, nothing valid) and leave (row deleted) between rounds; each call appends the target features
@@ -339,6 +385,51 @@ class DSparkDrafter:
         self._kv = new_kv
         self._valid = np.arange(keep)[None, :] < counts[:, None]
 
+    def _run_groups(self, reqs_rows: list, news: list) -> tuple:
+        """The round's drafter graph calls: the rows (in ``self.rows`` order) split by :func:`context_groups` so no
+        row is padded to a much longer new context than its own, each call appending its rows' new context
+        positions ``news`` [(first, end)] to their K/V. Returns (hidden [R, γ, d], base [R, γ, V_d], the merged K/V
+        per layer [R, kvh, S + max new, hd], validity [R, S + max new])."""
+        g = self.block_size
+        R = len(reqs_rows)
+        fdim = self.graph.spec.inputs[0].shape[-1]
+        S = self._valid.shape[1]
+        n_all = max((b - a for a, b in news), default=0)
+        hidden = base = None
+        kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
+               np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in self._kv]
+        valid = np.zeros((R, S + n_all), dtype=bool)
+        for rows in context_groups([b - a for a, b in news], g):
+            idx = np.asarray(rows, dtype=np.int64)
+            n_new = max(news[i][1] - news[i][0] for i in rows)
+            feats = np.zeros((len(rows), n_new, fdim), dtype=np.float32)
+            fpos = np.zeros((len(rows), n_new), dtype=np.int64)
+            new_valid = np.zeros((len(rows), n_new), dtype=bool)
+            bpos = np.zeros((len(rows), g), dtype=np.int64)
+            anchors = np.zeros((len(rows), 1), dtype=np.int64)
+            for j, i in enumerate(rows):
+                (r, _), (a, b) = reqs_rows[i], news[i]
+                feats[j, : b - a] = self.target.features(r.rid)[a:b]
+                fpos[j, : b - a] = np.arange(a, b)
+                new_valid[j, : b - a] = True
+                bpos[j] = np.arange(b, b + g)
+                anchors[j, 0] = r.out[-1]
+            ctx_valid = np.concatenate([self._valid[idx], new_valid], axis=1)
+            mask = np.concatenate([ctx_valid, np.ones((len(rows), g), dtype=bool)], axis=1)
+            mask = np.broadcast_to(mask[:, None, None, :], (len(rows), 1, g, mask.shape[1]))
+            past = [(k[idx], v[idx]) for k, v in self._kv]
+            h, u, present = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), past)
+            if hidden is None:
+                hidden = np.zeros((R,) + h.shape[1:], dtype=h.dtype)
+                base = np.zeros((R,) + u.shape[1:], dtype=u.dtype)
+            hidden[idx], base[idx] = h, u
+            width = S + n_new
+            for (k, v), (pk, pv) in zip(kv, present):
+                k[idx, :, :width] = pk
+                v[idx, :, :width] = pv
+            valid[idx, :width] = ctx_valid
+        return hidden, base, kv, valid
+
     def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
         """One drafting pass for every active request (``reqs``: all of them, with their γ caps); the heads run
         only for the requests in ``only`` (None = all). Returns list[Proposal] in the order of ``reqs`` (q None
@@ -351,7 +442,8 @@ class DSparkDrafter:
         order = {rid: i for i, rid in enumerate(self.rows)}
         reqs_rows = sorted(zip(reqs, gammas), key=lambda rg: order[rg[0].rid])
         g = self.block_size
-        R = len(reqs_rows)
+        if not reqs_rows:
+            return []
         news = []
         for r, _ in reqs_rows:
             anchor_pos = len(r.prompt) + len(r.out) - 1
@@ -360,24 +452,7 @@ class DSparkDrafter:
                                   f"{self.target.length(r.rid)} positions, anchor at {anchor_pos}, drafter "
                                   f"context {self._ctx[r.rid]}")
             news.append((self._ctx[r.rid], anchor_pos))
-        n_new = max(b - a for a, b in news)
-        fdim = self.graph.spec.inputs[0].shape[-1]
-        feats = np.zeros((R, n_new, fdim), dtype=np.float32)
-        fpos = np.zeros((R, n_new), dtype=np.int64)
-        new_valid = np.zeros((R, n_new), dtype=bool)
-        bpos = np.zeros((R, g), dtype=np.int64)
-        anchors = np.zeros((R, 1), dtype=np.int64)
-        for i, ((r, _), (a, b)) in enumerate(zip(reqs_rows, news)):
-            feats[i, : b - a] = self.target.features(r.rid)[a:b]
-            fpos[i, : b - a] = np.arange(a, b)
-            new_valid[i, : b - a] = True
-            bpos[i] = np.arange(b, b + g)
-            anchors[i, 0] = r.out[-1]
-        ctx_valid = np.concatenate([self._valid, new_valid], axis=1)
-        mask = np.concatenate([ctx_valid, np.ones((R, g), dtype=bool)], axis=1)
-        mask = np.broadcast_to(mask[:, None, None, :], (R, 1, g, mask.shape[1]))
-        hidden, base, self._kv = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), self._kv)
-        self._valid = ctx_valid
+        hidden, base, self._kv, self._valid = self._run_groups(reqs_rows, news)
         for (r, _), (a, b) in zip(reqs_rows, news):
             self._ctx[r.rid] = b
         self._compact()
@@ -386,7 +461,7 @@ class DSparkDrafter:
             if only is not None and r.rid not in only:
                 props[r.rid] = Proposal([])
                 continue
-            toks, qs, surv, confs = self.heads.draft(base[i], hidden[i], int(anchors[i, 0]), max(0, min(gam, g)),
+            toks, qs, surv, confs = self.heads.draft(base[i], hidden[i], int(r.out[-1]), max(0, min(gam, g)),
                                                      r.params, r.rng, self.confidence_threshold, self.threshold_rule)
             self._conf[r.rid] = np.asarray(confs[: len(toks)])
             props[r.rid] = Proposal(toks, np.stack(qs) if qs and not r.params.greedy else None,

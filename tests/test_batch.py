@@ -146,6 +146,31 @@ def test_batched_dspark_drafts_what_the_single_drafter_drafts(ds_engine):
         assert r.stats.accepted_by_position == s.stats.accepted_by_position
 
 
+
+def test_a_long_prompt_joining_the_dspark_rows_gets_its_own_call_and_drafts_as_alone(ds_engine, monkeypatch):
+    """A request whose prompt (about 200 tokens, fed in chunks) joins while three others decode brings its whole
+    prompt's features to the drafter: that round's pass splits into calls (:func:`dspark.context_groups`) so the
+    decoding rows are not padded to the prompt, and every request still drafts what it drafts alone."""
+    from dspark_runtime.dspark import OrtDSparkGraph
+
+    prompts = PROMPTS[:3] + [" ".join(f"w{i}" for i in range(120))]
+    solo = [ds_engine.generate(p, max_new_tokens=24, draft="dspark", draft_length=4) for p in prompts]
+    calls, real = [], OrtDSparkGraph.run
+
+    def spy(self, features, *a, **kw):
+        calls.append(features.shape[:2])
+        return real(self, features, *a, **kw)
+
+    monkeypatch.setattr(OrtDSparkGraph, "run", spy)
+    res = ds_engine.generate_batch(prompts, max_new_tokens=24, draft="dspark", draft_length=4, max_batch=4,
+                                   prefill_budget=16)
+    long_calls = [c for c in calls if c[1] > 50]
+    assert long_calls and all(rows == 1 for rows, _ in long_calls), calls  # the prompt's catch-up ran alone
+    for s, r in zip(solo, res):
+        assert r.token_ids == s.token_ids
+        assert (r.stats.num_rounds, r.stats.accepted) == (s.stats.num_rounds, s.stats.accepted)
+        assert r.stats.accepted_by_position == s.stats.accepted_by_position
+
 def test_batched_router_is_exact_uses_both_sources_and_matches_the_single_router(ds_engine):
     """The router in the batched runtime: greedy outputs equal solo target-only at fixed γ and scheduled (with
     n-gram blocks past the DSpark block size); both sources are used; a request routes as it would alone
