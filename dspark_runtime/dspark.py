@@ -38,9 +38,11 @@ from dspark_runtime.sampling import SamplingParams, process_logits, sample
 # Static-threshold rules (module docstring, step 3): "survival" = ours, on the calibrated running product a_j;
 # "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
 THRESHOLD_RULES = ("survival", "deepspec")
-# A drafter graph call's fixed cost, in drafter positions (session dispatch, feeds, K/V copies): the price of
-# splitting one padded call into several (:func:`context_groups`); docs/serving.md "The drafter's catch-up".
-DRAFT_CALL_OVERHEAD = 32
+# A drafter graph call's fixed cost, in context positions (session dispatch, feeds, K/V copies): the price of
+# splitting one padded call into several (:func:`context_groups`). Probed on the int4 Qwen engine's drafter (2-core
+# Xeon, 2026-12-03): a context position ~0.17 ms in a large call, a call's fixed part ~1.5 ms (~10 positions); 16
+# leaves a margin. docs/serving.md "The drafter's catch-up".
+DRAFT_CALL_OVERHEAD = 16
 
 
 def context_groups(new_counts, block: int, overhead: int = DRAFT_CALL_OVERHEAD) -> list:
