@@ -332,6 +332,7 @@ class DecodingLoop:
         if table and self._auto_budget and self.prefilling:
             self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
         drafted, steady, probe, committed0 = False, True, False, self.stats.committed
+        self.skip.last_expected = None
         if not reqs:
             props, lengths = [], []
         elif self.drafter is not None and self._drafting_pays(reqs, caps, table):
@@ -426,7 +427,9 @@ class DecodingLoop:
                 rows=len(reqs), prefilling=len(psegs), prompt_tokens=plan.tokens,
                 verify_tokens=sum(len(t) for _, t in segs),
                 pass_tokens=int(self.target.pass_rows([len(t) for _, t in segs])) if segs else 0,
-                drafted=drafted, probe=probe, wall_s=wall, committed=st.committed - committed0))
+                drafted=drafted, probe=probe, wall_s=wall, committed=st.committed - committed0,
+                expected_drafted=(self.skip.last_expected or (None, None))[0],
+                expected_undrafted=(self.skip.last_expected or (None, None))[1]))
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
             self.skip.record_round(table, len(reqs), self.target.pass_rows([len(t) for _, t in segs]), drafted, wall)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}

@@ -97,6 +97,7 @@ class DraftSkipRule:
         self.loop_survival: np.ndarray | None = None  # observed mode: every request's verdicts together
         self.draft_seconds: dict = {}
         self.round_ratio: dict = {}  # {"drafted" | "undrafted": measured / predicted round wall time}
+        self.last_expected: tuple | None = None  # the last pays()'s (Theta_d, Theta_0), tok/s; None: not weighed
 
     # --- what the loop reports -----------------------------------------------------------------------------
     def drafted(self) -> None:
@@ -189,11 +190,14 @@ class DraftSkipRule:
         Verify lengths if the round drafts: Algorithm 1 (scheduled), or each estimate's length within the cap
         (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain). Each
         side's costs are scaled by its kind's measured / predicted round-time ratio (:meth:`ratios`).
-        Returns True to draft (also: no profiled ``t_verify``, nothing known yet, or a probe is due).
+        Returns True to draft (also: no profiled ``t_verify``, nothing known yet, or a probe is due). Leaves the two
+        expected throughputs it compared in ``last_expected`` ((Theta_d, Theta_0) tok/s), None where it did not
+        weigh them.
         """
         from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
 
         self.probing = False
+        self.last_expected = None
         if "t_verify" not in table:
             return True
         prior = self.prior if self.prior is not None else (self.loop_survival if self.observed else None)
@@ -216,8 +220,10 @@ class DraftSkipRule:
         else:
             lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs], pass_tokens=pass_tokens)
         verify_only = verify_table(table, scale=k_0)
-        if (expected_throughput(survs, lens, cost, pass_tokens)
-                > expected_throughput(survs, [0] * rows, verify_only, pass_tokens)):
+        theta_d = expected_throughput(survs, lens, cost, pass_tokens)
+        theta_0 = expected_throughput(survs, [0] * rows, verify_only, pass_tokens)
+        self.last_expected = (float(theta_d), float(theta_0))
+        if theta_d > theta_0:
             self.probe_every = SKIP_PROBE_EVERY
             return True
         if self.undrafted >= self.probe_every:

@@ -152,14 +152,17 @@ class Request:
 @dataclass
 class RoundRecord:
     """One round of :class:`~dspark_runtime.decoding.DecodingLoop` (kept where the loop's ``round_trace`` is a list;
-    ``scripts/round_trace.py`` summarises them by kind).
+    ``scripts/evalsets.py`` ``round_kinds`` summarises them by kind).
 
     rows: decoding requests verified; prefilling: prompt chunks fed in the round; prompt_tokens: their tokens;
     verify_tokens: anchors + drafts verified (sum of 1 + l_r); pass_tokens: what the target pass computes for the
     decoding rows, padding included (the runner's ``pass_rows``); drafted: whether the drafting pass ran; probe:
     whether it ran as a probe of the skip rule (drafting was not expected to pay, :mod:`dspark_runtime.draft_skip`);
     wall_s: seconds inside ``step``; committed: tokens the round's verification committed (bonus included; not a
-    request's first token, which the last chunk of its prompt gives).
+    request's first token, which the last chunk of its prompt gives); expected_drafted / expected_undrafted: the
+    skip rule's expected tok/s for drafting and for verifying anchors only this round
+    (:meth:`~dspark_runtime.draft_skip.DraftSkipRule.pays`, each scaled by its kind's measured round-time ratio),
+    None where the rule did not weigh them (no drafter, no skip rule, no profiled table, nothing known yet).
     """
 
     rows: int
@@ -171,6 +174,8 @@ class RoundRecord:
     probe: bool
     wall_s: float
     committed: int
+    expected_drafted: float | None = None
+    expected_undrafted: float | None = None
 
 
 @dataclass

@@ -64,8 +64,10 @@ def round_kinds(records) -> dict:
     summarised by kind: "drafted" (the drafting pass ran because it was expected to pay, or nothing was known yet),
     "probe" (it ran as a probe of the skip rule) and "undrafted", each "+prefill" where the round also fed prompt
     chunks; "prefill-only" for rounds with no decoding row. Per kind: rounds, wall_s (sum, seconds), ms_per_round,
-    committed, tokens_per_second (committed / wall_s), rows_mean, pass_tokens_mean, prompt_tokens; and
-    "share_of_wall" of the whole trace. Kinds with no round are left out."""
+    committed, tokens_per_second (committed / wall_s), rows_mean, pass_tokens_mean, prompt_tokens;
+    "share_of_wall" of the whole trace; and the skip rule's mean expectations over the rounds that weighed them,
+    expected_drafted_tps / expected_undrafted_tps (None where no round of the kind did). Kinds with no round are
+    left out."""
     out: dict = {}
     for r in records:
         r = r if isinstance(r, dict) else vars(r)
@@ -75,8 +77,12 @@ def round_kinds(records) -> dict:
             kind = ("probe" if r["probe"] else "drafted") if r["drafted"] else "undrafted"
             kind += "+prefill" if r["prefilling"] else ""
         k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "committed": 0, "rows": 0, "pass_tokens": 0,
-                                  "prompt_tokens": 0})
+                                  "prompt_tokens": 0, "weighed": 0, "exp_d": 0.0, "exp_0": 0.0})
         k["rounds"] += 1
+        if r.get("expected_drafted") is not None:
+            k["weighed"] += 1
+            k["exp_d"] += r["expected_drafted"]
+            k["exp_0"] += r["expected_undrafted"]
         k["wall_s"] += r["wall_s"]
         k["committed"] += r["committed"]
         k["rows"] += r["rows"]
@@ -90,4 +96,7 @@ def round_kinds(records) -> dict:
         k["rows_mean"] = k.pop("rows") / n
         k["pass_tokens_mean"] = k.pop("pass_tokens") / n
         k["share_of_wall"] = k["wall_s"] / total if total > 0 else 0.0
+        w, d, u = k.pop("weighed"), k.pop("exp_d"), k.pop("exp_0")
+        k["expected_drafted_tps"] = d / w if w else None
+        k["expected_undrafted_tps"] = u / w if w else None
     return dict(sorted(out.items()))

@@ -82,6 +82,12 @@ def test_the_round_trace_records_each_round_and_marks_the_probes():
     # the first drafted round drafts because nothing is known yet, not as a probe; every later one is a probe
     assert [r.probe for r in rounds if r.drafted] == [False] + [True] * (len(drafter.at) - 1)
     assert all(r.wall_s >= 0 for r in trace) and all(r.pass_tokens == r.verify_tokens for r in rounds)
+    # the rule's two expectations: none for the prompt round and the first (nothing known yet); afterwards every
+    # round weighed them, and each undrafted round and each probe is one where drafting was expected to lose
+    assert trace[0].expected_drafted is None and rounds[0].expected_drafted is None
+    weighed = rounds[1:]
+    assert weighed and all(r.expected_drafted is not None and r.expected_undrafted > 0 for r in weighed)
+    assert all(r.expected_drafted < r.expected_undrafted for r in weighed if not r.drafted or r.probe)
     assert DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None).round_trace is None  # off by default
 
 

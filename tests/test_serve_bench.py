@@ -13,9 +13,10 @@ def evalsets():
     return load_script("evalsets", "evalsets_script")
 
 
-def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1):
+def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1, expected=(None, None)):
     return RoundRecord(rows=rows, prefilling=prefilling, prompt_tokens=8 * prefilling, verify_tokens=rows,
-                       pass_tokens=rows, drafted=drafted, probe=probe, wall_s=wall, committed=committed)
+                       pass_tokens=rows, drafted=drafted, probe=probe, wall_s=wall, committed=committed,
+                       expected_drafted=expected[0], expected_undrafted=expected[1])
 
 
 def test_round_kinds_groups_and_sums(evalsets):
@@ -27,6 +28,10 @@ def test_round_kinds_groups_and_sums(evalsets):
     assert k["undrafted+prefill"]["prompt_tokens"] == 16 and k["undrafted"]["tokens_per_second"] == pytest.approx(20)
     assert sum(x["share_of_wall"] for x in k.values()) == pytest.approx(1.0)
     assert k["prefill-only"]["share_of_wall"] == pytest.approx(0.2 / 1.0)
+    assert k["drafted"]["expected_drafted_tps"] is None
+    k = evalsets.round_kinds([_rec(4, expected=(10.0, 20.0)), _rec(4, expected=(14.0, 18.0)), _rec(4)])
+    assert k["undrafted"]["expected_drafted_tps"] == pytest.approx(12.0)  # the two rounds that weighed them
+    assert k["undrafted"]["expected_undrafted_tps"] == pytest.approx(19.0)
     assert evalsets.round_kinds([]) == {}
 
 
