@@ -397,11 +397,16 @@ class DSparkDrafter:
         fdim = self.graph.spec.inputs[0].shape[-1]
         S = self._valid.shape[1]
         n_all = max((b - a for a, b in news), default=0)
+        groups = context_groups([b - a for a, b in news], g)
+        one = len(groups) == 1  # the steady round: every row in one call, the K/V passed and kept as they are
+        if one:
+            groups = [list(range(R))]
+        else:  # the merged K/V the calls write their rows into
+            kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
+                   np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in self._kv]
+            valid = np.zeros((R, S + n_all), dtype=bool)
         hidden = base = None
-        kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
-               np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in self._kv]
-        valid = np.zeros((R, S + n_all), dtype=bool)
-        for rows in context_groups([b - a for a, b in news], g):
+        for rows in groups:
             idx = np.asarray(rows, dtype=np.int64)
             n_new = max(news[i][1] - news[i][0] for i in rows)
             feats = np.zeros((len(rows), n_new, fdim), dtype=np.float32)
@@ -416,11 +421,13 @@ class DSparkDrafter:
                 new_valid[j, : b - a] = True
                 bpos[j] = np.arange(b, b + g)
                 anchors[j, 0] = r.out[-1]
-            ctx_valid = np.concatenate([self._valid[idx], new_valid], axis=1)
+            ctx_valid = np.concatenate([self._valid if one else self._valid[idx], new_valid], axis=1)
             mask = np.concatenate([ctx_valid, np.ones((len(rows), g), dtype=bool)], axis=1)
             mask = np.broadcast_to(mask[:, None, None, :], (len(rows), 1, g, mask.shape[1]))
-            past = [(k[idx], v[idx]) for k, v in self._kv]
+            past = self._kv if one else [(k[idx], v[idx]) for k, v in self._kv]
             h, u, present = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), past)
+            if one:
+                return h, u, present, ctx_valid
             if hidden is None:
                 hidden = np.zeros((R,) + h.shape[1:], dtype=h.dtype)
                 base = np.zeros((R,) + u.shape[1:], dtype=u.dtype)

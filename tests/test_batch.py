@@ -146,7 +146,6 @@ def test_batched_dspark_drafts_what_the_single_drafter_drafts(ds_engine):
         assert r.stats.accepted_by_position == s.stats.accepted_by_position
 
 
-
 def test_a_long_prompt_joining_the_dspark_rows_gets_its_own_call_and_drafts_as_alone(ds_engine, monkeypatch):
     """A request whose prompt (about 200 tokens, fed in chunks) joins while three others decode brings its whole
     prompt's features to the drafter: that round's pass splits into calls (:func:`dspark.context_groups`) so the
@@ -170,6 +169,7 @@ def test_a_long_prompt_joining_the_dspark_rows_gets_its_own_call_and_drafts_as_a
         assert r.token_ids == s.token_ids
         assert (r.stats.num_rounds, r.stats.accepted) == (s.stats.num_rounds, s.stats.accepted)
         assert r.stats.accepted_by_position == s.stats.accepted_by_position
+
 
 def test_batched_router_is_exact_uses_both_sources_and_matches_the_single_router(ds_engine):
     """The router in the batched runtime: greedy outputs equal solo target-only at fixed γ and scheduled (with
