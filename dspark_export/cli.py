@@ -386,8 +386,9 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
 @click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.option("--max-tokens", type=int, default=8, show_default=True,
               help="Largest verify batch B profiled (batched serving: max batch x (gamma + 1), e.g. 64).")
-@click.option("--draft-rows", default="1", show_default=True,
-              help="Comma-separated request counts at which to time one batched DSpark drafting pass (e.g. 1,2,4,8).")
+@click.option("--draft-rows", default="1,2,4,8", show_default=True,
+              help="Comma-separated request counts at which to time one batched DSpark drafting pass (the skip rule "
+                   "and the scheduler price a round of R requests at t_draft(R); `dspark serve` batches up to 8).")
 @click.option("--context", default=None, metavar="N[,N...]",
               help="Cached positions during the timing: the context buckets, comma-separated (the runtime reads the "
                    "table at each round's cached positions, interpolating between buckets). Default: 128,512,1024, "

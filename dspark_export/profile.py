@@ -21,7 +21,7 @@ from dspark_runtime.profile import PROFILE_POINTS, engine_contexts, profile_runt
 
 
 def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context=None, repeats: int = 5,
-                   threads: int | None = None, write: bool = True, draft_rows=(1,),
+                   threads: int | None = None, write: bool = True, draft_rows=(1, 2, 4, 8),
                    probe_rows: bool = True, probe_only: bool = False, shared_thread_pool: bool = False) -> dict:
     """Profile ``engine_dir`` and (``write``) store the table as ``speculation.cost_table`` in its manifest.
 

@@ -331,7 +331,7 @@ class DecodingLoop:
         table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         if table and self._auto_budget and self.prefilling:
             self.prefill_budget = auto_prefill_budget(table, max_chunk=self.target.max_chunk)
-        drafted, steady, probe, committed0 = False, True, False, self.stats.committed
+        drafted, steady, probe, committed0, draft_s = False, True, False, self.stats.committed, 0.0
         self.skip.last_expected = None
         if not reqs:
             props, lengths = [], []
@@ -341,8 +341,9 @@ class DecodingLoop:
             steady = self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
             t_d = time.perf_counter()
             props = self.drafter.propose_batch(reqs, caps)
+            draft_s = time.perf_counter() - t_d
             if steady:  # every request drafted last round too: no catch-up of skipped tokens in this timing
-                self.skip.record_draft_time(len(reqs), time.perf_counter() - t_d)
+                self.skip.record_draft_time(len(reqs), draft_s)
             lengths = self._lengths(reqs, props, caps, table)
             self.skip.drafted()
             if not self.skip.observed:
@@ -427,11 +428,11 @@ class DecodingLoop:
                 rows=len(reqs), prefilling=len(psegs), prompt_tokens=plan.tokens,
                 verify_tokens=sum(len(t) for _, t in segs),
                 pass_tokens=int(self.target.pass_rows([len(t) for _, t in segs])) if segs else 0,
-                drafted=drafted, probe=probe, wall_s=wall, committed=st.committed - committed0,
+                drafted=drafted, probe=probe, wall_s=wall, draft_s=draft_s, committed=st.committed - committed0,
                 expected_drafted=(self.skip.last_expected or (None, None))[0],
                 expected_undrafted=(self.skip.last_expected or (None, None))[1]))
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
-            self.skip.record_round(table, len(reqs), self.target.pass_rows([len(t) for _, t in segs]), drafted, wall)
+            self.skip.record_round(table, self.target.pass_rows([len(t) for _, t in segs]), wall, draft_s)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}
         st.verify_length_histogram = {str(k): v for k, v in sorted(self._vlen.items())}
         st.accepted_by_position = [self._pos_hits[k] / self._pos_tries[k] for k in sorted(self._pos_tries)]

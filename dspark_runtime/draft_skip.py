@@ -5,18 +5,22 @@ the decision itself costs no drafting pass. With R decoding requests, each with 
 probability that its first j drafted tokens are all accepted) and verify length ``l_r``, a round that drafts is
 expected to commit
 
-    Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + t_verify(B)),   B = sum_r (1 + l_r)
+    Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + k t_verify(B)),   B = sum_r (1 + l_r)
 
 tokens per second (``B``, here and in ``t_verify(R)``: the tokens the verifier's pass computes, the runner's
 ``pass_rows``: the scatter layout pads every request's row to the longest, so ``R x max_r(1 + l_r)`` there), and a
-round that verifies the anchors only ``Theta_0 = R / t_verify(R)``. When
+round that verifies the anchors only ``Theta_0 = R / (k t_verify(R))`` (``k``: the measured round-time ratio below).
+When
 ``Theta_0 >= Theta_d`` (many requests sharing a batched verifier, a weak or dear drafter) the round skips the
 drafting pass; the output is the same either way (speculation is exact), only the speed differs.
 
 Two sources of ``a_r`` and ``t_draft``:
 
 - **scheduled** (the DSpark drafter or the router over it): ``a_r`` = the calibrated survivals of the request's
-  last drafted block, ``l_r`` from Algorithm 1, ``t_draft(R)`` from the profiled cost table.
+  last drafted block, ``l_r`` from Algorithm 1, ``t_draft(R)`` the drafting pass as the loop measures it at R
+  requests (:meth:`DraftSkipRule.record_draft_time`; the router's pass includes its n-gram lookup) where R lies
+  within the measured row counts, else the profiled cost table's times ``k`` (a table profiled at one row only
+  would price an 8-row pass as a 1-row one: 13 against 63 ms on the int4 Qwen drafter).
 - **observed** (fixed verify lengths, any drafter: the draft LM, n-gram lookup, DSpark at a fixed γ): ``a_r`` =
   an exponential moving average of the request's own verdicts (position j survived when at least j drafted tokens
   were accepted; :func:`observed_survival`), ``l_r`` = its draft length, and ``t_draft(R)`` the drafting pass's
@@ -24,11 +28,14 @@ Two sources of ``a_r`` and ``t_draft``:
   profiled table times the engine's DSpark drafter only. ``t_verify`` comes from the profiled table in both.
 
 The cost table times the engine's passes, not the loop's rounds: a round also pays per-request work (acceptance,
-rollback, bookkeeping, the drafter's own context update) that the table does not see, and more of it when it
-drafts. So the loop reports the wall time of every steady round (no prompt chunk, no admission, no catch-up) with
-its kind (:meth:`DraftSkipRule.record_round`), and the rule keeps per kind the ratio measured / predicted (moving
-average, :data:`ROUND_RATIO_EMA`): drafted rounds ``t_draft(R) + t_verify(B)``, undrafted ``t_verify(R)``. Each side of
-the comparison is scaled by its own kind's ratio; a kind not measured yet borrows the other's (neutral).
+rollback, bookkeeping, a server's streaming beside it) that the table does not see. So the loop reports the wall
+time of every steady round (no prompt chunk, no admission, no catch-up) and of its drafting pass
+(:meth:`DraftSkipRule.record_round`), and the rule keeps one ratio ``k`` = (round - drafting pass) / ``t_verify``
+(moving average, :data:`ROUND_RATIO_EMA`, clamped to :data:`ROUND_RATIO_BOUNDS`) over rounds of both kinds: what is
+not the drafting pass is a verifier round either way. One ratio, refreshed by every steady round, cannot go stale
+on one side: a ratio per kind (drafted, undrafted), as before 2026-12-03, kept the undrafted one from a few slow
+rounds for good while the rule drafted (76 drafted steady rounds at 430 ms against 5 undrafted at 525 ms in one
+8-client run, 275-320 ms in the others; docs/serving.md).
 
 Skipped rounds leave the estimates stale, so after :data:`SKIP_PROBE_EVERY` undrafted rounds one probing round
 drafts; the interval doubles up to :data:`SKIP_PROBE_MAX` while probes confirm the skip, and a round that pays
@@ -96,7 +103,7 @@ class DraftSkipRule:
         self.prior: np.ndarray | None = None
         self.loop_survival: np.ndarray | None = None  # observed mode: every request's verdicts together
         self.draft_seconds: dict = {}
-        self.round_ratio: dict = {}  # {"drafted" | "undrafted": measured / predicted round wall time}
+        self.verify_ratio: float | None = None  # k: measured (round - drafting pass) / t_verify, None: not measured
         self.last_expected: tuple | None = None  # the last pays()'s (Theta_d, Theta_0), tok/s; None: not weighed
 
     # --- what the loop reports -----------------------------------------------------------------------------
@@ -127,44 +134,37 @@ class DraftSkipRule:
         old = self.draft_seconds.get(rows)
         self.draft_seconds[rows] = seconds if old is None else (1 - DRAFT_TIME_EMA) * old + DRAFT_TIME_EMA * seconds
 
-    def predicted_round(self, table: dict, rows: int, tokens: int, drafted: bool) -> float | None:
-        """Predicted wall seconds of a round over ``rows`` requests verifying ``tokens`` tokens in all: the table's
-        ``t_verify(tokens)``, plus the drafting pass when ``drafted`` (scheduled mode: the table's ``t_draft`` at
-        ``rows``; observed mode: the measured pass, None before it is measured). None without ``t_verify``."""
-        from dspark_runtime.scheduler import round_cost_table
-
-        if "t_verify" not in table:
-            return None
-        if not drafted:
-            return verify_table(table).round_seconds(tokens)
-        if self.observed:
-            t_draft = self.draft_time(rows)
-            if t_draft is None:
-                return None
-            return verify_table(table, extra=t_draft).round_seconds(tokens)
-        return round_cost_table(table, rows).round_seconds(tokens)
-
-    def record_round(self, table: dict, rows: int, tokens: int, drafted: bool, seconds: float) -> None:
+    def record_round(self, table: dict, tokens: int, seconds: float, draft_seconds: float = 0.0) -> None:
         """The measured wall time of one steady round (no prompt chunk, no admission, no draft-model catch-up):
-        ``rows`` decoding requests, ``tokens`` the verifier pass computed (R + the drafted tokens verified, plus the
-        runner's padding: its ``pass_rows``), whether it
-        drafted. Updates that kind's measured / predicted ratio (moving average, clamped to
-        :data:`ROUND_RATIO_BOUNDS`); nothing when the table cannot predict it."""
-        pred = self.predicted_round(table, rows, tokens, drafted)
-        if not pred or not seconds > 0:
+        ``tokens`` the verifier pass computed (R + the drafted tokens verified, plus the runner's padding: its
+        ``pass_rows``), ``seconds`` the whole round, ``draft_seconds`` its drafting pass (0: it did not draft).
+        Updates the ratio ``k`` = (seconds - draft_seconds) / the table's ``t_verify(tokens)`` (moving average,
+        clamped to :data:`ROUND_RATIO_BOUNDS`); nothing without ``t_verify``."""
+        if "t_verify" not in table:
             return
-        r = float(np.clip(seconds / pred, *ROUND_RATIO_BOUNDS))
-        kind = "drafted" if drafted else "undrafted"
-        old = self.round_ratio.get(kind)
-        self.round_ratio[kind] = r if old is None else (1 - ROUND_RATIO_EMA) * old + ROUND_RATIO_EMA * r
+        pred = verify_table(table).round_seconds(tokens)
+        rest = seconds - draft_seconds
+        if not pred > 0 or not rest > 0:
+            return
+        r = float(np.clip(rest / pred, *ROUND_RATIO_BOUNDS))
+        old = self.verify_ratio
+        self.verify_ratio = r if old is None else (1 - ROUND_RATIO_EMA) * old + ROUND_RATIO_EMA * r
 
-    def ratios(self) -> tuple:
-        """(drafted, undrafted) measured / predicted round-time ratios; a kind not measured yet borrows the
-        other's, and 1.0 when neither is."""
-        d, u = self.round_ratio.get("drafted"), self.round_ratio.get("undrafted")
-        d = d if d is not None else (u if u is not None else 1.0)
-        u = u if u is not None else d
-        return d, u
+    def ratio(self) -> float:
+        """``k``, the measured / profiled verifier-round ratio; 1.0 before any steady round is measured."""
+        return 1.0 if self.verify_ratio is None else self.verify_ratio
+
+    def draft_pass(self, table: dict, rows: int) -> float | None:
+        """Seconds of the drafting pass over ``rows`` requests as the rule prices it: the measured pass
+        (:meth:`draft_time`) where ``rows`` lies within the measured row counts; outside them observed mode
+        interpolates the measured ones too (clamped; None before any measurement: the table times the DSpark
+        drafter only), scheduled mode takes the profiled table's pass times ``k``
+        (:func:`dspark_runtime.scheduler.table_draft_seconds`)."""
+        from dspark_runtime.scheduler import table_draft_seconds
+
+        if self.observed or (self.draft_seconds and min(self.draft_seconds) <= rows <= max(self.draft_seconds)):
+            return self.draft_time(rows)
+        return self.ratio() * table_draft_seconds(table, rows)
 
     def draft_time(self, rows: int) -> float | None:
         """Estimated drafting-pass seconds at ``rows`` requests from the measured row counts (interpolated, clamped
@@ -188,13 +188,13 @@ class DraftSkipRule:
                 padding included), or None for their sum; both sides are costed there
                 (:func:`dspark_runtime.scheduler.schedule_greedy`).
         Verify lengths if the round drafts: Algorithm 1 (scheduled), or each estimate's length within the cap
-        (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain). Each
-        side's costs are scaled by its kind's measured / predicted round-time ratio (:meth:`ratios`).
+        (observed: a fixed-length drafter verifies what it drafted; unobserved positions count as no gain). Both
+        sides price the verifier at ``k t_verify`` (:meth:`ratio`), the drafting side adds :meth:`draft_pass`.
         Returns True to draft (also: no profiled ``t_verify``, nothing known yet, or a probe is due). Leaves the two
         expected throughputs it compared in ``last_expected`` ((Theta_d, Theta_0) tok/s), None where it did not
         weigh them.
         """
-        from dspark_runtime.scheduler import CostTable, expected_throughput, round_cost_table, schedule_greedy
+        from dspark_runtime.scheduler import expected_throughput, schedule_greedy
 
         self.probing = False
         self.last_expected = None
@@ -204,22 +204,18 @@ class DraftSkipRule:
         if prior is None and all(s is None for s in survivals):
             return True  # nothing known yet: draft and learn
         rows = len(survivals)
-        k_d, k_0 = self.ratios()
-        if self.observed:
-            t_draft = self.draft_time(rows)
-            if t_draft is None:
-                return True  # the drafting pass has not been timed yet
-            cost = verify_table(table, scale=k_d, extra=t_draft)
-        else:
-            base_cost = round_cost_table(table, rows)
-            cost = CostTable(base_cost.tokens, tuple(k_d * t for t in base_cost.seconds))
+        k = self.ratio()
+        t_draft = self.draft_pass(table, rows)
+        if t_draft is None:
+            return True  # observed mode: the drafting pass has not been timed yet
+        cost = verify_table(table, scale=k, extra=t_draft / k)
         base = np.zeros(0) if prior is None else np.asarray(prior, dtype=np.float64)
         survs = [(base if s is None else np.asarray(s, dtype=np.float64))[:c] for s, c in zip(survivals, caps)]
         if self.observed:
             lens = [len(a) for a in survs]
         else:
             lens = schedule_greedy(survs, cost, max_len=[len(a) for a in survs], pass_tokens=pass_tokens)
-        verify_only = verify_table(table, scale=k_0)
+        verify_only = verify_table(table, scale=k)
         theta_d = expected_throughput(survs, lens, cost, pass_tokens)
         theta_0 = expected_throughput(survs, [0] * rows, verify_only, pass_tokens)
         self.last_expected = (float(theta_d), float(theta_0))

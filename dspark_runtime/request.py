@@ -158,10 +158,11 @@ class RoundRecord:
     verify_tokens: anchors + drafts verified (sum of 1 + l_r); pass_tokens: what the target pass computes for the
     decoding rows, padding included (the runner's ``pass_rows``); drafted: whether the drafting pass ran; probe:
     whether it ran as a probe of the skip rule (drafting was not expected to pay, :mod:`dspark_runtime.draft_skip`);
-    wall_s: seconds inside ``step``; committed: tokens the round's verification committed (bonus included; not a
-    request's first token, which the last chunk of its prompt gives); expected_drafted / expected_undrafted: the
-    skip rule's expected tok/s for drafting and for verifying anchors only this round
-    (:meth:`~dspark_runtime.draft_skip.DraftSkipRule.pays`, each scaled by its kind's measured round-time ratio),
+    wall_s: seconds inside ``step``; draft_s: of them, the drafting pass's (0.0 where it did not draft); committed:
+    tokens the round's verification committed (bonus included; not a request's first token, which the last chunk of
+    its prompt gives); expected_drafted / expected_undrafted: the skip rule's expected tok/s for drafting and for
+    verifying anchors only this round (:meth:`~dspark_runtime.draft_skip.DraftSkipRule.pays`, the verifier priced at
+    the measured round-time ratio),
     None where the rule did not weigh them (no drafter, no skip rule, no profiled table, nothing known yet).
     """
 
@@ -174,6 +175,7 @@ class RoundRecord:
     probe: bool
     wall_s: float
     committed: int
+    draft_s: float = 0.0
     expected_drafted: float | None = None
     expected_undrafted: float | None = None
 

@@ -199,10 +199,17 @@ def round_cost_table(table: Mapping[str, Any], rows: int, context: float | None 
     table = cost_table_at(table, context)
     if "t_verify" not in table:
         return CostTable.from_dict(table)
-    t_draft = float(table.get("t_draft", 0.0))
-    if table.get("draft_rows") and table.get("t_draft_rows"):
-        t_draft = float(np.interp(rows, table["draft_rows"], table["t_draft_rows"]))
+    t_draft = table_draft_seconds(table, rows)
     return CostTable(tuple(table["tokens"]), tuple(t_draft + t for t in table["t_verify"]))
+
+
+def table_draft_seconds(table: Mapping[str, Any], rows: int) -> float:
+    """The profiled drafting pass over ``rows`` requests, seconds, from a cost table at one context: ``t_draft_rows``
+    interpolated over ``draft_rows`` (clamped at the ends) when profiled, else the single-row ``t_draft`` (0 without
+    one). Pure function."""
+    if table.get("draft_rows") and table.get("t_draft_rows"):
+        return float(np.interp(rows, table["draft_rows"], table["t_draft_rows"]))
+    return float(table.get("t_draft", 0.0))
 
 
 def _check_batch(batch_tokens: float) -> float:

@@ -64,6 +64,7 @@ def round_kinds(records) -> dict:
     summarised by kind: "drafted" (the drafting pass ran because it was expected to pay, or nothing was known yet),
     "probe" (it ran as a probe of the skip rule) and "undrafted", each "+prefill" where the round also fed prompt
     chunks; "prefill-only" for rounds with no decoding row. Per kind: rounds, wall_s (sum, seconds), ms_per_round,
+    draft_ms_per_round (the drafting pass's share of it),
     committed, tokens_per_second (committed / wall_s), rows_mean, pass_tokens_mean, prompt_tokens;
     "share_of_wall" of the whole trace; and the skip rule's mean expectations over the rounds that weighed them,
     expected_drafted_tps / expected_undrafted_tps (None where no round of the kind did). Kinds with no round are
@@ -76,7 +77,7 @@ def round_kinds(records) -> dict:
         else:
             kind = ("probe" if r["probe"] else "drafted") if r["drafted"] else "undrafted"
             kind += "+prefill" if r["prefilling"] else ""
-        k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "committed": 0, "rows": 0, "pass_tokens": 0,
+        k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "draft_s": 0.0, "committed": 0, "rows": 0, "pass_tokens": 0,
                                   "prompt_tokens": 0, "weighed": 0, "exp_d": 0.0, "exp_0": 0.0})
         k["rounds"] += 1
         if r.get("expected_drafted") is not None:
@@ -84,6 +85,7 @@ def round_kinds(records) -> dict:
             k["exp_d"] += r["expected_drafted"]
             k["exp_0"] += r["expected_undrafted"]
         k["wall_s"] += r["wall_s"]
+        k["draft_s"] += r.get("draft_s", 0.0)
         k["committed"] += r["committed"]
         k["rows"] += r["rows"]
         k["pass_tokens"] += r["pass_tokens"]
@@ -92,6 +94,7 @@ def round_kinds(records) -> dict:
     for k in out.values():
         n = k["rounds"]
         k["ms_per_round"] = 1e3 * k["wall_s"] / n
+        k["draft_ms_per_round"] = 1e3 * k.pop("draft_s") / n
         k["tokens_per_second"] = k["committed"] / k["wall_s"] if k["wall_s"] > 0 else 0.0
         k["rows_mean"] = k.pop("rows") / n
         k["pass_tokens_mean"] = k.pop("pass_tokens") / n

@@ -161,13 +161,14 @@ def bench_server(url, model, prompts, a, label, gen=None):
 def print_round_kinds(label, kinds):
     """The concurrent phase's rounds by kind (``--round-trace``): a markdown table."""
     print(f"[{label}] rounds of the concurrent phase by kind")
-    print("| kind | rounds | ms a round | rows | pass tokens | prompt tokens | committed | tok/s | share of wall "
-          "| skip rule expected tok/s, drafting / anchors only |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kind | rounds | ms a round | of it drafting | rows | pass tokens | prompt tokens | committed | tok/s "
+          "| share of wall | skip rule expected tok/s, drafting / anchors only |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind, k in kinds.items():
         d, u = k.get("expected_drafted_tps"), k.get("expected_undrafted_tps")
         expected = "-" if d is None else f"{d:.1f} / {u:.1f}"
-        print(f"| {kind} | {k['rounds']} | {k['ms_per_round']:.0f} | {k['rows_mean']:.1f} | {k['pass_tokens_mean']:.1f} "
+        print(f"| {kind} | {k['rounds']} | {k['ms_per_round']:.0f} | {k['draft_ms_per_round']:.0f} "
+              f"| {k['rows_mean']:.1f} | {k['pass_tokens_mean']:.1f} "
               f"| {k['prompt_tokens']} | {k['committed']} | {k['tokens_per_second']:.1f} | {k['share_of_wall']:.1%} "
               f"| {expected} |")
 

@@ -82,6 +82,7 @@ def test_the_round_trace_records_each_round_and_marks_the_probes():
     # the first drafted round drafts because nothing is known yet, not as a probe; every later one is a probe
     assert [r.probe for r in rounds if r.drafted] == [False] + [True] * (len(drafter.at) - 1)
     assert all(r.wall_s >= 0 for r in trace) and all(r.pass_tokens == r.verify_tokens for r in rounds)
+    assert all((0 < r.draft_s < r.wall_s) == r.drafted for r in rounds)  # the drafting pass, inside its round
     # the rule's two expectations: none for the prompt round and the first (nothing known yet); afterwards every
     # round weighed them, and each undrafted round and each probe is one where drafting was expected to lose
     assert trace[0].expected_drafted is None and rounds[0].expected_drafted is None
@@ -194,11 +195,12 @@ def test_observed_survival_and_measured_draft_time():
 
 
 def test_measured_round_times_correct_the_tables_prediction():
-    """The table times passes, the loop pays rounds: a kind of round that runs slower than the table predicts
-    (per-request work the profile does not see) counts at its measured / predicted ratio. Here drafting pays by
-    the table (1 + 0.6 + 0.36 tokens for 1.0 + 0.1 s against 1 token for 1.0 s) until drafted rounds are
-    measured at twice their prediction while undrafted ones run as predicted; a kind not yet measured borrows the
-    other's ratio, and one wild round is clamped."""
+    """The table times passes, the loop pays rounds: every steady round's time less its drafting pass, over the
+    table's t_verify, is averaged into one ratio k that prices the verifier on both sides of the comparison; the
+    drafting pass is priced at its measured time where the row count was measured, else at the table's times k.
+    Here drafting pays by the table (1 + 0.6 + 0.36 tokens for 1.0 + 0.1 s against 1 token for 1.0 s); rounds at
+    twice the table's verifier time keep it paying (1.96 / 2.2 > 1 / 2.0) until a drafting pass is measured at 2 s
+    (1.96 / 4.0 < 1 / 2.0); one wild round is clamped."""
     import pytest
 
     from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS, DraftSkipRule
@@ -206,37 +208,62 @@ def test_measured_round_times_correct_the_tables_prediction():
     table = {"tokens": [1, 2, 3, 4], "t_verify": [1.0, 1.0, 1.0, 1.0], "t_draft": 0.1, "seconds": [1.1] * 4}
     surv = [np.array([0.6, 0.36])]
     rule = DraftSkipRule(observed=False)
-    assert rule.ratios() == (1.0, 1.0) and rule.pays(surv, [2], table)
-    assert rule.predicted_round(table, 1, 3, drafted=True) == pytest.approx(1.1)
-    assert rule.predicted_round(table, 1, 1, drafted=False) == pytest.approx(1.0)
-    rule.record_round(table, 1, 3, True, 2.2)  # drafted: 2x the prediction; undrafted not measured: borrows it
-    assert rule.ratios() == pytest.approx((2.0, 2.0)) and rule.pays(surv, [2], table)
-    rule.record_round(table, 1, 1, False, 1.0)  # undrafted as predicted: drafting no longer pays
-    assert rule.ratios() == pytest.approx((2.0, 1.0)) and not rule.pays(surv, [2], table)
-    rule.record_round(table, 1, 1, False, 1000.0)  # one stalled round is clamped, then averaged in
-    hi = ROUND_RATIO_BOUNDS[1]
-    assert rule.ratios()[1] == pytest.approx(0.8 * 1.0 + 0.2 * hi)
-    # observed mode predicts a drafted round only once its drafting pass has been timed
+    assert rule.ratio() == 1.0 and rule.draft_pass(table, 1) == pytest.approx(0.1) and rule.pays(surv, [2], table)
+    rule.record_round(table, 3, 2.2, draft_seconds=0.2)  # a drafted round: (2.2 - 0.2) / t_verify(3) = 2
+    assert rule.ratio() == pytest.approx(2.0) and rule.draft_pass(table, 1) == pytest.approx(0.2)
+    assert rule.pays(surv, [2], table) and rule.last_expected == pytest.approx((1.96 / 2.2, 0.5))
+    rule.record_draft_time(1, 2.0)  # the pass measured at one row: its own time, not the table's
+    assert rule.draft_pass(table, 1) == pytest.approx(2.0) and not rule.pays(surv, [2], table)
+    assert rule.last_expected == pytest.approx((1.96 / 4.0, 0.5))
+    rule.record_round(table, 1, 1000.0)  # one stalled (undrafted) round is clamped, then averaged in
+    assert rule.ratio() == pytest.approx(0.8 * 2.0 + 0.2 * ROUND_RATIO_BOUNDS[1])
+    rule.record_round(table, 1, 0.5, draft_seconds=0.5)  # nothing left for the verifier: not a measurement
+    rule.record_round({"tokens": [1], "seconds": [1.0]}, 1, 1.0)  # no t_verify: nothing to compare with
+    assert rule.ratio() == pytest.approx(0.8 * 2.0 + 0.2 * ROUND_RATIO_BOUNDS[1])
+    # outside the measured row counts the table's pass at that many rows, times k
+    rows_table = dict(table, draft_rows=[1, 4], t_draft_rows=[0.1, 0.4])
+    assert rule.draft_pass(rows_table, 4) == pytest.approx(rule.ratio() * 0.4)
+    assert rule.draft_pass(rows_table, 1) == pytest.approx(2.0)
+    # observed mode: the measured pass only (the table times the DSpark drafter), clamped beyond the measured rows
     obs = DraftSkipRule(observed=True)
-    assert obs.predicted_round(table, 2, 4, drafted=True) is None
-    obs.record_round(table, 2, 4, True, 5.0)
-    assert "drafted" not in obs.round_ratio
+    assert obs.draft_pass(table, 2) is None and obs.pays([np.array([0.9])], [1], table)
     obs.record_draft_time(2, 0.5)
-    assert obs.predicted_round(table, 2, 4, drafted=True) == pytest.approx(1.5)
-    assert obs.predicted_round({"tokens": [1], "seconds": [1.0]}, 1, 1, drafted=False) is None
+    assert obs.draft_pass(table, 2) == pytest.approx(0.5) and obs.draft_pass(table, 8) == pytest.approx(0.5)
+
+
+def test_the_ratio_cannot_go_stale_while_the_rule_drafts():
+    """A ratio kept per kind of round went stale on the side the rule stopped running: a few slow undrafted rounds
+    (here k = 3 from one) kept it drafting for good (1.3 tokens for 0.4 + 3 s beats 1 for 3 s). With one ratio the
+    drafted rounds themselves, at the table's verifier time, bring k down until skipping wins (break-even k =
+    0.4 / 0.3 = 1.33)."""
+    from dspark_runtime.draft_skip import DraftSkipRule
+
+    table = {"tokens": [1, 2], "t_verify": [1.0, 1.0]}
+    surv = [np.array([0.3])]
+    rule = DraftSkipRule(observed=False)
+    rule.record_draft_time(1, 0.4)
+    rule.record_round(table, 1, 3.0)  # slow undrafted rounds
+    drafted = 0
+    while rule.pays(surv, [1], table) and drafted < 50:
+        rule.drafted()
+        rule.record_round(table, 2, 1.4, draft_seconds=0.4)  # drafted rounds at the table's verifier time
+        drafted += 1
+    assert 1 <= drafted < 50 and rule.ratio() < 0.4 / 0.3
+    assert rule.last_expected[0] < rule.last_expected[1]
 
 
 def test_the_loop_feeds_steady_rounds_to_the_ratios():
-    """Every steady round (no prompt chunk, no admission) is timed into its kind's ratio; the toy's rounds take
-    microseconds against a table of seconds, so both ratios sit at the lower clamp and the decisions (drafting
-    pays, by the table) are unchanged: the output stays the target's."""
+    """Every steady round (no prompt chunk, no admission) is timed into the ratio, and its drafting pass into the
+    measured pass times; the toy's rounds take microseconds against a table of seconds, so the ratio sits at the
+    lower clamp and the decisions (drafting pays, by the table and by the measured pass) are unchanged: the output
+    stays the target's."""
     from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS
 
     req, st, drafter, ref = _run(t_draft=0.01)
     assert req.token_ids == ref and st.draft_skipped == 0
     loop = drafter.loop
-    assert loop.skip.round_ratio["drafted"] == pytest.approx(ROUND_RATIO_BOUNDS[0])
-    assert "undrafted" not in loop.skip.round_ratio
+    assert loop.skip.ratio() == pytest.approx(ROUND_RATIO_BOUNDS[0])
+    assert set(loop.skip.draft_seconds) == {1} and 0 < loop.skip.draft_seconds[1] < 0.01
 
 
 def test_the_skip_rule_costs_the_padded_pass():

@@ -13,18 +13,20 @@ def evalsets():
     return load_script("evalsets", "evalsets_script")
 
 
-def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1, expected=(None, None)):
+def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1, expected=(None, None), draft=0.0):
     return RoundRecord(rows=rows, prefilling=prefilling, prompt_tokens=8 * prefilling, verify_tokens=rows,
                        pass_tokens=rows, drafted=drafted, probe=probe, wall_s=wall, committed=committed,
-                       expected_drafted=expected[0], expected_undrafted=expected[1])
+                       draft_s=draft, expected_drafted=expected[0], expected_undrafted=expected[1])
 
 
 def test_round_kinds_groups_and_sums(evalsets):
-    k = evalsets.round_kinds([_rec(0, prefilling=1, wall=0.2, committed=0), _rec(2, drafted=True, committed=5),
+    k = evalsets.round_kinds([_rec(0, prefilling=1, wall=0.2, committed=0),
+                              _rec(2, drafted=True, committed=5, draft=0.04),
                               _rec(2, drafted=True, probe=True, committed=3, wall=0.3),
                               _rec(4, prefilling=2, wall=0.2, committed=4), _rec(4, wall=0.2, committed=4)])
     assert list(k) == ["drafted", "prefill-only", "probe", "undrafted", "undrafted+prefill"]
     assert k["drafted"]["committed"] == 5 and k["probe"]["ms_per_round"] == pytest.approx(300)
+    assert k["drafted"]["draft_ms_per_round"] == pytest.approx(40) and k["undrafted"]["draft_ms_per_round"] == 0
     assert k["undrafted+prefill"]["prompt_tokens"] == 16 and k["undrafted"]["tokens_per_second"] == pytest.approx(20)
     assert sum(x["share_of_wall"] for x in k.values()) == pytest.approx(1.0)
     assert k["prefill-only"]["share_of_wall"] == pytest.approx(0.2 / 1.0)
@@ -53,4 +55,7 @@ def test_serve_bench_round_trace_on_the_tiny_engine(tiny_engine_with_dspark, tmp
         assert sum(k["committed"] for k in kinds.values()) + conc["requests"] >= conc["tokens"] > 0
         drafted = sum(v["rounds"] for kind, v in kinds.items() if not kind.startswith(("undrafted", "prefill")))
         assert (drafted > 0) == (run["config"] == "dspark")
+        # the drafting pass's time is inside the rounds that ran it, and only there
+        assert all((0 < v["draft_ms_per_round"] < v["ms_per_round"]) == (not kind.startswith(("undrafted", "prefill")))
+                   for kind, v in kinds.items())
     assert "rounds of the concurrent phase by kind" in capsys.readouterr().out
