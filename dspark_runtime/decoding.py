@@ -424,13 +424,13 @@ class DecodingLoop:
         wall = time.perf_counter() - t0
         st.wall_s += wall
         if self.round_trace is not None:
+            exp_d, exp_0 = self.skip.last_expected or (None, None)
             self.round_trace.append(RoundRecord(
                 rows=len(reqs), prefilling=len(psegs), prompt_tokens=plan.tokens,
                 verify_tokens=sum(len(t) for _, t in segs),
                 pass_tokens=int(self.target.pass_rows([len(t) for _, t in segs])) if segs else 0,
                 drafted=drafted, probe=probe, wall_s=wall, draft_s=draft_s, committed=st.committed - committed0,
-                expected_drafted=(self.skip.last_expected or (None, None))[0],
-                expected_undrafted=(self.skip.last_expected or (None, None))[1]))
+                expected_drafted=exp_d, expected_undrafted=exp_0))
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
             self.skip.record_round(table, self.target.pass_rows([len(t) for _, t in segs]), wall, draft_s)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}

@@ -50,7 +50,7 @@ SKIP_PROBE_EVERY = 8  # after this many rounds without drafting, draft once to r
 SKIP_PROBE_MAX = 64  # ... and the interval doubles, up to this, while each probe confirms that drafting does not pay
 SURVIVAL_EMA = 0.3  # weight of the newest verdict in an observed survival estimate
 DRAFT_TIME_EMA = 0.3  # weight of the newest timing in the measured drafting-pass seconds
-ROUND_RATIO_EMA = 0.2  # weight of the newest round in a kind's measured / predicted wall-time ratio
+ROUND_RATIO_EMA = 0.2  # weight of the newest steady round in k, the measured / profiled verifier-round ratio
 ROUND_RATIO_BOUNDS = (0.25, 4.0)  # a ratio is clamped to this range (one stalled round cannot flip the rule)
 
 

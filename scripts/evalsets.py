@@ -64,8 +64,8 @@ def round_kinds(records) -> dict:
     summarised by kind: "drafted" (the drafting pass ran because it was expected to pay, or nothing was known yet),
     "probe" (it ran as a probe of the skip rule) and "undrafted", each "+prefill" where the round also fed prompt
     chunks; "prefill-only" for rounds with no decoding row. Per kind: rounds, wall_s (sum, seconds), ms_per_round,
-    draft_ms_per_round (the drafting pass's share of it),
-    committed, tokens_per_second (committed / wall_s), rows_mean, pass_tokens_mean, prompt_tokens;
+    draft_ms_per_round (the drafting pass's part of it), committed, tokens_per_second (committed / wall_s), rows_mean,
+    pass_tokens_mean, prompt_tokens;
     "share_of_wall" of the whole trace; and the skip rule's mean expectations over the rounds that weighed them,
     expected_drafted_tps / expected_undrafted_tps (None where no round of the kind did). Kinds with no round are
     left out."""
@@ -77,8 +77,8 @@ def round_kinds(records) -> dict:
         else:
             kind = ("probe" if r["probe"] else "drafted") if r["drafted"] else "undrafted"
             kind += "+prefill" if r["prefilling"] else ""
-        k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "draft_s": 0.0, "committed": 0, "rows": 0, "pass_tokens": 0,
-                                  "prompt_tokens": 0, "weighed": 0, "exp_d": 0.0, "exp_0": 0.0})
+        k = out.setdefault(kind, {"rounds": 0, "wall_s": 0.0, "draft_s": 0.0, "committed": 0, "rows": 0,
+                                  "pass_tokens": 0, "prompt_tokens": 0, "weighed": 0, "exp_d": 0.0, "exp_0": 0.0})
         k["rounds"] += 1
         if r.get("expected_drafted") is not None:
             k["weighed"] += 1
