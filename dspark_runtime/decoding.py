@@ -430,7 +430,8 @@ class DecodingLoop:
                 verify_tokens=sum(len(t) for _, t in segs),
                 pass_tokens=int(self.target.pass_rows([len(t) for _, t in segs])) if segs else 0,
                 drafted=drafted, probe=probe, wall_s=wall, draft_s=draft_s, committed=st.committed - committed0,
-                expected_drafted=exp_d, expected_undrafted=exp_0))
+                expected_drafted=exp_d, expected_undrafted=exp_0,
+                ratio=None if exp_d is None else self.skip.ratio()))
         if reqs and table and self.drafter is not None and self.draft_skip and steady and not psegs and not admitted:
             self.skip.record_round(table, self.target.pass_rows([len(t) for _, t in segs]), wall, draft_s)
         st.batch_histogram = {str(k): v for k, v in sorted(self._bhist.items())}

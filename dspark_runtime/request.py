@@ -163,7 +163,8 @@ class RoundRecord:
     its prompt gives); expected_drafted / expected_undrafted: the skip rule's expected tok/s for drafting and for
     verifying anchors only this round (:meth:`~dspark_runtime.draft_skip.DraftSkipRule.pays`, the verifier priced at
     the measured round-time ratio),
-    None where the rule did not weigh them (no drafter, no skip rule, no profiled table, nothing known yet).
+    None where the rule did not weigh them (no drafter, no skip rule, no profiled table, nothing known yet);
+    ratio: that measured round-time ratio ``k`` as the rule read it this round (None where it did not weigh).
     """
 
     rows: int
@@ -178,6 +179,7 @@ class RoundRecord:
     draft_s: float = 0.0
     expected_drafted: float | None = None
     expected_undrafted: float | None = None
+    ratio: float | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,7 +146,9 @@ def bench_server(url, model, prompts, a, label, gen=None):
     if a.transcript:
         transcript(client, model, prompts[0], min(a.max_tokens, 48))
     solo = run_phase(client, model, prompts, a.max_tokens, 1)
+    solo_rounds = None
     if gen is not None and gen.round_trace is not None:
+        solo_rounds = list(gen.round_trace)
         gen.round_trace = []  # the concurrent phase's rounds only
     conc = run_phase(client, model, prompts, a.max_tokens, a.clients)
     same = sum(x == y for x, y in zip(solo["texts"], conc["texts"]))
@@ -155,6 +158,9 @@ def bench_server(url, model, prompts, a, label, gen=None):
     if gen is not None and gen.round_trace is not None:
         out["round_kinds"] = round_kinds(list(gen.round_trace))
         print_round_kinds(label, out["round_kinds"])
+        out["solo_round_kinds"] = round_kinds(solo_rounds)
+        # every round's record, for fitting round costs offline (a few hundred small dicts)
+        out["rounds"] = {"solo": [asdict(r) for r in solo_rounds], "concurrent": [asdict(r) for r in gen.round_trace]}
     return out
 
 
