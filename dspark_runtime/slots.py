@@ -16,9 +16,14 @@ returns them, and this class writes them into its buffers at the same slots. Rol
 (one copy each time), rows double when requests join.
 
 Row padding: a call has ``Q`` query rows per request (the longest segment, rows of shorter segments padded with
-their last token one position on, masked from every real query; their new entries are never written). ``Q`` is
-raised until ``batch * Q`` is a multiple of ``row_multiple`` (:mod:`dspark_runtime.invariance`: the probed row
-count under which the weight kernels' results do not depend on the call's size).
+their last token one position on, masked from every real query; their new entries are never written). The call's
+``batch * Q`` query rows must be a multiple of ``row_multiple`` (:mod:`dspark_runtime.invariance`: the probed row
+count under which the weight kernels' results do not depend on the call's size), and of the two ways to get there —
+raise ``Q`` (every request gets more padded positions) or add dummy batch rows (each reads some buffer row, its
+results are dropped) — each call takes the one that computes fewer rows (:func:`padded_shape`): 7 requests of one
+token each at a multiple of 2 compute 8 rows, not 14. A request's logits are the same either way (its own row is
+computed alone in attention, and the weight kernels give every call of a multiple of ``row_multiple`` rows the same
+per-row results).
 """
 from __future__ import annotations
 
@@ -28,6 +33,20 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.runners import PREFILL_CHUNK, RequestBook
 
 SLOT_STEP = 128  # slots are added in multiples of this many positions
+
+
+def padded_shape(batch: int, q: int, row_multiple: int) -> tuple:
+    """The (batch rows, query rows per batch row) a call of ``batch`` requests with ``q`` query rows each computes:
+    the fewest rows ``b * qq`` with ``b >= batch``, ``qq >= q`` and ``b * qq`` a multiple of ``row_multiple`` (ties:
+    fewer batch rows, so no dummy row where raising ``qq`` costs the same). Pure function; both searches stay within
+    ``row_multiple`` of the start, which always holds the optimum, and the result never falls as ``q`` grows."""
+    m = max(1, int(row_multiple))
+    best = None
+    for b in range(batch, batch + m):
+        for qq in range(q, q + m):
+            if (b * qq) % m == 0 and (best is None or (b * qq, b) < (best[0] * best[1], best[0])):
+                best = (b, qq)
+    return best
 
 
 class SlotRunner(RequestBook):
@@ -104,12 +123,10 @@ class SlotRunner(RequestBook):
 
     def pass_rows(self, lengths: list) -> int:
         """Query rows one ``step`` over segments of these token counts computes: one batch row per segment, each
-        padded to the longest (``Q``), ``Q`` raised until ``rows x Q`` is a multiple of ``row_multiple``."""
+        padded to the longest, then padded to a multiple of ``row_multiple`` rows (:func:`padded_shape`)."""
         if not lengths:
             return 0
-        b, qq = len(lengths), max(lengths)
-        while (b * qq) % self.row_multiple:
-            qq += 1
+        b, qq = padded_shape(len(lengths), max(lengths), self.row_multiple)
         return b * qq
 
     can_import_kv = True
@@ -173,36 +190,42 @@ class SlotRunner(RequestBook):
         order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
         segs = [segments[i] for i in order]
         b = len(segs)
-        qq = self.pass_rows([len(t) for _, t in segs]) // b
+        bp, qq = padded_shape(b, max(len(t) for _, t in segs), self.row_multiple)
         need = max(self._length[rid] + qq for rid, _ in segs)
         if self.max_slots is not None and max(self._length[rid] + len(t) for rid, t in segs) > self.max_slots:
             raise DSparkError(f"a request would hold more than {self.max_slots} positions (the context limit)")
-        if need > self.slots:
-            self._resize(self._kv[0][0].shape[0], -(-need // SLOT_STEP) * SLOT_STEP)
+        cap = self._kv[0][0].shape[0]
+        if need > self.slots or bp > cap:
+            self._resize(max(cap, bp), max(self.slots, -(-need // SLOT_STEP) * SLOT_STEP))
+            cap = self._kv[0][0].shape[0]
         rows = np.array([self._row[rid] for rid, _ in segs])
-        ids = np.empty((b, qq), np.int64)
-        pos = np.empty((b, qq), np.int64)
-        for r, (rid, toks) in enumerate(segs):
+        if rows[-1] - rows[0] == b - 1:  # a contiguous range of rows (dummy rows beside it): views, no copy
+            lo = min(int(rows[0]), cap - bp)
+            at = rows - lo  # each request's index in the call
+            kv = [(k[lo:lo + bp], v[lo:lo + bp]) for k, v in self._kv]
+        else:  # a gathered copy; dummy rows repeat the last request's row
+            at = np.arange(b)
+            idx = np.concatenate([rows, np.full(bp - b, rows[-1])])
+            kv = [(k[idx], v[idx]) for k, v in self._kv]
+        ids = np.zeros((bp, qq), np.int64)  # dummy rows: token 0 at positions 0..qq-1, results dropped
+        pos = np.tile(np.arange(qq, dtype=np.int64), (bp, 1))
+        for r, (rid, toks) in zip(at, segs):
             t = list(toks)
             ids[r] = t + [t[-1]] * (qq - len(t))
             pos[r] = np.arange(self._length[rid], self._length[rid] + qq)
         slot = np.arange(self.slots)
         mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
-        if rows[-1] - rows[0] == b - 1:  # a contiguous range of rows: views, no copy
-            kv = [(k[rows[0]:rows[-1] + 1], v[rows[0]:rows[-1] + 1]) for k, v in self._kv]
-        else:
-            kv = [(k[rows], v[rows]) for k, v in self._kv]
         out = self.backend.step(ids, pos, mask, kv)
         results = [None] * b
-        for r, (rid, toks) in enumerate(segs):
-            q, n0, row = len(toks), self._length[rid], rows[r]
+        for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
+            q, n0, row = len(toks), self._length[rid], rows[j]
             for (k, v), (nk, nv) in zip(self._kv, out.kv):
                 k[row, :, n0:n0 + q] = nk[r, :, :q]
                 v[row, :, n0:n0 + q] = nv[r, :, :q]
             if out.features is not None:
                 self._store_features(rid, n0, out.features[r, :q])
             self._length[rid] = n0 + q
-            results[r] = out.logits[r, :q]
+            results[j] = out.logits[r, :q]
         back = [None] * b
         for j, i in enumerate(order):
             back[i] = results[j]

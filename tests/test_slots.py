@@ -128,3 +128,74 @@ def test_row_padding_and_refusals(graphs):
         sr.step([(2, list(range(1, 70)))])
     with pytest.raises(DSparkError, match="scatter-layout"):
         SlotRunner(_backend(graphs, "growing"))
+
+
+def test_padded_shape_is_the_fewest_rows():
+    """Hand cases, and against a brute-force search over a wider range: the fewest rows b' x q' (b' >= b, q' >= q,
+    a multiple of m; ties: fewer batch rows), never falling as q grows."""
+    from dspark_runtime.slots import padded_shape
+
+    assert padded_shape(7, 1, 2) == (8, 1)  # one dummy row, not 7 padded positions
+    assert padded_shape(1, 1, 2) == (1, 2)  # a tie: no dummy row
+    assert padded_shape(3, 3, 2) == (3, 4)
+    assert padded_shape(2, 3, 4) == (2, 4)
+    assert padded_shape(5, 1, 4) == (8, 1)
+    assert padded_shape(5, 3, 1) == (5, 3)
+    for m in (1, 2, 3, 4, 8):
+        for b in range(1, 10):
+            prev = 0
+            for q in range(1, 12):
+                got = padded_shape(b, q, m)
+                brute = min(((bb * qq, bb), (bb, qq)) for bb in range(b, b + 3 * m) for qq in range(q, q + 3 * m)
+                            if (bb * qq) % m == 0)
+                assert got == brute[1], (b, q, m)
+                assert got[0] * got[1] >= prev
+                prev = got[0] * got[1]
+
+
+@pytest.mark.parametrize("key", ["scatter", "scatter-int4"])
+def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
+    """Three requests of one token each at row multiple 2: the call computes 4 rows of 1 (a dummy row), not 3 of 2,
+    in contiguous rows (a view) and in scattered rows (a gathered copy); every request's logits and cache are
+    bit-identical to what it gets stepped with a neighbour (an even call of 2 x 1 rows)."""
+    from dspark_runtime.slots import SlotRunner
+
+    be = _backend(graphs, key)
+    shapes = []
+    real = be.step
+
+    def spy(ids, *a, **k):
+        shapes.append(ids.shape)
+        return real(ids, *a, **k)
+
+    rng = np.random.default_rng(1)
+    prompts = {rid: list(rng.integers(1, 300, n)) for rid, n in (("a", 9), ("b", 4), ("c", 13), ("d", 6))}
+    ref = SlotRunner(be, row_multiple=2)
+    for rid in "abc":
+        ref.add(rid)
+        ref.prefill(rid, prompts[rid])
+    toks = [[int(t)] for t in rng.integers(1, 300, 4)]
+    want = {}
+    for i, rid in enumerate("abc"):
+        other = "abc"[(i + 1) % 3]
+        n = ref.length(other)
+        want[rid] = ref.step([(rid, toks[i]), (other, [toks[3][0]])])[0]
+        ref.rollback(other, n)
+    for scattered in (False, True):
+        sr = SlotRunner(be, row_multiple=2)
+        for rid in ("a", "d", "b", "c") if scattered else "abc":
+            sr.add(rid)
+            sr.prefill(rid, prompts[rid])
+        if scattered:
+            sr.remove("d")  # rows 0, 2, 3 of 4: not contiguous
+        shapes.clear()
+        be.step = spy
+        try:
+            got = sr.step([(rid, toks[i]) for i, rid in enumerate("abc")])
+        finally:
+            del be.step
+        assert shapes == [(4, 1)]
+        for i, rid in enumerate("abc"):
+            np.testing.assert_array_equal(got[i], want[rid])
+            assert sr.length(rid) == len(prompts[rid]) + 1
+            np.testing.assert_array_equal(sr.features(rid), ref.features(rid)[: sr.length(rid)])
