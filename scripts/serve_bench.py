@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evalsets import ROOT, load_prompts, loadavg, machine, round_kinds  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
+from dspark_runtime.request import RoundRecord  # noqa: E402
 
 
 def _pct(xs, q):
@@ -159,9 +160,19 @@ def bench_server(url, model, prompts, a, label, gen=None):
         out["round_kinds"] = round_kinds(list(gen.round_trace))
         print_round_kinds(label, out["round_kinds"])
         out["solo_round_kinds"] = round_kinds(solo_rounds)
-        # every round's record, for fitting round costs offline (a few hundred small dicts)
-        out["rounds"] = {"solo": [asdict(r) for r in solo_rounds], "concurrent": [asdict(r) for r in gen.round_trace]}
+        # every round's record, for fitting round costs offline: one list per RoundRecord field (written to
+        # <out>.rounds.json by main, keyed by config)
+        out["rounds"] = {"solo": round_columns(solo_rounds), "concurrent": round_columns(gen.round_trace)}
     return out
+
+
+def round_columns(records) -> dict:
+    """RoundRecords as columns ({field: [value per round]}), floats rounded to 4 decimals (seconds: 0.1 ms)."""
+    cols: dict = {f: [] for f in RoundRecord.__dataclass_fields__}
+    for r in records:
+        for f, v in asdict(r).items():
+            cols[f].append(round(v, 4) if isinstance(v, float) else v)
+    return cols
 
 
 def print_round_kinds(label, kinds):
@@ -289,10 +300,15 @@ def main(argv=None) -> int:
     print(f"outputs identical across all configs and phases: {across}")
     out = Path(a.out) if a.out else ROOT / "scripts" / "results" / f"serve-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    rounds = {r["config"]: r.pop("rounds") for r in runs if "rounds" in r}
     out.write_text(json.dumps({"machine": machine(), "loadavg_before": load_before, "loadavg_after": loadavg(),
                                "prompts": len(prompts), "max_tokens": a.max_tokens,
                                "identical_across_configs": across, "runs": runs}, indent=2))
     print(f"wrote {out}")
+    if rounds:  # --round-trace: every round's record, compact, beside it
+        side = out.with_name(out.stem + ".rounds.json")
+        side.write_text(json.dumps(rounds, separators=(",", ":")))
+        print(f"wrote {side}")
     return 0 if across and all(r["identical_to_solo"] == len(prompts) for r in runs) else 1
 
 

@@ -58,4 +58,14 @@ def test_serve_bench_round_trace_on_the_tiny_engine(tiny_engine_with_dspark, tmp
         # the drafting pass's time is inside the rounds that ran it, and only there
         assert all((0 < v["draft_ms_per_round"] < v["ms_per_round"]) == (not kind.startswith(("undrafted", "prefill")))
                    for kind, v in kinds.items())
+        # the raw records beside it, one column per RoundRecord field: the concurrent ones are what round_kinds
+        # summarised; the skip rule's ratio is recorded exactly where it weighed the round
+        raw = json.loads((tmp_path / "serve.rounds.json").read_text())[run["config"]]
+        cols = raw["concurrent"]
+        assert len(cols["wall_s"]) == sum(v["rounds"] for v in kinds.values())
+        assert sum(cols["committed"]) == sum(v["committed"] for v in kinds.values())
+        assert sum(cols["drafted"]) == drafted and len(raw["solo"]["rows"]) > 0
+        assert [x is None for x in cols["ratio"]] == [x is None for x in cols["expected_drafted"]]
+        if run["config"] == "none":
+            assert all(x is None for x in cols["ratio"])
     assert "rounds of the concurrent phase by kind" in capsys.readouterr().out
