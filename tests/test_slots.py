@@ -199,3 +199,16 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
             np.testing.assert_array_equal(got[i], want[rid])
             assert sr.length(rid) == len(prompts[rid]) + 1
             np.testing.assert_array_equal(sr.features(rid), ref.features(rid)[: sr.length(rid)])
+    # the dummy row of a view may be another request's row (here d's, not in the call): it is read, never written
+    sr = SlotRunner(be, row_multiple=2)
+    for rid in "abcd":
+        sr.add(rid)
+        sr.prefill(rid, prompts[rid])
+    before = sr.export_kv("d", 0, sr.length("d"))
+    got = sr.step([(rid, toks[i]) for i, rid in enumerate("abc")])
+    after = sr.export_kv("d", 0, sr.length("d"))
+    for (k0, v0), (k1, v1) in zip(before[0], after[0]):
+        np.testing.assert_array_equal(k1, k0)
+        np.testing.assert_array_equal(v1, v0)
+    for i, rid in enumerate("abc"):
+        np.testing.assert_array_equal(got[i], want[rid])
