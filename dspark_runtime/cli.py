@@ -393,12 +393,32 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
     from dspark_runtime.backend import shared_pool_default
 
+    _check_port_free(host, port)  # before the engine loads, not after
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
                       shared_thread_pool=shared_pool_default(), placement=placement, prefix_cache_mb=prefix_cache_mb)
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,
            default_max_tokens=default_max_tokens, model_name=model_name, prefill_budget=prefill_budget)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise InputError when ``host``:``port`` cannot be listened on (another server holds it, a host that is not this
+    machine's), naming the fix; a bind test as the server makes it (SO_REUSEADDR), released at once."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise InputError(f"--host {host!r} does not resolve ({e}); pass an address of this machine, e.g. 127.0.0.1")
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port (or stop what "
+                             "holds it)") from None
 
 
 def _prefill_budget(value: str):

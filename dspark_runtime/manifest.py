@@ -458,7 +458,7 @@ def load_manifest(engine_dir: str | Path, verify: bool = True, rehash: bool = Fa
                             f"`dspark-export build {engine_dir}` and pass the directory it writes")
     if not engine_dir.is_dir():
         raise ManifestError(f"engine directory {engine_dir} does not exist; build one with "
-                            "`dspark-export build` or pass the right --engine path")
+                            "`dspark-export build` or pass the path of an engine directory (the CLI's --engine)")
     mp = engine_dir / MANIFEST_NAME
     if not mp.is_file():
         raise ManifestError(f"{engine_dir} has no {MANIFEST_NAME}: not a DSpark engine directory; "

@@ -531,3 +531,21 @@ def test_a_replica_killed_mid_load_is_replaced_and_no_answer_is_garbled_or_hung(
     assert long["attempts"] >= 2  # the long stream was cut by the kill: its first attempt failed
     print(f"\nreplica kill: {len(results) + 1} answers all correct, {sum(retries.values())} retried attempts "
           f"{dict(retries)}, 0 hung; killed {victim}, replaced by {sorted(new)}; answers by replica {dict(served)}")
+
+
+def test_dspark_serve_refuses_a_port_in_use_before_loading_the_engine(tmp_path, capsys):
+    """A port another server holds is a one-line error naming --port, before the engine loads (here the engine
+    directory does not even exist: the port is checked first)."""
+    import socket
+
+    from dspark_runtime.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--engine", str(tmp_path / "nope"), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err
+    assert "Traceback" not in err
