@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.graphspec import GraphSpec, past_names, present_names
+from dspark_runtime.graphspec import LOGITS_FROM, GraphSpec, past_names, present_names
 
 
 @dataclass
@@ -159,6 +159,7 @@ class OrtDecoder:
         self._present = present_names(spec.dims.num_layers)
         self._out_names = spec.output_names
         self._has_features = "features" in self._out_names
+        self.takes_logits_from = LOGITS_FROM in spec.input_names  # graphs exported before it compute every position
 
     def activate(self) -> "OrtDecoder":
         """Create the inference session (loads weights). Idempotent."""
@@ -191,16 +192,26 @@ class OrtDecoder:
         return [(z, z) for _ in range(d.num_layers)]
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             kv: list) -> StepOutput:
+             kv: list, logits_from: int = 0) -> StepOutput:
         """Run the graph once.
 
         input_ids, position_ids: int64 [batch, q_len]; attention_mask: bool
         [batch, 1, q_len, past_len + q_len]; kv: per layer (key, value) float32
-        [batch, kv_heads, past_len, head_dim] (made contiguous here if they are views).
+        [batch, kv_heads, past_len, head_dim] (made contiguous here if they are views); logits_from: the first query
+        position whose logits come back (``takes_logits_from`` graphs; the logits are then
+        [batch, q_len - logits_from, vocab]), 0 = all. Raises DSparkError for logits_from > 0 on a graph without
+        the input, or outside 0..q_len - 1.
         """
         if self.session is None:
             self.activate()
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        if self.takes_logits_from:
+            if not 0 <= logits_from < input_ids.shape[1]:
+                raise DSparkError(f"logits_from {logits_from} is outside the call's {input_ids.shape[1]} positions")
+            feeds[LOGITS_FROM] = np.array([logits_from], np.int64)
+        elif logits_from:
+            raise DSparkError(f"graph {self.path.name} computes the logits of every position (exported before "
+                              f"{LOGITS_FROM!r}); call it with logits_from=0")
         for (kn, vn), (k, v) in zip(self._past, kv):
             feeds[kn] = np.ascontiguousarray(k)
             feeds[vn] = np.ascontiguousarray(v)

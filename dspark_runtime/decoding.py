@@ -297,7 +297,7 @@ class DecodingLoop:
         st = self.stats
         ptoks, dtoks = sum(len(t) for _, t in psegs), sum(len(t) for _, t in segs)
         kw = {}
-        if getattr(self.target, "step_hints", False):  # TrtBatchRunner: copy back only what this round reads
+        if getattr(self.target, "step_hints", False):  # compute / copy back only what this round reads
             kw = {"argmax_for": {r.rid for r in self.active + self.prefilling if r.params.greedy},
                   "last_only": {rid for rid, _ in psegs}}  # a prompt chunk: its last position's logits
         if merged or not segs or not psegs:

@@ -48,8 +48,11 @@ inputs
   input_ids, position_ids  int64 [batch, q_len]        position_ids < slots
   attention_mask  bool    [batch, 1, q_len, slots]
   past.{i}.key/value float32 [batch, kv_heads, slots, head_dim]  slot buffers (slot = position)
+  logits_from     int64   [1]   the LM head runs on query positions logits_from.. of every row (0: all; a prompt
+                                chunk needs its last position only). Graphs exported before it lack it: all positions
 outputs
-  logits, features  as above
+  logits          float32 [batch, logits_len, vocab]   logits_len = q_len - logits_from
+  features        as above (every position)
   new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries; the runtime writes them into its
                                                                  buffers at the same positions
 """
@@ -66,6 +69,8 @@ BATCH, Q_LEN, PAST_LEN, TOTAL_LEN = "batch", "q_len", "past_len", "total_len"
 CAPACITY, KV_LEN = "capacity", "kv_len"
 ARGMAX = "argmax"  # the capacity layout's (TensorRT's) extra output: argmax of the logits, int64 [batch, q_len]
 SLOTS = "slots"
+LOGITS_FROM = "logits_from"  # the scatter decoder's input: the first query position the LM head runs on
+LOGITS_LEN = "logits_len"  # ... and its logits' position axis (q_len - logits_from)
 
 
 @dataclass(frozen=True)
@@ -178,8 +183,11 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
     if kv_layout == KV_LAYOUT_CAPACITY:
         return _causal_lm_capacity_spec(dims)
     if kv_layout == KV_LAYOUT_SCATTER:
-        return _causal_lm_layout_spec(dims, KV_LAYOUT_SCATTER, mask_len=SLOTS, cache_len=SLOTS, out_len=Q_LEN,
+        spec = _causal_lm_layout_spec(dims, KV_LAYOUT_SCATTER, mask_len=SLOTS, cache_len=SLOTS, out_len=Q_LEN,
                                       out_names=new_names(dims.num_layers))
+        outputs = (TensorSpec("logits", "float32", (BATCH, LOGITS_LEN, dims.vocab_size)), *spec.outputs[1:])
+        return GraphSpec(spec.kind, spec.kv_layout, (*spec.inputs, TensorSpec(LOGITS_FROM, "int64", (1,))), outputs,
+                         dims)
     if kv_layout != KV_LAYOUT_GROWING:
         raise ValueError(f"unknown KV layout {kv_layout!r}; choose one of {KV_LAYOUTS}")
     return _causal_lm_layout_spec(dims, KV_LAYOUT_GROWING, mask_len=TOTAL_LEN, cache_len=PAST_LEN,

@@ -107,10 +107,12 @@ class RequestBook:
         self._feats[rid] = store_features(self._feats.get(rid), start, f)
 
     def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
-        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab]."""
+        """Feed request ``rid``'s prompt in chunks; returns the last position's logits float32 [vocab] (a runner with
+        ``step_hints`` computes no other position's)."""
         logits = None
+        kw = {"last_only": {rid}} if getattr(self, "step_hints", False) else {}
         for s in range(0, len(tokens), chunk):
-            logits = self.step([(rid, tokens[s:s + chunk])])[0]
+            logits = self.step([(rid, tokens[s:s + chunk])], **kw)[0]
         return logits[-1]
 
 
@@ -242,13 +244,20 @@ class SequenceRunner(RequestBook):
         self.runner.rollback(length)
         self._length[rid] = length
 
-    def step(self, segments: list) -> list:
-        """One ``(rid, tokens)`` segment (the held request); returns [float32 [q, vocab] logits]."""
+    @property
+    def step_hints(self) -> bool:
+        """Whether ``step`` takes the loop's ``last_only`` (the one-sequence runner's ``step(tokens, last_only)``)."""
+        return bool(getattr(self.runner, "step_hints", False))
+
+    def step(self, segments: list, argmax_for=(), last_only=()) -> list:
+        """One ``(rid, tokens)`` segment (the held request); returns [float32 [q, vocab] logits] ([1, vocab] when
+        ``rid`` is in ``last_only`` and the runner takes it; ``argmax_for`` is ignored)."""
         self._check_segments(segments)
         if len(segments) != 1:
             raise DSparkError(f"this runner decodes one request at a time; got {len(segments)} segments")
         rid, toks = segments[0]
-        out = self.runner.step(list(toks))
+        out = self.runner.step(list(toks), last_only=True) if rid in last_only and self.step_hints \
+            else self.runner.step(list(toks))
         self._length[rid] = self.runner.length
         return [out]
 

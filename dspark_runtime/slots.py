@@ -177,12 +177,17 @@ class SlotRunner(RequestBook):
         """Bytes held by the buffers."""
         return int(sum(k.nbytes + v.nbytes for k, v in self._kv))
 
+    step_hints = True  # step() takes last_only (and argmax_for, ignored: the logits come back) from the loop
+
     # -- the graph call
-    def step(self, segments: list) -> list:
+    def step(self, segments: list, argmax_for=(), last_only=()) -> list:
         """Feed every ``(rid, tokens)`` of ``segments`` after that request's cached positions, in one call.
 
-        Returns float32 [q_r, vocab] logits per segment, in order. Raises DSparkError for an unknown or repeated
-        request, an empty segment, or a request growing past ``max_slots``.
+        Returns float32 [q_r, vocab] logits per segment, in order; when every segment's request is in ``last_only``
+        (prompt chunks) and the graph takes ``logits_from``, [1, vocab]: its last position's only, and the LM head
+        runs on the positions from the shortest segment's last one on. ``argmax_for`` is accepted for the loop's
+        interface and ignored. Raises DSparkError for an unknown or repeated request, an empty segment, or a request
+        growing past ``max_slots``.
         """
         if not segments:
             return []
@@ -215,7 +220,10 @@ class SlotRunner(RequestBook):
             pos[r] = np.arange(self._length[rid], self._length[rid] + qq)
         slot = np.arange(self.slots)
         mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
-        out = self.backend.step(ids, pos, mask, kv)
+        start = 0  # the first query position whose logits are computed
+        if last_only and getattr(self.backend, "takes_logits_from", False) and all(r in last_only for r, _ in segs):
+            start = min(len(t) for _, t in segs) - 1
+        out = self.backend.step(ids, pos, mask, kv, logits_from=start) if start else self.backend.step(ids, pos, mask, kv)
         results = [None] * b
         for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
             q, n0, row = len(toks), self._length[rid], rows[j]
@@ -225,7 +233,7 @@ class SlotRunner(RequestBook):
             if out.features is not None:
                 self._store_features(rid, n0, out.features[r, :q])
             self._length[rid] = n0 + q
-            results[j] = out.logits[r, :q]
+            results[j] = out.logits[r, q - 1 - start:q - start] if start else out.logits[r, :q]
         back = [None] * b
         for j, i in enumerate(order):
             back[i] = results[j]
@@ -288,9 +296,12 @@ class SlotSequence:
     def reset(self) -> None:
         self.slots.rollback(self._RID, 0)
 
-    def step(self, tokens) -> np.ndarray:
-        """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab]."""
-        return self.slots.step([(self._RID, list(tokens))])[0]
+    step_hints = True  # step() takes last_only
+
+    def step(self, tokens, last_only: bool = False) -> np.ndarray:
+        """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab] ([1, vocab], the last
+        position's, with ``last_only`` on a graph that takes ``logits_from``)."""
+        return self.slots.step([(self._RID, list(tokens))], last_only={self._RID} if last_only else ())[0]
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""

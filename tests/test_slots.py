@@ -212,3 +212,54 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
         np.testing.assert_array_equal(v1, v0)
     for i, rid in enumerate("abc"):
         np.testing.assert_array_equal(got[i], want[rid])
+
+
+@pytest.mark.parametrize("key", ["scatter", "scatter-int4"])
+def test_prompt_chunks_compute_only_their_last_positions_logits(graphs, key):
+    """Segments all in ``last_only`` (prompt chunks): the graph's LM head runs from the shortest segment's last
+    position on (``logits_from``), each segment gets [1, vocab] bit-identical to the last row of the full logits, and
+    the cache and features are those of the full call. A call with a segment outside ``last_only`` computes every
+    position, as before."""
+    from dspark_runtime.slots import SlotRunner
+
+    be = _backend(graphs, key)
+    assert be.takes_logits_from
+    seen = []
+    real = be.step
+
+    def spy(*a, **k):
+        seen.append(k.get("logits_from", 0))
+        return real(*a, **k)
+
+    rng = np.random.default_rng(2)
+    chunks = {"a": list(rng.integers(1, 300, 7)), "b": list(rng.integers(1, 300, 4))}
+    full, last = SlotRunner(be, row_multiple=2), SlotRunner(be, row_multiple=2)
+    for sr in (full, last):
+        for rid in "ab":
+            sr.add(rid)
+            sr.prefill(rid, list(range(10, 10 + len(rid) * 3)))
+    want = full.step(list(chunks.items()))
+    be.step = spy
+    try:
+        got = last.step(list(chunks.items()), last_only={"a", "b"})
+        mixed = last.step([("a", [5]), ("b", [6])], last_only={"a"})
+    finally:
+        del be.step
+    assert seen == [3, 0]  # the shorter chunk's last position (4 - 1); then every position
+    for w, g in zip(want, got):
+        assert g.shape == (1, w.shape[-1])
+        np.testing.assert_array_equal(g[0], w[-1])
+    assert [m.shape[0] for m in mixed] == [1, 1]
+    for rid in "ab":
+        assert last.length(rid) == full.length(rid) + 1
+        np.testing.assert_array_equal(last.features(rid)[: full.length(rid)], full.features(rid))
+
+
+def test_a_graph_without_logits_from_refuses_it(graphs):
+    from dspark_runtime.errors import DSparkError
+
+    be = _backend(graphs, "growing")
+    assert not be.takes_logits_from
+    ids = np.array([[5, 6]], np.int64)
+    with pytest.raises(DSparkError, match="logits_from=0"):
+        be.step(ids, np.array([[0, 1]], np.int64), np.ones((1, 1, 2, 2), bool), be.empty_kv(1), logits_from=1)
