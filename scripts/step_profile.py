@@ -159,11 +159,12 @@ def _draft_feeds(spec, past: int, q: int, rng) -> dict:
     return feeds
 
 
-def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
+def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False) -> dict:
     """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
     Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.slots: past + q rounded up to
-    SLOT_STEP slots, the rest masked)."""
-    from dspark_runtime.graphspec import past_names
+    SLOT_STEP slots, the rest masked); a graph with ``logits_from`` gets 0 (every position's logits, a verify pass)
+    or, with ``last_logits``, q - 1 (a prompt chunk: its last position's)."""
+    from dspark_runtime.graphspec import LOGITS_FROM, past_names
     from dspark_runtime.slots import SLOT_STEP
 
     d = spec.dims
@@ -181,10 +182,13 @@ def _feeds(spec, past: int, q: int, seed: int = 0) -> dict:
     for kn, vn in past_names(d.num_layers):
         for n in (kn, vn):
             feeds[n] = rng.standard_normal((1, d.num_kv_heads, cache, d.head_dim)).astype(np.float32) * 0.1
+    if LOGITS_FROM in spec.input_names:
+        feeds[LOGITS_FROM] = np.array([q - 1 if last_logits else 0], np.int64)
     return feeds
 
 
-def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int) -> list:
+def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int,
+            last_logits: bool = False) -> list:
     """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
     process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
     from dspark_runtime.backend import OrtDecoder, enable_shared_thread_pool
@@ -197,7 +201,7 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
     rows = []
     for past in pasts:
         for q in qs:
-            feeds = {k: _feeds(spec, past, q) for k, (_, spec) in decs.items()}
+            feeds = {k: _feeds(spec, past, q, last_logits=last_logits) for k, (_, spec) in decs.items()}
             walls = {k: [] for k in decs}
             for k, (dec, spec) in decs.items():
                 dec.session.run(spec.output_names, feeds[k])  # warm-up
@@ -221,11 +225,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--against", type=Path, action="append",
                     help="another engine (repeatable): interleaved wall-time comparison, no profile")
+    ap.add_argument("--last-logits", action="store_true",
+                    help="time prompt-chunk calls: graphs with the logits_from input compute the last position's "
+                         "logits only (others, exported before it, every position's)")
     a = ap.parse_args(argv)
     if a.against:
         engines = [a.engine] + a.against
         rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
-                       [int(x) for x in a.q.split(",")], a.repeats, a.threads)
+                       [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits)
         print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e.name[:24]:>24s}" for e in engines)
               + "  change vs the first")
         for r in rows:
