@@ -25,7 +25,8 @@ starts from the cached positions of its prompt's longest cached prefix, and a le
 Target-only decoding is the same loop without a drafter (every round verifies each request's anchor alone).
 The round verifies ``sum_r (1 + l_r)`` token positions; its cost is read from the cost table at ``B``, the positions
 the runner's pass computes (its ``pass_rows``: that sum on the packed layout, ``R x max_r(1 + l_r)`` on the scatter
-layout, which pads each request's row to the longest) — the quantity the scheduler and the skip rule weigh. A request's
+layout, which pads each request's row to the longest, then to the probed row multiple by a longer row or a dummy row,
+:func:`dspark_runtime.slots.padded_shape`) — the quantity the scheduler and the skip rule weigh. A request's
 state, stop rule and metrics are :mod:`dspark_runtime.request`.
 Each request owns its RNG (``seed``), so a sampled request gives the same tokens whatever else shares its batch;
 a greedy request's tokens equal decoding it alone, target-only — bit for bit on the scatter KV layout (one batch

@@ -8,7 +8,8 @@ expected to commit
     Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + k t_verify(B)),   B = sum_r (1 + l_r)
 
 tokens per second (``B``, here and in ``t_verify(R)``: the tokens the verifier's pass computes, the runner's
-``pass_rows``: the scatter layout pads every request's row to the longest, so ``R x max_r(1 + l_r)`` there), and a
+``pass_rows``: the scatter layout pads every request's row to the longest, so ``R x max_r(1 + l_r)`` there, up to the
+row multiple by :func:`dspark_runtime.slots.padded_shape`), and a
 round that verifies the anchors only ``Theta_0 = R / (k t_verify(R))`` (``k``: the measured round-time ratio below).
 When
 ``Theta_0 >= Theta_d`` (many requests sharing a batched verifier, a weak or dear drafter) the round skips the
