@@ -1,4 +1,5 @@
-"""Train a DSpark drafter on this CPU: anchor sampling, the DeepSpec loss, AdamW with resumable state; the
+"""Train a DSpark drafter on this CPU or an NVIDIA GPU (``TrainSettings.device``; ``scripts/gpu_train_draft.py``):
+anchor sampling, the DeepSpec loss, AdamW with resumable state; the
 stages around it are :mod:`dspark_export.draft_pipeline` (sequences and the feature cache
 :mod:`dspark_export.draft_features`, answers :mod:`dspark_export.draft_data`).
 
@@ -55,9 +56,12 @@ class TrainSettings:
     save_every_s: float = 600.0
     seed: int = 0
     moe_aux_alpha: float = 0.01  # weight of the MoE load-balancing loss (MoE drafters only)
-    # the training step's forward under torch.autocast("cpu", bfloat16) (fp32 master weights, optimizer and loss
+    # the training step's forward under torch.autocast(<device>, bfloat16) (fp32 master weights, optimizer and loss
     # reductions; held-out evaluation stays fp32, so figures compare across runs); see :func:`bf16_native`
     bf16: bool = False
+    # the torch device of the training step and evaluation ("cpu", "cuda", "cuda:1"): the model and the frozen target
+    # head move there, each batch is built on the CPU and copied; checkpoints are written from CPU copies
+    device: str = "cpu"
 
     def total_steps(self, n_train: int) -> int:
         """Optimizer steps of the whole run over ``n_train`` training sequences (the cosine schedule's length)."""
@@ -126,7 +130,7 @@ def block_batch(seqs, anchors_list, gamma: int, mask_token: int, t2d):
     block_ids = np.full((b, A, gamma), mask_token, np.int64)
     block_ids[:, :, 0] = anchor_tok
     T = torch.as_tensor
-    t2d_np = t2d.numpy()
+    t2d_np = t2d.cpu().numpy()
     return {"ids": T(ids), "feats": T(feats), "anchors": T(anchors), "keep": T(keep),
             "block_ids": T(block_ids.reshape(b, -1)), "block_pos": T((anchors[:, :, None] + offs).reshape(b, -1)),
             "labels": T(labels), "labels_d": T(t2d_np[labels]), "eval_mask": T(eval_mask),
@@ -147,7 +151,8 @@ def dspark_loss(model, batch, target_head, s: TrainSettings, gamma: int):
 
     b, L = batch["ids"].shape
     A = batch["anchors"].shape[1]
-    pos_ctx = torch.arange(L).expand(b, L)
+    dev = batch["ids"].device
+    pos_ctx = torch.arange(L, device=dev).expand(b, L)
     ctx_kv = model.context_kv(batch["feats"], pos_ctx)
     mask = block_mask(batch["anchors"], batch["keep"], L, gamma)
     h = model.block_hidden(batch["block_ids"], batch["block_pos"], ctx_kv, mask).view(b, A, gamma, -1)
@@ -163,7 +168,7 @@ def dspark_loss(model, batch, target_head, s: TrainSettings, gamma: int):
         p_t = torch.softmax(t_logits.float(), dim=-1)
     logp_d = torch.log_softmax(logits.float(), dim=-1)
     p_d = logp_d.exp()
-    w = batch["eval_mask"].float() * torch.exp(-torch.arange(gamma).float() / s.loss_decay_gamma)
+    w = batch["eval_mask"].float() * torch.exp(-torch.arange(gamma, device=dev).float() / s.loss_decay_gamma)
     den = w.sum().clamp_min(1e-6)
     V = logits.shape[-1]
     lab = batch["labels_d"]
@@ -201,6 +206,11 @@ def _step_sequences(step: int, n_train: int, per_step: int, seed: int) -> np.nda
     return np.asarray(out)
 
 
+def _to(batch: dict, dev) -> dict:
+    """``batch``'s tensors on ``dev`` (no copy for the CPU)."""
+    return batch if dev.type == "cpu" else {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+
+
 TRAIN_STATE = "train_state.pt"  # the resumable training state (model, optimizer, step), in the work directory
 
 
@@ -213,8 +223,9 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     anchors are drawn from (seed, k) only, so a run stopped by ``s.time_budget_s`` (or killed) and resumed from
     ``resume`` (a :data:`TRAIN_STATE` file: model, optimizer, step, metrics; written every ``s.save_every_s``
     and when the budget ends) continues exactly where it stopped. A progress bar shows context tokens/s, loss,
-    training and held-out position-1 acceptance. ``s.bf16``: the training forward runs under bf16 autocast (CPU),
-    the weights, AdamW state and evaluation stay fp32.
+    training and held-out position-1 acceptance. ``s.bf16``: the training forward runs under bf16 autocast (on
+    ``s.device``), the weights, AdamW state and evaluation stay fp32. ``s.device``: the model (and the target head)
+    moves there; batches are built on the CPU and copied.
 
     Returns the metrics of this call: {"steps" (done in total), "total_steps", "finished" (bool), "seconds",
     "train_tokens_per_s", held-out "heldout_acc_pos" [γ] and "heldout_tau_greedy", "train_loss_last100"}; the
@@ -234,10 +245,14 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     total = s.total_steps(len(train_ids))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
-    t2d = model.target_to_draft()
+    t2d = model.target_to_draft().cpu()  # before the move: built from draft_vocab_ids, used on the CPU
+    dev = torch.device(s.device)
+    model.to(dev)
+    if target_head is not None:
+        target_head = target_head.to(dev)
     step, hist, spent = 0, [], 0.0
     if resume is not None and Path(resume).is_file():
-        st = torch.load(resume, weights_only=False)
+        st = torch.load(resume, weights_only=False, map_location=dev)
         model.load_state_dict(st["model"], strict=False)
         opt.load_state_dict(st["optimizer"])
         step, hist, spent = int(st["step"]), list(st["hist"]), float(st["seconds"])
@@ -271,7 +286,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
                 an = sample_anchors(seq[1], s.anchors_per_seq, erng)
                 if len(an) == 0:
                     continue
-                batch = block_batch([seq], [an], gamma, mask_token, t2d)
+                batch = _to(block_batch([seq], [an], gamma, mask_token, t2d), dev)
                 _, m = dspark_loss(model, batch, target_head, s, gamma)
                 agg += np.asarray(m["acc_pos"]) * m["n_blocks"]
                 nb += m["n_blocks"]
@@ -305,8 +320,8 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         step += 1
         if not seqs:
             continue
-        batch = block_batch(seqs, ans, gamma, mask_token, t2d)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16):
+        batch = _to(block_batch(seqs, ans, gamma, mask_token, t2d), dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=s.bf16):
             loss, m = dspark_loss(model, batch, target_head, s, gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()

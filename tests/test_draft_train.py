@@ -382,3 +382,28 @@ def test_reuse_source_takes_the_data_settings_and_fills_fields_an_older_run_lack
     assert all(fresh["pipeline"][k] == 7 for k in DATA_FIELDS if k != "feature_tokens")
     with pytest.raises(DSparkError, match="features of the target .* not "):
         _reuse_source(tmp_path / "run", dict(fresh, target=str(tmp_path / "other")))
+
+
+def test_training_on_a_gpu_matches_the_cpu_run(tmp_path):
+    """``TrainSettings.device``: the same run on CUDA (fp32) moves the weights like the CPU run, and the
+    checkpoint it writes loads on the CPU. Skips without a GPU; the CPU half always runs."""
+    import torch
+
+    from dspark_export.draft_train import TrainSettings, train
+
+    store = _synthetic_store(tmp_path / "features")
+    init = {k: v.clone() for k, v in _tiny_drafter().state_dict().items()}
+    s = TrainSettings(lr=3e-3, warmup_steps=3, anchors_per_seq=4, epochs=2.0, eval_every=100, eval_seqs=2,
+                      time_budget_s=600)
+    cpu = _tiny_drafter()
+    assert train(store, cpu, None, tmp_path / "cpu", s, gamma=4, mask_token=39, log=lambda *a: None)["finished"]
+    assert all(v.device.type == "cpu" for v in cpu.state_dict().values())
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the GPU half of this test needs an NVIDIA GPU")
+    s.device = "cuda"
+    gpu = _tiny_drafter()
+    assert train(store, gpu, None, tmp_path / "gpu", s, gamma=4, mask_token=39, log=lambda *a: None)["finished"]
+    d_cpu = torch.cat([(cpu.state_dict()[k] - init[k]).flatten() for k in init if init[k].is_floating_point()])
+    d_gpu = torch.cat([(gpu.state_dict()[k].cpu() - init[k]).flatten() for k in init if init[k].is_floating_point()])
+    assert float(torch.nn.functional.cosine_similarity(d_cpu, d_gpu, dim=0)) > 0.99
+    assert (tmp_path / "gpu" / "model.safetensors").is_file()

@@ -1,0 +1,234 @@
+"""Train the DSpark drafter on one NVIDIA GPU, from the target's GGUF and token sequences, in one process.
+
+    python scripts/gpu_train_draft.py --gguf TARGET.gguf --data DATA.npz --out OUT_DIR [--minutes 5] [--deadline-s S]
+
+What the CPU pipeline (``dspark-export train-draft``) does in stages over hours, at GPU speed, for a machine that
+has the target as a GGUF file and nothing else (no engine, no Hugging Face folder):
+
+1. the target: the GGUF dequantized by transformers (the same weights ``dspark-export fetch`` converts and the
+   int4 engine packs, :mod:`dspark_export.nbits`), on the GPU in float32 with TF32 matrix products;
+2. features: one teacher-forced pass over every sequence (batched by length, right-padded) keeping the
+   ``target_layer_ids`` features and the final normed hidden state in fp16 host memory;
+3. training: :func:`dspark_export.draft_train.train` on the GPU (``TrainSettings.device``), bf16 autocast, until
+   ``--minutes`` or ``--deadline-s`` (seconds since start) run out, the held-out sequences evaluated every
+   ``--eval-every`` steps; the checkpoint (``config.json`` + ``model.safetensors``, the DeepSpec layout) and a
+   report (``gpu_train_report.json``: tokens, seconds and tokens/s per stage, held-out acceptance by position).
+
+DATA.npz: ``ids`` int32 [n], ``mask`` uint8 [n] (loss positions), ``starts`` int64 [s+1] (training sequences);
+``held_ids``/``held_mask``/``held_starts`` (held-out, never trained on); ``draft_vocab_ids`` int64 [V_d] and
+``config`` (the bytes of a drafter ``config.json``: the architecture to train, e.g. the shipped drafter's, so the
+result drops into an engine with ``dspark-export add-draft``). Training starts from scratch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+class MemoryStore:
+    """The :class:`dspark_export.draft_features.FeatureStore` interface over in-memory arrays."""
+
+    aux = "last"
+
+    def __init__(self, seqs: list):
+        self.seqs = seqs  # [(ids int32 [n], mask uint8 [n], feats fp16 [n, F], last fp16 [n, d])]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(s[0]) for s in self.seqs))
+
+    def get(self, i: int):
+        return self.seqs[i]
+
+
+def split(ids, mask, starts) -> list:
+    return [(ids[a:b], mask[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def load_target(gguf: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    kw = {"gguf_file": gguf.name}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), torch_dtype=torch.float32, **kw)
+    return model
+
+
+def features(model, seqs: list, layer_ids: list, max_batch_tokens: int) -> list:
+    """Teacher-forced features of ``seqs`` [(ids, mask)] -> [(ids, mask, feats fp16, last fp16)], input order."""
+    import torch
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
+    out = [None] * len(seqs)
+    dev = next(model.parameters()).device
+    k = 0
+    while k < len(order):
+        L = len(seqs[order[k]][0])
+        nb = max(1, max_batch_tokens // L)
+        idx = order[k:k + nb]
+        k += nb
+        ids = np.zeros((len(idx), L), np.int64)
+        att = np.zeros((len(idx), L), np.int64)
+        for r, i in enumerate(idx):
+            n = len(seqs[i][0])
+            ids[r, :n], att[r, :n] = seqs[i][0], 1
+        with torch.inference_mode():
+            o = model.model(input_ids=torch.as_tensor(ids, device=dev), attention_mask=torch.as_tensor(att, device=dev),
+                            output_hidden_states=True)
+            hs = o.hidden_states
+            f = torch.cat([hs[j + 1] for j in layer_ids], dim=-1).to(torch.float16).cpu().numpy()
+            last = o.last_hidden_state.to(torch.float16).cpu().numpy()
+        for r, i in enumerate(idx):
+            n = len(seqs[i][0])
+            out[i] = (seqs[i][0], seqs[i][1], f[r, :n], last[r, :n])
+    return out
+
+
+def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
+    """Training steps per second of ``s`` (the same batch shapes as :func:`train`), timed on a copy of ``model``."""
+    import copy
+    import torch
+    from dspark_export.draft_train import block_batch, dspark_loss, sample_anchors, _to
+    dev = torch.device(s.device)
+    m = copy.deepcopy(model)
+    t2d = m.target_to_draft().cpu()
+    m.to(dev).train()
+    th = target_head.to(dev)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-6)
+    rng = np.random.default_rng(7)
+    t = None
+    for k in range(n + 2):
+        if k == 2:  # two warm-up steps
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+        seqs, ans = [], []
+        for i in rng.integers(0, len(store) - s.eval_seqs, s.seqs_per_step):
+            ids, msk, f, l = store.get(int(i))
+            if len(ids) > s.max_seq_len:
+                o = int(rng.integers(0, len(ids) - s.max_seq_len + 1))
+                w = slice(o, o + s.max_seq_len)
+                ids, msk, f, l = ids[w], msk[w], f[w], l[w]
+            an = sample_anchors(msk, s.anchors_per_seq, rng)
+            if len(an):
+                seqs.append((np.asarray(ids), np.asarray(msk), np.asarray(f, np.float32), l))
+                ans.append(an)
+        batch = _to(block_batch(seqs, ans, cfg.block_size, cfg.mask_token_id, t2d), dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=s.bf16):
+            loss, _ = dspark_loss(m, batch, th, s, cfg.block_size)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    rate = n / (time.perf_counter() - t)
+    del m, opt
+    return rate
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=5.0, help="training wall-clock cap")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="stop training this many seconds after the script started (whichever comes first)")
+    ap.add_argument("--seqs-per-step", type=int, default=32)
+    ap.add_argument("--crop", type=int, default=256)
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--ce-weight", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=3000, help="the cosine schedule's length")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--feature-batch-tokens", type=int, default=65536)
+    ap.add_argument("--fit-steps", action="store_true", help="fit the schedule's length (<= --steps) to the budget")
+    a = ap.parse_args(argv)
+
+    import torch
+    from dspark_export.draft_train import TrainSettings, train
+    from dspark_export.dspark_config import DSparkConfig
+    from dspark_export.dspark_model import DSparkDraftModel
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
+    z = np.load(a.data)
+    cfg = DSparkConfig.from_dict(json.loads(bytes(z["config"]).decode()))
+    train_seqs = split(z["ids"], z["mask"], z["starts"])
+    held_seqs = split(z["held_ids"], z["held_mask"], z["held_starts"])
+    rep = {"train_sequences": len(train_seqs), "train_tokens": int(len(z["ids"])),
+           "train_loss_tokens": int(z["mask"].sum()), "heldout_sequences": len(held_seqs)}
+
+    t = time.perf_counter()
+    target = load_target(a.gguf)
+    rep["load_s"] = time.perf_counter() - t
+    log(f"target loaded in {rep['load_s']:.0f} s")
+    target.to(dev).eval()
+    emb = target.model.embed_tokens.weight.detach().float().cpu()
+    head = target.lm_head.weight.detach().float().cpu()
+
+    t = time.perf_counter()
+    feats = features(target, train_seqs + held_seqs, list(cfg.target_layer_ids), a.feature_batch_tokens)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    rep["features_s"] = time.perf_counter() - t
+    rep["features_tok_s"] = (rep["train_tokens"] + len(z["held_ids"])) / rep["features_s"]
+    log(f"features: {rep['train_tokens'] + len(z['held_ids'])} tokens in {rep['features_s']:.0f} s "
+        f"({rep['features_tok_s']:.0f} tok/s)")
+    del target
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    torch.manual_seed(0)
+    model = DSparkDraftModel(cfg)
+    vocab = torch.as_tensor(z["draft_vocab_ids"])
+    model.draft_vocab_ids.copy_(vocab)
+    model.init_from_target(emb, head)
+    target_head = head[vocab].clone()
+    del emb, head
+    store = MemoryStore(feats)
+    s = TrainSettings(lr=a.lr, ce_alpha=a.ce_weight, max_seq_len=a.crop, seqs_per_step=a.seqs_per_step,
+                      anchors_per_seq=a.anchors, max_steps=a.steps, eval_every=a.eval_every,
+                      eval_seqs=len(held_seqs), save_every_s=1e9, bf16=True, device=dev)
+    def left() -> float:
+        b = a.minutes * 60
+        return b if a.deadline_s is None else min(b, a.deadline_s - (time.perf_counter() - T0))
+
+    if a.fit_steps:  # size the cosine schedule to the budget: time a few steps on a throwaway copy first
+        rate = step_rate(model, target_head, store, s, cfg)
+        s.max_steps = max(10, min(a.steps, int(0.92 * left() * rate)))
+        rep["timed_steps_per_s"] = rate
+        log(f"{rate:.2f} steps/s -> {s.max_steps} steps")
+    s.time_budget_s = budget = left()
+    log(f"training for at most {budget:.0f} s: {s}")
+    r = train(store, model, target_head, a.out, s, gamma=cfg.block_size, mask_token=cfg.mask_token_id, log=log)
+    rep["train"] = r
+    rep["machine"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    rep["total_s"] = time.perf_counter() - T0
+    (a.out / "gpu_train_report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    log(json.dumps(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
