@@ -1,0 +1,105 @@
+"""The token sequences for ``scripts/gpu_train_draft.py``, made on the CPU from a ``train-draft`` work directory.
+
+    python scripts/gpu_draft_data.py --work ~/.cache/dspark/drafter/RUN \
+        --drafter engines/drafters/qwen2.5-coder-1.5b-dspark \
+        --target ~/.cache/dspark/models/qwen2.5-coder-1.5b-instruct --out data.npz \
+        [--sharegpt-tokens 1200000] [--code-tokens 2400000] [--run-repeats 2]
+
+Training sequences (never an evaluation or calibration prompt: the answers come from the training split only):
+
+- the run's ``sequences.npz`` (the target's own answers to the training prompts, stdlib source, ShareGPT turns),
+  ``--run-repeats`` times (the target's answers among them are what decoding drafts);
+- more ShareGPT chats teacher-forced (:func:`dspark_export.draft_features.sharegpt_sequences`, loss on the answer);
+- Python source teacher-forced in 1,024-token chunks: this interpreter's standard library (sub-packages) and the
+  ``.py`` files of some installed packages (``--code-tokens`` in all).
+
+Held out: the last ``--heldout`` sequences of the run's feature store (the sequences its training report evaluates
+on); every training sequence equal to one of them is dropped. The drafter architecture (``config.json``) and the
+draft vocabulary (``draft_vocab_ids``) are copied from ``--drafter``, so the trained checkpoint drops into an engine
+that serves that drafter. Output: a compressed ``.npz`` with the fields ``gpu_train_draft.py`` documents.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import site
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CODE_PACKAGES = ("transformers", "torch", "numpy", "onnx", "onnxruntime", "tokenizers", "safetensors", "click",
+                 "jinja2", "pydantic", "ray", "sympy", "networkx", "fsspec", "huggingface_hub", "pip", "setuptools")
+
+
+def code_sequences(tok, budget: int, skip: set, seed: int = 1, seq_len: int = 1024) -> list:
+    roots = [Path(p) / name for p in site.getsitepackages() for name in CODE_PACKAGES]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for r in roots if r.exists() for f in r.rglob("*.py") if f.stat().st_size > 3000]
+    files += [f for f in stdlib.rglob("*/*.py") if f.stat().st_size > 3000 and "site-packages" not in str(f)]
+    random.Random(seed).shuffle(files)
+    out, total = [], 0
+    for f in files:
+        if total >= budget:
+            break
+        ids = tok.encode(f.read_text(errors="replace"))
+        for s in range(0, len(ids) - 64, seq_len):
+            c = np.asarray(ids[s:s + seq_len], np.int32)
+            if c.tobytes() not in skip:
+                out.append((c, np.ones(len(c), np.uint8)))
+                total += len(c)
+    return out
+
+
+def pack(seqs: list) -> tuple:
+    return (np.concatenate([s[0] for s in seqs]).astype(np.int32),
+            np.concatenate([s[1] for s in seqs]).astype(np.uint8),
+            np.cumsum([0] + [len(s[0]) for s in seqs]).astype(np.int64))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, required=True, help="a train-draft work directory (sequences.npz, features/)")
+    ap.add_argument("--drafter", type=Path, required=True, help="checkpoint folder whose config and vocabulary to use")
+    ap.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder (its tokenizer)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--heldout", type=int, default=24)
+    ap.add_argument("--sharegpt-tokens", type=int, default=1_200_000, help="loss tokens of extra ShareGPT answers")
+    ap.add_argument("--code-tokens", type=int, default=2_400_000)
+    ap.add_argument("--run-repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from dspark_export.draft_features import FeatureStore, sharegpt_sequences
+
+    tok = AutoTokenizer.from_pretrained(str(a.target))
+    z = np.load(a.work / "sequences.npz")
+    base = [(z["ids"][s:e], z["mask"][s:e]) for s, e in zip(z["starts"][:-1], z["starts"][1:])]
+    store = FeatureStore(a.work / "features")
+    held = [store.get(i)[:2] for i in range(len(store) - a.heldout, len(store))]
+    skip = {np.asarray(h[0]).tobytes() for h in held}
+    run = [s for s in base if s[0].tobytes() not in skip]
+    sg = [s for s in sharegpt_sequences(tok, a.sharegpt_tokens, 1024) if s[0].tobytes() not in skip]
+    code = code_sequences(tok, a.code_tokens, skip)
+    seqs = run * a.run_repeats + sg + code
+    random.Random(0).shuffle(seqs)
+    ti, tm, ts = pack(seqs)
+    hi, hm, hs = pack([(np.asarray(i, np.int32), np.asarray(m, np.uint8)) for i, m in held])
+    vocab = safe_open(str(a.drafter / "model.safetensors"), "pt").get_tensor("draft_vocab_ids").numpy()
+    config = np.frombuffer((a.drafter / "config.json").read_bytes(), np.uint8)
+    np.savez_compressed(a.out, ids=ti, mask=tm, starts=ts, held_ids=hi, held_mask=hm, held_starts=hs,
+                        draft_vocab_ids=vocab, config=config)
+    print(f"{a.out}: {len(ts) - 1} training sequences, {len(ti)} tokens ({int(tm.sum())} loss tokens: run "
+          f"{sum(len(s[0]) for s in run)}, repeated {a.run_repeats}x, ShareGPT "
+          f"{sum(len(s[0]) for s in sg)}, code {sum(len(s[0]) for s in code)}); {len(held)} held out, {len(hi)} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
