@@ -43,6 +43,30 @@ def answer_sequences(path: Path, max_len: int) -> list:
     return out
 
 
+def source_sequences(tokenizer, files, budget_tokens: int, seq_len: int, *, skip=frozenset(),
+                     whole_files: bool = False) -> list:
+    """Source files cut into ``seq_len``-token chunks, loss on every token: (ids int32 [n], mask uint8 [n]).
+
+    Files are read in the given order until ``budget_tokens`` tokens are taken (the chunk that reaches it is the
+    last; ``whole_files``: the rest of that file's chunks too); a file's tail under 64 tokens is dropped, and so is
+    any chunk whose bytes are in ``skip`` (e.g. held-out sequences).
+    """
+    out, total = [], 0
+    for f in files:
+        if total >= budget_tokens:
+            break
+        ids = tokenizer.encode(Path(f).read_text(errors="replace"))
+        for s in range(0, len(ids) - 64, seq_len):
+            chunk = np.asarray(ids[s:s + seq_len], np.int32)
+            if chunk.tobytes() in skip:
+                continue
+            out.append((chunk, np.ones(len(chunk), np.uint8)))
+            total += len(chunk)
+            if total >= budget_tokens and not whole_files:
+                return out
+    return out
+
+
 def stdlib_sequences(tokenizer, budget_tokens: int, seq_len: int, seed: int = 0) -> list:
     """Chunks of the Python standard library's own source (real code the target is teacher-forced on)."""
     import sysconfig
@@ -50,18 +74,7 @@ def stdlib_sequences(tokenizer, budget_tokens: int, seq_len: int, seed: int = 0)
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)
     random.Random(seed).shuffle(files)
-    out, total = [], 0
-    for f in files:
-        if total >= budget_tokens:
-            break
-        ids = tokenizer.encode(f.read_text(errors="replace"))
-        for s in range(0, len(ids) - 64, seq_len):
-            chunk = np.asarray(ids[s:s + seq_len], np.int32)
-            out.append((chunk, np.ones(len(chunk), np.uint8)))
-            total += len(chunk)
-            if total >= budget_tokens:
-                break
-    return out
+    return source_sequences(tokenizer, files, budget_tokens, seq_len)
 
 
 def sharegpt_sequences(tokenizer, budget_tokens: int, max_len: int, skip: int = 3000) -> list:

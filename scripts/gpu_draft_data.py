@@ -36,23 +36,14 @@ CODE_PACKAGES = ("transformers", "torch", "numpy", "onnx", "onnxruntime", "token
                  "jinja2", "pydantic", "ray", "sympy", "networkx", "fsspec", "huggingface_hub", "pip", "setuptools")
 
 
-def code_sequences(tok, budget: int, skip: set, seed: int = 1, seq_len: int = 1024) -> list:
+def code_files(seed: int = 1) -> list:
+    """Python files over 3 kB of :data:`CODE_PACKAGES` and the standard library's sub-packages, shuffled."""
     roots = [Path(p) / name for p in site.getsitepackages() for name in CODE_PACKAGES]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [f for r in roots if r.exists() for f in r.rglob("*.py") if f.stat().st_size > 3000]
     files += [f for f in stdlib.rglob("*/*.py") if f.stat().st_size > 3000 and "site-packages" not in str(f)]
     random.Random(seed).shuffle(files)
-    out, total = [], 0
-    for f in files:
-        if total >= budget:
-            break
-        ids = tok.encode(f.read_text(errors="replace"))
-        for s in range(0, len(ids) - 64, seq_len):
-            c = np.asarray(ids[s:s + seq_len], np.int32)
-            if c.tobytes() not in skip:
-                out.append((c, np.ones(len(c), np.uint8)))
-                total += len(c)
-    return out
+    return files
 
 
 def pack(seqs: list) -> tuple:
@@ -76,7 +67,7 @@ def main(argv=None) -> int:
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from dspark_export.draft_features import FeatureStore, sharegpt_sequences
+    from dspark_export.draft_features import FeatureStore, sharegpt_sequences, source_sequences
 
     tok = AutoTokenizer.from_pretrained(str(a.target))
     z = np.load(a.work / "sequences.npz")
@@ -86,7 +77,7 @@ def main(argv=None) -> int:
     skip = {np.asarray(h[0]).tobytes() for h in held}
     run = [s for s in base if s[0].tobytes() not in skip]
     sg = [s for s in sharegpt_sequences(tok, a.sharegpt_tokens, 1024) if s[0].tobytes() not in skip]
-    code = code_sequences(tok, a.code_tokens, skip)
+    code = source_sequences(tok, code_files(), a.code_tokens, 1024, skip=skip, whole_files=True)
     seqs = run * a.run_repeats + sg + code
     random.Random(0).shuffle(seqs)
     ti, tm, ts = pack(seqs)
