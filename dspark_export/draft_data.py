@@ -123,10 +123,34 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return answer_prompts(model, tok, _todo(out, limit, n_sharegpt), out, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, time_budget_s=time_budget_s)
+
+
+def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 256, batch_size: int = 16,
+                   time_budget_s: float | None = None, samples: int = 1, temperature: float = 0.0,
+                   max_prompt_tokens: int = 768) -> dict:
+    """The answers of a loaded transformers ``model`` (on any device) to ``todo`` [(source, key, text)], appended to
+    ``out`` as JSONL records {"key", "source", "ids" (prompt + answer), "prompt_len"} after every batch.
+
+    ``temperature`` 0: greedy, one answer a prompt; > 0: ``samples`` sampled answers a prompt, keys ``key#j`` for
+    j >= 1. Prompts over ``max_prompt_tokens`` chat-templated tokens are skipped. Returns {"prompts" (in ``out``),
+    "new_tokens", "seconds", "complete" (False when ``time_budget_s`` stopped it)}.
+    """
+    import torch
+
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
     model.eval()
-    todo = _todo(out, limit, n_sharegpt)
+    dev = next(model.parameters()).device
+    sample = temperature > 0
+    n_ret = samples if sample else 1
+    gen_kw = {"do_sample": False}
+    if sample:
+        gen_kw = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0, new_tokens = time.perf_counter(), 0
     chunk = batch_size * 4
     with out.open("a") as f:
@@ -140,24 +164,25 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
                 if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                     return {"prompts": len(done_keys(out)), "new_tokens": new_tokens,
                             "seconds": time.perf_counter() - t0, "complete": False}
-                idx = [i for i in order[b:b + batch_size] if len(enc[i]) <= 768]
+                idx = [i for i in order[b:b + batch_size] if len(enc[i]) <= max_prompt_tokens]
                 if not idx:
                     continue
-                batch = tok.pad({"input_ids": [enc[i] for i in idx]}, return_tensors="pt")
+                batch = tok.pad({"input_ids": [enc[i] for i in idx]}, return_tensors="pt").to(dev)
                 tb = time.perf_counter()
                 with torch.inference_mode():
-                    gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                         pad_token_id=tok.pad_token_id)
+                    gen = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                         num_return_sequences=n_ret, **gen_kw)
                 width = batch["input_ids"].shape[1]
                 n_batch = 0
-                for row, i in enumerate(idx):
+                for row in range(gen.shape[0]):
+                    i, j = idx[row // n_ret], row % n_ret
                     resp = gen[row, width:].tolist()
                     while resp and resp[-1] == tok.pad_token_id:
                         resp.pop()
                     n_batch += len(resp)
                     src, key, _ = block[i]
-                    f.write(json.dumps({"key": key, "source": src, "ids": list(enc[i]) + resp,
-                                        "prompt_len": len(enc[i])}) + "\n")
+                    f.write(json.dumps({"key": key if j == 0 else f"{key}#{j}", "source": src,
+                                        "ids": list(enc[i]) + resp, "prompt_len": len(enc[i])}) + "\n")
                 f.flush()
                 new_tokens += n_batch
                 dt = time.perf_counter() - tb

@@ -21,6 +21,7 @@ that serves that drafter. Output: a compressed ``.npz`` with the fields ``gpu_tr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import site
@@ -46,6 +47,18 @@ def code_files(seed: int = 1) -> list:
     return files
 
 
+def new_prompts(work: Path, n: int) -> list:
+    """Up to ``n`` training prompts [(source, key, text)] that the run did not answer (so none of its held-out
+    answers is answered again): the training split and ShareGPT first turns, code-weighted
+    (:func:`dspark_export.draft_data.training_prompt_list`). Never an evaluation or calibration prompt; the user
+    turn of a held-out teacher-forced ShareGPT chat can be among them (its answer is then the target's, not the
+    held-out one)."""
+    from dspark_export.draft_data import done_keys, training_prompt_list
+
+    done = done_keys(work / "answers.jsonl")
+    return [p for p in training_prompt_list(n_sharegpt=n + len(done)) if p[1] not in done][:n]
+
+
 def pack(seqs: list) -> tuple:
     return (np.concatenate([s[0] for s in seqs]).astype(np.int32),
             np.concatenate([s[1] for s in seqs]).astype(np.uint8),
@@ -62,6 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sharegpt-tokens", type=int, default=1_200_000, help="loss tokens of extra ShareGPT answers")
     ap.add_argument("--code-tokens", type=int, default=2_400_000)
     ap.add_argument("--run-repeats", type=int, default=2)
+    ap.add_argument("--answer-prompts", type=int, default=0,
+                    help="training prompts (split + ShareGPT first turns) not answered in the run, for the GPU to "
+                         "answer (gpu_train_draft.py --answer-minutes); 0: none")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from safetensors import safe_open
@@ -84,8 +100,11 @@ def main(argv=None) -> int:
     hi, hm, hs = pack([(np.asarray(i, np.int32), np.asarray(m, np.uint8)) for i, m in held])
     vocab = safe_open(str(a.drafter / "model.safetensors"), "pt").get_tensor("draft_vocab_ids").numpy()
     config = np.frombuffer((a.drafter / "config.json").read_bytes(), np.uint8)
+    extra = {}
+    if a.answer_prompts:
+        extra["prompts"] = np.frombuffer(json.dumps(new_prompts(a.work, a.answer_prompts)).encode(), np.uint8)
     np.savez_compressed(a.out, ids=ti, mask=tm, starts=ts, held_ids=hi, held_mask=hm, held_starts=hs,
-                        draft_vocab_ids=vocab, config=config)
+                        draft_vocab_ids=vocab, config=config, **extra)
     print(f"{a.out}: {len(ts) - 1} training sequences, {len(ti)} tokens ({int(tm.sum())} loss tokens: run "
           f"{sum(len(s[0]) for s in run)}, repeated {a.run_repeats}x, ShareGPT "
           f"{sum(len(s[0]) for s in sg)}, code {sum(len(s[0]) for s in code)}); {len(held)} held out, {len(hi)} tokens")

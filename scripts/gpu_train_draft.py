@@ -5,6 +5,9 @@
 What the CPU pipeline (``dspark-export train-draft``) does in stages over hours, at GPU speed, for a machine that
 has the target as a GGUF file and nothing else (no engine, no Hugging Face folder):
 
+0. optionally (``--answer-minutes``), the target's own answers to DATA's ``prompts`` (greedy, or ``--answer-samples``
+   sampled answers a prompt), generated on the GPU (:func:`dspark_export.draft_data.answer_prompts`; the GGUF's
+   tokenizer and chat template) and added to the training sequences;
 1. the target: the GGUF dequantized by transformers (the same weights ``dspark-export fetch`` converts and the
    int4 engine packs, :mod:`dspark_export.nbits`), on the GPU in float32 with TF32 matrix products;
 2. features: one teacher-forced pass over every sequence (batched by length, right-padded) keeping the
@@ -17,7 +20,8 @@ has the target as a GGUF file and nothing else (no engine, no Hugging Face folde
 DATA.npz: ``ids`` int32 [n], ``mask`` uint8 [n] (loss positions), ``starts`` int64 [s+1] (training sequences);
 ``held_ids``/``held_mask``/``held_starts`` (held-out, never trained on); ``draft_vocab_ids`` int64 [V_d] and
 ``config`` (the bytes of a drafter ``config.json``: the architecture to train, e.g. the shipped drafter's, so the
-result drops into an engine with ``dspark-export add-draft``). Training starts from scratch.
+result drops into an engine with ``dspark-export add-draft``); optionally ``prompts`` (the bytes of a JSON list of
+[source, key, text], ``scripts/gpu_draft_data.py --answer-prompts``). Training starts from scratch.
 """
 from __future__ import annotations
 
@@ -161,6 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--feature-batch-tokens", type=int, default=65536)
     ap.add_argument("--fit-steps", action="store_true", help="fit the schedule's length (<= --steps) to the budget")
+    ap.add_argument("--answer-minutes", type=float, default=0.0,
+                    help="first answer DATA's ``prompts`` with the target for up to this long (0: skip)")
+    ap.add_argument("--answer-batch", type=int, default=256)
+    ap.add_argument("--answer-tokens", type=int, default=256)
+    ap.add_argument("--answer-samples", type=int, default=1, help="answers a prompt (sampled when > 1)")
+    ap.add_argument("--answer-temperature", type=float, default=0.7, help="sampling temperature when samples > 1")
     a = ap.parse_args(argv)
 
     import torch
@@ -184,16 +194,36 @@ def main(argv=None) -> int:
     rep["load_s"] = time.perf_counter() - t
     log(f"target loaded in {rep['load_s']:.0f} s")
     target.to(dev).eval()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.answer_minutes > 0 and "prompts" in z.files:  # 0. the target's own answers to more training prompts
+        from transformers import AutoTokenizer
+        from dspark_export.draft_data import answer_prompts
+        from dspark_export.draft_features import answer_sequences
+
+        tok = AutoTokenizer.from_pretrained(str(a.gguf.parent), gguf_file=a.gguf.name)
+        prompts = [tuple(p) for p in json.loads(bytes(z["prompts"]).decode())]
+        answers = a.out / "answers.jsonl"
+        r = answer_prompts(target, tok, prompts, answers, max_new_tokens=a.answer_tokens, batch_size=a.answer_batch,
+                           time_budget_s=a.answer_minutes * 60, samples=a.answer_samples,
+                           temperature=a.answer_temperature if a.answer_samples > 1 else 0.0)
+        new = answer_sequences(answers, 1024)
+        train_seqs = train_seqs + new
+        rep["answers"] = {**r, "sequences": len(new), "tokens": int(sum(len(q[0]) for q in new)),
+                          "tokens_per_s": r["new_tokens"] / max(r["seconds"], 1e-9)}
+        rep["train_sequences"], rep["train_tokens"] = len(train_seqs), int(sum(len(q[0]) for q in train_seqs))
+        rep["train_loss_tokens"] = int(sum(int(q[1].sum()) for q in train_seqs))
+        log(f"answers: {rep['answers']}")
     emb = target.model.embed_tokens.weight.detach().float().cpu()
     head = target.lm_head.weight.detach().float().cpu()
 
     t = time.perf_counter()
     feats = features(target, train_seqs + held_seqs, list(cfg.target_layer_ids), a.feature_batch_tokens)
+    n_feat = sum(len(q[0]) for q in train_seqs + held_seqs)
     if dev == "cuda":
         torch.cuda.synchronize()
     rep["features_s"] = time.perf_counter() - t
-    rep["features_tok_s"] = (rep["train_tokens"] + len(z["held_ids"])) / rep["features_s"]
-    log(f"features: {rep['train_tokens'] + len(z['held_ids'])} tokens in {rep['features_s']:.0f} s "
+    rep["features_tok_s"] = n_feat / rep["features_s"]
+    log(f"features: {n_feat} tokens in {rep['features_s']:.0f} s "
         f"({rep['features_tok_s']:.0f} tok/s)")
     del target
     if dev == "cuda":

@@ -407,3 +407,32 @@ def test_training_on_a_gpu_matches_the_cpu_run(tmp_path):
     d_gpu = torch.cat([(gpu.state_dict()[k].cpu() - init[k]).flatten() for k in init if init[k].is_floating_point()])
     assert float(torch.nn.functional.cosine_similarity(d_cpu, d_gpu, dim=0)) > 0.99
     assert (tmp_path / "gpu" / "model.safetensors").is_file()
+
+
+def test_answer_prompts_writes_greedy_answers_and_keyed_samples(tiny_pair, tmp_path):
+    """``draft_data.answer_prompts`` (the CPU pipeline's and ``scripts/gpu_train_draft.py``'s answer loop): greedy
+    records are prompt + the model's own greedy continuation; sampled answers get keys ``key#j``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark_export.draft_data import answer_prompts, done_keys
+
+    target, _ = tiny_pair
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    todo = [("gsm8k", "gsm8k:1", "one two three"), ("mbpp", "mbpp:2", "def f(x): return x")]
+    out = tmp_path / "answers.jsonl"
+    r = answer_prompts(model, tok, todo, out, max_new_tokens=6, batch_size=2)
+    assert r["complete"] and r["prompts"] == 2 and done_keys(out) == {"gsm8k:1", "mbpp:2"}
+    rec = json.loads(out.read_text().splitlines()[0])
+    prompt = rec["ids"][:rec["prompt_len"]]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                              pad_token_id=tok.pad_token_id)[0].tolist()
+    while want and want[-1] == tok.pad_token_id and len(want) > len(prompt):
+        want.pop()
+    assert rec["ids"] == want and len(rec["ids"]) > rec["prompt_len"]
+    out2 = tmp_path / "sampled.jsonl"
+    torch.manual_seed(0)
+    answer_prompts(model, tok, todo[:1], out2, max_new_tokens=6, samples=3, temperature=1.0)
+    assert done_keys(out2) == {"gsm8k:1", "gsm8k:1#1", "gsm8k:1#2"}
