@@ -211,6 +211,50 @@ def _to(batch: dict, dev) -> dict:
     return batch if dev.type == "cpu" else {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
 
 
+def _window(store, i: int, rng, crop: int) -> tuple:
+    """Sequence ``i`` of ``store``, or a random window of ``crop`` tokens of it (drawn from ``rng``) when longer:
+    (ids, mask, feats float32, aux)."""
+    ids, m, f, l = store.get(i)
+    if len(ids) > crop:
+        a = int(rng.integers(0, len(ids) - crop + 1))
+        ids, m, f, l = ids[a:a + crop], m[a:a + crop], f[a:a + crop], l[a:a + crop]
+    return np.asarray(ids), np.asarray(m), np.asarray(f, np.float32), l
+
+
+def heldout_acceptance(store, indices, model, target_head, s: TrainSettings, *, gamma: int, mask_token: int,
+                       t2d=None) -> dict:
+    """Teacher-forced greedy acceptance of ``model`` on the sequences ``indices`` of ``store`` (the held-out metric
+    of :func:`train` and the training reports): a window of ``s.eval_seq_len`` tokens of each sequence and up to
+    ``s.anchors_per_seq`` anchors, both drawn from a fixed seed, a block of ``gamma`` per anchor; position k
+    accepted when the drafter's argmax equals the target's. ``model`` must be on ``s.device``; it is left in train mode.
+
+    Returns {"heldout_acc_pos": [gamma] acceptance by position (blocks whose label exists), "heldout_tau_greedy":
+    mean accepted length + 1 over full blocks}.
+    """
+    import torch
+
+    dev = torch.device(s.device)
+    t2d = model.target_to_draft().cpu() if t2d is None else t2d
+    model.eval()
+    agg, tau, nb = np.zeros(gamma), [], 0
+    erng = np.random.default_rng(1234)
+    with torch.no_grad():
+        for i in indices:
+            seq = _window(store, i, erng, s.eval_seq_len)
+            an = sample_anchors(seq[1], s.anchors_per_seq, erng)
+            if len(an) == 0:
+                continue
+            batch = _to(block_batch([seq], [an], gamma, mask_token, t2d), dev)
+            _, met = dspark_loss(model, batch, target_head, s, gamma)
+            agg += np.asarray(met["acc_pos"]) * met["n_blocks"]
+            nb += met["n_blocks"]
+            if "tau_greedy" in met:
+                tau.append(met["tau_greedy"])
+    model.train()
+    return {"heldout_acc_pos": (agg / max(nb, 1)).round(3).tolist(),
+            "heldout_tau_greedy": float(np.mean(tau)) if tau else float("nan")}
+
+
 TRAIN_STATE = "train_state.pt"  # the resumable training state (model, optimizer, step), in the work directory
 
 
@@ -269,32 +313,8 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         torch.save(st, tmp)
         tmp.replace(resume)
 
-    def get(i, rng, crop=s.max_seq_len):
-        ids, m, f, l = store.get(i)
-        if len(ids) > crop:
-            a = int(rng.integers(0, len(ids) - crop + 1))
-            ids, m, f, l = ids[a:a + crop], m[a:a + crop], f[a:a + crop], l[a:a + crop]
-        return np.asarray(ids), np.asarray(m), np.asarray(f, np.float32), l
-
     def evaluate():
-        model.eval()
-        agg, tau, nb = np.zeros(gamma), [], 0
-        erng = np.random.default_rng(1234)
-        with torch.no_grad():
-            for i in held:
-                seq = get(i, erng, s.eval_seq_len)
-                an = sample_anchors(seq[1], s.anchors_per_seq, erng)
-                if len(an) == 0:
-                    continue
-                batch = _to(block_batch([seq], [an], gamma, mask_token, t2d), dev)
-                _, m = dspark_loss(model, batch, target_head, s, gamma)
-                agg += np.asarray(m["acc_pos"]) * m["n_blocks"]
-                nb += m["n_blocks"]
-                if "tau_greedy" in m:
-                    tau.append(m["tau_greedy"])
-        model.train()
-        return {"heldout_acc_pos": (agg / max(nb, 1)).round(3).tolist(),
-                "heldout_tau_greedy": float(np.mean(tau)) if tau else float("nan")}
+        return heldout_acceptance(store, held, model, target_head, s, gamma=gamma, mask_token=mask_token, t2d=t2d)
 
     t0 = last_save = time.perf_counter()
     tokens = 0
@@ -312,7 +332,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         rng = np.random.default_rng([s.seed, 1 << 20, step])
         seqs, ans = [], []
         for i in _step_sequences(step, len(train_ids), s.seqs_per_step, s.seed):
-            seq = get(train_ids[int(i)], rng)
+            seq = _window(store, train_ids[int(i)], rng, s.max_seq_len)
             an = sample_anchors(seq[1], s.anchors_per_seq, rng)
             if len(an):
                 seqs.append(seq)

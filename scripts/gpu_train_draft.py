@@ -110,7 +110,7 @@ def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
     """Training steps per second of ``s`` (the same batch shapes as :func:`train`), timed on a copy of ``model``."""
     import copy
     import torch
-    from dspark_export.draft_train import block_batch, dspark_loss, sample_anchors, _to
+    from dspark_export.draft_train import _to, _window, block_batch, dspark_loss, sample_anchors
     dev = torch.device(s.device)
     m = copy.deepcopy(model)
     t2d = m.target_to_draft().cpu()
@@ -126,14 +126,10 @@ def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
             t = time.perf_counter()
         seqs, ans = [], []
         for i in rng.integers(0, len(store) - s.eval_seqs, s.seqs_per_step):
-            ids, msk, f, l = store.get(int(i))
-            if len(ids) > s.max_seq_len:
-                o = int(rng.integers(0, len(ids) - s.max_seq_len + 1))
-                w = slice(o, o + s.max_seq_len)
-                ids, msk, f, l = ids[w], msk[w], f[w], l[w]
+            ids, msk, f, l = _window(store, int(i), rng, s.max_seq_len)
             an = sample_anchors(msk, s.anchors_per_seq, rng)
             if len(an):
-                seqs.append((np.asarray(ids), np.asarray(msk), np.asarray(f, np.float32), l))
+                seqs.append((ids, msk, f, l))
                 ans.append(an)
         batch = _to(block_batch(seqs, ans, cfg.block_size, cfg.mask_token_id, t2d), dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=s.bf16):
