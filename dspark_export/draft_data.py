@@ -128,6 +128,12 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
                           batch_size=batch_size, time_budget_s=time_budget_s)
 
 
+def _counts(out: Path) -> dict:
+    """{"prompts": distinct prompts answered in ``out``, "answers": its records (sampled answers are ``key#j``)}."""
+    keys = done_keys(out)
+    return {"prompts": len({k.split("#")[0] for k in keys}), "answers": len(keys)}
+
+
 def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 256, batch_size: int = 16,
                    time_budget_s: float | None = None, samples: int = 1, temperature: float = 0.0,
                    max_prompt_tokens: int = 768) -> dict:
@@ -135,8 +141,9 @@ def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 2
     ``out`` as JSONL records {"key", "source", "ids" (prompt + answer), "prompt_len"} after every batch.
 
     ``temperature`` 0: greedy, one answer a prompt; > 0: ``samples`` sampled answers a prompt, keys ``key#j`` for
-    j >= 1. Prompts over ``max_prompt_tokens`` chat-templated tokens are skipped. Returns {"prompts" (in ``out``),
-    "new_tokens", "seconds", "complete" (False when ``time_budget_s`` stopped it)}.
+    j >= 1. Prompts over ``max_prompt_tokens`` chat-templated tokens are skipped. ``batch_size`` counts prompts (a
+    ``generate`` call decodes ``batch_size × samples`` rows). Returns {"prompts" (answered in ``out``), "answers"
+    (records in ``out``), "new_tokens", "seconds", "complete" (False when ``time_budget_s`` stopped it)}.
     """
     import torch
 
@@ -162,8 +169,8 @@ def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 2
             order = sorted(range(len(block)), key=lambda i: len(enc[i]))
             for b in range(0, len(order), batch_size):
                 if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
-                    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens,
-                            "seconds": time.perf_counter() - t0, "complete": False}
+                    return {**_counts(out), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0,
+                            "complete": False}
                 idx = [i for i in order[b:b + batch_size] if len(enc[i]) <= max_prompt_tokens]
                 if not idx:
                     continue
@@ -189,8 +196,7 @@ def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 2
                 print(f"[answers] +{len(idx)} prompts, {n_batch} tokens in {dt:.0f} s "
                       f"({n_batch / dt:.1f} tok/s); total new {new_tokens} in {time.perf_counter() - t0:.0f} s",
                       flush=True)
-    return {"prompts": len(done_keys(out)), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0,
-            "complete": True}
+    return {**_counts(out), "new_tokens": new_tokens, "seconds": time.perf_counter() - t0, "complete": True}
 
 
 def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int = 256, max_batch: int = 8,

@@ -60,7 +60,8 @@ class TrainSettings:
     # reductions; held-out evaluation stays fp32, so figures compare across runs); see :func:`bf16_native`
     bf16: bool = False
     # the torch device of the training step and evaluation ("cpu", "cuda", "cuda:1"): the model and the frozen target
-    # head move there, each batch is built on the CPU and copied; checkpoints are written from CPU copies
+    # head move there, each batch is built on the CPU and copied; checkpoints are written from CPU copies (the
+    # resumable train_state.pt keeps the device's tensors; resuming maps them to ``device``)
     device: str = "cpu"
 
     def total_steps(self, n_train: int) -> int:
@@ -226,7 +227,8 @@ def heldout_acceptance(store, indices, model, target_head, s: TrainSettings, *, 
     """Teacher-forced greedy acceptance of ``model`` on the sequences ``indices`` of ``store`` (the held-out metric
     of :func:`train` and the training reports): a window of ``s.eval_seq_len`` tokens of each sequence and up to
     ``s.anchors_per_seq`` anchors, both drawn from a fixed seed, a block of ``gamma`` per anchor; position k
-    accepted when the drafter's argmax equals the target's. ``model`` must be on ``s.device``; it is left in train mode.
+    accepted when the drafter's argmax equals the target's. ``model`` must be on ``s.device`` (``target_head`` is
+    moved there); the model is left in train mode.
 
     Returns {"heldout_acc_pos": [gamma] acceptance by position (blocks whose label exists), "heldout_tau_greedy":
     mean accepted length + 1 over full blocks}.
@@ -235,6 +237,7 @@ def heldout_acceptance(store, indices, model, target_head, s: TrainSettings, *, 
 
     dev = torch.device(s.device)
     t2d = model.target_to_draft().cpu() if t2d is None else t2d
+    target_head = None if target_head is None else target_head.to(dev)
     model.eval()
     agg, tau, nb = np.zeros(gamma), [], 0
     erng = np.random.default_rng(1234)
@@ -287,13 +290,13 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     if not train_ids:
         raise DSparkError("not enough sequences to train: extract more features")
     total = s.total_steps(len(train_ids))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
-    t2d = model.target_to_draft().cpu()  # before the move: built from draft_vocab_ids, used on the CPU
+    t2d = model.target_to_draft().cpu()  # built from draft_vocab_ids, used on the CPU
     dev = torch.device(s.device)
-    model.to(dev)
+    model.to(dev)  # before the optimizer takes the parameters
     if target_head is not None:
         target_head = target_head.to(dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
     step, hist, spent = 0, [], 0.0
     if resume is not None and Path(resume).is_file():
         st = torch.load(resume, weights_only=False, map_location=dev)

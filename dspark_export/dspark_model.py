@@ -265,7 +265,7 @@ class DSparkDraftModel(nn.Module):
                 self._t2d = torch.arange(c.vocab_size)
             else:
                 t2d = torch.full((c.vocab_size,), c.draft_vocab_size, dtype=torch.long)
-                t2d[self.draft_vocab_ids] = torch.arange(c.draft_vocab_size)
+                t2d[self.draft_vocab_ids.cpu()] = torch.arange(c.draft_vocab_size)
                 self._t2d = t2d
         return self._t2d
 

@@ -105,9 +105,9 @@ def main(argv=None) -> int:
         extra["prompts"] = np.frombuffer(json.dumps(new_prompts(a.work, a.answer_prompts)).encode(), np.uint8)
     np.savez_compressed(a.out, ids=ti, mask=tm, starts=ts, held_ids=hi, held_mask=hm, held_starts=hs,
                         draft_vocab_ids=vocab, config=config, **extra)
-    print(f"{a.out}: {len(ts) - 1} training sequences, {len(ti)} tokens ({int(tm.sum())} loss tokens: run "
-          f"{sum(len(s[0]) for s in run)}, repeated {a.run_repeats}x, ShareGPT "
-          f"{sum(len(s[0]) for s in sg)}, code {sum(len(s[0]) for s in code)}); {len(held)} held out, {len(hi)} tokens")
+    print(f"{a.out}: {len(ts) - 1} training sequences, {len(ti)} tokens ({int(tm.sum())} loss tokens); tokens by "
+          f"source: the run's {sum(len(s[0]) for s in run)} (x{a.run_repeats}), ShareGPT "
+          f"{sum(len(s[0]) for s in sg)}, code {sum(len(s[0]) for s in code)}; {len(held)} held out, {len(hi)} tokens")
     return 0
 
 

@@ -167,6 +167,10 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=256)
     ap.add_argument("--answer-samples", type=int, default=1, help="answers a prompt (sampled when > 1)")
     ap.add_argument("--answer-temperature", type=float, default=0.7, help="sampling temperature when samples > 1")
+    ap.add_argument("--max-feature-gib", type=float, default=None,
+                    help="host memory for the features (default: 80%% of the machine's); training sequences past it "
+                         "are dropped, last first, with a message")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (tests; hours for a real target)")
     a = ap.parse_args(argv)
 
     import torch
@@ -177,6 +181,9 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not a.allow_cpu:
+        sys.exit("no CUDA device: this script is for an NVIDIA GPU (torch with CUDA); pass --allow-cpu to run it on "
+                 "the CPU anyway (a real target then takes hours), or use `dspark-export train-draft` on a CPU")
     log(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
     z = np.load(a.data)
     cfg = DSparkConfig.from_dict(json.loads(bytes(z["config"]).decode()))
@@ -191,16 +198,25 @@ def main(argv=None) -> int:
     log(f"target loaded in {rep['load_s']:.0f} s")
     target.to(dev).eval()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.answer_minutes > 0 and "prompts" not in z.files:
+        log("warning: --answer-minutes given but DATA has no prompts (make it with gpu_draft_data.py "
+            "--answer-prompts N); no answers are generated")
     if a.answer_minutes > 0 and "prompts" in z.files:  # 0. the target's own answers to more training prompts
         from transformers import AutoTokenizer
-        from dspark_export.draft_data import answer_prompts
+        from dspark_export.draft_data import answer_prompts, done_keys
         from dspark_export.draft_features import answer_sequences
 
         tok = AutoTokenizer.from_pretrained(str(a.gguf.parent), gguf_file=a.gguf.name)
-        prompts = [tuple(p) for p in json.loads(bytes(z["prompts"]).decode())]
         answers = a.out / "answers.jsonl"
-        r = answer_prompts(target, tok, prompts, answers, max_new_tokens=a.answer_tokens, batch_size=a.answer_batch,
-                           time_budget_s=a.answer_minutes * 60, samples=a.answer_samples,
+        done = {k.split("#")[0] for k in done_keys(answers)}  # a rerun into the same --out answers only the rest
+        prompts = [tuple(p) for p in json.loads(bytes(z["prompts"]).decode()) if p[1] not in done]
+        answer_s = a.answer_minutes * 60
+        if a.deadline_s is not None:
+            answer_s = min(answer_s, 0.5 * (a.deadline_s - (time.perf_counter() - T0)))
+        samples = max(1, a.answer_samples)
+        r = answer_prompts(target, tok, prompts, answers, max_new_tokens=a.answer_tokens,
+                           batch_size=max(1, a.answer_batch // samples), time_budget_s=max(0.0, answer_s),
+                           samples=samples,
                            temperature=a.answer_temperature if a.answer_samples > 1 else 0.0)
         new = answer_sequences(answers, 1024)
         train_seqs = train_seqs + new
@@ -212,6 +228,22 @@ def main(argv=None) -> int:
     emb = target.model.embed_tokens.weight.detach().float().cpu()
     head = target.lm_head.weight.detach().float().cpu()
 
+    per_token = 2 * (len(cfg.target_layer_ids) + 1) * cfg.hidden_size  # fp16 features + final hidden state
+    cap = a.max_feature_gib * 2**30 if a.max_feature_gib else 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+    room = int(cap // per_token) - sum(len(q[0]) for q in held_seqs)
+    kept, n = [], 0
+    for q in train_seqs:
+        if n + len(q[0]) > room:
+            break
+        kept.append(q)
+        n += len(q[0])
+    if len(kept) < len(train_seqs):
+        log(f"features of {sum(len(q[0]) for q in train_seqs)} tokens would not fit {cap / 2**30:.2f} GiB of host "
+            f"memory ({per_token} bytes a token): training on the first {len(kept)} of {len(train_seqs)} sequences")
+        train_seqs = kept
+        rep["train_sequences"], rep["train_tokens"] = len(kept), n
+        rep["train_loss_tokens"] = int(sum(int(q[1].sum()) for q in kept))
     t = time.perf_counter()
     feats = features(target, train_seqs + held_seqs, list(cfg.target_layer_ids), a.feature_batch_tokens)
     n_feat = sum(len(q[0]) for q in train_seqs + held_seqs)
@@ -240,6 +272,9 @@ def main(argv=None) -> int:
         b = a.minutes * 60
         return b if a.deadline_s is None else min(b, a.deadline_s - (time.perf_counter() - T0))
 
+    if left() <= 5:
+        sys.exit(f"no time left to train ({left():.0f} s after loading, answers and features): raise --deadline-s or "
+                 "--minutes, or give less data")
     if a.fit_steps:  # size the cosine schedule to the budget: time a few steps on a throwaway copy first
         rate = step_rate(model, target_head, store, s, cfg)
         s.max_steps = max(10, min(a.steps, int(0.92 * left() * rate)))

@@ -43,8 +43,13 @@ def main(argv=None) -> int:
 
     z = np.load(a.data)
     held = [(z["held_ids"][s:e], z["held_mask"][s:e]) for s, e in zip(z["held_starts"][:-1], z["held_starts"][1:])]
-    vocabs = [safe_open(str(c / "model.safetensors"), "pt").get_tensor("draft_vocab_ids").numpy()
-              for c in a.checkpoints]
+    vocabs = []
+    for c in a.checkpoints:
+        with safe_open(str(c / "model.safetensors"), "pt") as f:
+            if "draft_vocab_ids" not in f.keys():
+                sys.exit(f"{c}: no draft_vocab_ids (a full-vocabulary drafter); this script scores reduced-vocabulary "
+                         "drafters over the engine's logits of that vocabulary")
+            vocabs.append(f.get_tensor("draft_vocab_ids").numpy())
     if any(not np.array_equal(v, vocabs[0]) for v in vocabs[1:]):
         sys.exit("the checkpoints' draft vocabularies differ: evaluate each group of equal vocabularies separately")
     emb, head = target_frozen_weights(a.target)
