@@ -385,8 +385,8 @@ def test_reuse_source_takes_the_data_settings_and_fills_fields_an_older_run_lack
 
 
 def test_training_on_a_gpu_matches_the_cpu_run(tmp_path):
-    """``TrainSettings.device``: the same run on CUDA (fp32) moves the weights like the CPU run, and the
-    checkpoint it writes loads on the CPU. Skips without a GPU; the CPU half always runs."""
+    """``TrainSettings.device``: the CPU run keeps every tensor on the CPU; the same run on CUDA (fp32) moves the
+    weights in the same direction and writes its checkpoint. The CUDA half skips without a GPU."""
     import torch
 
     from dspark_export.draft_train import TrainSettings, train
