@@ -199,6 +199,36 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
     click.echo(f"{engine_dir}: TensorRT engines {', '.join(m.trt_engines)}")
 
 
+@cli.command("build-cuda")
+@click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
+@click.option("--graphs", default="target", show_default=True,
+              help="Decoder graph keys (target, draft) to make device graphs of.")
+@click.option("--half", type=click.Choice(["fp16", "bf16", "none"]), default="fp16", show_default=True,
+              help="16-bit arithmetic (RoPE kept float32; inputs and outputs stay float32) or none (float32).")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Most requests decoded at once.")
+@click.option("--decode-q", type=int, default=None,
+              help="Tokens per decode/verify call, gamma + 1 (default: the manifest's draft_length + 1).")
+@click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Tokens per prefill call.")
+@click.option("--capacity", type=int, default=4096, show_default=True, help="KV positions per request.")
+@click.option("--min-bucket", type=int, default=256, show_default=True, help="Smallest capacity bucket.")
+@click.option("--in-process", is_flag=True, help="Convert in this process.")
+def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk, capacity, min_bucket, in_process):
+    """Add device graphs for ONNX Runtime's CUDA provider to the built ENGINE_DIR (an fp32 engine with the growing
+    KV layout): the capacity KV layout (cache buffers resident on the GPU, CUDA graphs), fp16 by default; run them
+    with `dspark generate --placement target=cuda`."""
+    from dspark_export.device_graphs import build_cuda
+    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.trt_profiles import ProfileSettings
+
+    if decode_q is None:
+        decode_q = (load_manifest(engine_dir, verify=False).speculation.draft_length or 7) + 1
+    profile = ProfileSettings(max_batch=max_batch, decode_q=decode_q, prefill_chunk=prefill_chunk, capacity=capacity,
+                              min_bucket=min_bucket)
+    m = build_cuda(engine_dir, profile, None if half == "none" else half, _csv(graphs, "--graphs"),
+                   isolate=not in_process, log=click.echo)
+    click.echo(f"{engine_dir}: device graphs {', '.join(f'{k} ({e.onnx})' for k, e in m.device_graphs.items())}")
+
+
 @cli.command("add-draft")
 @click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.argument("checkpoint", type=click.Path(path_type=Path))

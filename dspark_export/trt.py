@@ -43,7 +43,7 @@ from dspark_runtime.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_L
 from dspark_runtime.manifest import FileEntry, Manifest, TrtEngineEntry, load_manifest
 from dspark_runtime.trt_import import FLAVOUR_RTX, import_tensorrt
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
-from dspark_export.trt_graphs import HALF_TYPES, graph_precision, peak_rss_bytes, to_capacity_layout, to_half
+from dspark_export.trt_graphs import HALF_TYPES, graph_precision, peak_rss_bytes, to_half
 
 # Graph kinds build_trt makes engines of: decoders (target, draft LM) and the DSpark drafter.
 TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft")
@@ -297,6 +297,7 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
     contrib operators (int4 MatMulNBits; :func:`check_trt_parsable`), or a failed build.
     """
     from dspark_export.build import _commit
+    from dspark_export.device_graphs import derive_capacity_graph
     from dspark_export.txn import engine_transaction
 
     settings.validate()
@@ -323,26 +324,24 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
             g = manifest.graphs[key]
             for f in g.files:
                 txn.link(f.path)
-            src = st / g.model_file
             # the DSpark drafter's context cache grows by committed positions only and lives on the host
             # (dspark_runtime.trt_dspark.TrtDSparkGraph): its engine is the growing graph's, whatever kv_layouts says
             layouts = settings.kv_layouts if g.spec.kind == "causal_lm" else (KV_LAYOUT_GROWING,)
             for layout in layouts:
-                extra = []
+                h = settings.half
                 if layout == KV_LAYOUT_CAPACITY:
-                    onnx_rel = f"{key}.capacity.onnx"
-                    spec = to_capacity_layout(src, st / onnx_rel, g.spec)
-                    extra = [FileEntry.of(st, onnx_rel)]
+                    onnx_rel, spec, extra = derive_capacity_graph(st, key, g.model_file, g.spec, h,
+                                                                  lambda fn, *a: _run(fn, isolate, *a), log)
                     entry_key, eng_rel = f"{key}.capacity", f"{key}.capacity.engine"
                 else:
-                    onnx_rel, spec, entry_key, eng_rel = g.model_file, g.spec, key, f"{key}.engine"
-                if settings.half:
-                    h = settings.half
-                    half_rel = onnx_rel.removesuffix(".onnx") + f".{h}.onnx"
-                    log(f"[{entry_key}] converting {onnx_rel} to {h} -> {half_rel}")
-                    _run(to_half, isolate, st / onnx_rel, st / half_rel, h)
-                    onnx_rel = half_rel
-                    extra += [FileEntry.of(st, half_rel), FileEntry.of(st, half_rel + ".data")]
+                    onnx_rel, spec, entry_key, eng_rel, extra = g.model_file, g.spec, key, f"{key}.engine", []
+                    if h:
+                        half_rel = onnx_rel.removesuffix(".onnx") + f".{h}.onnx"
+                        log(f"[{entry_key}] converting {onnx_rel} to {h} -> {half_rel}")
+                        _run(to_half, isolate, st / onnx_rel, st / half_rel, h)
+                        onnx_rel = half_rel
+                        extra = [FileEntry.of(st, half_rel), FileEntry.of(st, half_rel + ".data")]
+                if h:
                     entry_key, eng_rel = entry_key + f".{h}", eng_rel.removesuffix(".engine") + f".{h}.engine"
                 log(f"[{entry_key}] building TensorRT engine {eng_rel} ({layout} KV layout) from {onnx_rel}")
                 r = build(st / onnx_rel, spec, st / eng_rel, settings)

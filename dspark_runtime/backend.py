@@ -40,6 +40,30 @@ GPU_PRECISIONS = {
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "NvTensorRTRTXExecutionProvider")
 
+CUDA_INSTALL = ("pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu==1.31.1 "
+                "'cuda-python>=13,<14' (scripts/install_cuda.sh does this)")
+
+
+def cuda_provider_check():
+    """Import onnxruntime with its CUDA provider usable: loads the CUDA and cuDNN libraries of the NVIDIA pip
+    packages first where this onnxruntime can (``preload_dlls``). Returns the module. Raises DSparkError naming the
+    install when the installed onnxruntime has no CUDA provider (the CPU package, or both packages installed over
+    each other)."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise DSparkError(f"this onnxruntime ({ort.__version__}) has no CUDA execution provider (available: "
+                          f"{', '.join(ort.get_available_providers())}); install the GPU package in its place: "
+                          f"{CUDA_INSTALL}")
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21; absent from older GPU builds
+    if preload is not None:
+        try:
+            preload(cuda=True, cudnn=True, msvc=False)
+        except Exception:  # libraries not in pip packages: the system's are found by the loader instead
+            pass
+    return ort
+
+
 _SHARED_POOL_THREADS = None  # size of the process-wide ONNX Runtime intra-op pool once made
 
 
@@ -169,6 +193,8 @@ class OrtDecoder:
                                       what=f"graph {self.path.name}")
         import onnxruntime as ort
 
+        if "CUDAExecutionProvider" in self.providers:
+            cuda_provider_check()  # names the install when this onnxruntime is the CPU package
         avail = set(ort.get_available_providers())
         missing = [p for p in self.providers if p not in avail]
         if missing:
@@ -179,6 +205,11 @@ class OrtDecoder:
             self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)
         except Exception as e:
             raise DSparkError(f"ONNX Runtime could not load {self.path}: {e}") from e
+        if self.providers[0] in GPU_PROVIDERS and self.session.get_providers()[0] != self.providers[0]:
+            got = self.session.get_providers()
+            self.session = None
+            raise DSparkError(f"ONNX Runtime created {self.path.name} on {got} instead of {self.providers[0]}: its "
+                              "GPU libraries did not load (ONNX Runtime's warning above names the missing one)")
         return self
 
     def deactivate(self) -> None:

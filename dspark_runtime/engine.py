@@ -49,8 +49,13 @@ class Engine(EngineDrafters):
                 allow_slow_precision=allow_slow_precision)
             for key, g in manifest.graphs.items()
         }
-        self.backend = "trt" if self.placement.get("target") == "trt" else "ort"  # the target's (row padding)
+        # graphs run by a capacity-layout decoder on a GPU (TensorRT, or ONNX Runtime's CUDA provider on a device
+        # graph): {key: its manifest entry}; the decoding loop drives them through a TrtBatchRunner
+        self._device_entries: dict = {}
         self._use_tensorrt()
+        self._use_device_graphs(threads)
+        # the target's backend ("ort", or "trt" / "cuda" on a capacity-layout decoder): row padding, CPU checks
+        self.backend = self.placement["target"] if "target" in self._device_entries else "ort"
         ds = manifest.speculation.dspark
         if ds is not None and ds.embedding is not None and ds.graph in self._backends:
             self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
@@ -115,6 +120,22 @@ class Engine(EngineDrafters):
                 self._backends[key] = TrtDSparkGraph(self.dir, e, batch=int(e.profile_settings["max_batch"]))
             else:  # one row until a decoding loop sets its rows (TrtBatchRunner)
                 self._backends[key] = TrtDecoder(self.dir, e)
+                self._device_entries[key] = e
+
+    def _use_device_graphs(self, threads: int) -> None:
+        """Run the decoder graphs placed on ``cuda`` that have a device graph (``dspark-export build-cuda``) on an
+        :class:`~dspark_runtime.ort_device.OrtDeviceDecoder` (K/V resident on the GPU, CUDA graphs); graphs
+        without one keep ONNX Runtime's CUDA provider on host buffers (constructed only: nothing touches the GPU
+        here)."""
+        cuda = [k for k, p in self.placement.items() if p == "cuda" and k in self.manifest.device_graphs]
+        if not cuda:
+            return
+        from dspark_runtime.ort_device import OrtDeviceDecoder
+
+        for key in cuda:
+            e = self.manifest.device_graphs[key]
+            self._backends[key] = OrtDeviceDecoder(self.dir, e, threads=threads)
+            self._device_entries[key] = e
 
     @classmethod
     def load(cls, engine_dir: str | Path, threads: int = DEFAULT_THREADS, providers=None,
@@ -180,7 +201,7 @@ class Engine(EngineDrafters):
         self.prefix_cache = None
         if not max_mb:
             return
-        if self.manifest.graphs["target"].spec.kv_layout != "scatter" or self.placement.get("target") == "trt":
+        if self.manifest.graphs["target"].spec.kv_layout != "scatter" or "target" in self._device_entries:
             raise InputError(f"{self.dir}: the prefix cache reuses cached positions of the scatter KV layout, and this "
                              "engine's target graph is not in it (or runs on TensorRT); rebuild it with `dspark-export "
                              "build --kv-layout scatter` (the int4 default) or leave the prefix cache off")
@@ -191,7 +212,7 @@ class Engine(EngineDrafters):
         SlotSequence), activating its session. On TensorRT it shares the graph's decoder with the decoding loops'
         runners: using it ends a batched loop's use of that decoder (one runner at a time)."""
         backend = self._backends[key].activate()
-        if self.placement.get(key) == "trt" and backend.batch != 1:  # a batched loop set its rows: back to one
+        if key in self._device_entries and backend.batch != 1:  # a batched loop set its rows: back to one
             backend.set_rows(1)
             self._runners.pop(key, None)
         if key not in self._runners:
@@ -206,7 +227,7 @@ class Engine(EngineDrafters):
         TensorRT always gets a new :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_requests`` rows over
         its decoder (one decoding core for one request and many). Raises InputError when ``max_requests`` exceeds
         a TensorRT engine's ``--max-batch``."""
-        if self.placement.get(key) == "trt":  # TrtBatchRunner for one request too; it activates the engine on use
+        if key in self._device_entries:  # TrtBatchRunner for one request too; it activates the decoder on use
             self._check_trt_rows(max_requests)
             return batch_runner(self._backends[key], max_requests=max_requests)
         if max_requests > 1:
@@ -222,12 +243,15 @@ class Engine(EngineDrafters):
     def _check_trt_rows(self, rows: int) -> None:
         """Raise InputError when the TensorRT engine of a graph placed on ``trt`` takes fewer than ``rows`` rows per
         call (its ``--max-batch``), naming the graph and the fix."""
-        engines = self._trt_engines()
-        for k in sorted(g for g, p in self.placement.items() if p == "trt"):
-            most = int(engines[k].profile_settings["max_batch"])
+        trt = self._trt_engines()
+        limits = {**{k: trt[k] for k, p in self.placement.items() if p == "trt"}, **self._device_entries}
+        for k in sorted(limits):
+            most = int(limits[k].profile_settings["max_batch"])
             if rows > most:
-                raise InputError(f"max_batch {rows}, but the TensorRT engine of graph {k!r} takes at most {most} rows "
-                                 f"per call; use max_batch <= {most} or rebuild it with `dspark-export build-trt "
+                what, cmd = (("TensorRT engine", "build-trt") if self.placement[k] == "trt"
+                             else ("device graph", "build-cuda"))
+                raise InputError(f"max_batch {rows}, but the {what} of graph {k!r} takes at most {most} rows "
+                                 f"per call; use max_batch <= {most} or rebuild it with `dspark-export {cmd} "
                                  f"{self.dir} --max-batch {rows}`")
 
     def graph_backend(self, key: str):
@@ -386,7 +410,7 @@ class Engine(EngineDrafters):
             if isinstance(drafter, Router):
                 drafter.cost_table = table  # the router scores proposals by expected tokens/s
                 drafter.attended_positions = target.attended_positions  # ... at the positions the pass reads
-        if prefill_budget == "auto" and self.placement.get("target") == "trt":
+        if prefill_budget == "auto" and "target" in self._device_entries:
             prefill_budget = target.max_chunk  # a call costs its fixed shape: whole chunks, the same in any batch
         if table is None:  # the auto prefill budget reads it (at each round's cached positions)
             table = self.manifest.speculation.cost_table

@@ -248,6 +248,42 @@ class TrtEngineEntry:
 
 
 @dataclass
+class DeviceGraphEntry:
+    """A graph of the manifest re-laid out for a GPU runtime without an engine build: ONNX Runtime's CUDA provider on
+    device-resident buffers (:class:`dspark_runtime.ort_device.OrtDeviceDecoder`; ``dspark-export build-cuda``).
+
+    graph:            key of the source graph in ``Manifest.graphs`` ("target", "draft").
+    kv_layout:        "capacity" (fixed-size cache buffers in, new keys/values out; docs/design.md section 2).
+    onnx:             the ONNX file to run (relative path).
+    files:            the files the entry owns (the capacity-layout graph; a 16-bit copy and its weights), FileEntry
+                      list; a capacity graph of the source's precision shares the source's weight file.
+    precision:        "fp32" / "fp16" / "bf16" (the graph's arithmetic; inputs and outputs are float32 either way).
+    profile_settings: what the buffers are sized for: max_batch, decode_q, prefill_chunk, capacity, min_bucket
+                      (:class:`dspark_runtime.trt_profiles.ProfileSettings`).
+    spec:             the GraphSpec of ``onnx``.
+    """
+
+    graph: str
+    kv_layout: str
+    onnx: str
+    files: list
+    precision: str
+    profile_settings: dict
+    spec: GraphSpec
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "kv_layout": self.kv_layout, "onnx": self.onnx,
+                "files": [f.to_json() for f in self.files], "precision": self.precision,
+                "profile_settings": self.profile_settings, "spec": self.spec.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> "DeviceGraphEntry":
+        return DeviceGraphEntry(graph=d["graph"], kv_layout=d["kv_layout"], onnx=d["onnx"],
+                                files=[FileEntry(**f) for f in d["files"]], precision=d["precision"],
+                                profile_settings=dict(d["profile_settings"]), spec=GraphSpec.from_json(d["spec"]))
+
+
+@dataclass
 class Manifest:
     """Parsed ``manifest.json``. Use :func:`load_manifest` to read and check one.
 
@@ -262,6 +298,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     trt_engines: dict = field(default_factory=dict)  # key -> TrtEngineEntry
     build_machine: dict = field(default_factory=dict)  # sysinfo.cpu_features() of the building machine
+    device_graphs: dict = field(default_factory=dict)  # key -> DeviceGraphEntry (dspark-export build-cuda)
 
     def all_files(self) -> list:
         files = list(self.tokenizer.get("files", []))
@@ -269,6 +306,8 @@ class Manifest:
             files += g.files
         for e in self.trt_engines.values():
             files += [e.file, *e.extra_files]
+        for e in self.device_graphs.values():
+            files += e.files
         return files
 
     def to_json(self) -> dict:
@@ -280,6 +319,8 @@ class Manifest:
             "speculation": self.speculation.to_json(),
             **({"trt_engines": {k: e.to_json() for k, e in self.trt_engines.items()}} if self.trt_engines else {}),
             **({"build_machine": self.build_machine} if self.build_machine else {}),
+            **({"device_graphs": {k: e.to_json() for k, e in self.device_graphs.items()}}
+               if self.device_graphs else {}),
         }
 
     def text(self) -> str:
@@ -317,7 +358,8 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         m = Manifest(name=d["name"], graphs=graphs, tokenizer=tok, speculation=speculation,
                      tool_versions=d.get("tool_versions", {}), created=d.get("created", ""), schema_version=v,
                      trt_engines={k: TrtEngineEntry.from_json(e) for k, e in d.get("trt_engines", {}).items()},
-                     build_machine=dict(d.get("build_machine") or {}))
+                     build_machine=dict(d.get("build_machine") or {}),
+                     device_graphs={k: DeviceGraphEntry.from_json(e) for k, e in d.get("device_graphs", {}).items()})
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed ({type(e).__name__}: {e}); rebuild the engine") from e
     if "target" not in m.graphs:
@@ -335,6 +377,10 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         if e.kv_layout not in KV_LAYOUTS or e.spec.kv_layout != e.kv_layout:
             raise ManifestError(f"{where}: TensorRT engine {key!r} has KV layout {e.kv_layout!r} (spec: "
                                 f"{e.spec.kv_layout!r}); expected one of {KV_LAYOUTS}; rebuild it")
+    for key, e in m.device_graphs.items():
+        if e.graph not in m.graphs or e.kv_layout != "capacity" or e.spec.kv_layout != "capacity":
+            raise ManifestError(f"{where}: device graph {key!r} (of graph {e.graph!r}, {e.kv_layout} layout) is not "
+                                "a capacity-layout copy of a declared graph; rebuild it with `dspark-export build-cuda`")
     return m
 
 

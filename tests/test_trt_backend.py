@@ -9,7 +9,8 @@ from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
 from dspark_runtime.kvcache import KVCache, causal_mask
 from dspark_runtime.manifest import FileEntry, TrtEngineEntry
-from dspark_runtime.trt_backend import DeviceKV, TrtDecoder, plan_buffers, widen_mask
+from dspark_runtime.device_decoder import DeviceKV, plan_buffers, widen_mask
+from dspark_runtime.trt_backend import TrtDecoder
 from dspark_runtime.trt_dspark import TrtDSparkGraph, dspark_chunk_mask, plan_dspark_chunks
 from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
 
@@ -83,14 +84,14 @@ def test_trt_decoder_constructs_cheaply_and_checks_arguments(tmp_path):
     dec = TrtDecoder(tmp_path, _entry(), batch=1, capacity=96)  # no TensorRT, no GPU touched
     assert dec.buckets == [32, 64, 96] and dec.decode_q == 5 and dec.context is None
     assert dec.stats == {"captured": 0, "replayed": 0, "uncaptured": 0, "relayouts": 0, "kv_writes": 0,
-                         "kv_write_s": 0.0, "d2h_bytes": 0}
+                         "kv_write_s": 0.0, "kv_write_mode": "3d", "d2h_bytes": 0}
     assert dec.kv_bytes == 2 * 2 * 1 * 2 * 96 * 16 * 4
     assert dec.empty_kv(1)[0][0].shape == (1, 2, 0, 16)
     with pytest.raises(DSparkError, match="activated for batch 1, not 2"):
         dec.empty_kv(2)
     e = _entry()
     e.kv_layout = "growing"
-    with pytest.raises(DSparkError, match="runs capacity-layout engines"):
+    with pytest.raises(DSparkError, match="TrtDecoder runs capacity-layout graphs"):
         TrtDecoder(tmp_path, e)
 
 
