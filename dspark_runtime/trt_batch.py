@@ -23,7 +23,7 @@ zeros wherever they sit (**not yet measured on TensorRT**); ``pin_bucket=True`` 
 same way whatever shares the batch when the prefill budget is the runner's ``max_chunk`` (``Engine.batch``'s
 "auto" on TensorRT): each round feeds a prompt its next ``prefill_chunk`` tokens. A request's output is then
 independent of its batch at a given ``rows``; equality with a runner of another ``rows`` (``generate``: 1) needs the
-GEMM results of a row not to depend on the call's row count, which ``scripts/gpu_check_trt.sh`` measures.
+GEMM results of a row not to depend on the call's row count, which ``scripts/gpu_check.sh trt`` measures.
 
 CUDA graphs: keyed (rows, q, bucket) (:func:`capture_key`); with fixed shapes a decode-profile call has one key per
 bucket, so a runner captures at most ``len(buckets)`` graphs. Prefill-profile calls run uncaptured.
@@ -33,7 +33,7 @@ an engine with an ``argmax`` output only the argmax (8 bytes a position instead 
 prompt chunk only its last position's logits (the only ones the loop reads); the loop says which
 (``step(segments, argmax_for=..., last_only=...)``). Without that output the real positions' logits come back.
 
-Not verified on a GPU yet (none where it was written); ``scripts/gpu_check_trt.sh`` check 5 is the prepared check.
+Not verified on a GPU yet (none where it was written); ``scripts/gpu_check.sh trt`` check 5 is the prepared check.
 """
 from __future__ import annotations
 

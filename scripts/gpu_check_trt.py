@@ -1,9 +1,9 @@
-"""GPU check of the TensorRT runtime path on a tiny engine (run by scripts/gpu_check_trt.sh; prints a transcript).
+"""GPU check of the TensorRT runtime path on a tiny engine (run by scripts/gpu_check.sh trt; prints a transcript).
 
     python scripts/gpu_check_trt.py ENGINE_DIR [--flavour auto|rtx|enterprise] [--rebuild]
     python scripts/gpu_check_trt.py ENGINE_DIR --cpu-stand-in   # no GPU: check 5's own code, see below
 
-ENGINE_DIR is a tiny engine (ONNX graphs + manifest; scripts/gpu_check_trt.sh --prepare makes one on any
+ENGINE_DIR is a tiny engine (ONNX graphs + manifest; scripts/gpu_check.sh --prepare makes one on any
 machine). If it carries no TensorRT engines, or --rebuild, they are built here (enterprise TensorRT must
 build on the GPU it targets; TensorRT-RTX engines built ahead of time on a CPU are used as they are, which is
 the point of checking them). Checks, each printed PASS/FAIL with its numbers:

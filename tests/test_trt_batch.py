@@ -1,7 +1,7 @@
 """Batched TensorRT decoding (dspark_runtime.trt_batch), CPU-side: the pure planning (call shapes, bucket choice,
 capture keys, the engine's inputs) and TrtBatchRunner's bookkeeping driven by the decoding loop, with the
 capacity-layout graph on ONNX Runtime CPU standing in for the TensorRT engine (the device code itself,
-TrtDecoder.run_rows, needs a GPU: scripts/gpu_check_trt.sh check 5)."""
+TrtDecoder.run_rows, needs a GPU: scripts/gpu_check.sh trt check 5)."""
 import shutil
 
 import numpy as np

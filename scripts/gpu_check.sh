@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# The TensorRT runtime path on an NVIDIA GPU, in one prepared script (transcript on stdout).
+# The runtime on an NVIDIA GPU, in prepared scripts (transcripts on stdout). Two paths:
 #
-#   bash scripts/gpu_check_trt.sh --prepare   # on any machine with network (and this repo's .venv):
+# ONNX Runtime's CUDA provider (device-resident K/V, CUDA graphs; scripts/gpu_check_cuda.py):
+#   bash scripts/gpu_check.sh --prepare-cuda  # on any machine with this repo's .venv: .carry/gpu-cuda/ <- tiny
+#                                             #   engines with device graphs + the stripped 1.5B-architecture graph
+#                                             #   (scripts/gpu_cuda_prepare.py); .carry/site.tar.xz.part* <- the
+#                                             #   trimmed onnxruntime-gpu, onnxruntime-genai-cuda and polygraphy
+#                                             #   (scripts/gpu_site_pack.sh), in <= 48 MiB parts for 64 MiB device calls
+#   bash scripts/gpu_check.sh cuda [STAGE]    # on the GPU machine (Python 3.12 with numpy, onnx, torch, transformers,
+#                                             #   cuda-python): unpacks the parts found in STAGE (default /tmp/stage)
+#                                             #   into /tmp/site, runs the check; results in $OUT (or ./gpu-check-out)
+#
+# TensorRT (scripts/gpu_check_trt.py):
+#   bash scripts/gpu_check.sh --prepare       # on any machine with network (and this repo's .venv):
 #                                             #   wheelhouse/ <- Python 3.12 wheels for the runtime + TensorRT,
 #                                             #   engines/gpu-check-tiny/ <- a tiny engine (ONNX + TensorRT-RTX AOT engines)
-#   bash scripts/gpu_check_trt.sh             # on the GPU machine (Python 3.12, no network needed): installs from
+#   bash scripts/gpu_check.sh trt             # on the GPU machine (Python 3.12, no network needed): installs from
 #                                             #   wheelhouse/ into .venv-gpu/, runs scripts/gpu_check_trt.py
 #
 # Both folders are gitignored (artifacts never go into git). TensorRT flavour: TensorRT-RTX for compute capability
@@ -18,6 +29,29 @@ RUNTIME_PKGS=("numpy>=1.26" "onnxruntime==1.32.*" "tokenizers>=0.21" "jinja2>=3.
               "tensorrt-rtx-cu13-libs==1.7.1.116" "tensorrt-rtx-cu13-bindings==1.7.1.116" "cuda-python>=13.0,<14")
 ENTERPRISE_PKGS=("tensorrt-cu13-libs==10.16.1.11" "tensorrt-cu13-bindings==10.16.1.11")
 
+if [[ "${1:-}" == "--prepare-cuda" ]]; then
+  PY=${PY:-.venv/bin/python}
+  nice -n 19 "$PY" scripts/gpu_cuda_prepare.py --out .carry/gpu-cuda
+  bash scripts/gpu_site_pack.sh
+  du -sh .carry/gpu-cuda .carry/site.tar.xz.part*
+  exit 0
+fi
+
+if [[ "${1:-}" == "cuda" ]]; then
+  STAGE=${2:-/tmp/stage}
+  OUTDIR=${OUT:-gpu-check-out}
+  mkdir -p "$OUTDIR"
+  PY=${PY:-python3}
+  [[ -d /tmp/site/onnxruntime ]] || "$PY" scripts/gpu_site_unpack.py "$STAGE" /tmp/site || exit 2
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+  # the CUDA 13 / cuDNN 9 libraries of the NVIDIA pip packages beside torch (onnxruntime-gpu links them by soname)
+  NV=$("$PY" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
+  [[ -n "$NV" ]] && export LD_LIBRARY_PATH="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
+  "$PY" scripts/gpu_check_cuda.py .carry/gpu-cuda --out "$OUTDIR/gpu-check-cuda.json" --deadline-s "${DEADLINE_S:-470}"
+  exit $?
+fi
+
+[[ "${1:-}" == "trt" ]] && shift
 if [[ "${1:-}" == "--prepare" ]]; then
   PY=${PY:-.venv/bin/python}
   mkdir -p "$WHEELS"
@@ -57,7 +91,7 @@ PYEOF
 fi
 
 echo "== $(date -u +%FT%TZ) $(uname -m) $(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader)"
-[[ -d "$WHEELS" && -d "$ENGINE" ]] || { echo "run 'bash scripts/gpu_check_trt.sh --prepare' first"; exit 2; }
+[[ -d "$WHEELS" && -d "$ENGINE" ]] || { echo "run 'bash scripts/gpu_check.sh --prepare' first"; exit 2; }
 PY312=${PY312:-python3.12}
 CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
 case "$CC" in
