@@ -537,7 +537,10 @@ def test_build_trt_interrupted_in_the_16_bit_conversion_leaves_the_engine(engine
         real(src, dst, half)
         raise KeyboardInterrupt
 
+    import dspark_export.device_graphs as device_graphs
+
     monkeypatch.setattr(trt, "to_half", to_half)
+    monkeypatch.setattr(device_graphs, "to_half", to_half)  # the capacity layout's 16-bit copy is made there
     monkeypatch.setattr(trt, "build_engine_file", _fake_trt_build())
     with pytest.raises(KeyboardInterrupt):
         build_trt(engine_copy, TrtBuildSettings(half="fp16", graphs=("target",)), isolate=False, **QUIET)
