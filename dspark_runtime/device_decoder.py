@@ -144,15 +144,28 @@ class DeviceLayout:
     def new_slot_bytes(self) -> int:
         return self.rows * self.kv_heads * self.new_len * self.position_bytes
 
-    def write_copy(self, row: int, past: int, n: int, q: int, bucket: int) -> dict:
-        """The strided copy that moves row ``row``'s first ``n`` new positions of a call of ``q`` positions into
-        cache slots ``past..past+n-1`` at pitch ``bucket``, every layer's keys and values at once: keyword
-        arguments of :meth:`~dspark_runtime.device_memory.DeviceMemory.copy_3d` with byte offsets ``dst`` / ``src``
-        from the cache and new-K/V bases."""
+    def write_copy(self, row: int, past: int, n: int, q: int, bucket: int, rows: int = 1) -> dict:
+        """The strided copy that moves the first ``n`` new positions of a call of ``q`` positions into cache slots
+        ``past..past+n-1`` at pitch ``bucket``, for rows ``row..row+rows-1`` (the same past and n each) and every
+        layer's keys and values at once: keyword arguments of
+        :meth:`~dspark_runtime.device_memory.DeviceMemory.copy_3d` with byte offsets ``dst`` / ``src`` from the cache
+        and new-K/V bases (a row's heads follow the previous row's at the same pitch, so a run of rows is one
+        copy)."""
         pb = self.position_bytes
         return dict(dst=(row * self.kv_heads * bucket + past) * pb, dpitch=bucket * pb, dslice=self.slot_bytes,
                     src=row * self.kv_heads * q * pb, spitch=q * pb, sslice=self.new_slot_bytes,
-                    width=n * pb, height=self.kv_heads, depth=2 * self.layers)
+                    width=n * pb, height=self.kv_heads * rows, depth=2 * self.layers)
+
+    def write_copies(self, writes: list, q: int, bucket: int) -> list[dict]:
+        """The copies of :meth:`write_copy` for ``writes`` [(row, past, n)]: consecutive rows with the same past and
+        n merged into one copy (a prefill or a batch at one length: a single copy for every row)."""
+        runs = []  # [row, past, n, rows]
+        for row, past, n in sorted(writes):
+            if runs and runs[-1][0] + runs[-1][3] == row and runs[-1][1:3] == [past, n]:
+                runs[-1][3] += 1
+            else:
+                runs.append([row, past, n, 1])
+        return [self.write_copy(row, past, n, q, bucket, rows) for row, past, n, rows in runs]
 
 
 def new_slot_length(decode_q: int, prefill_chunk: int) -> int:
@@ -265,6 +278,7 @@ class CapacityDecoder(ABC):
         self._host = {name: mem.host_buffer(n) for name, n in io.items()}
         self._bucket = self.buckets[0]
         self._length = 0  # positions written on the device (the longest row's)
+        self._buffer_maps: dict = {}  # call shape -> _buffers(...), made once per allocation
 
     def _release(self) -> None:
         mem = self.memory
@@ -358,8 +372,7 @@ class CapacityDecoder(ABC):
         """Copy each (row, past, n) of ``writes``: the row's first n new positions into its cache slots past.."""
         lay, mem = self.layout, self.memory
         t0 = time.perf_counter()
-        for row, past, n in writes:
-            c = lay.write_copy(row, past, n, q, bucket)
+        for c in lay.write_copies(writes, q, bucket):
             if (self.stats["kv_write_mode"] == "3d" and c["sslice"] % c["spitch"] == 0
                     and c["dslice"] % c["dpitch"] == 0):
                 try:
@@ -422,7 +435,10 @@ class CapacityDecoder(ABC):
             view[...] = arr
             mem.to_device(self._dev[name], view)
         key = (b, q, bucket)
-        self._bind(key, self._buffers(b, q, bucket))
+        buffers = self._buffer_maps.get(key)
+        if buffers is None:
+            buffers = self._buffer_maps[key] = self._buffers(b, q, bucket)
+        self._bind(key, buffers)
         self._run(key, capturable=q <= self.decode_q)
         self._write_kv(writes, q, bucket)
         names = [t.name for t in self.spec.outputs if not t.name.startswith("new.")
@@ -437,6 +453,11 @@ class CapacityDecoder(ABC):
             dt = NUMPY_DTYPES[t.dtype]
             full = self._view(name, (b, q, *([int(t.shape[-1])] if len(t.shape) == 3 else [])), dt)
             views[name] = full
+            if name == "argmax" and reads:  # 8 bytes a position: the rows' span in one copy
+                lo, hi = min(r for r, _, _ in reads), max(r for r, _, _ in reads) + 1
+                mem.to_host(full[lo:hi], self._dev[name] + lo * q * full.itemsize)
+                self.stats["d2h_bytes"] += full[lo:hi].nbytes
+                continue
             for row, n, first in reads:
                 lo = first if name == "logits" else 0
                 mem.to_host(full[row, lo:n], self._dev[name] + (row * q + lo) * full[0, 0].nbytes)

@@ -34,9 +34,7 @@ time of every steady round (no prompt chunk, no admission, no catch-up) and of i
 (:meth:`DraftSkipRule.record_round`), and the rule keeps one ratio ``k`` = (round - drafting pass) / ``t_verify``
 (moving average, :data:`ROUND_RATIO_EMA`, clamped to :data:`ROUND_RATIO_BOUNDS`) over rounds of both kinds: what is
 not the drafting pass is a verifier round either way. One ratio, refreshed by every steady round, cannot go stale
-on one side: a ratio per kind (drafted, undrafted), as before 2026-12-03, kept the undrafted one from a few slow
-rounds for good while the rule drafted (76 drafted steady rounds at 430 ms against 5 undrafted at 525 ms in one
-8-client run, 275-320 ms in the others; docs/serving.md).
+on one side, as a ratio per kind (drafted, undrafted) did (docs/serving.md).
 
 Skipped rounds leave the estimates stale, so after :data:`SKIP_PROBE_EVERY` undrafted rounds one probing round
 drafts; the interval doubles up to :data:`SKIP_PROBE_MAX` while probes confirm the skip, and a round that pays

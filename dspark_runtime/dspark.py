@@ -39,9 +39,8 @@ from dspark_runtime.sampling import SamplingParams, process_logits, sample
 # "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
 THRESHOLD_RULES = ("survival", "deepspec")
 # A drafter graph call's fixed cost, in context positions (session dispatch, feeds, K/V copies): the price of
-# splitting one padded call into several (:func:`context_groups`). Probed on the int4 Qwen engine's drafter (2-core
-# Xeon, 2026-12-03): a context position ~0.17 ms in a large call, a call's fixed part ~1.5 ms (~10 positions); 16
-# leaves a margin. docs/serving.md "The drafter's catch-up".
+# splitting one padded call into several (:func:`context_groups`): a call's fixed part is ~10 context positions on
+# the int4 Qwen engine's drafter; 16 leaves a margin (measured in docs/serving.md "The drafter's catch-up").
 DRAFT_CALL_OVERHEAD = 16
 
 

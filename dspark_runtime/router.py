@@ -1,4 +1,4 @@
-"""Context-aware drafter routing (issue 9): per round, send either the n-gram prompt-lookup continuation
+"""Context-aware drafter routing: per round, send either the n-gram prompt-lookup continuation
 or the model drafter's block (DSpark, or a standalone draft LM), whichever is expected to commit more.
 
 Sources: prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; transformers'
@@ -303,7 +303,7 @@ def expected_score(surv: np.ndarray, cost=None) -> float:
 def route(match: NgramMatch, confidence: NgramConfidence, inner_prior: np.ndarray, *, greedy: bool,
           inner_confident: bool, cost=None, min_match: int = 1, min_support: int = 1, ngram_bias: float = 0.0,
           skip_ratio: float | None = 2.0, mode: str = "auto") -> RouteDecision:
-    """The routing rule for one request and round, before drafting (issue 9; pure function):
+    """The routing rule for one request and round, before drafting (pure function):
 
     1. The n-gram continuation is a candidate when it is non-empty, its matched length >= ``min_match`` and its
        support >= ``min_support``; otherwise the model drafter ("inner") is sent.
@@ -346,7 +346,7 @@ class _RouteState:
 
 
 class Router:
-    """The context-aware router (issue 9): per request and round, the n-gram prompt-lookup continuation or the
+    """The context-aware router: per request and round, the n-gram prompt-lookup continuation or the
     model drafter's block (``inner``: :class:`~dspark_runtime.dspark.DSparkDrafter` or
     :class:`~dspark_runtime.drafters.LMDrafter`), by :func:`route`; a drafter of the
     :mod:`dspark_runtime.drafters` interface, so one request and a batch route by the same rule.

@@ -121,6 +121,7 @@ class TrtDecoder(CapacityDecoder):
         super().__init__(Path(engine_dir) / entry.file.path, entry, batch, capacity, cuda_graphs)
         self.warmup = warmup
         self.context = None
+        self._graphs: dict = {}  # call shape -> instantiated CUDA graph
 
     def _open(self) -> None:
         self._trt, self._logger, self._runtime, self.engine, self.context = _open_engine(self.path, self.entry)
@@ -128,7 +129,7 @@ class TrtDecoder(CapacityDecoder):
 
     def _forget_bindings(self) -> None:
         cudart = _cuda()
-        for g in getattr(self, "_graphs", {}).values():
+        for g in self._graphs.values():
             cudart.cudaGraphExecDestroy(g)
         self._graphs, self._seen, self._bound, self._profile = {}, {}, None, None
 

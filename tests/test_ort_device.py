@@ -58,6 +58,16 @@ def test_write_copy_geometry_moves_exactly_a_rows_new_positions():
     assert c["sslice"] % c["spitch"] == 0 and c["dslice"] % c["dpitch"] == 0 and c["depth"] == 4
     mem.copy_3d(**{**c, "dst": cache.ctypes.data + c["dst"], "src": new.ctypes.data + c["src"]})
     np.testing.assert_array_equal(cache, want)
+    # rows 0 and 1 at the same past and n: one copy for both, equal to two
+    merged = lay.write_copies([(1, 3, 2), (0, 3, 2), (2, 1, 4)], q, bucket)
+    assert [(c["height"], c["dst"]) for c in merged] == [(4, 3 * 16), (2, (2 * 2 * bucket + 1) * 16)]
+    two = cache.copy()
+    for r in (0, 1):
+        c = lay.write_copy(r, 3, 2, q, bucket)
+        mem.copy_3d(**{**c, "dst": two.ctypes.data + c["dst"], "src": new.ctypes.data + c["src"]})
+    c = merged[0]
+    mem.copy_3d(**{**c, "dst": cache.ctypes.data + c["dst"], "src": new.ctypes.data + c["src"]})
+    np.testing.assert_array_equal(cache, two)
 
 
 def test_build_cuda_records_a_device_graph_and_refuses_cpu_engines(cuda_engine, tmp_path):

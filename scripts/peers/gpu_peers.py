@@ -531,17 +531,27 @@ def cmd_genai(a) -> int:
             except Exception as e:  # noqa: BLE001
                 row["error"] = scrub(f"{type(e).__name__}: {e}")[:2000]
                 row["traceback_tail"] = scrub(traceback.format_exc())[-1500:]
-            row["wall_s"] = round(time.perf_counter() - t_cfg, 2)
-            deadline.done(variant, row["wall_s"])
-            d["configs"].append(row)
-            report.write()
-            print(json.dumps({k: row.get(k) for k in ("variant", "batch", "prefill_ms", "decode_ms_per_step",
-                                                      "tokens_per_s", "error")}), flush=True)
+            record_config(d, report, deadline, variant, row, t_cfg)
+    return finish(d, report)
+
+
+
+def record_config(d: dict, report, deadline, variant: str, row: dict, t_cfg: float) -> None:
+    """Close one configuration: its wall time, the deadline's bookkeeping, the JSON rewritten, one line printed."""
+    row["wall_s"] = round(time.perf_counter() - t_cfg, 2)
+    deadline.done(variant, row["wall_s"])
+    d["configs"].append(row)
+    report.write()
+    print(json.dumps({k: row.get(k) for k in ("variant", "batch", "prefill_ms", "decode_ms_per_step",
+                                              "tokens_per_s", "error")}), flush=True)
+
+
+def finish(d: dict, report) -> int:
+    """Mark the report done (complete when nothing was skipped or failed) and write it; exit status 0."""
     d["status"] = "done"
     d["complete"] = not d["skipped"] and all("error" not in c for c in d["configs"])
     report.write()
     return 0
-
 
 # ----------------------------------------------------------------------------------------------
 # hf
@@ -636,16 +646,8 @@ def cmd_hf(a) -> int:
             except Exception as e:  # noqa: BLE001
                 row["error"] = scrub(f"{type(e).__name__}: {e}")[:2000]
                 row["traceback_tail"] = scrub(traceback.format_exc())[-1500:]
-            row["wall_s"] = round(time.perf_counter() - t_cfg, 2)
-            deadline.done(variant, row["wall_s"])
-            d["configs"].append(row)
-            report.write()
-            print(json.dumps({k: row.get(k) for k in ("variant", "batch", "prefill_ms", "decode_ms_per_step",
-                                                      "tokens_per_s", "error")}), flush=True)
-    d["status"] = "done"
-    d["complete"] = not d["skipped"] and all("error" not in c for c in d["configs"])
-    report.write()
-    return 0
+            record_config(d, report, deadline, variant, row, t_cfg)
+    return finish(d, report)
 
 
 # ----------------------------------------------------------------------------------------------
