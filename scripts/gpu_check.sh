@@ -7,7 +7,7 @@
 #                                             #   (scripts/gpu_cuda_prepare.py); .carry/site.tar.xz.part* <- the
 #                                             #   trimmed onnxruntime-gpu, onnxruntime-genai-cuda and polygraphy
 #                                             #   (scripts/gpu_site_pack.sh), in <= 48 MiB parts for 64 MiB device calls
-#   bash scripts/gpu_check.sh cuda [STAGE]    # on the GPU machine (Python 3.12 with numpy, onnx, torch, transformers,
+#   bash scripts/gpu_check.sh cuda [STAGE [--skip PHASES]]  # on the GPU machine (Python 3.12 with numpy, onnx, torch, transformers,
 #                                             #   cuda-python): unpacks the parts found in STAGE (default /tmp/stage)
 #                                             #   into /tmp/site, runs the check; results in $OUT (or ./gpu-check-out)
 #
@@ -47,7 +47,8 @@ if [[ "${1:-}" == "cuda" ]]; then
   # the CUDA 13 / cuDNN 9 libraries of the NVIDIA pip packages beside torch (onnxruntime-gpu links them by soname)
   NV=$("$PY" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
   [[ -n "$NV" ]] && export LD_LIBRARY_PATH="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
-  "$PY" scripts/gpu_check_cuda.py .carry/gpu-cuda --out "$OUTDIR/gpu-check-cuda.json" --deadline-s "${DEADLINE_S:-470}"
+  shift $(( $# >= 2 ? 2 : $# ))
+  "$PY" scripts/gpu_check_cuda.py .carry/gpu-cuda --out "$OUTDIR/gpu-check-cuda.json" --deadline-s "${DEADLINE_S:-470}" "$@"
   exit $?
 fi
 
