@@ -211,8 +211,11 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
 @click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Tokens per prefill call.")
 @click.option("--capacity", type=int, default=4096, show_default=True, help="KV positions per request.")
 @click.option("--min-bucket", type=int, default=256, show_default=True, help="Smallest capacity bucket.")
+@click.option("--no-fuse", is_flag=True, help="Keep the exported rotary embeddings (default: fused into ONNX Runtime's "
+                                             "RotaryEmbedding, 7 kernels a query/key fewer).")
 @click.option("--in-process", is_flag=True, help="Convert in this process.")
-def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk, capacity, min_bucket, in_process):
+def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk, capacity, min_bucket, no_fuse,
+                   in_process):
     """Add device graphs for ONNX Runtime's CUDA provider to the built ENGINE_DIR (an fp32 engine with the growing
     KV layout): the capacity KV layout (cache buffers resident on the GPU, CUDA graphs), fp16 by default; run them
     with `dspark generate --placement target=cuda`."""
@@ -225,7 +228,7 @@ def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk,
     profile = ProfileSettings(max_batch=max_batch, decode_q=decode_q, prefill_chunk=prefill_chunk, capacity=capacity,
                               min_bucket=min_bucket)
     m = build_cuda(engine_dir, profile, None if half == "none" else half, _csv(graphs, "--graphs"),
-                   isolate=not in_process, log=click.echo)
+                   isolate=not in_process, log=click.echo, fuse=not no_fuse)
     click.echo(f"{engine_dir}: device graphs {', '.join(f'{k} ({e.onnx})' for k, e in m.device_graphs.items())}")
 
 

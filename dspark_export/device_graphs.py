@@ -13,6 +13,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, GraphSpec
 from dspark_runtime.manifest import DeviceGraphEntry, FileEntry, Manifest, load_manifest
 from dspark_runtime.trt_profiles import ProfileSettings
+from dspark_export.graph_fusions import fuse_rotary_file
 from dspark_export.trt_graphs import HALF_TYPES, to_capacity_layout, to_half
 
 
@@ -35,7 +36,7 @@ def derive_capacity_graph(stage: Path, key: str, source_file: str, spec: GraphSp
 
 
 def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "fp16", graphs: tuple = (),
-               isolate: bool = True, log=print) -> Manifest:
+               isolate: bool = True, log=print, fuse: bool = True) -> Manifest:
     """Add device graphs of ``graphs`` (default: the target) of the built ``engine_dir`` to its manifest
     (``device_graphs[key]``, replacing an earlier one) for buffers of ``profile`` (max_batch rows, decode_q and
     prefill_chunk call lengths, capacity positions, min_bucket). ``half``: "fp16" (default: the GPU's tensor
@@ -73,6 +74,10 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
                 f"{profile.capacity} positions")
             rel, spec, files = derive_capacity_graph(txn.stage, key, g.model_file, g.spec, half,
                                                      lambda fn, *a: _run(fn, isolate, *a), log)
+            if fuse:
+                n = fuse_rotary_file(txn.stage / rel, profile.capacity)
+                log(f"[{key}] {n} rotary embeddings fused into RotaryEmbedding")
+                files = [FileEntry.of(txn.stage, f.path) if f.path == rel else f for f in files]
             manifest.device_graphs[key] = DeviceGraphEntry(
                 graph=key, kv_layout=KV_LAYOUT_CAPACITY, onnx=rel, files=files, precision=half or "fp32",
                 profile_settings=profile.to_json(), spec=spec)

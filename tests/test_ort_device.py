@@ -78,6 +78,12 @@ def test_build_cuda_records_a_device_graph_and_refuses_cpu_engines(cuda_engine, 
     assert (e.graph, e.kv_layout, e.onnx, e.precision) == ("target", "capacity", "target.capacity.onnx", "fp32")
     assert e.profile_settings == PROFILE.to_json() and [f.path for f in e.files] == ["target.capacity.onnx"]
     assert "argmax" in e.spec.output_names and e.spec.kv_layout == "capacity"
+    import onnx
+
+    g = onnx.load(str(cuda_engine / e.onnx), load_external_data=False).graph
+    layers = e.spec.dims.num_layers
+    assert [n.op_type for n in g.node].count("RotaryEmbedding") == 2 * layers  # query and key of every layer
+    assert not any(n.op_type == "Neg" for n in g.node)  # the exported rotate_half is gone
     with pytest.raises(DSparkError, match="has no graph 'drafter'"):
         build_cuda(cuda_engine, PROFILE, graphs=("drafter",), isolate=False)
     with pytest.raises(DSparkError, match="max_batch must be a positive integer|max_batch"):

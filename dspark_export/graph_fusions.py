@@ -1,0 +1,152 @@
+"""Fusions of an exported decoder graph for ONNX Runtime's CUDA provider, no torch: each rewrites a pattern of many
+small nodes the exporter writes into one ONNX Runtime contrib operator, so a decoding step launches fewer kernels
+(docs/gpu.md "Where the step goes").
+
+:func:`fuse_rotary`: the rotary position embedding of every query and key (HF's ``x * cos + rotate_half(x) * sin`` on
+the heads: Mul, Slice, Slice, Neg, Concat, Mul, Add — seven kernels each) as one ``com.microsoft.RotaryEmbedding``
+applied to the projection's output [batch, q_len, heads * head_dim] before its head reshape, reading cos/sin tables
+precomputed from the graph's own inverse frequencies (float64, then the graph's float type).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _graph_maps(g):
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    return producer, consumers
+
+
+def _inverse_frequencies(g) -> np.ndarray:
+    """The graph's RoPE inverse frequencies: the initializer named ``*rotary_emb.inv_freq`` (float32 [head_dim / 2]).
+    Raises DSparkError when there is none (an export this code does not know)."""
+    from onnx import numpy_helper
+
+    for t in g.initializer:
+        if t.name.endswith("rotary_emb.inv_freq"):
+            return numpy_helper.to_array(t).astype(np.float64)
+    raise DSparkError("the graph has no rotary_emb.inv_freq initializer; RoPE fusion needs the HF export's")
+
+
+def fuse_rotary(model, max_positions: int) -> int:
+    """Rewrite every HF rotary embedding of ``model`` (an ``onnx.ModelProto``, changed in place; external weights
+    untouched) as ``com.microsoft.RotaryEmbedding`` with cos/sin tables for positions 0..``max_positions``-1.
+    Returns how many were fused (2 per layer: query and key). A match must be exactly the exporter's pattern
+    (Add(Mul(X, cos), Mul(Concat(Neg(Slice(X)), Slice(X)), sin)) with X = Transpose[0, 2, 1, 3](Reshape(P))); anything
+    else is left as it is."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    producer, consumers = _graph_maps(g)
+    found = []
+    for neg in [n for n in g.node if n.op_type == "Neg"]:
+        second = producer.get(neg.input[0])
+        cat = consumers.get(neg.output[0], [])
+        if second is None or second.op_type != "Slice" or len(cat) != 1 or cat[0].op_type != "Concat":
+            continue
+        cat = cat[0]
+        if list(cat.input)[:1] != [neg.output[0]] or len(cat.input) != 2:
+            continue
+        first = producer.get(cat.input[1])
+        if first is None or first.op_type != "Slice" or first.input[0] != second.input[0]:
+            continue
+        x = second.input[0]
+        mul_sin = consumers.get(cat.output[0], [])
+        if len(mul_sin) != 1 or mul_sin[0].op_type != "Mul":
+            continue
+        mul_sin = mul_sin[0]
+        add = consumers.get(mul_sin.output[0], [])
+        if len(add) != 1 or add[0].op_type != "Add":
+            continue
+        add = add[0]
+        other = add.input[1] if add.input[0] == mul_sin.output[0] else add.input[0]
+        mul_cos = producer.get(other)
+        if mul_cos is None or mul_cos.op_type != "Mul" or x not in mul_cos.input:
+            continue
+        tr = producer.get(x)
+        perm = next((list(a.ints) for a in tr.attribute if a.name == "perm"), None) if tr is not None else None
+        if tr is None or tr.op_type != "Transpose" or perm != [0, 2, 1, 3]:
+            continue
+        rs = producer.get(tr.input[0])
+        if rs is None or rs.op_type != "Reshape":
+            continue
+        found.append((rs, tr, add, {id(n) for n in (mul_cos, first, second, neg, cat, mul_sin, add)}))
+    if not found:
+        return 0
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*g.value_info, *g.input, *g.output)}
+    elem = _float_type(model, found[0][0].input[0], types)
+    np_type = np.float16 if elem == TensorProto.FLOAT16 else np.float32
+    inv = _inverse_frequencies(g)
+    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv)
+    cos_name, sin_name = "rotary_cos_cache", "rotary_sin_cache"
+    g.initializer.extend([numpy_helper.from_array(np.cos(freqs).astype(np_type), cos_name),
+                          numpy_helper.from_array(np.sin(freqs).astype(np_type), sin_name)])
+    dead = set()
+    for i, (rs, tr, add, nodes) in enumerate(found):
+        proj = rs.input[0]
+        rot = f"{proj}.rotary"
+        node = helper.make_node("RotaryEmbedding", [proj, "position_ids", cos_name, sin_name], [rot],
+                                name=f"rotary_embedding_{i}", domain=MS_DOMAIN, interleaved=0)
+        g.node.insert(list(g.node).index(rs), node)
+        rs.input[0] = rot
+        for c in consumers.get(add.output[0], []):  # the rotated heads are now the Transpose's output
+            c.input[:] = [tr.output[0] if v == add.output[0] else v for v in c.input]
+        for o in g.output:
+            if o.name == add.output[0]:
+                raise DSparkError(f"RoPE output {o.name} is a graph output; cannot fuse")
+        dead |= nodes
+    keep = [n for n in g.node if id(n) not in dead]
+    del g.node[:]
+    g.node.extend(keep)
+    _prune(g)
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return len(found)
+
+
+def _float_type(model, name: str, known: dict) -> int:
+    """The element type of tensor ``name``: from the graph's type annotations, else by shape inference."""
+    import onnx
+
+    if name in known:
+        return known[name]
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    for vi in inferred.graph.value_info:
+        if vi.name == name:
+            return vi.type.tensor_type.elem_type
+    # a 16-bit copy's projections follow its weights: the first float initializer's type
+    return next((t.data_type for t in model.graph.initializer if t.data_type in (1, 10, 16)), 1)
+
+
+def _prune(g) -> None:
+    """Drop nodes whose outputs nothing reads (the pattern's leftovers: the cos/sin unsqueezes)."""
+    outputs = {o.name for o in g.output}
+    while True:
+        used = {i for n in g.node for i in n.input} | outputs
+        keep = [n for n in g.node if any(o in used for o in n.output)]
+        if len(keep) == len(g.node):
+            return
+        del g.node[:]
+        g.node.extend(keep)
+
+
+def fuse_rotary_file(path: Path, max_positions: int) -> int:
+    """:func:`fuse_rotary` on the graph file ``path`` (rewritten in place; its external weight file unchanged).
+    Returns how many were fused."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    n = fuse_rotary(model, max_positions)
+    if n:
+        onnx.save_model(model, str(path))
+    return n
