@@ -7,32 +7,48 @@ are run at. The same graphs TensorRT engines are built from (:mod:`dspark_export
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, GraphSpec
 from dspark_runtime.manifest import DeviceGraphEntry, FileEntry, Manifest, load_manifest
 from dspark_runtime.trt_profiles import ProfileSettings
-from dspark_export.graph_fusions import fuse_rotary_file
+from dspark_export.graph_fusions import fuse_file
 from dspark_export.trt_graphs import HALF_TYPES, to_capacity_layout, to_half
 
 
 def derive_capacity_graph(stage: Path, key: str, source_file: str, spec: GraphSpec, half: str | None, run,
-                          log=print) -> tuple[str, GraphSpec, list]:
+                          log=print, half_cache: bool = False) -> tuple[str, GraphSpec, list]:
     """Write ``<key>.capacity.onnx`` (sharing ``source_file``'s weights) and, with ``half``, its 16-bit copy
     ``<key>.capacity.<half>.onnx`` (+ ``.data``) into ``stage`` (an engine transaction's stage, the source linked
-    in). ``run(fn, *args)`` runs a conversion (in a fresh process or not). Returns (the file to run, its GraphSpec,
-    the FileEntry list of the files written). Raises DSparkError for a graph this surgery does not know."""
+    in). ``run(fn, *args)`` runs a conversion (in a fresh process or not). ``half_cache``: with ``half`` "fp16", the
+    K/V cache inputs and new-K/V outputs become float16 too (no per-step casts, half the cache memory). Returns (the
+    file to run, its GraphSpec, the FileEntry list of the files written). Raises DSparkError for a graph this
+    surgery does not know."""
     rel = f"{key}.capacity.onnx"
     cap_spec = to_capacity_layout(stage / source_file, stage / rel, spec)
     files = [FileEntry.of(stage, rel)]
     if half:
         half_rel = rel.removesuffix(".onnx") + f".{half}.onnx"
         log(f"[{key}] converting {rel} to {half} -> {half_rel}")
-        run(to_half, stage / rel, stage / half_rel, half)
+        cache_io = half_cache and half == "fp16"
+        run(to_half, stage / rel, stage / half_rel, half, *((CACHE_PREFIXES,) if cache_io else ()))
+        if cache_io:
+            cap_spec = _cache_dtype(cap_spec, "float16")
         files += [FileEntry.of(stage, half_rel), FileEntry.of(stage, half_rel + ".data")]
         rel = half_rel
     return rel, cap_spec, files
+
+
+CACHE_PREFIXES = "past.,new."  # the capacity layout's cache inputs and new-K/V outputs
+
+
+def _cache_dtype(spec: GraphSpec, dtype: str) -> GraphSpec:
+    """``spec`` with the cache tensors (``past.*``, ``new.*``) of ``dtype``."""
+    def cast(ts):
+        return tuple(replace(t, dtype=dtype) if t.name.startswith(("past.", "new.")) else t for t in ts)
+    return replace(spec, inputs=cast(spec.inputs), outputs=cast(spec.outputs))
 
 
 def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "fp16", graphs: tuple = (),
@@ -73,11 +89,11 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
             log(f"[{key}] capacity layout{f', {half}' if half else ''} for {profile.max_batch} rows, "
                 f"{profile.capacity} positions")
             rel, spec, files = derive_capacity_graph(txn.stage, key, g.model_file, g.spec, half,
-                                                     lambda fn, *a: _run(fn, isolate, *a), log)
-            if fuse:
-                n = fuse_rotary_file(txn.stage / rel, profile.capacity)
-                log(f"[{key}] {n} rotary embeddings fused into RotaryEmbedding")
-                files = [FileEntry.of(txn.stage, f.path) if f.path == rel else f for f in files]
+                                                     lambda fn, *a: _run(fn, isolate, *a), log, half_cache=True)
+            if fuse:  # the projections are merged only where the graph owns its weight file (a 16-bit copy)
+                rot, mm = fuse_file(txn.stage / rel, profile.capacity, merge=bool(half))
+                log(f"[{key}] {rot} rotary embeddings fused into RotaryEmbedding, {mm} projection groups merged")
+                files = [FileEntry.of(txn.stage, f.path) for f in files]
             manifest.device_graphs[key] = DeviceGraphEntry(
                 graph=key, kv_layout=KV_LAYOUT_CAPACITY, onnx=rel, files=files, precision=half or "fp32",
                 profile_settings=profile.to_json(), spec=spec)

@@ -6,6 +6,9 @@ small nodes the exporter writes into one ONNX Runtime contrib operator, so a dec
 the heads: Mul, Slice, Slice, Neg, Concat, Mul, Add — seven kernels each) as one ``com.microsoft.RotaryEmbedding``
 applied to the projection's output [batch, q_len, heads * head_dim] before its head reshape, reading cos/sin tables
 precomputed from the graph's own inverse frequencies (float64, then the graph's float type).
+
+:func:`merge_sibling_matmuls`: the projections that read one activation (Q/K/V; gate/up) as one MatMul (+ one bias
+Add) and a Split.
 """
 from __future__ import annotations
 
@@ -140,13 +143,135 @@ def _prune(g) -> None:
         g.node.extend(keep)
 
 
-def fuse_rotary_file(path: Path, max_positions: int) -> int:
-    """:func:`fuse_rotary` on the graph file ``path`` (rewritten in place; its external weight file unchanged).
-    Returns how many were fused."""
+def fuse_file(path: Path, max_positions: int, merge: bool) -> tuple[int, int]:
+    """:func:`fuse_rotary` and, with ``merge`` (the graph owns its weight file), :func:`merge_sibling_matmuls` on the
+    graph file ``path`` (rewritten in place). Returns (rotary embeddings fused, MatMul groups merged)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    n = fuse_rotary(model, max_positions)
-    if n:
+    rot = fuse_rotary(model, max_positions)
+    mm = merge_sibling_matmuls(model, path.parent) if merge else 0
+    if rot or mm:
         onnx.save_model(model, str(path))
-    return n
+    return rot, mm
+
+
+def merge_sibling_matmuls(model, weights_dir: Path) -> int:
+    """Merge the MatMuls that read one activation with constant weights [K, N_i] (a layer's Q/K/V projections; its
+    gate and up projections) into one MatMul over the concatenated weights [K, sum N_i], their bias Adds (when every
+    one has one) into one Add, then a Split: two or three GEMM launches become one, and small-N GEMMs (K/V) join a
+    larger one. ``model`` is changed in place; its external weights are rewritten into a fresh file at the same
+    location under ``weights_dir`` (the merged tensors added, the replaced ones dropped). Returns how many groups were
+    merged. Only groups whose weights all live in one external data file are merged."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer, consumers = _graph_maps(g)
+    groups: dict = {}
+    for n in g.node:
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if w is not None and len(w.dims) == 2 and w.data_location == TensorProto.EXTERNAL:
+            groups.setdefault(n.input[0], []).append(n)
+    groups = {k: v for k, v in groups.items() if len(v) > 1
+              and len({(inits[n.input[1]].dims[0], inits[n.input[1]].data_type) for n in v}) == 1}
+    if not groups:
+        return 0
+    files = {next(e.value for e in inits[n.input[1]].external_data if e.key == "location")
+             for v in groups.values() for n in v}
+    if len(files) != 1:
+        return 0
+    location = files.pop()
+    src_path = Path(weights_dir) / location
+
+    def read(t) -> bytes:
+        ext = {e.key: e.value for e in t.external_data}
+        with open(src_path, "rb") as f:
+            f.seek(int(ext.get("offset", 0)))
+            return f.read(int(ext["length"]))
+
+    np16 = {TensorProto.FLOAT16: np.uint16, TensorProto.BFLOAT16: np.uint16, TensorProto.FLOAT: np.float32}
+    new_tensors, dead, opset = {}, set(), next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    merged_groups = 0
+    for gi, (x, mms) in enumerate(groups.items()):
+        ws = [inits[n.input[1]] for n in mms]
+        dt = np16.get(ws[0].data_type)
+        if dt is None:
+            continue
+        k = ws[0].dims[0]
+        widths = [int(w.dims[1]) for w in ws]
+        merged = np.concatenate([np.frombuffer(read(w), dt).reshape(k, -1) for w in ws], axis=1)
+        wname = f"merged_{gi}.weight"
+        new_tensors[wname] = (merged, ws[0].data_type)
+        adds = [consumers.get(n.output[0], []) for n in mms]
+        bias = None
+        if all(len(a) == 1 and a[0].op_type == "Add" for a in adds):
+            adds = [a[0] for a in adds]
+            bnames = [a.input[1] if a.input[0] == n.output[0] else a.input[0] for a, n in zip(adds, mms)]
+            bts = [inits.get(b) for b in bnames]
+            if all(b is not None and list(b.dims) == [w] for b, w in zip(bts, widths)):
+                vals = [np.frombuffer(read(b), dt) if b.data_location == TensorProto.EXTERNAL
+                        else numpy_helper.to_array(b).view(dt) if dt == np.uint16 else numpy_helper.to_array(b)
+                        for b in bts]
+                bias = f"merged_{gi}.bias"
+                new_tensors[bias] = (np.concatenate(vals), bts[0].data_type)
+        outs = [a.output[0] for a in adds] if bias else [n.output[0] for n in mms]
+        mm_out = f"merged_{gi}.matmul"
+        nodes = [helper.make_node("MatMul", [x, wname], [mm_out], name=f"merged_matmul_{gi}")]
+        split_in = mm_out
+        if bias:
+            nodes.append(helper.make_node("Add", [mm_out, bias], [f"merged_{gi}.add"], name=f"merged_add_{gi}"))
+            split_in = f"merged_{gi}.add"
+            dead |= {id(a) for a in adds}
+        sizes = f"merged_{gi}.split"
+        g.initializer.append(numpy_helper.from_array(np.array(widths, np.int64), sizes))
+        if opset >= 13:
+            nodes.append(helper.make_node("Split", [split_in, sizes], outs, name=f"merged_split_{gi}", axis=-1))
+        else:
+            nodes.append(helper.make_node("Split", [split_in], outs, name=f"merged_split_{gi}", axis=-1,
+                                          split=widths))
+        at = list(g.node).index(mms[0])
+        for j, node in enumerate(nodes):
+            g.node.insert(at + j, node)
+        dead |= {id(n) for n in mms}
+        merged_groups += 1
+    keep = [n for n in g.node if id(n) not in dead]
+    del g.node[:]
+    g.node.extend(keep)
+    _rewrite_weights(model, src_path, new_tensors)
+    return merged_groups
+
+
+def _rewrite_weights(model, path: Path, new_tensors: dict) -> None:
+    """Write ``path`` afresh with the external initializers ``model`` still reads (copied from the old file) plus
+    ``new_tensors`` ({name: (array, onnx data type)}, added as initializers), one tensor at a time; initializers
+    nothing reads any more are dropped."""
+    from onnx import TensorProto
+
+    g = model.graph
+    used = {i for n in g.node for i in n.input}
+    keep = [t for t in g.initializer if t.name in used]
+    for name, (arr, data_type) in new_tensors.items():
+        t = TensorProto(name=name, data_type=data_type)
+        t.dims.extend(arr.shape)
+        keep.append(t)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as out:
+        for t in keep:
+            if t.name in new_tensors:
+                raw = new_tensors[t.name][0].tobytes()
+            elif t.data_location == TensorProto.EXTERNAL:
+                ext = {e.key: e.value for e in t.external_data}
+                src.seek(int(ext.get("offset", 0)))
+                raw = src.read(int(ext["length"]))
+            else:
+                continue
+            offset = out.tell()
+            out.write(raw)
+            del t.external_data[:]
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", path.name), ("offset", str(offset)), ("length", str(len(raw)))):
+                t.external_data.add(key=k, value=v)
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    tmp.replace(path)

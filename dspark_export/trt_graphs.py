@@ -80,7 +80,7 @@ def to_capacity_layout(src: Path, dst: Path, spec: GraphSpec) -> GraphSpec:
 HALF_TYPES = ("fp16", "bf16")
 
 
-def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
+def to_half(src: Path, dst: Path, half: str = "bf16", half_io: str = "") -> None:
     """Write a 16-bit copy of the float32 decoder graph ``src`` to ``dst`` (+ ``dst.data``).
 
     half: "bf16" (the float32 range: no overflow in residual streams or RMSNorm; compute capability >= 8.0) or
@@ -88,7 +88,8 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
     Every float32 weight and computation becomes ``half`` except RoPE (positions x inverse frequencies needs
     float32: fp16 holds integers exactly only up to 2048; its cos/sin are cast after), and the graph's float
     inputs/outputs stay float32 behind Casts, so the runtime's buffers and the manifest's interface are
-    unchanged. Weights stream from the source's external data file to ``dst.data`` one tensor at a time (peak
+    unchanged — except the inputs and outputs whose names start with one of the comma-separated prefixes
+    ``half_io`` (e.g. "past.,new.": a device graph's K/V cache), which become ``half`` themselves (no Casts). Weights stream from the source's external data file to ``dst.data`` one tensor at a time (peak
     memory: about the largest tensor, e.g. the embedding). Stale intermediate type annotations are dropped.
     Raises DSparkError for another ``half`` or an operator with a float type attribute this code does not know.
     """
@@ -155,9 +156,12 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
             del raw, t.external_data[:]
             for k, v in (("location", data), ("offset", str(offset)), ("length", str(out.tell() - offset))):
                 t.external_data.add(key=k, value=v)
+    io_prefixes = tuple(p for p in half_io.split(",") if p)
     new_nodes = []
-    for vi in g.input:  # float inputs: cast once at the top
-        if vi.type.tensor_type.elem_type == F:
+    for vi in g.input:  # float inputs: cast once at the top (or declared 16-bit: half_io)
+        if vi.type.tensor_type.elem_type == F and vi.name.startswith(io_prefixes):
+            vi.type.tensor_type.elem_type = H
+        elif vi.type.tensor_type.elem_type == F:
             c = f"{vi.name}.{half}"
             new_nodes.append(helper.make_node("Cast", [vi.name], [c], to=H, name=f"cast_in_{vi.name}"))
             for u in users.get(vi.name, []):
@@ -181,6 +185,9 @@ def to_half(src: Path, dst: Path, half: str = "bf16") -> None:
                 raise DSparkError(f"{src.name}: node {n.name} ({n.op_type}) has a float32 type attribute the 16-bit "
                                   "conversion does not know; extend dspark_export.trt_graphs.to_half")
         new_nodes.append(n)
+    for vi in g.output:  # 16-bit outputs (half_io): written by their producer as they are
+        if vi.type.tensor_type.elem_type == F and vi.name.startswith(io_prefixes):
+            vi.type.tensor_type.elem_type = H
     outputs = {vi.name for vi in g.output if vi.type.tensor_type.elem_type == F}
     for n in new_nodes:  # float outputs: computed in 16 bits, cast back to float32 at the end
         for j, o in enumerate(n.output):

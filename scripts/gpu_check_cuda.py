@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -123,11 +122,13 @@ def _capacity_feeds(spec, past: int, q: int, bucket: int, seed: int) -> dict:
     mask[..., :past] = True
     mask[0, 0, :, bucket:] = np.tril(np.ones((q, q), bool))
     feeds["attention_mask"] = mask
+    dtypes = {t.name: t.dtype for t in spec.inputs}
     for i in range(d.num_layers):
         for kv in ("key", "value"):
-            buf = np.zeros((1, d.num_kv_heads, bucket, d.head_dim), np.float32)
-            buf[:, :, :past] = g[f"past.{i}.{kv}"]
-            feeds[f"past.{i}.{kv}"] = buf
+            name = f"past.{i}.{kv}"
+            buf = np.zeros((1, d.num_kv_heads, bucket, d.head_dim), dtypes[name])
+            buf[:, :, :past] = g[name]
+            feeds[name] = buf
     return feeds
 
 
@@ -148,7 +149,7 @@ def polygraphy_parity(root: Path) -> list:
                   [_growing_feeds(g.spec, p, q, s) for s, (p, q) in enumerate([(8, 1), (8, 4), (30, 5)])], 1e-3))
     for name in ("tiny-fp32", "tiny-fp16"):
         e = load_manifest(root / name).device_graphs["target"]
-        ref = root / "tiny-fp32" / m32.device_graphs["target"].onnx  # the CPU reference: the fp32 capacity graph
+        ref = root / name / e.onnx  # the same graph on ONNX Runtime's CPU provider
         tol = 1e-3 if e.precision == "fp32" else 5e-2
         cases.append((f"capacity {e.precision}", root / name / e.onnx, ref,
                       [_capacity_feeds(e.spec, p, q, 32, s) for s, (p, q) in enumerate([(8, 1), (20, 5)])], tol))
@@ -194,7 +195,7 @@ def decoder_parity(root: Path) -> dict:
             ref.rollback(keep)
             dev.rollback(keep)
         st = dict(dev.backend.stats)
-        tol = 1e-3 if name == "tiny-fp32" else 5e-2
+        tol = 1e-3 if name == "tiny-fp32" else 1e-1  # fp16: the tiny model's logits reach ~40 (x8 LM head)
         res[name] = {"max_abs_diff": max(diffs), "argmax_agreement": float(np.mean(agree)), "stats": st}
         check(f"device decoder vs CPU growing graph, {name}", max(diffs) < tol and all(agree),
               f"max |dlogits| {max(diffs):.2e} (tol {tol}), argmax {np.mean(agree):.3f}, relayouts {st['relayouts']}, "
@@ -541,14 +542,12 @@ def main() -> int:
             phase("1.5B step profile", big_profile, big)
         if "table" not in skip:
             phase("1.5B step table", big_step_table, big, a.deadline_s * 0.55)
-        unfused = a.root / "big-unfused"  # the same graph before the RoPE fusion: A/B in one run
+        unfused = a.root / "big-unfused"  # the first H200 run's graph (no RoPE fusion, float32 cache): A/B in one run
         if "table" not in skip and (unfused / "weights.json").exists():
-            data = json.loads((big / "weights.json").read_text())["file"]
-            (unfused / data).unlink(missing_ok=True)
-            os.link(big / data, unfused / data)  # a hard link: ONNX Runtime refuses weights outside the graph's folder
-            phase("1.5B step table, before the RoPE fusion", big_step_table, unfused, a.deadline_s * 0.6, (True,),
-                  False)
-            (unfused / data).unlink()
+            phase("regenerate weights (before)", regenerate_weights, unfused)
+            phase("1.5B step table, before the RoPE fusion and the fp16 cache", big_step_table, unfused,
+                  a.deadline_s * 0.6, (True,), False)
+            (unfused / json.loads((unfused / "weights.json").read_text())["file"]).unlink(missing_ok=True)
         if "loop" not in skip:
             phase("1.5B decoding loop", big_loop, big, a.deadline_s * 0.65)
         (big / json.loads((big / "weights.json").read_text())["file"]).unlink(missing_ok=True)

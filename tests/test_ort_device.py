@@ -176,3 +176,30 @@ def test_cuda_placement_names_the_gpu_install_on_the_cpu_package(cuda_engine):
                                           r"pip uninstall -y onnxruntime onnxruntime-gpu && pip install "
                                           r"onnxruntime-gpu==1.31.1"):
         eng.generate("hello", max_new_tokens=2, draft=None)
+
+
+def test_an_fp16_device_graph_keeps_its_cache_in_fp16(tiny_engine_dir, tmp_path):
+    """build-cuda's default fp16: the cache inputs and new-K/V outputs are float16 (no casts at the interface; half
+    the cache bytes), the decoder sizes its buffers by that dtype, and greedy speculative == target-only on it."""
+    import onnx
+
+    from dspark_export.device_graphs import build_cuda
+    from dspark_runtime.manifest import load_manifest
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, d)
+    build_cuda(d, PROFILE, isolate=False, log=lambda *a: None)
+    e = load_manifest(d).device_graphs["target"]
+    assert e.precision == "fp16" and e.onnx == "target.capacity.fp16.onnx"
+    kinds = {t.name.split(".")[0]: t.dtype for t in (*e.spec.inputs, *e.spec.outputs)}
+    assert kinds["past"] == kinds["new"] == "float16" and kinds["logits"] == "float32"
+    g = onnx.load(str(d / e.onnx), load_external_data=False).graph
+    assert not any(n.op_type == "Cast" and n.input[0].startswith("past.") for n in g.node)
+    eng = _host_engine(d)
+    dec = eng._backends["target"]
+    text = "def quicksort(xs): return the list sorted"
+    plain = eng.generate(text, max_new_tokens=16, draft=None, raw=True).token_ids
+    spec = eng.generate(text, max_new_tokens=16, draft="lm", draft_length=4, raw=True).token_ids
+    assert spec == plain and len(plain) == 16
+    assert dec.layout.itemsize == 2
+    assert dec.kv_bytes == 2 * 2 * 2 * 1 * 128 * 16 * 2  # layers x (k, v) x kv heads x rows x capacity x head_dim x 2 B
