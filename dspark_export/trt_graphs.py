@@ -89,8 +89,9 @@ def to_half(src: Path, dst: Path, half: str = "bf16", half_io: str = "") -> None
     float32: fp16 holds integers exactly only up to 2048; its cos/sin are cast after), and the graph's float
     inputs/outputs stay float32 behind Casts, so the runtime's buffers and the manifest's interface are
     unchanged — except the inputs and outputs whose names start with one of the comma-separated prefixes
-    ``half_io`` (e.g. "past.,new.": a device graph's K/V cache), which become ``half`` themselves (no Casts). Weights stream from the source's external data file to ``dst.data`` one tensor at a time (peak
-    memory: about the largest tensor, e.g. the embedding). Stale intermediate type annotations are dropped.
+    ``half_io`` (e.g. "past.,new.": a device graph's K/V cache), which become ``half`` themselves (no Casts).
+    Weights stream from the source's external data file to ``dst.data`` one tensor at a time (peak memory: about
+    the largest tensor, e.g. the embedding). Stale intermediate type annotations are dropped.
     Raises DSparkError for another ``half`` or an operator with a float type attribute this code does not know.
     """
     import onnx

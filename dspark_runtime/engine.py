@@ -241,8 +241,8 @@ class Engine(EngineDrafters):
         return r
 
     def _check_trt_rows(self, rows: int) -> None:
-        """Raise InputError when the TensorRT engine of a graph placed on ``trt`` takes fewer than ``rows`` rows per
-        call (its ``--max-batch``), naming the graph and the fix."""
+        """Raise InputError when the TensorRT engine of a graph placed on ``trt``, or the device graph of one placed
+        on ``cuda``, takes fewer than ``rows`` rows per call (its ``--max-batch``), naming the graph and the fix."""
         trt = self._trt_engines()
         limits = {**{k: trt[k] for k, p in self.placement.items() if p == "trt"}, **self._device_entries}
         for k in sorted(limits):
