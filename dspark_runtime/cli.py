@@ -26,7 +26,7 @@ def check_engine_path(path, tarball_ok: bool = False):
     ``tarball_ok``: the command unpacks an engine tarball itself (``generate``, ``serve``)."""
     if path is None or not Path(path).is_file():
         return path
-    from dspark_runtime.artifact import is_tarball
+    from dspark_runtime.engine_dir.artifact import is_tarball
 
     p = Path(path)
     if is_tarball(p):
@@ -113,7 +113,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     """Generate a completion for --prompt."""
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
 
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
 
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
                       shared_thread_pool=shared_pool_default(), placement=placement,
@@ -147,7 +147,7 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
 @click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def verify(engine_dir):
     """Re-hash every file of the engine against its manifest (sha256)."""
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(engine_dir, verify=True, rehash=True)
     n = len(m.all_files())
@@ -160,7 +160,7 @@ def speculation_lines(m) -> list:
     router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
     draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
     n-gram lookup at draft_length), and whether router priors exist."""
-    from dspark_runtime.draft_choice import auto_draft_choice, manifest_drafters, manifest_schedulable
+    from dspark_runtime.drafting.choice import auto_draft_choice, manifest_drafters, manifest_schedulable
 
     sp = m.speculation
     dl = sp.draft_length
@@ -201,9 +201,9 @@ def speculation_lines(m) -> list:
 @click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def info(engine_dir):
     """Print the manifest summary: graphs, precision, validation figures."""
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
-    from dspark_runtime.sysinfo import cpu_difference, cpu_features
+    from dspark_runtime.machine.sysinfo import cpu_difference, cpu_features
 
     m = load_manifest(engine_dir, verify=False)
     here = cpu_features()
@@ -298,7 +298,7 @@ def info(engine_dir):
 def unpack(tarball, dest):
     """Unpack an engine TARBALL (from `dspark-export pack`) and verify every file's sha256 against its manifest.
     (`dspark generate --engine x.tar.gz` unpacks into the cache by itself.)"""
-    from dspark_runtime.artifact import unpack as _unpack
+    from dspark_runtime.engine_dir.artifact import unpack as _unpack
 
     d = _unpack(tarball, dest)
     click.echo(f"{d}: unpacked and verified")
@@ -383,7 +383,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
                    ray_address=ray_address)
         return
     try:
-        from dspark_runtime.server import serve as _serve
+        from dspark_runtime.serving.app import serve as _serve
     except ImportError as e:
         raise InputError(f"`dspark serve` needs the serve extra: pip install 'dspark[serve]' ({e})")
     from dspark_runtime.engine import DEFAULT_THREADS, Engine
@@ -391,7 +391,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     dl = _draft_length(draft_length)
     if dl == "auto":
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
 
     _check_port_free(host, port)  # before the engine loads, not after
     eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
@@ -447,10 +447,10 @@ def _autoscale(value: str) -> tuple:
 
 def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address, host, port,
                draft_length, **app) -> None:
-    """``dspark serve --ray``: :func:`dspark_runtime.ray_serve.run` with the command's options. Raises InputError for
+    """``dspark serve --ray``: :func:`dspark_runtime.serving.ray_serve.run` with the command's options. Raises InputError for
     bad options or without Ray Serve; ManifestError when a local cluster (no --ray-address) would load a missing
     or broken engine directory."""
-    from dspark_runtime.ray_serve import RayServeSettings, run
+    from dspark_runtime.serving.ray_serve import RayServeSettings, run
 
     dl = _draft_length(draft_length)
     if dl == "auto":
@@ -461,7 +461,7 @@ def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, repl
         raise InputError("--target-ongoing-requests applies to autoscaling: add --autoscale MIN:MAX")
     lo, hi = _autoscale(autoscale) if autoscale is not None else (None, None)
     if ray_address is None and not Path(engine_dir).is_file():  # a tarball: the replicas unpack and check it
-        from dspark_runtime.manifest import load_manifest
+        from dspark_runtime.engine_dir.manifest import load_manifest
 
         load_manifest(engine_dir, verify=False)  # the replicas run here: a wrong path fails now, not in each replica
     settings = RayServeSettings(engine=str(engine_dir), draft_length=dl, num_replicas=replicas or 1, min_replicas=lo,

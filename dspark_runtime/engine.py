@@ -6,21 +6,21 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_runtime.backend import OrtDecoder
-from dspark_runtime.placement import PROVIDERS, format_placement, parse_placement
-from dspark_runtime.dspark import DSparkDrafter, EmbeddingRows, OrtDSparkGraph
+from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.backends.placement import PROVIDERS, format_placement, parse_placement
+from dspark_runtime.drafting.dspark import DSparkDrafter, EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.errors import InputError
-from dspark_runtime.decoding import DecodingLoop
-from dspark_runtime.draft_choice import EngineDrafters, manifest_drafters, manifest_schedulable
-from dspark_runtime.request import GenerationResult, cut_at_stop, streamable_length
-from dspark_runtime.load_checks import check_cpu, check_int8_weights, target_sha256
-from dspark_runtime.load_checks import row_multiple as load_row_multiple
-from dspark_runtime.manifest import Manifest, load_manifest
-from dspark_runtime.router import Router, router_priors
-from dspark_runtime.runners import DecoderRunner, SequenceRunner, batch_runner, decoder_runner
-from dspark_runtime.sampling import SamplingParams
-from dspark_runtime.sysinfo import usable_cpus
-from dspark_runtime.tokenizer import Tokenizer
+from dspark_runtime.decoding.loop import DecodingLoop
+from dspark_runtime.drafting.choice import EngineDrafters, manifest_drafters, manifest_schedulable
+from dspark_runtime.decoding.request import GenerationResult, cut_at_stop, streamable_length
+from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, target_sha256
+from dspark_runtime.machine.load_checks import row_multiple as load_row_multiple
+from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
+from dspark_runtime.drafting.router import Router, router_priors
+from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner, batch_runner, decoder_runner
+from dspark_runtime.decoding.sampling import SamplingParams
+from dspark_runtime.machine.sysinfo import usable_cpus
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
 
 #: intra-op threads per session unless told: the CPUs this process may use (affinity, cgroup quota), at most 8
 DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
@@ -50,7 +50,7 @@ class Engine(EngineDrafters):
             for key, g in manifest.graphs.items()
         }
         # graphs run by a capacity-layout decoder on a GPU (TensorRT, or ONNX Runtime's CUDA provider on a device
-        # graph): {key: its manifest entry}; the decoding loop drives them through a TrtBatchRunner
+        # graph): {key: its manifest entry}; the decoding loop drives them through a DeviceBatchRunner
         self._device_entries: dict = {}
         self._use_tensorrt()
         self._use_device_graphs(threads)
@@ -77,7 +77,7 @@ class Engine(EngineDrafters):
     def _trt_engines(self) -> dict:
         """{graph key: the manifest's TensorRT engine the runtime runs for it}, fp32 first when several exist: a
         decoder's capacity-layout engine (``<key>.capacity[.bf16|.fp16]``), the DSpark drafter's growing-layout one
-        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.trt_dspark.TrtDSparkGraph`)."""
+        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph`)."""
         engines = self.manifest.trt_engines
         names = {"causal_lm": ("{}.capacity", "{}.capacity.bf16", "{}.capacity.fp16"),
                  "dspark_draft": ("{}", "{}.bf16", "{}.fp16")}
@@ -87,7 +87,7 @@ class Engine(EngineDrafters):
         return {k: e for k, e in pick.items() if e is not None}
 
     def _placement(self, placement, backend: str, providers) -> dict:
-        """{graph key: place} (:mod:`dspark_runtime.placement`) from ``placement`` or the older ``backend``
+        """{graph key: place} (:mod:`dspark_runtime.backends.placement`) from ``placement`` or the older ``backend``
         ("trt" = every graph with a TensorRT engine on it). Raises InputError for an unknown backend, both given,
         ``providers`` beside a placement, or a placement :func:`parse_placement` refuses."""
         if backend not in ("ort", "trt"):
@@ -105,32 +105,32 @@ class Engine(EngineDrafters):
 
     def _use_tensorrt(self) -> None:
         """Run the graphs placed on ``trt`` on their TensorRT engines (:meth:`_trt_engines`): decoders on a
-        :class:`~dspark_runtime.trt_backend.TrtDecoder`, the DSpark drafter on a
-        :class:`~dspark_runtime.trt_dspark.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
+        :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder`, the DSpark drafter on a
+        :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
         trt = [k for k, p in self.placement.items() if p == "trt"]
         if not trt:
             return
-        from dspark_runtime.trt_backend import TrtDecoder
-        from dspark_runtime.trt_dspark import TrtDSparkGraph
+        from dspark_runtime.backends.trt.decoder import TrtDecoder
+        from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 
         engines = self._trt_engines()
         for key in trt:
             e = engines[key]
             if e.spec.kind == "dspark_draft":  # rows for every request of a batch (its buffers are small)
                 self._backends[key] = TrtDSparkGraph(self.dir, e, batch=int(e.profile_settings["max_batch"]))
-            else:  # one row until a decoding loop sets its rows (TrtBatchRunner)
+            else:  # one row until a decoding loop sets its rows (DeviceBatchRunner)
                 self._backends[key] = TrtDecoder(self.dir, e)
                 self._device_entries[key] = e
 
     def _use_device_graphs(self, threads: int) -> None:
         """Run the decoder graphs placed on ``cuda`` that have a device graph (``dspark-export build-cuda``) on an
-        :class:`~dspark_runtime.ort_device.OrtDeviceDecoder` (K/V resident on the GPU, CUDA graphs); graphs
+        :class:`~dspark_runtime.backends.ort_cuda.OrtDeviceDecoder` (K/V resident on the GPU, CUDA graphs); graphs
         without one keep ONNX Runtime's CUDA provider on host buffers (constructed only: nothing touches the GPU
         here)."""
         cuda = [k for k, p in self.placement.items() if p == "cuda" and k in self.manifest.device_graphs]
         if not cuda:
             return
-        from dspark_runtime.ort_device import OrtDeviceDecoder
+        from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 
         for key in cuda:
             e = self.manifest.device_graphs[key]
@@ -153,15 +153,15 @@ class Engine(EngineDrafters):
         ``allow_slow_precision``: let fp8/fp16 graphs (built for GPUs) run on the CPU provider; without it
         their first use raises DSparkError saying why. ``row_multiple``: pad every target call to a multiple
         of this many rows so target-only and speculative decoding compute every position bit for bit alike
-        (:mod:`dspark_runtime.invariance`); default: the value ``dspark-export profile`` probed and stored in
-        the manifest, else 1 (no padding). Warns (:class:`~dspark_runtime.sysinfo.OtherCpuWarning`) when that
+        (:mod:`dspark_runtime.machine.row_invariance`); default: the value ``dspark-export profile`` probed and stored in
+        the manifest, else 1 (no padding). Warns (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when that
         probe or the stored cost table was measured on another CPU (model or ISA flags; re-run
         ``dspark-export profile`` here). ``shared_thread_pool``: run every session on one process-wide ONNX
         Runtime thread pool whose threads spin (~15% faster speculative rounds on 2 cores; process-wide and
         irreversible: other ONNX Runtime sessions made later in the process must set
-        ``use_per_session_threads = False``, see :func:`dspark_runtime.backend.enable_shared_thread_pool`). The
+        ``use_per_session_threads = False``, see :func:`dspark_runtime.backends.ort.enable_shared_thread_pool`). The
         ``dspark`` CLI, the server and the benchmarks turn it on. ``placement``: where each graph runs,
-        ``"target=trt,draft=cuda,dspark=cpu"`` or one place for all (:mod:`dspark_runtime.placement`: cpu, cuda,
+        ``"target=trt,draft=cuda,dspark=cpu"`` or one place for all (:mod:`dspark_runtime.backends.placement`: cpu, cuda,
         trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
         for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
         ``prefix_cache_mb``: the prefix KV cache's memory bound in MiB, 0 = off (:meth:`enable_prefix_cache`).
@@ -169,7 +169,7 @@ class Engine(EngineDrafters):
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
         if shared_thread_pool and backend == "ort" and placement in (None, "", "cpu"):
-            from dspark_runtime.backend import enable_shared_thread_pool
+            from dspark_runtime.backends.ort import enable_shared_thread_pool
 
             size = enable_shared_thread_pool(threads)
             if size != threads:
@@ -177,7 +177,7 @@ class Engine(EngineDrafters):
 
                 warnings.warn(f"this process's shared ONNX Runtime thread pool has {size} threads; {engine_dir} "
                               f"runs on it, not on {threads}", stacklevel=2)
-        from dspark_runtime.artifact import is_tarball, unpacked_dir
+        from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
 
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
@@ -187,14 +187,14 @@ class Engine(EngineDrafters):
         return eng
 
     def enable_prefix_cache(self, max_mb: float) -> None:
-        """Reuse cached prompt positions across requests (:mod:`dspark_runtime.prefix_cache`): every decoding loop
+        """Reuse cached prompt positions across requests (:mod:`dspark_runtime.decoding.prefix_cache`): every decoding loop
         of this engine (:meth:`batch`, :meth:`generate`, the server's) starts a joining request from the cached
         blocks of its prompt's longest cached prefix — the target's keys, values and features (the DSpark drafter's
         context comes from those features) and the draft LM's keys and values — and stores what a finished request
         cached, least recently used blocks evicted beyond ``max_mb`` MiB. 0 turns it off and drops what it held.
         Raises InputError for a negative bound, or (when turning it on) a target graph outside the scatter KV layout
         or placed on TensorRT."""
-        from dspark_runtime.prefix_cache import PrefixCache
+        from dspark_runtime.decoding.prefix_cache import PrefixCache
 
         if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or max_mb < 0:
             raise InputError(f"prefix_cache_mb must be a number of MiB >= 0 (0 = off), got {max_mb!r}")
@@ -209,7 +209,7 @@ class Engine(EngineDrafters):
 
     def runner(self, key: str) -> DecoderRunner:
         """The one-sequence runner of graph ``key`` ("target" or "draft"; a DecoderRunner, or its scatter-layout twin
-        SlotSequence), activating its session. On TensorRT it shares the graph's decoder with the decoding loops'
+        ScatterSequence), activating its session. On TensorRT it shares the graph's decoder with the decoding loops'
         runners: using it ends a batched loop's use of that decoder (one runner at a time)."""
         backend = self._backends[key].activate()
         if key in self._device_entries and backend.batch != 1:  # a batched loop set its rows: back to one
@@ -222,12 +222,12 @@ class Engine(EngineDrafters):
     def loop_runner(self, key: str, max_requests: int = 1):
         """The runner the decoding loop drives for graph ``key``. For one request: the graph's one-sequence runner
         (:meth:`runner`, kept across calls, with its row padding) behind a
-        :class:`~dspark_runtime.runners.SequenceRunner`, emptied first — ``generate`` decodes one request after
-        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.batch_runner`. A graph on
-        TensorRT always gets a new :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_requests`` rows over
+        :class:`~dspark_runtime.runners.sequence.SequenceRunner`, emptied first — ``generate`` decodes one request after
+        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.sequence.batch_runner`. A graph on
+        TensorRT always gets a new :class:`~dspark_runtime.runners.device.DeviceBatchRunner` of ``max_requests`` rows over
         its decoder (one decoding core for one request and many). Raises InputError when ``max_requests`` exceeds
         a TensorRT engine's ``--max-batch``."""
-        if key in self._device_entries:  # TrtBatchRunner for one request too; it activates the decoder on use
+        if key in self._device_entries:  # DeviceBatchRunner for one request too; it activates the decoder on use
             self._check_trt_rows(max_requests)
             return batch_runner(self._backends[key], max_requests=max_requests)
         if max_requests > 1:
@@ -256,7 +256,7 @@ class Engine(EngineDrafters):
 
     def graph_backend(self, key: str):
         """The activated backend of graph ``key`` (``"target"``, ``"draft"``, the DSpark graph's key): an
-        :class:`~dspark_runtime.backend.OrtDecoder` or a TensorRT decoder. Raises KeyError for a graph the engine lacks."""
+        :class:`~dspark_runtime.backends.ort.OrtDecoder` or a TensorRT decoder. Raises KeyError for a graph the engine lacks."""
         return self._backends[key].activate()
 
     def encode_prompt(self, prompt, raw: bool = False) -> list:
@@ -288,14 +288,14 @@ class Engine(EngineDrafters):
     def probe_row_invariance(self, *, prompt_tokens: int = 48, tokens: int = 24, seed: int = 0,
                              kernels: bool = True) -> dict:
         """Measure the smallest row multiple that makes the target graph row-count invariant here
-        (:func:`dspark_runtime.invariance.probe_row_multiple` on ``tokens`` random token ids after a random
+        (:func:`dspark_runtime.machine.row_invariance.probe_row_multiple` on ``tokens`` random token ids after a random
         ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe
-        :func:`~dspark_runtime.invariance.kernel_row_difference`, which needs the ``onnx`` package and is
+        :func:`~dspark_runtime.machine.row_invariance.kernel_row_difference`, which needs the ``onnx`` package and is
         what catches the rare differences of quantized graphs) and use it from now on (``self.row_multiple``; ``dspark-export
         profile`` also stores it in the manifest). When no candidate is invariant the padding is left at 1
         and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend" and "target_sha256".
-        Raises InputError on the TensorRT backend (padding is refused there, see :func:`dspark_runtime.load_checks.row_multiple`)."""
-        from dspark_runtime.invariance import kernel_row_difference, probe_row_multiple
+        Raises InputError on the TensorRT backend (padding is refused there, see :func:`dspark_runtime.machine.load_checks.row_multiple`)."""
+        from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_row_multiple
 
         if self.backend != "ort":
             raise InputError("the row probe is for the ONNX Runtime backend (TensorRT runs unpadded); load with "
@@ -328,8 +328,8 @@ class Engine(EngineDrafters):
         (in memory; ``dspark-export profile`` writes it to the manifest). ``context``: cached positions, an int
         (one bucket, quick) or a sequence of context buckets. ``max_tokens`` defaults to
         8 x (block size + 1) so batched rounds of 8 requests are covered. Returns the table
-        (see :func:`dspark_runtime.profile.profile_runtime`)."""
-        from dspark_runtime.profile import profile_runtime
+        (see :func:`dspark_runtime.machine.cost_profile.profile_runtime`)."""
+        from dspark_runtime.machine.cost_profile import profile_runtime
 
         if max_tokens is None:
             ds = self.manifest.speculation.dspark
@@ -341,7 +341,7 @@ class Engine(EngineDrafters):
     def batch(self, *, draft: str | None = "auto", draft_length: int | str | None = None,
               draft_confidence: float | None = None, draft_confidence_rule: str = "survival", max_batch: int = 8,
               prefill_budget: int | str = "auto", draft_skip: bool | None = None):
-        """The decoding loop (:class:`~dspark_runtime.decoding.DecodingLoop`) over this engine: requests join and
+        """The decoding loop (:class:`~dspark_runtime.decoding.loop.DecodingLoop`) over this engine: requests join and
         leave between rounds, one verifier pass per round for all of them; :meth:`generate` is a loop of one.
 
         Args:
@@ -350,14 +350,14 @@ class Engine(EngineDrafters):
                 the paper's Algorithm 1 over all requests' calibrated prefix survivals and the manifest's cost
                 table), or None for the default (a DSpark block; the manifest's draft length otherwise).
             max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; on
-                TensorRT a :class:`~dspark_runtime.trt_batch.TrtBatchRunner` of ``max_batch`` rows, at most the
+                TensorRT a :class:`~dspark_runtime.runners.device.DeviceBatchRunner` of ``max_batch`` rows, at most the
                 engine's ``--max-batch``).
             prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill): an integer
-                >= 1, or "auto" (:func:`dspark_runtime.prefill.prefill_budget` of the manifest's cost table at each
+                >= 1, or "auto" (:func:`dspark_runtime.scheduling.prefill.prefill_budget` of the manifest's cost table at each
                 round's cached positions, 64 without one; a target on TensorRT: its prefill chunk, so a prompt is
                 chunked alike in any batch).
             draft_skip: whether rounds skip the drafting pass when drafts are not expected to pay
-                (:mod:`dspark_runtime.draft_skip`: calibrated survivals in scheduled mode, the requests' observed
+                (:mod:`dspark_runtime.scheduling.draft_skip`: calibrated survivals in scheduled mode, the requests' observed
                 verdicts and the measured drafting time with fixed lengths; needs the manifest's profiled cost
                 table). None: in scheduled mode only (fixed lengths then draft every round, deterministically);
                 ``dspark serve`` passes True. The output is the same either way.
@@ -384,7 +384,7 @@ class Engine(EngineDrafters):
                 and manifest_schedulable(self.manifest):
             draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
         target = self.loop_runner("target", max_batch)
-        from dspark_runtime.packed import PackedRunner
+        from dspark_runtime.runners.packed import PackedRunner
 
         if max_batch > 1 and not self._warned_packed and isinstance(target, PackedRunner):
             import warnings
@@ -446,7 +446,7 @@ class Engine(EngineDrafters):
 
     def completion_text(self, token_ids: list, finish_reason: str | None, stop) -> str:
         """The text of generated ``token_ids``; for ``finish_reason == "stop"`` cut before the stop string that
-        ended it (:func:`~dspark_runtime.request.cut_at_stop`)."""
+        ended it (:func:`~dspark_runtime.decoding.request.cut_at_stop`)."""
         text = self.tokenizer.decode(token_ids)
         return cut_at_stop(text, stop) if finish_reason == "stop" else text
 
@@ -466,7 +466,7 @@ class Engine(EngineDrafters):
         uses seed ``seed + i``
         when a seed is given. Returns one GenerationResult per prompt, in order; ``stats`` are per
         request (its tokens/s is its own rate while sharing the batch). The loop's aggregate
-        :class:`~dspark_runtime.request.BatchStats` is ``self.last_batch_stats``.
+        :class:`~dspark_runtime.decoding.request.BatchStats` is ``self.last_batch_stats``.
         Raises InputError for bad arguments or an empty prompt list."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError("prompts must be a non-empty list of prompts")
@@ -494,7 +494,7 @@ class Engine(EngineDrafters):
             draft: "auto" (:meth:`auto_draft`: the router over the engine's calibrated DSpark drafter with scheduled
                 verify lengths unless ``draft_length`` is given, else its draft LM, else the router over an
                 uncalibrated DSpark drafter, else n-gram lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
-                expected to commit more; :mod:`dspark_runtime.router`), "dspark" (the DSpark drafter), "lm"
+                expected to commit more; :mod:`dspark_runtime.drafting.router`), "dspark" (the DSpark drafter), "lm"
                 (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no
                 weights), or None/"none" for target-only decoding.
             draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2

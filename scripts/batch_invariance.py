@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does a request's output depend on the other requests in its batch? (batch-composition invariance)
 
-The batched runtime (:mod:`dspark_runtime.packed`) runs every request's tokens as one packed row: its cached
+The batched runtime (:mod:`dspark_runtime.runners.packed`) runs every request's tokens as one packed row: its cached
 keys are *slots* of one array, shared with the other requests and hidden from them by the mask. Greedy output
 is batch-independent only if a request's logits are bit-identical whatever shares the array. This probe
 teacher-forces one request (random ids: a prompt, then steps of 1-5 tokens) through the target graph:
@@ -33,8 +33,8 @@ longer equal target-only. What the rule asks for: every request's keys at offset
 right after its cached ones, i.e. a graph that writes the new keys at each row's own positions (a scatter into the
 past buffer) instead of appending them after a common past length.
 
-That is the *scatter* KV layout (dspark_runtime/slots.py; int4 engines get it by default): the probe then runs the
-engine's own batched runner (``SlotRunner``, one batch row per request) in each layout. Measured 2026-12-01, same
+That is the *scatter* KV layout (dspark_runtime/runners/scatter.py; int4 engines get it by default): the probe then runs the
+engine's own batched runner (``ScatterRunner``, one batch row per request) in each layout. Measured 2026-12-01, same
 machine, 1.5B int4 target built both ways (scripts/results/batch-invariance-scatter.json): packed 0 / 1.3 / 2.2 / 2.2,
 scatter **0 / 0 / 0 / 0**.
 """
@@ -57,9 +57,9 @@ LAYOUTS = ("packed-alone", "masked-front", "longer-neighbour", "neighbours")
 def engine_probe(engine_dir: Path, threads: int, seed: int = 0) -> dict:
     """Max |logit difference| against the single runner, per layout (see the module docstring)."""
     from dspark_runtime.engine import Engine
-    from dspark_runtime.runners import decoder_runner
-    from dspark_runtime.packed import PackedRunner
-    from dspark_runtime.runners import batch_runner
+    from dspark_runtime.runners.sequence import decoder_runner
+    from dspark_runtime.runners.packed import PackedRunner
+    from dspark_runtime.runners.sequence import batch_runner
 
     eng = Engine.load(engine_dir, threads=threads)
     be = eng.graph_backend("target")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true", help="also probe the Softmax / MatMul offset rule")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    from dspark_runtime.sysinfo import machine_description
+    from dspark_runtime.machine.sysinfo import machine_description
 
     report = {"machine": machine_description(), "threads": a.threads, "engines": []}
     print(f"machine: {report['machine']}, {a.threads} threads")

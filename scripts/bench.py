@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from dspark_runtime import DSparkError, Engine
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
     from dspark_runtime.engine import DEFAULT_THREADS
 
     try:
@@ -223,7 +223,7 @@ def concurrency_main(a) -> int:
     """Aggregate and per-request tokens/s of the batched runtime at several concurrency levels (issue 4)."""
     sys.path.insert(0, str(ROOT))
     from dspark_runtime import DSparkError, Engine
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
     from dspark_runtime.engine import DEFAULT_THREADS
 
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from dspark_runtime.invariance import teacher_force  # noqa: E402  (re-exported for the tests)
+from dspark_runtime.machine.row_invariance import teacher_force  # noqa: E402  (re-exported for the tests)
 
 
 def compare(ref_logits, ref_kv, logits, kv, prompt_len: int, block: int = 1) -> dict:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=4, help="verify block size to compare (q = gamma + 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--row-multiple", type=int, default=1,
-                    help="pad every target call to a multiple of N rows (dspark_runtime.invariance); 1 = the raw graph")
+                    help="pad every target call to a multiple of N rows (dspark_runtime.machine.row_invariance); 1 = the raw graph")
     ap.add_argument("--allow-slow-precision", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)

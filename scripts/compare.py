@@ -559,7 +559,7 @@ def default_peer_dir() -> Path:
     """``$DSPARK_PEER_DIR``, else ``${DSPARK_CACHE:-~/.cache/dspark}/peers`` (where install.sh puts them)."""
     if os.environ.get("DSPARK_PEER_DIR"):
         return Path(os.environ["DSPARK_PEER_DIR"]).expanduser()
-    from dspark_runtime.manifest import cache_root
+    from dspark_runtime.engine_dir.manifest import cache_root
 
     return cache_root() / "peers"
 
@@ -618,7 +618,7 @@ def gguf_for(model_dir: Path, override: str | None = None) -> Path:
         return Path(override).expanduser().resolve()
     try:
         sys.path.insert(0, str(ROOT))
-        from dspark_export.fetch import gguf_path
+        from dspark_export.models.fetch import gguf_path
 
         return gguf_path(model_dir.name)
     except Exception:  # not a known model name: the cache layout by folder name
@@ -872,7 +872,7 @@ def _dspark_worker(job: dict, emit) -> dict:
 
     opts = job["options"]
     t0 = time.perf_counter()
-    from dspark_runtime.backend import shared_pool_default
+    from dspark_runtime.backends.ort import shared_pool_default
 
     eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"],
                       shared_thread_pool=shared_pool_default())
@@ -1010,7 +1010,7 @@ def resolve_model(arg: str) -> Path:
     if p.is_dir():
         return p.resolve()
     sys.path.insert(0, str(ROOT))
-    from dspark_export.fetch import model_path
+    from dspark_export.models.fetch import model_path
 
     try:
         q = model_path(arg)

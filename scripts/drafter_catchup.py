@@ -5,7 +5,7 @@ A request that has just joined brings its whole prompt's target features to the 
 requests bring one to eight positions each. This probe times the engine's real ``dspark_draft`` graph on random
 features of the right shapes (the cost does not depend on their values): a few call shapes, then a join round of
 ``--rows`` decoding rows plus one ``--prompt``-token prompt as one padded call and as the calls
-:func:`dspark_runtime.dspark.context_groups` chooses. Best of ``--repeats`` per figure, milliseconds.
+:func:`dspark_runtime.drafting.dspark.context_groups` chooses. Best of ``--repeats`` per figure, milliseconds.
 
     python scripts/drafter_catchup.py --engine engines/qwen2.5-coder-1.5b
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
-    from dspark_runtime.dspark import context_groups
+    from dspark_runtime.drafting.dspark import context_groups
     from dspark_runtime.engine import Engine
     from dspark_runtime.errors import InputError
 

@@ -14,7 +14,7 @@ EVAL_END = {"humaneval": None, "mt-bench": None, "gsm8k": 1319, "mbpp": 257, "ai
 
 def machine() -> str:
     """CPU model, cores, RAM and OS of this machine."""
-    from dspark_runtime.sysinfo import machine_description
+    from dspark_runtime.machine.sysinfo import machine_description
 
     return machine_description()
 
@@ -60,7 +60,7 @@ def ids_digest(ids) -> str:
 
 
 def round_kinds(records) -> dict:
-    """Per-round records of the decoding loop (:class:`dspark_runtime.request.RoundRecord`, or dicts of its fields)
+    """Per-round records of the decoding loop (:class:`dspark_runtime.decoding.request.RoundRecord`, or dicts of its fields)
     summarised by kind: "drafted" (the drafting pass ran because it was expected to pay, or nothing was known yet),
     "probe" (it ran as a probe of the skip rule) and "undrafted", each "+prefill" where the round also fed prompt
     chunks; "prefill-only" for rounds with no decoding row. Per kind: rounds, wall_s (sum, seconds), ms_per_round,

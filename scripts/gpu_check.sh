@@ -72,9 +72,9 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
 from tiny_models import add_tiny_dspark, make_pair
-from dspark_export.build import Recipe, build_engine
-from dspark_export.trt import TrtBuildSettings, build_trt
-from dspark_runtime.trt_profiles import ProfileSettings
+from dspark_export.engine_dir.build import Recipe, build_engine
+from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+from dspark_runtime.backends.trt.profiles import ProfileSettings
 out = Path(sys.argv[1])
 with tempfile.TemporaryDirectory() as tmp:
     t, d = make_pair(Path(tmp))
@@ -83,7 +83,7 @@ with tempfile.TemporaryDirectory() as tmp:
     ckpt = add_tiny_dspark(out, t)  # graph "dspark"; its checkpoint folder is not needed afterwards
     import shutil; shutil.rmtree(ckpt)
 # prefill_chunk 16: the drafter's first call on a 40-token prompt runs as three chunks (the path a long prompt takes);
-# max_batch 4: check 5 decodes 4 requests in one TrtBatchRunner
+# max_batch 4: check 5 decodes 4 requests in one DeviceBatchRunner
 build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=4, decode_q=5, prefill_chunk=16, capacity=128,
                                                         min_bucket=32)), isolate=False)
 PYEOF

@@ -76,7 +76,7 @@ def phase(name: str, fn, *args):
 def environment() -> dict:
     import onnxruntime as ort
 
-    from dspark_runtime.backend import cuda_provider_check
+    from dspark_runtime.backends.ort import cuda_provider_check
 
     if CUDA_EP == "CUDAExecutionProvider":
         cuda_provider_check()
@@ -139,7 +139,7 @@ def polygraphy_parity(root: Path) -> list:
 
     G_LOGGER.module_severity = G_LOGGER.WARNING
 
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     out = []
     cases = []
@@ -236,8 +236,8 @@ def exactness(root: Path) -> dict:
 # -- 4. FP8
 
 def fp8_probe(root: Path) -> dict:
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(root / "tiny-fp8")
     g = m.graphs["target"]
@@ -299,8 +299,8 @@ def regenerate_weights(big: Path) -> dict:
 
 
 def _big_decoder(big: Path, cuda_graphs: bool, batch: int = 1):
-    from dspark_runtime.manifest import DeviceGraphEntry
-    from dspark_runtime.ort_device import OrtDeviceDecoder
+    from dspark_runtime.engine_dir.manifest import DeviceGraphEntry
+    from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 
     entry = DeviceGraphEntry.from_json(json.loads((big / "device_graph.json").read_text()))
     return OrtDeviceDecoder(big, entry, batch=batch, cuda_graphs=cuda_graphs).activate()
@@ -312,7 +312,7 @@ def _batches(dec) -> list:
 
 
 def _time_call(dec, b: int, q: int, past: int, n: int) -> float:
-    from dspark_runtime.trt_batch import call_inputs
+    from dspark_runtime.runners.device import call_inputs
 
     bucket = dec.use_bucket(past + q)
     rng = np.random.default_rng(q)
@@ -360,10 +360,10 @@ def big_step_table(big: Path, deadline: float, graph_modes=(True, False), check_
 
 
 def big_loop(big: Path, deadline: float) -> list:
-    """Target-only greedy decoding through the decoding loop (TrtBatchRunner over the device decoder), B requests
+    """Target-only greedy decoding through the decoding loop (DeviceBatchRunner over the device decoder), B requests
     of 128 random prompt ids and 128 new tokens: tokens/s of the whole loop (prefill included, and apart)."""
-    from dspark_runtime.decoding import DecodingLoop
-    from dspark_runtime.trt_batch import TrtBatchRunner
+    from dspark_runtime.decoding.loop import DecodingLoop
+    from dspark_runtime.runners.device import DeviceBatchRunner
 
     dec = _big_decoder(big, True)
     out = []
@@ -375,7 +375,7 @@ def big_loop(big: Path, deadline: float) -> list:
         n = min(128, dec.capacity // 4)  # prompt and new tokens each
         prompts = [[int(x) for x in rng.integers(3, dec.spec.dims.vocab_size, n)] for _ in range(b)]
         for rep in range(2):  # the first run captures the graphs
-            runner = TrtBatchRunner(dec, rows=b)
+            runner = DeviceBatchRunner(dec, rows=b)
             loop = DecodingLoop(runner, None, max_batch=b, prefill_budget=runner.max_chunk * b)
             t = time.perf_counter()
             reqs = [loop.submit(p, max_new_tokens=n) for p in prompts]
@@ -398,7 +398,7 @@ def big_graph_ops(big: Path) -> dict:
 
     import onnx
 
-    from dspark_runtime.backend import cuda_provider_check
+    from dspark_runtime.backends.ort import cuda_provider_check
 
     ort = cuda_provider_check()
     entry = json.loads((big / "device_graph.json").read_text())
@@ -425,7 +425,7 @@ def big_profile(big: Path) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from dspark_runtime.trt_batch import call_inputs
+    from dspark_runtime.runners.device import call_inputs
 
     out = {}
     torch.cuda.init()
@@ -500,8 +500,8 @@ def peers(root: Path, deadline: float, work: Path) -> dict:
 def use_cpu_stand_in() -> None:
     """Run every phase on ONNX Runtime's CPU provider with host memory for the device buffers."""
     global CUDA_EP
-    from dspark_runtime.device_memory import HostMemory
-    from dspark_runtime.ort_device import OrtDeviceDecoder
+    from dspark_runtime.backends.device_memory import HostMemory
+    from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 
     CUDA_EP = "CPUExecutionProvider"
     OrtDeviceDecoder._preflight = lambda self: None

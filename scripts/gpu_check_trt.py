@@ -17,7 +17,7 @@ the point of checking them). Checks, each printed PASS/FAIL with its numbers:
    rounds (the device-resident context reused); speculative greedy with ``draft="dspark"`` on
    ``target=trt,dspark=trt`` == target-only greedy on TensorRT == ONNX Runtime CPU's target-only and DSpark
    speculative greedy; drafting pass time, TensorRT against ONNX Runtime CPU;
-5. batched decoding (``TrtBatchRunner``, 4 rows): 4 prompts decoded together on TensorRT, target-only and with the
+5. batched decoding (``DeviceBatchRunner``, 4 rows): 4 prompts decoded together on TensorRT, target-only and with the
    draft LM and the DSpark drafter on TensorRT, against each prompt alone in a 4-row runner (the same call shapes:
    independent of the batch by construction except the capacity bucket), alone through ``generate`` (1 row: equal
    only where TensorRT's GEMMs do not depend on the row count), and ONNX Runtime CPU's target-only greedy; the same
@@ -44,9 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_runtime import Engine  # noqa: E402
-from dspark_runtime.manifest import load_manifest  # noqa: E402
-from dspark_runtime.trt_backend import TrtDecoder  # noqa: E402
-from dspark_runtime.trt_import import import_tensorrt  # noqa: E402
+from dspark_runtime.engine_dir.manifest import load_manifest  # noqa: E402
+from dspark_runtime.backends.trt.decoder import TrtDecoder  # noqa: E402
+from dspark_runtime.backends.trt.loader import import_tensorrt  # noqa: E402
 
 RESULTS = []
 
@@ -74,8 +74,8 @@ def main() -> int:
     print(f"python {platform.python_version()}, {flavour} {version}, GPU: {gpu}")
     m = load_manifest(a.engine_dir)
     if a.rebuild or "target.capacity" not in m.trt_engines or m.trt_engines["target.capacity"].flavour != flavour:
-        from dspark_export.trt import TrtBuildSettings, build_trt
-        from dspark_runtime.trt_profiles import ProfileSettings
+        from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+        from dspark_runtime.backends.trt.profiles import ProfileSettings
 
         cc = gpu.split(",")[1].strip() if "," in gpu else None
         ccs = (cc,) if flavour == "tensorrt-rtx" and cc else None
@@ -127,7 +127,7 @@ def main() -> int:
     def time_decode(graphs: bool, n: int = 200) -> tuple[float, dict]:
         e = load_manifest(a.engine_dir).trt_engines["target.capacity"]
         dec = TrtDecoder(a.engine_dir, e, cuda_graphs=graphs).activate()
-        from dspark_runtime.runners import DecoderRunner
+        from dspark_runtime.runners.sequence import DecoderRunner
 
         r = DecoderRunner(dec)
         r.prefill(list(range(5, 25)))
@@ -156,8 +156,8 @@ def main() -> int:
 
 
 def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
-    """Check 4: the DSpark drafter graph on its TensorRT engine (dspark_runtime.trt_dspark.TrtDSparkGraph)."""
-    from dspark_runtime.trt_dspark import TrtDSparkGraph
+    """Check 4: the DSpark drafter graph on its TensorRT engine (dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph)."""
+    from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 
     m = load_manifest(engine_dir)
     if "dspark" not in m.trt_engines:
@@ -212,10 +212,10 @@ def check_dspark(engine_dir: Path, ort_eng: Engine) -> None:
 
 def use_cpu_stand_ins() -> None:
     """Make the Engine run its trt-placed graphs on ONNX Runtime CPU (see the module docstring)."""
-    import dspark_runtime.trt_backend as trt_backend
-    import dspark_runtime.trt_dspark as trt_dspark
-    from dspark_runtime.dspark import OrtDSparkGraph
-    from dspark_runtime.trt_profiles import capacity_buckets
+    import dspark_runtime.backends.trt.decoder as trt_backend
+    import dspark_runtime.backends.trt.dspark_graph as trt_dspark
+    from dspark_runtime.drafting.dspark import OrtDSparkGraph
+    from dspark_runtime.backends.trt.profiles import capacity_buckets
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_trt_batch import OrtDevice
@@ -239,7 +239,7 @@ BATCH_PROMPTS = ["def add(a, b):", "Write a haiku about rain falling on a quiet 
 
 
 def check_batched(engine_dir: Path, ort_eng: Engine, n: int = 32) -> None:
-    """Check 5: batched TensorRT decoding (dspark_runtime.trt_batch.TrtBatchRunner) against each request alone."""
+    """Check 5: batched TensorRT decoding (dspark_runtime.runners.device.DeviceBatchRunner) against each request alone."""
     m = load_manifest(engine_dir)
     most = int(m.trt_engines["target.capacity"].profile_settings["max_batch"])
     if most < 4:

@@ -36,9 +36,9 @@ def tiny_engines(out: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import make_pair
 
-    from dspark_export.build import Recipe, build_engine
-    from dspark_export.device_graphs import build_cuda
-    from dspark_runtime.trt_profiles import ProfileSettings
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.graphs.device import build_cuda
+    from dspark_runtime.backends.trt.profiles import ProfileSettings
 
     with tempfile.TemporaryDirectory() as tmp:
         t, d = make_pair(Path(tmp))
@@ -56,9 +56,9 @@ def big_graph(out: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dspark_export.build import Recipe, build_engine
-    from dspark_export.device_graphs import build_cuda
-    from dspark_runtime.trt_profiles import ProfileSettings
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.graphs.device import build_cuda
+    from dspark_runtime.backends.trt.profiles import ProfileSettings
 
     work = Path(tempfile.mkdtemp(prefix="big-", dir=out.parent))
     try:
@@ -83,7 +83,7 @@ def strip_device_graph(engine_dir: Path, big: Path) -> None:
     ``small.npz`` (the tensors up to 64 KiB, as they are); scripts/gpu_check_cuda.py regenerates the rest."""
     import onnx
 
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     e = load_manifest(engine_dir, verify=False).device_graphs["target"]
     big.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ Training sequences (never an evaluation or calibration prompt: the answers come 
 
 - the run's ``sequences.npz`` (the target's own answers to the training prompts, stdlib source, ShareGPT turns),
   ``--run-repeats`` times (the target's answers among them are what decoding drafts);
-- more ShareGPT chats teacher-forced (:func:`dspark_export.draft_features.sharegpt_sequences`, loss on the answer);
+- more ShareGPT chats teacher-forced (:func:`dspark_export.drafter.features.sharegpt_sequences`, loss on the answer);
 - Python source teacher-forced in 1,024-token chunks: this interpreter's standard library (sub-packages) and the
   ``.py`` files of some installed packages (``--code-tokens`` in all).
 
@@ -50,10 +50,10 @@ def code_files(seed: int = 1) -> list:
 def new_prompts(work: Path, n: int) -> list:
     """Up to ``n`` training prompts [(source, key, text)] that the run did not answer (so none of its held-out
     answers is answered again): the training split and ShareGPT first turns, code-weighted
-    (:func:`dspark_export.draft_data.training_prompt_list`). Never an evaluation or calibration prompt; the user
+    (:func:`dspark_export.drafter.data.training_prompt_list`). Never an evaluation or calibration prompt; the user
     turn of a held-out teacher-forced ShareGPT chat can be among them (its answer is then the target's, not the
     held-out one)."""
-    from dspark_export.draft_data import done_keys, training_prompt_list
+    from dspark_export.drafter.data import done_keys, training_prompt_list
 
     done = done_keys(work / "answers.jsonl")
     return [p for p in training_prompt_list(n_sharegpt=n + len(done)) if p[1] not in done][:n]
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from dspark_export.draft_features import FeatureStore, sharegpt_sequences, source_sequences
+    from dspark_export.drafter.features import FeatureStore, sharegpt_sequences, source_sequences
 
     tok = AutoTokenizer.from_pretrained(str(a.target))
     z = np.load(a.work / "sequences.npz")

@@ -6,13 +6,13 @@ What the CPU pipeline (``dspark-export train-draft``) does in stages over hours,
 has the target as a GGUF file and nothing else (no engine, no Hugging Face folder):
 
 0. optionally (``--answer-minutes``), the target's own answers to DATA's ``prompts`` (greedy, or ``--answer-samples``
-   sampled answers a prompt), generated on the GPU (:func:`dspark_export.draft_data.answer_prompts`; the GGUF's
+   sampled answers a prompt), generated on the GPU (:func:`dspark_export.drafter.data.answer_prompts`; the GGUF's
    tokenizer and chat template) and added to the training sequences;
 1. the target: the GGUF dequantized by transformers (the same weights ``dspark-export fetch`` converts and the
-   int4 engine packs, :mod:`dspark_export.nbits`), on the GPU in float32 with TF32 matrix products;
+   int4 engine packs, :mod:`dspark_export.precision.nbits`), on the GPU in float32 with TF32 matrix products;
 2. features: one teacher-forced pass over every sequence (batched by length, right-padded) keeping the
    ``target_layer_ids`` features and the final normed hidden state in fp16 host memory;
-3. training: :func:`dspark_export.draft_train.train` on the GPU (``TrainSettings.device``), bf16 autocast, until
+3. training: :func:`dspark_export.drafter.train.train` on the GPU (``TrainSettings.device``), bf16 autocast, until
    ``--minutes`` or ``--deadline-s`` (seconds since start) run out, the held-out sequences evaluated every
    ``--eval-every`` steps; the checkpoint (``config.json`` + ``model.safetensors``, the DeepSpec layout) and a
    report (``gpu_train_report.json``: tokens, seconds and tokens/s per stage, held-out acceptance by position).
@@ -44,7 +44,7 @@ def log(*a):
 
 
 class MemoryStore:
-    """The :class:`dspark_export.draft_features.FeatureStore` interface over in-memory arrays."""
+    """The :class:`dspark_export.drafter.features.FeatureStore` interface over in-memory arrays."""
 
     aux = "last"
 
@@ -110,7 +110,7 @@ def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
     """Training steps per second of ``s`` (the same batch shapes as :func:`train`), timed on a copy of ``model``."""
     import copy
     import torch
-    from dspark_export.draft_train import _to, _window, block_batch, dspark_loss, sample_anchors
+    from dspark_export.drafter.train import _to, _window, block_batch, dspark_loss, sample_anchors
     dev = torch.device(s.device)
     m = copy.deepcopy(model)
     t2d = m.target_to_draft().cpu()
@@ -174,9 +174,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import torch
-    from dspark_export.draft_train import TrainSettings, train
-    from dspark_export.dspark_config import DSparkConfig
-    from dspark_export.dspark_model import DSparkDraftModel
+    from dspark_export.drafter.train import TrainSettings, train
+    from dspark_export.drafter.config import DSparkConfig
+    from dspark_export.drafter.model import DSparkDraftModel
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -203,8 +203,8 @@ def main(argv=None) -> int:
             "--answer-prompts N); no answers are generated")
     if a.answer_minutes > 0 and "prompts" in z.files:  # 0. the target's own answers to more training prompts
         from transformers import AutoTokenizer
-        from dspark_export.draft_data import answer_prompts, done_keys
-        from dspark_export.draft_features import answer_sequences
+        from dspark_export.drafter.data import answer_prompts, done_keys
+        from dspark_export.drafter.features import answer_sequences
 
         tok = AutoTokenizer.from_pretrained(str(a.gguf.parent), gguf_file=a.gguf.name)
         answers = a.out / "answers.jsonl"

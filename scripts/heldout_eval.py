@@ -5,8 +5,8 @@
 
 The held-out sequences of DATA (``held_ids``/``held_mask``/``held_starts``, as ``scripts/gpu_draft_data.py`` writes
 them) go once through the engine's compiled target graph (ONNX Runtime: the int4 engine's features and its logits
-over the draft vocabulary, :func:`dspark_export.draft_features.extract_features_ort`), then every checkpoint is
-scored with the training reports' metric (:func:`dspark_export.draft_train.heldout_acceptance`): acceptance by
+over the draft vocabulary, :func:`dspark_export.drafter.features.extract_features_ort`), then every checkpoint is
+scored with the training reports' metric (:func:`dspark_export.drafter.train.heldout_acceptance`): acceptance by
 block position and τ, teacher-forced, greedy. Checkpoints trained on other arithmetic (e.g. ``gpu_train_draft.py``'s
 fp32 features) are thus compared where they are deployed. Every checkpoint must share the first one's draft
 vocabulary (the stored logits are over it).
@@ -36,10 +36,10 @@ def main(argv=None) -> int:
     import torch
     from safetensors import safe_open
 
-    from dspark_export.draft_features import FeatureStore, extract_features_ort
-    from dspark_export.draft_graph import target_frozen_weights
-    from dspark_export.draft_train import TrainSettings, heldout_acceptance
-    from dspark_export.dspark_model import load_checkpoint
+    from dspark_export.drafter.features import FeatureStore, extract_features_ort
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.train import TrainSettings, heldout_acceptance
+    from dspark_export.drafter.model import load_checkpoint
 
     z = np.load(a.data)
     held = [(z["held_ids"][s:e], z["held_mask"][s:e]) for s, e in zip(z["held_starts"][:-1], z["held_starts"][1:])]

@@ -37,9 +37,9 @@ def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
     Returns {"load_s", "seconds", "peak_rss_gb"}."""
     import resource
 
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.runners import decoder_runner
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.runners.sequence import decoder_runner
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(engine, verify=False)
     g = m.graphs["target"]

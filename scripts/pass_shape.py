@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from dspark_runtime.cost_table import cost_table_at
+    from dspark_runtime.scheduling.cost_table import cost_table_at
     from dspark_runtime.engine import Engine
     from evalsets import machine
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             med = statistics.median(times)
             pred = None
             if table is not None:
-                from dspark_runtime.draft_skip import verify_table
+                from dspark_runtime.scheduling.draft_skip import verify_table
 
                 pred = verify_table(table).round_seconds(n)
             results.append({"rows": r, "q": q, "pass_tokens": n, "measured_s": med, "table_s": pred})

@@ -39,8 +39,8 @@ def _child(step: str, a: dict) -> dict:
 def child(step: str, a: dict) -> dict:
     import numpy as np
 
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.tokenizer import Tokenizer
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.engine_dir.tokenizer import Tokenizer
 
     eng = Path(a["engine"])
     m = load_manifest(eng, verify=False)
@@ -49,7 +49,7 @@ def child(step: str, a: dict) -> dict:
     t0 = time.perf_counter()
     out = {}
     if step == "calibrate":
-        from dspark_export.qdq_calibrate import calibrate_graph, calibration_token_ids
+        from dspark_export.precision.activation_ranges import calibrate_graph, calibration_token_ids
 
         ids = calibration_token_ids(tok, a["prompts"])
         tab = calibrate_graph(eng / g.model_file, g.spec, ids, log=lambda *x: None,
@@ -57,16 +57,16 @@ def child(step: str, a: dict) -> dict:
         tab.save(Path(a["table"]))
         out = tab.summary()
     elif step == "quantize":
-        from dspark_export.qdq import quantize_qdq
-        from dspark_export.qdq_calibrate import CalibrationTable
+        from dspark_export.precision.qdq import quantize_qdq
+        from dspark_export.precision.activation_ranges import CalibrationTable
 
         rep = quantize_qdq(eng / g.model_file, Path(a["dst"]), CalibrationTable.load(Path(a["table"])), "int8",
                             exclude=a["exclude"], log=lambda *x: None)
         out = {k: rep[k] for k in ("quantized", "excluded", "weight_bytes_out", "lm_head_quantized")}
     elif step == "score":
-        from dspark_export.agreement import eval_prompts
-        from dspark_export.quantize import logit_agreement
-        from dspark_runtime.backend import OrtDecoder
+        from dspark_export.fit.compare import eval_prompts
+        from dspark_export.precision.quantize import logit_agreement
+        from dspark_runtime.backends.ort import OrtDecoder
 
         prompts = eval_prompts({"humaneval": 4, "mbpp": 2, "gsm8k": 2})
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))[:200] for _, _, p in prompts]
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         return 0
     if not a.engine:
         ap.error("--engine is required")
-    from dspark_export.qdq import DEFAULT_EXCLUDE
+    from dspark_export.precision.qdq import DEFAULT_EXCLUDE
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

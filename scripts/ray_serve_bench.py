@@ -2,7 +2,7 @@
 """1 vs N replicas of the same engine on Ray Serve (issue 21, must-show 3), on this machine.
 
 Starts a local Ray cluster (``--cpus`` CPUs, default all), then for each replica count in ``--replicas`` deploys
-:func:`dspark_runtime.ray_serve.build_app` with ``--cpus / R`` Ray CPUs and ``max(1, --cpus // R)`` ONNX Runtime
+:func:`dspark_runtime.serving.ray_serve.build_app` with ``--cpus / R`` Ray CPUs and ``max(1, --cpus // R)`` ONNX Runtime
 threads per replica (so every configuration uses the same cores), warms every replica up, and sends the same
 prompts from ``--clients`` concurrent clients (streamed greedy chat completions over HTTP through Serve's proxy).
 Per configuration it prints aggregate tokens/s, p50/p95 TTFT and per-token latency, the requests each replica
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.ray_serve import APP_NAME, DEPLOYMENT_NAME, RayServeSettings, build_app
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.serving.ray_serve import APP_NAME, DEPLOYMENT_NAME, RayServeSettings, build_app
 
     engine = str(Path(a.engine).resolve())
     name = load_manifest(engine, verify=False).name

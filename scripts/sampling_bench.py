@@ -1,4 +1,4 @@
-"""Cost of turning logits into the sampling distribution (``dspark_runtime.sampling.process_logits``) against
+"""Cost of turning logits into the sampling distribution (``dspark_runtime.decoding.sampling.process_logits``) against
 the full-sort reference it replaced, side by side in one run.
 
 The reference below is the algorithm the runtime used before partial selection: a stable ``argsort`` of the
@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dspark_runtime.sampling import SamplingParams, process_logits  # noqa: E402
-from dspark_runtime.sysinfo import machine_description, usable_cpus  # noqa: E402
+from dspark_runtime.decoding.sampling import SamplingParams, process_logits  # noqa: E402
+from dspark_runtime.machine.sysinfo import machine_description, usable_cpus  # noqa: E402
 
 
 def reference_process_logits(

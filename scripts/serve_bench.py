@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evalsets import ROOT, load_prompts, loadavg, machine, round_kinds  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from dspark_runtime.request import RoundRecord  # noqa: E402
+from dspark_runtime.decoding.request import RoundRecord  # noqa: E402
 
 
 def _pct(xs, q):
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         name = "url"
     else:
         from dspark_runtime.engine import DEFAULT_THREADS, Engine
-        from dspark_runtime.server import ServerThread, create_app
+        from dspark_runtime.serving.app import ServerThread, create_app
 
         eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS)
         name = eng.manifest.name

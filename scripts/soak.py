@@ -102,7 +102,7 @@ def wait_for(cond, timeout: float, every: float = 0.05) -> bool:
 # Runs `dspark serve` with a delay added to every decoding round (a test aid: the suite's tiny model decodes
 # thousands of tokens/s, and the overload, disconnect and SIGTERM phases need requests that last).
 _DELAYED = ("import sys, time\n"
-            "from dspark_runtime import decoding\n"
+            "from dspark_runtime.decoding import loop as decoding\n"
             "_step = decoding.DecodingLoop.step\n"
             "_delay = float(sys.argv[1])\n"
             "def step(self):\n"
@@ -853,7 +853,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
-    from dspark_runtime.sysinfo import machine_description
+    from dspark_runtime.machine.sysinfo import machine_description
 
     engine = Path(args.engine)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]

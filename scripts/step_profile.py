@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dspark_runtime.manifest import load_manifest  # noqa: E402
-from dspark_runtime.sysinfo import machine_description  # noqa: E402
+from dspark_runtime.engine_dir.manifest import load_manifest  # noqa: E402
+from dspark_runtime.machine.sysinfo import machine_description  # noqa: E402
 
 ATTENTION_OPS = {"Softmax", "Where", "Not", "Expand", "Equal", "Less", "LessOrEqual", "And", "Or", "Cast",
                  "Trilu", "IsInf", "IsNaN"}
@@ -49,7 +49,7 @@ def weight_inputs(graph_path: Path, vocab: int) -> tuple:
     ``lm_head``, else the weight MatMul with ``vocab`` outputs)."""
     import onnx
 
-    from dspark_export.onnx_io import module_name
+    from dspark_export.graphs.onnx_io import module_name
 
     proto = onnx.load(str(graph_path), load_external_data=False)
     inits = {t.name: t for t in proto.graph.initializer}
@@ -81,8 +81,8 @@ def category(ev: dict, weighted: set, head: str | None) -> str:
 
 
 def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: int) -> float:
-    """Median wall time of one step on a session set up as the runtime's (dspark_runtime.backend.OrtDecoder)."""
-    from dspark_runtime.backend import OrtDecoder
+    """Median wall time of one step on a session set up as the runtime's (dspark_runtime.backends.ort.OrtDecoder)."""
+    from dspark_runtime.backends.ort import OrtDecoder
 
     dec = OrtDecoder(graph, spec, threads=threads, precision="any").activate()
     outs = spec.output_names
@@ -140,7 +140,7 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
 def _draft_feeds(spec, past: int, q: int, rng) -> dict:
     """Random inputs of one DSpark drafting pass (``dspark_draft``): q new target features after ``past`` context
     positions, then the block."""
-    from dspark_runtime.graphspec import past_names
+    from dspark_runtime.engine_dir.graphspec import past_names
 
     d = spec.dims
     ins = {t.name: t for t in spec.inputs}
@@ -161,11 +161,11 @@ def _draft_feeds(spec, past: int, q: int, rng) -> dict:
 
 def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False) -> dict:
     """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
-    Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.slots: past + q rounded up to
+    Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.runners.scatter: past + q rounded up to
     SLOT_STEP slots, the rest masked); a graph with ``logits_from`` gets 0 (every position's logits, a verify pass)
     or, with ``last_logits``, q - 1 (a prompt chunk: its last position's)."""
-    from dspark_runtime.graphspec import LOGITS_FROM, past_names
-    from dspark_runtime.slots import SLOT_STEP
+    from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, past_names
+    from dspark_runtime.runners.scatter import SLOT_STEP
 
     d = spec.dims
     rng = np.random.default_rng(seed)
@@ -191,7 +191,7 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
             last_logits: bool = False) -> list:
     """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
     process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
-    from dspark_runtime.backend import OrtDecoder, enable_shared_thread_pool
+    from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
 
     enable_shared_thread_pool(threads)
     decs = {}

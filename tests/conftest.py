@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 # The CLI and the scripts run every ONNX Runtime session on one process-wide thread pool
-# (dspark_runtime.backend.enable_shared_thread_pool), after which plain sessions in the same process are refused;
+# (dspark_runtime.backends.ort.enable_shared_thread_pool), after which plain sessions in the same process are refused;
 # the tests make such sessions in-process, so the suite keeps per-session pools (tests/test_shared_pool.py runs
 # the shared pool in a subprocess).
 os.environ.setdefault("DSPARK_SHARED_THREAD_POOL", "0")
@@ -28,7 +28,7 @@ def tiny_graph(tiny_pair, tmp_path_factory):
     (tests/test_quantize.py, tests/test_fp8.py; read only)."""
     import numpy as np
 
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
 
     root = tmp_path_factory.mktemp("qgraph")
     model = load_hf_model(tiny_pair[0])
@@ -40,7 +40,7 @@ def tiny_graph(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_engine_dir(tiny_pair, tmp_path_factory):
     """An engine directory built from the tiny pair (in-process export)."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
 
     tdir, ddir = tiny_pair
     out = tmp_path_factory.mktemp("engines") / "tiny"
@@ -72,11 +72,11 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
     import numpy as np
     import torch
 
-    from dspark_export.build import Recipe, build_engine
-    from dspark_export.draft_features import FeatureStore, choose_draft_vocab, extract_features
-    from dspark_export.draft_train import TrainSettings, train
-    from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config
-    from dspark_export.draft_graph import target_frozen_weights
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.drafter.features import FeatureStore, choose_draft_vocab, extract_features
+    from dspark_export.drafter.train import TrainSettings, train
+    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
+    from dspark_export.drafter.graph import target_frozen_weights
     from transformers import AutoModelForCausalLM
 
     tdir, _ = tiny_pair

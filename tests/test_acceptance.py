@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from dspark_runtime.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.decoding.acceptance import greedy_accept, rejection_accept
 from dspark_runtime.errors import InputError
-from dspark_runtime.sampling import SamplingParams, process_logits, sample
+from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
 
 
 def onehot(index: int, vocab: int) -> np.ndarray:

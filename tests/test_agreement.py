@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 
 
 def test_prefix_agreement_counts_the_identical_prefix_and_positions():
-    from dspark_export.agreement import prefix_agreement
+    from dspark_export.fit.compare import prefix_agreement
 
     assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, 1.0)
     assert prefix_agreement([1, 2, 3, 4], [1, 9, 3, 4]) == (0.25, 0.75)
@@ -17,7 +17,7 @@ def test_prefix_agreement_counts_the_identical_prefix_and_positions():
 def test_teacher_forced_logits_match_step_by_step_decoding(tiny_engine_dir):
     import numpy as np
 
-    from dspark_export.agreement import teacher_forced_logits
+    from dspark_export.fit.compare import teacher_forced_logits
     from dspark_runtime import Engine
 
     eng = Engine.load(tiny_engine_dir, threads=1)
@@ -35,9 +35,9 @@ def test_teacher_forced_logits_match_step_by_step_decoding(tiny_engine_dir):
 def test_compare_fp32_with_itself_and_with_int8(tiny_engine_dir, tmp_path):
     from click.testing import CliRunner
 
-    from dspark_export.agreement import compare_engines, format_report
+    from dspark_export.fit.compare import compare_engines, format_report
     from dspark_export.cli import cli
-    from dspark_export.quantize import quantize_engine
+    from dspark_export.precision.quantize import quantize_engine
 
     counts = {"humaneval": 1, "mbpp": 1}
     same = compare_engines(tiny_engine_dir, tiny_engine_dir, counts=counts, max_new_tokens=16, draft="lm",
@@ -65,7 +65,7 @@ def test_compare_fp32_with_itself_and_with_int8(tiny_engine_dir, tmp_path):
 def test_compare_refuses_engines_of_different_models(tiny_engine_dir, tmp_path):
     import shutil
 
-    from dspark_export.agreement import compare_engines
+    from dspark_export.fit.compare import compare_engines
     from dspark_runtime.errors import DSparkError
     from tiny_models import make_tokenizer
 

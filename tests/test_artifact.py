@@ -26,7 +26,7 @@ def _retar(src, dst, change=None, extra=None):
 
 @pytest.fixture(scope="module")
 def packed(tiny_engine_dir, tmp_path_factory):
-    from dspark_runtime.artifact import pack
+    from dspark_runtime.engine_dir.artifact import pack
 
     out = tmp_path_factory.mktemp("pack") / "tiny.tar.gz"
     return pack(tiny_engine_dir, out), out
@@ -34,8 +34,8 @@ def packed(tiny_engine_dir, tmp_path_factory):
 
 def test_pack_unpack_round_trip_and_load(packed, tiny_engine_dir, tmp_path, monkeypatch):
     from dspark_runtime import Engine
-    from dspark_runtime.artifact import unpack
-    from dspark_runtime.manifest import load_manifest, sha256_file
+    from dspark_runtime.engine_dir.artifact import unpack
+    from dspark_runtime.engine_dir.manifest import load_manifest, sha256_file
 
     info, out = packed
     m = load_manifest(tiny_engine_dir)
@@ -60,7 +60,7 @@ def test_pack_unpack_round_trip_and_load(packed, tiny_engine_dir, tmp_path, monk
 
 
 def test_unpack_refuses_a_corrupted_member(packed, tmp_path):
-    from dspark_runtime.artifact import unpack
+    from dspark_runtime.engine_dir.artifact import unpack
 
     _, out = packed
     bad = tmp_path / "bad.tar.gz"
@@ -71,7 +71,7 @@ def test_unpack_refuses_a_corrupted_member(packed, tmp_path):
 
 
 def test_unpack_refuses_unlisted_members_and_bad_sidecar(packed, tmp_path):
-    from dspark_runtime.artifact import unpack
+    from dspark_runtime.engine_dir.artifact import unpack
 
     _, out = packed
     evil = tmp_path / "evil.tar.gz"
@@ -90,7 +90,7 @@ def test_unpack_refuses_unlisted_members_and_bad_sidecar(packed, tmp_path):
 
 
 def test_pack_refuses_a_corrupted_engine(tiny_engine_dir, tmp_path):
-    from dspark_runtime.artifact import pack
+    from dspark_runtime.engine_dir.artifact import pack
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

@@ -21,7 +21,7 @@ def lm_engine(tiny_engine_dir):
 @pytest.fixture(scope="module")
 def ds_engine(tiny_dspark, tmp_path_factory):
     """The tiny DSpark engine, profiled (cost table with a per-row draft time) so 'scheduled' works."""
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
     from dspark_runtime.engine import Engine
 
     d = tmp_path_factory.mktemp("batch") / "eng"
@@ -39,8 +39,8 @@ def solo(lm_engine):
 def test_packed_step_matches_single_sequences(lm_engine):
     """Two requests packed in one row give the logits each gets alone, also after a rollback, a removal
     and a compaction."""
-    from dspark_runtime.runners import DecoderRunner
-    from dspark_runtime.packed import PackedRunner
+    from dspark_runtime.runners.sequence import DecoderRunner
+    from dspark_runtime.runners.packed import PackedRunner
 
     be = lm_engine._backends["target"].activate()
     a, b = [5, 6, 7, 8, 9, 10], [20, 21, 22]
@@ -76,8 +76,8 @@ def test_packed_calls_are_row_padded_like_single_calls(lm_engine):
     """With the probed row padding (here forced to 2), every packed call has an even row count, as the single
     runner's calls; padding rows leave no trace: the logits are bit-identical to the padded single runner's, the
     requests' lengths count real tokens only and the padding slots are dropped."""
-    from dspark_runtime.runners import DecoderRunner
-    from dspark_runtime.packed import PackedRunner
+    from dspark_runtime.runners.sequence import DecoderRunner
+    from dspark_runtime.runners.packed import PackedRunner
 
     be = lm_engine._backends["target"].activate()
     rows = []
@@ -150,7 +150,7 @@ def test_a_long_prompt_joining_the_dspark_rows_gets_its_own_call_and_drafts_as_a
     """A request whose prompt (about 200 tokens, fed in chunks) joins while three others decode brings its whole
     prompt's features to the drafter: that round's pass splits into calls (:func:`dspark.context_groups`) so the
     decoding rows are not padded to the prompt, and every request still drafts what it drafts alone."""
-    from dspark_runtime.dspark import OrtDSparkGraph
+    from dspark_runtime.drafting.dspark import OrtDSparkGraph
 
     prompts = PROMPTS[:3] + [" ".join(f"w{i}" for i in range(120))]
     solo = [ds_engine.generate(p, max_new_tokens=24, draft="dspark", draft_length=4) for p in prompts]
@@ -255,7 +255,7 @@ def test_batch_bad_arguments(lm_engine, ds_engine):
 
 
 def test_round_cost_table_adds_the_batched_draft_time():
-    from dspark_runtime.scheduler import round_cost_table
+    from dspark_runtime.scheduling.verify_length import round_cost_table
 
     table = {"tokens": [1, 8, 16], "seconds": [1.1, 1.5, 2.1], "t_draft": 0.1, "t_verify": [1.0, 1.4, 2.0],
              "draft_rows": [1, 2, 4], "t_draft_rows": [0.1, 0.2, 0.4]}
@@ -293,7 +293,7 @@ def test_profile_on_load_cli_replaces_the_table_in_memory(ds_engine):
 
 
 def test_monotone_fit_of_the_verify_times():
-    from dspark_runtime.profile import monotone
+    from dspark_runtime.machine.cost_profile import monotone
 
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]  # pooled: (3 + 1 + 2) / 3

@@ -19,7 +19,7 @@ GROUPINGS = [  # (prompt indices submitted together, rounds to run before the ne
 def engine(request, tmp_path_factory):
     from tiny_models import make_pair
 
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime import Engine
 
     precision, layout = request.param
@@ -57,7 +57,7 @@ def test_greedy_output_does_not_depend_on_the_batch(engine, draft):
 
 
 def test_scatter_is_refused_for_precisions_that_need_the_growing_layout():
-    from dspark_export.build import Recipe
+    from dspark_export.engine_dir.build import Recipe
     from dspark_runtime.errors import DSparkError
 
     with pytest.raises(DSparkError, match="needs the growing KV layout"):

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling and ECE (dspark_runtime.calibration).
+"""Sequential Temperature Scaling and ECE (dspark_runtime.drafting.sts).
 
 Hand-computed ECE values, exact STS outputs on small inputs, and recovery of known
 temperatures from synthetic data where the true acceptance probability at position k is
@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dspark_runtime.calibration import (
+from dspark_runtime.drafting.sts import (
     DEFAULT_GRID,
     apply_sts,
     ece,

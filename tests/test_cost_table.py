@@ -1,4 +1,4 @@
-"""Context-length buckets of the round cost table (issue 21): the pure lookup (dspark_runtime/cost_table.py), the
+"""Context-length buckets of the round cost table (issue 21): the pure lookup (dspark_runtime/scheduling/cost_table.py), the
 consumers that read it at a round's cached positions (scheduler, prefill budget, the decoding loop on a toy
 target), tables profiled before buckets, the manifest check, the profiler's context choice, and a profile of the
 tiny engine."""
@@ -8,12 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
-from dspark_runtime.cost_table import check_cost_table, cost_table_at, reference_bucket
-from dspark_runtime.decoding import DecodingLoop
+from dspark_runtime.scheduling.cost_table import check_cost_table, cost_table_at, reference_bucket
+from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.errors import InputError, ManifestError
-from dspark_runtime.prefill import prefill_budget
-from dspark_runtime.profile import DEFAULT_CONTEXTS, profile_contexts
-from dspark_runtime.scheduler import round_cost_table
+from dspark_runtime.scheduling.prefill import prefill_budget
+from dspark_runtime.machine.cost_profile import DEFAULT_CONTEXTS, profile_contexts
+from dspark_runtime.scheduling.verify_length import round_cost_table
 from toy import BigramBook
 
 # two buckets over the same pass sizes; the top level repeats the reference bucket (here the first)
@@ -126,7 +126,7 @@ def test_malformed_buckets_are_refused_by_name(change, msg):
 
 
 def test_the_manifest_reader_and_the_loop_refuse_malformed_buckets():
-    from dspark_runtime.speculation import Speculation
+    from dspark_runtime.engine_dir.speculation import Speculation
 
     t = json.loads(json.dumps(TABLE))
     assert Speculation.from_json({"cost_table": t}).cost_table == t
@@ -160,7 +160,7 @@ def _join_beside(first_prompt):
 
 
 def test_the_auto_prefill_budget_follows_the_decoding_requests_context(monkeypatch):
-    monkeypatch.setattr("dspark_runtime.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
+    monkeypatch.setattr("dspark_runtime.scheduling.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
     # beside a request with 3 cached positions: the table near context 0, 8 tokens a round; beside one with 42
     # (past the last bucket, 40): 16 tokens a round
     assert _join_beside([2, 3]) == (8, 8)
@@ -181,10 +181,10 @@ def test_the_auto_prefill_budget_follows_the_decoding_requests_context(monkeypat
 
 
 def test_the_loop_reads_the_table_at_the_runners_attended_positions(monkeypatch):
-    """The round's context is what the target runner's pass reads (RequestBook.attended_positions): a runner whose
+    """The round's context is what the target runner's pass reads (BatchRunner.attended_positions): a runner whose
     calls read 42 positions (a scatter buffer grown by an earlier long request) gets the budget of context 42
     beside a request holding 3."""
-    monkeypatch.setattr("dspark_runtime.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
+    monkeypatch.setattr("dspark_runtime.scheduling.prefill.PREFILL_STALL", 4.0)  # budgets of 8 and 16 on this table
 
     class WideBook(BigramBook):
         def attended_positions(self, rids):
@@ -203,9 +203,9 @@ def test_the_loop_reads_the_table_at_the_runners_attended_positions(monkeypatch)
 def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
     """The router's round cost (scheduled mode) reads the table at its ``attended_positions`` (Engine.batch sets the
     target runner's, as the loop's scheduler reads it), else at the longest request's cached positions."""
-    import dspark_runtime.scheduler as sched
-    from dspark_runtime.router import AcceptanceStats, NgramConfidence, Router
-    from dspark_runtime.runners import SequenceRunner
+    import dspark_runtime.scheduling.verify_length as sched
+    from dspark_runtime.drafting.router import AcceptanceStats, NgramConfidence, Router
+    from dspark_runtime.runners.sequence import SequenceRunner
     from test_router import FakeDSpark
     from toy import BigramTarget
 
@@ -228,13 +228,13 @@ def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
 def test_attended_positions_of_the_scatter_layout_is_its_slot_buffer():
     from types import SimpleNamespace
 
-    from dspark_runtime.runners import SequenceRunner
-    from dspark_runtime.slots import SLOT_STEP, SlotRunner, SlotSequence
+    from dspark_runtime.runners.sequence import SequenceRunner
+    from dspark_runtime.runners.scatter import SLOT_STEP, ScatterRunner, ScatterSequence
 
     spec = SimpleNamespace(kind="causal_lm", kv_layout="scatter",
                            dims=SimpleNamespace(num_kv_heads=1, head_dim=2, num_layers=1))
     backend = SimpleNamespace(spec=spec)
-    runner = SlotRunner(backend)
+    runner = ScatterRunner(backend)
     runner.add("a")
     runner.add("b")
     kv = [(np.zeros((1, 130, 2), np.float32), np.zeros((1, 130, 2), np.float32))]
@@ -247,7 +247,7 @@ def test_attended_positions_of_the_scatter_layout_is_its_slot_buffer():
     book.add("x")
     book.step([("x", [1, 2, 3])])
     assert book.attended_positions(["x"]) == 3 and book.attended_positions([]) == 0  # the default: the longest
-    seq = SequenceRunner(SlotSequence(backend))
+    seq = SequenceRunner(ScatterSequence(backend))
     seq.add("s")
     seq.runner.import_kv(kv, None)
     assert seq.attended_positions(["s"]) == 256
@@ -275,7 +275,7 @@ def test_profile_contexts():
 
 
 def test_profile_of_the_tiny_engine_stores_buckets_the_runtime_reads(tiny_engine_dir, tmp_path):
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
     from dspark_runtime import Engine
 
     d = tmp_path / "e"
@@ -335,7 +335,7 @@ def test_dspark_export_profile_cli_prints_and_stores_the_buckets(tiny_engine_dir
 def test_profile_of_a_scatter_engine_records_the_slots_each_bucket_reads(tiny_pair, tmp_path):
     """The scatter layout reads its whole slot buffer (steps of 128) in every pass: each bucket is timed on a fresh
     buffer and records the width it read, even after the engine's own runner has grown to a long sequence."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime import Engine
 
     tdir, ddir = tiny_pair

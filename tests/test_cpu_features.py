@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark_runtime.manifest import load_manifest, parse_manifest
-from dspark_runtime.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
+from dspark_runtime.engine_dir.manifest import load_manifest, parse_manifest
+from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
 
 # Captured /proc/cpuinfo (two logical CPUs each; the AMD one without AVX-512 or VNNI)
 XEON_AMX = """processor	: 0
@@ -168,7 +168,7 @@ def test_manifest_round_trip_with_and_without_build_machine(tiny_engine_dir, tmp
     m2.write(old)
     assert "build_machine" not in json.loads((old / "manifest.json").read_text())
     # _write_manifest (build, add-dspark, quantize) records this machine when the manifest has none
-    from dspark_export.build import _write_manifest
+    from dspark_export.engine_dir.build import _write_manifest
 
     _write_manifest(m2, old)
     assert json.loads((old / "manifest.json").read_text())["build_machine"] == cpu_features()
@@ -258,7 +258,7 @@ def test_info_shows_build_machine_and_measurement_cpus(tiny_engine_dir, tmp_path
 
 
 def test_profile_records_the_cpu_and_is_not_warned_by_what_it_replaces(tiny_engine_dir, tmp_path):
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
 
     d = _engine_with(tiny_engine_dir, tmp_path, probe_cpu=cpu_features(XEON_AMX), table_cpu=cpu_features(EPYC_AVX2))
     with warnings.catch_warnings(record=True) as caught:
@@ -273,7 +273,7 @@ def test_profile_records_the_cpu_and_is_not_warned_by_what_it_replaces(tiny_engi
 
 def test_u8s8_probe_returns_a_bool_consistent_with_the_arithmetic():
     pytest.importorskip("onnx")
-    from dspark_runtime.kernel_probe import PROBE_K, PROBE_M, PROBE_N, u8s8_product, u8s8_saturates
+    from dspark_runtime.machine.kernel_probe import PROBE_K, PROBE_M, PROBE_N, u8s8_product, u8s8_saturates
 
     got, exact = u8s8_product()
     assert got.shape == exact.shape == (PROBE_M, PROBE_N)
@@ -294,7 +294,7 @@ def test_u8s8_probe_sees_avx2_saturation_under_an_emulated_haswell():
     major, minor = (int(x) for x in ver[2].split(".")[:2])
     if (major, minor) < (7, 2):
         pytest.skip("qemu before 7.2 does not emulate AVX2")
-    code = ("from dspark_runtime.kernel_probe import u8s8_product, u8s8_saturates\n"
+    code = ("from dspark_runtime.machine.kernel_probe import u8s8_product, u8s8_saturates\n"
             "g, e = u8s8_product(); print(int(g[0, 0]), int(e[0, 0]), u8s8_saturates())")
     r = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=300, cwd=Path(__file__).parent.parent)
@@ -303,7 +303,7 @@ def test_u8s8_probe_sees_avx2_saturation_under_an_emulated_haswell():
 
 
 def test_load_warns_when_8bit_u8s8_weights_meet_a_saturating_kernel(tiny_engine_dir, tmp_path, monkeypatch):
-    from dspark_runtime import kernel_probe
+    from dspark_runtime.machine import kernel_probe
 
     d = _engine_with(tiny_engine_dir, tmp_path)
     raw = json.loads((d / "manifest.json").read_text())

@@ -1,12 +1,12 @@
-"""The decoding core without models (dspark_runtime/decoding.py): a toy bigram target and a fake drafter with
+"""The decoding core without models (dspark_runtime/decoding/loop.py): a toy bigram target and a fake drafter with
 calibrated survivals, so the loop's rules are checked exactly — here the scheduled mode's decision to skip the
 drafting pass when the cost table says drafts do not pay (issue 21, "never slower than no speculation")."""
 import numpy as np
 import pytest
 
-from dspark_runtime.decoding import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DecodingLoop
-from dspark_runtime.drafters import Proposal
-from dspark_runtime.runners import SequenceRunner
+from dspark_runtime.decoding.loop import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DecodingLoop
+from dspark_runtime.drafting.drafters import Proposal
+from dspark_runtime.runners.sequence import SequenceRunner
 from toy import BigramTarget, StatelessDrafter
 
 TABLE = np.array([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1], [0.2, 0.1, 0.1, 0.6], [0.7, 0.1, 0.1, 0.1]])
@@ -173,7 +173,7 @@ def test_fixed_mode_skips_a_drafter_whose_measured_pass_does_not_pay():
 
 
 def test_observed_survival_and_measured_draft_time():
-    from dspark_runtime.draft_skip import DraftSkipRule, observed_survival
+    from dspark_runtime.scheduling.draft_skip import DraftSkipRule, observed_survival
 
     a = observed_survival(None, 3, 1)
     assert a.tolist() == [1.0, 0.0, 0.0]
@@ -203,7 +203,7 @@ def test_measured_round_times_correct_the_tables_prediction():
     (1.96 / 4.0 < 1 / 2.0); one wild round is clamped."""
     import pytest
 
-    from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS, DraftSkipRule
+    from dspark_runtime.scheduling.draft_skip import ROUND_RATIO_BOUNDS, DraftSkipRule
 
     table = {"tokens": [1, 2, 3, 4], "t_verify": [1.0, 1.0, 1.0, 1.0], "t_draft": 0.1, "seconds": [1.1] * 4}
     surv = [np.array([0.6, 0.36])]
@@ -236,7 +236,7 @@ def test_the_ratio_cannot_go_stale_while_the_rule_drafts():
     (here k = 3 from one) kept it drafting for good (1.3 tokens for 0.4 + 3 s beats 1 for 3 s). With one ratio the
     drafted rounds themselves, at the table's verifier time, bring k down until skipping wins (break-even k =
     0.4 / 0.3 = 1.33)."""
-    from dspark_runtime.draft_skip import DraftSkipRule
+    from dspark_runtime.scheduling.draft_skip import DraftSkipRule
 
     table = {"tokens": [1, 2], "t_verify": [1.0, 1.0]}
     surv = [np.array([0.3])]
@@ -257,7 +257,7 @@ def test_the_loop_feeds_steady_rounds_to_the_ratios():
     measured pass times; the toy's rounds take microseconds against a table of seconds, so the ratio sits at the
     lower clamp and the decisions (drafting pays, by the table and by the measured pass) are unchanged: the output
     stays the target's."""
-    from dspark_runtime.draft_skip import ROUND_RATIO_BOUNDS
+    from dspark_runtime.scheduling.draft_skip import ROUND_RATIO_BOUNDS
 
     req, st, drafter, ref = _run(t_draft=0.01)
     assert req.token_ids == ref and st.draft_skipped == 0
@@ -267,10 +267,10 @@ def test_the_loop_feeds_steady_rounds_to_the_ratios():
 
 
 def test_the_skip_rule_costs_the_padded_pass():
-    """The scatter layout pads every request's row to the longest (SlotRunner.pass_rows): one request's 3-token block
+    """The scatter layout pads every request's row to the longest (ScatterRunner.pass_rows): one request's 3-token block
     beside three anchors makes a 4 x 4 pass, not 7 tokens. With t_verify(B) = 1 + 0.1 B: summed, drafting pays
     (4 + 2.7 tokens for 1.7 s = 3.94 tok/s against 4 for 1.4 s = 2.86); padded it does not (6.7 for 2.6 s = 2.58)."""
-    from dspark_runtime.draft_skip import DraftSkipRule
+    from dspark_runtime.scheduling.draft_skip import DraftSkipRule
 
     table = {"tokens": [1, 64], "t_verify": [1.1, 7.4]}
     rule = DraftSkipRule(observed=True)

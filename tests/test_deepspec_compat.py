@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dspark_export.dspark_config import DraftConfigError, DSparkConfig
-from dspark_export.dspark_model import load_checkpoint
+from dspark_export.drafter.config import DraftConfigError, DSparkConfig
+from dspark_export.drafter.model import load_checkpoint
 from dspark_runtime.errors import DSparkError
 
 QWEN = {
@@ -402,7 +402,7 @@ def test_unknown_tensors_are_refused_not_filtered(tmp_path):
 
 
 def test_field_tables_cover_a_deepspec_config_and_are_disjoint():
-    from dspark_export.dspark_config import (CONDITIONAL_FIELDS, GEMMA4, IGNORED_BY_LAYER, IGNORED_FIELDS, QWEN3,
+    from dspark_export.drafter.config import (CONDITIONAL_FIELDS, GEMMA4, IGNORED_BY_LAYER, IGNORED_FIELDS, QWEN3,
                                              USED_FIELDS)
     for fam, cfg in ((QWEN3, QWEN), (GEMMA4, GEMMA)):
         used, cond = set(USED_FIELDS[fam]), set(CONDITIONAL_FIELDS[fam])
@@ -436,9 +436,9 @@ def test_dtype_is_honoured(tmp_path):
 ])
 def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg):
     pytest.importorskip("onnxruntime")
-    from dspark_export.draft_graph import EMBED_FILE, embedding_entry, export_draft_graph, write_heads
-    from dspark_runtime.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
-    from dspark_runtime.sampling import SamplingParams
+    from dspark_export.drafter.graph import EMBED_FILE, embedding_entry, export_draft_graph, write_heads
+    from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.decoding.sampling import SamplingParams
 
     t = deepspec_tensors(cfg, seed=3)
     m = load_checkpoint(write_checkpoint(tmp_path / "ckpt", cfg, t)).eval()
@@ -475,7 +475,7 @@ def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg
 
 def _heads_with_confidences(conf_logits, temps=None):
     """Heads whose confidence logit at position k is conf_logits[k] (h_k = e_k one-hot, no Markov head)."""
-    from dspark_runtime.dspark import DSparkHeads
+    from dspark_runtime.drafting.dspark import DSparkHeads
 
     g = len(conf_logits)
     arrays = {"conf_w": np.asarray(conf_logits, dtype=np.float64), "conf_b": np.zeros(1)}
@@ -483,7 +483,7 @@ def _heads_with_confidences(conf_logits, temps=None):
 
 
 def test_threshold_rules_survival_vs_deepspec():
-    from dspark_runtime.sampling import SamplingParams
+    from dspark_runtime.decoding.sampling import SamplingParams
 
     c = [0.9, 0.8, 0.7, 0.95, 0.5]  # each position's own confidence σ(z_k)
     z = [math.log(p / (1 - p)) for p in c]
@@ -506,7 +506,7 @@ def test_threshold_rules_survival_vs_deepspec():
 
 
 def test_scheduler_deepspec_threshold_rule():
-    from dspark_runtime.scheduler import schedule_threshold, schedule_threshold_deepspec
+    from dspark_runtime.scheduling.verify_length import schedule_threshold, schedule_threshold_deepspec
 
     c = [np.array([0.9, 0.8, 0.7, 0.95, 0.5]), np.array([0.4, 0.99]), np.array([0.99, 0.99])]
     surv = [np.cumprod(x) for x in c]
@@ -522,8 +522,8 @@ def test_the_shipped_drafter_checkpoint_loads():
     and every tensor pass the strict loader (it omits the frozen embedding / LM head, taken from the target)."""
     from pathlib import Path
 
-    from dspark_export.dspark_config import load_config
-    from dspark_export.dspark_model import expected_shapes
+    from dspark_export.drafter.config import load_config
+    from dspark_export.drafter.model import expected_shapes
     from safetensors import safe_open
 
     ckpt = Path(__file__).resolve().parents[1] / "engines" / "drafters" / "qwen2.5-coder-1.5b-dspark"

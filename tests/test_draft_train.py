@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from dspark_export.draft_data import CALIB_SPLIT, TRAIN_SPLIT, interleave, split_prompts  # noqa: E402
-from dspark_export.draft_features import choose_draft_vocab  # noqa: E402
-from dspark_export.draft_train import block_batch, sample_anchors  # noqa: E402
+from dspark_export.drafter.data import CALIB_SPLIT, TRAIN_SPLIT, interleave, split_prompts  # noqa: E402
+from dspark_export.drafter.features import choose_draft_vocab  # noqa: E402
+from dspark_export.drafter.train import block_batch, sample_anchors  # noqa: E402
 
 
 def test_anchors_need_the_anchor_and_its_next_token_in_the_loss_mask():
@@ -68,8 +68,8 @@ def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir
     """generate_answers_engine (train-draft --engine): each row is the prompt's ids + the engine's greedy
     target-only continuation (what decoding the prompt alone gives), the format answer_sequences reads;
     a second call skips the keys already written and adds only new prompts."""
-    from dspark_export import draft_data
-    from dspark_export.draft_features import answer_sequences
+    from dspark_export.drafter import data as draft_data
+    from dspark_export.drafter.features import answer_sequences
     from dspark_runtime import Engine
 
     prompts = [("mbpp", "mbpp:1", "Write a function that adds two numbers."), ("gsm8k", "gsm8k:1", "What is 7 * 6?"),
@@ -103,7 +103,7 @@ def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir
 
 def _synthetic_store(root, vocab=40, hidden=16, n_feat=2, seqs=10, seed=0):
     """A FeatureStore of random sequences (ids, loss mask, target features, target logits over the vocabulary)."""
-    from dspark_export.draft_features import FeatureStore, _write_shard
+    from dspark_export.drafter.features import FeatureStore, _write_shard
 
     rng = np.random.default_rng(seed)
     shard = []
@@ -120,7 +120,7 @@ def _synthetic_store(root, vocab=40, hidden=16, n_feat=2, seqs=10, seed=0):
 def _tiny_drafter(vocab=40, hidden=16):
     import torch
 
-    from dspark_export.dspark_model import DSparkDraftModel, qwen2_draft_config
+    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
 
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
            "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
@@ -143,7 +143,7 @@ class _Killed(Exception):
 def test_training_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
     import torch
 
-    from dspark_export.draft_train import TRAIN_STATE, TrainSettings, train
+    from dspark_export.drafter.train import TRAIN_STATE, TrainSettings, train
 
     store = _synthetic_store(tmp_path / "features")
     s = TrainSettings(lr=3e-3, warmup_steps=3, anchors_per_seq=4, epochs=2.0, eval_every=5, eval_seqs=2,
@@ -175,7 +175,7 @@ def test_training_killed_and_resumed_equals_an_uninterrupted_run(tmp_path):
 def test_bf16_autocast_trains_like_fp32_but_is_applied(tmp_path):
     import torch
 
-    from dspark_export.draft_train import TrainSettings, bf16_native, train
+    from dspark_export.drafter.train import TrainSettings, bf16_native, train
 
     store = _synthetic_store(tmp_path / "features")
     init = {k: v.clone() for k, v in _tiny_drafter().state_dict().items()}
@@ -196,7 +196,7 @@ def test_bf16_autocast_trains_like_fp32_but_is_applied(tmp_path):
 
 
 def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
-    from dspark_export.draft_pipeline import RunState
+    from dspark_export.drafter.pipeline import RunState
     from dspark_runtime.errors import DSparkError
 
     with pytest.raises(DSparkError, match="holds no train-draft run"):
@@ -213,7 +213,7 @@ def test_run_state_refuses_other_settings_and_a_missing_run(tmp_path):
 def test_seed_answers_import_only_missing_training_prompts(tmp_path):
     import gzip
 
-    from dspark_export.draft_pipeline import import_answers
+    from dspark_export.drafter.pipeline import import_answers
     from dspark_runtime.errors import DSparkError
 
     rec = lambda k: json.dumps({"key": k, "source": k.split(":")[0], "ids": [1, 2, 3], "prompt_len": 2})  # noqa: E731
@@ -238,9 +238,9 @@ def test_seed_answers_import_only_missing_training_prompts(tmp_path):
 def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir, tiny_pair, tmp_path, monkeypatch):
     """train-draft end to end on the tiny engine: a call whose time limit is spent stops in stage 1 with its state
     saved; --resume (no settings) runs answers -> sequences -> features -> training to a checkpoint and a report."""
-    from dspark_export import draft_data
-    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
-    from dspark_export.draft_train import TrainSettings
+    from dspark_export.drafter import data as draft_data
+    from dspark_export.drafter.pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.drafter.train import TrainSettings
 
     prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)] + \
               [("gsm8k", f"gsm8k:{i}", f"What is {i} * 6?") for i in range(1, 4)]
@@ -274,7 +274,7 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     # another configuration on the same data: no answer or feature is made again, the features are shared
     from dataclasses import replace
 
-    import dspark_export.draft_pipeline as dp
+    import dspark_export.drafter.pipeline as dp
     from dspark_runtime.errors import DSparkError
 
     monkeypatch.setattr(dp, "extract_features_ort", lambda *a, **k: pytest.fail("features extracted again"))
@@ -300,7 +300,7 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
 
 
 def test_capped_shards_keep_the_leading_shards_that_start_before_the_cap():
-    from dspark_export.draft_features import _capped_shards
+    from dspark_export.drafter.features import _capped_shards
     from dspark_runtime.errors import DSparkError
 
     seq = lambda n: (np.zeros(n, np.int32), np.ones(n, np.uint8))  # noqa: E731
@@ -320,10 +320,12 @@ def test_feature_token_cap_sizes_a_run_in_progress_until_training_starts(tiny_en
     training uses exactly those, and once training has started the cap can no longer change."""
     from functools import partial
 
-    from dspark_export import draft_data, draft_features, draft_pipeline
-    from dspark_export.draft_features import FeatureStore
-    from dspark_export.draft_pipeline import PipelineSettings, train_draft_pipeline
-    from dspark_export.draft_train import TrainSettings
+    from dspark_export.drafter import data as draft_data
+    from dspark_export.drafter import features as draft_features
+    from dspark_export.drafter import pipeline as draft_pipeline
+    from dspark_export.drafter.features import FeatureStore
+    from dspark_export.drafter.pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.drafter.train import TrainSettings
     from dspark_runtime.errors import DSparkError
 
     prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)]
@@ -367,7 +369,7 @@ def test_cli_reuse_data_refuses_data_settings_and_needs_its_own_work_dir(tmp_pat
 
 
 def test_reuse_source_takes_the_data_settings_and_fills_fields_an_older_run_lacks(tmp_path):
-    from dspark_export.draft_pipeline import DATA_FIELDS, _reuse_source
+    from dspark_export.drafter.pipeline import DATA_FIELDS, _reuse_source
     from dspark_runtime.errors import DSparkError
 
     src = {"target": str(tmp_path / "t"), "engine": "e", "out": "o", "train": {},
@@ -389,7 +391,7 @@ def test_training_on_a_gpu_matches_the_cpu_run(tmp_path):
     weights in the same direction and writes its checkpoint. The CUDA half skips without a GPU."""
     import torch
 
-    from dspark_export.draft_train import TrainSettings, train
+    from dspark_export.drafter.train import TrainSettings, train
 
     store = _synthetic_store(tmp_path / "features")
     init = {k: v.clone() for k, v in _tiny_drafter().state_dict().items()}
@@ -415,7 +417,7 @@ def test_answer_prompts_writes_greedy_answers_and_keyed_samples(tiny_pair, tmp_p
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark_export.draft_data import answer_prompts, done_keys
+    from dspark_export.drafter.data import answer_prompts, done_keys
 
     target, _ = tiny_pair
     tok = AutoTokenizer.from_pretrained(target)

@@ -38,7 +38,7 @@ def test_drafter_graph_reads_the_anchor_row_from_the_target_table(tiny_dspark, t
     data (the manifest says where), equal to the target's embedding; a truncated table is refused by name."""
     import onnx
 
-    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_runtime.drafting.dspark import EmbeddingRows
     from dspark_runtime.errors import DSparkError
 
     engine_dir = tiny_dspark[0]
@@ -51,7 +51,7 @@ def test_drafter_graph_reads_the_anchor_row_from_the_target_table(tiny_dspark, t
     assert not [t.name for t in g.initializer if list(t.dims) == [vocab, hidden]]
     assert [i.name for i in g.input][2] == "anchor_embeds"
     rows = EmbeddingRows.from_manifest(engine_dir, emb).rows(np.array([[5], [7]]))
-    from dspark_export.draft_graph import target_frozen_weights
+    from dspark_export.drafter.graph import target_frozen_weights
 
     ref = target_frozen_weights(tiny_pair[0])[0].float().numpy()
     assert rows.shape == (2, 1, hidden) and np.array_equal(rows[:, 0], ref[[5, 7]])
@@ -64,15 +64,15 @@ def test_drafter_graph_reads_the_anchor_row_from_the_target_table(tiny_dspark, t
 def test_quantizing_the_target_keeps_the_drafter_embedding(tiny_dspark, tmp_path):
     """`dspark-export quantize` rewrites target.onnx.data: the drafter's embedding entry follows the table to its
     new offset (the same rows), and the quantized engine's speculative output equals its target-only output."""
-    from dspark_export.quantize import quantize_engine
-    from dspark_runtime.dspark import EmbeddingRows
+    from dspark_export.precision.quantize import quantize_engine
+    from dspark_runtime.drafting.dspark import EmbeddingRows
     from dspark_runtime.engine import Engine
 
     src = tiny_dspark[0]
     old = json.loads((src / "manifest.json").read_text())["speculation"]["dspark"]["embedding"]
     m = quantize_engine(src, tmp_path / "q", "target=int4,draft=fp32", int4_source="rtn", log=lambda *a: None)
     new = m.speculation.dspark.embedding
-    from dspark_export.draft_graph import target_embedding_entry
+    from dspark_export.drafter.graph import target_embedding_entry
 
     assert new == target_embedding_entry(tmp_path / "q", "target.onnx") and new["file"] == "target.onnx.data"
     ids = np.arange(0, old["shape"][0], 7)[:, None]
@@ -91,7 +91,7 @@ def test_int4_drafter_graph_is_smaller_and_exact(tiny_dspark, tiny_pair, tmp_pat
 
     import onnx
 
-    from dspark_export.add_draft import add_dspark_draft
+    from dspark_export.engine_dir.add_draft import add_dspark_draft
     from dspark_runtime.engine import Engine
 
     eng_dir = tmp_path / "e"
@@ -166,7 +166,7 @@ def test_deepspec_threshold_rule_is_offered_and_exact(dspark_engine):
 
 
 def test_bad_dspark_checkpoint_path_is_named(tiny_pair, tmp_path):
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime.errors import DSparkError
 
     with pytest.raises(DSparkError, match="DSpark checkpoint .* not found"):
@@ -186,8 +186,8 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     temperatures fitted on recorded rounds."""
     import shutil
 
-    from dspark_export.calibrate import calibrate_engine
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.calibrate_drafter import calibrate_engine
+    from dspark_export.fit.cost_profile import profile_engine
     from dspark_runtime.engine import Engine
     from dspark_runtime.errors import InputError
 

@@ -1,8 +1,8 @@
-"""The DSpark drafter's call partition (dspark_runtime.dspark.context_groups): pure logic, no models."""
+"""The DSpark drafter's call partition (dspark_runtime.drafting.dspark.context_groups): pure logic, no models."""
 
 import pytest
 
-from dspark_runtime.dspark import context_groups
+from dspark_runtime.drafting.dspark import context_groups
 
 
 def _cost(groups, counts, block, overhead):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_export.dspark_config import DraftConfigError, DSparkConfig
-from dspark_export.dspark_model import DSparkDraftModel, block_mask, expected_shapes, load_checkpoint, save_checkpoint
+from dspark_export.drafter.config import DraftConfigError, DSparkConfig
+from dspark_export.drafter.model import DSparkDraftModel, block_mask, expected_shapes, load_checkpoint, save_checkpoint
 
 # A hand-specified DeepSpec config: a (tiny) copy of a Qwen3 target config plus the DSpark fields.
 DEEPSPEC_CONFIG = {
@@ -156,7 +156,7 @@ def test_block_output_is_invariant_to_other_blocks_and_future_context():
 def test_loss_trains_a_tiny_drafter_toward_the_target():
     """On synthetic data where the next token is a function of the feature, the DeepSpec loss drops and
     teacher-forced acceptance rises."""
-    from dspark_export.draft_train import TrainSettings, block_batch, dspark_loss, sample_anchors
+    from dspark_export.drafter.train import TrainSettings, block_batch, dspark_loss, sample_anchors
 
     cfg = dict(DEEPSPEC_CONFIG, num_hidden_layers=1, layer_types=["full_attention"], markov_head_type="vanilla",
                block_size=3)

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dspark_export.dspark_config import MOE_FIELDS, DraftConfigError, DSparkConfig  # noqa: E402
-from dspark_export.dspark_model import (DraftMLP, DraftMoE, DSparkDraftModel, expected_shapes,  # noqa: E402
+from dspark_export.drafter.config import MOE_FIELDS, DraftConfigError, DSparkConfig  # noqa: E402
+from dspark_export.drafter.model import (DraftMLP, DraftMoE, DSparkDraftModel, expected_shapes,  # noqa: E402
                                         load_checkpoint, qwen2_draft_config, save_checkpoint)
 from test_deepspec_compat import GEMMA, block_inputs, ours  # noqa: E402
 from test_dspark_model import DEEPSPEC_CONFIG, _random_model  # noqa: E402
@@ -346,7 +346,7 @@ def test_mismatched_moe_checkpoints_are_refused_with_the_fix(tmp_path):
 def test_onnx_graph_matches_torch(tmp_path):
     import onnx
 
-    from dspark_export.draft_graph import export_draft_graph, validate_draft_graph
+    from dspark_export.drafter.graph import export_draft_graph, validate_draft_graph
 
     m = _moe_model(dict(QWEN_MOE, num_hidden_layers=1, layer_types=["full_attention"]))
     export_draft_graph(m, tmp_path / "draft.onnx")
@@ -363,10 +363,10 @@ def test_onnx_graph_matches_torch(tmp_path):
 def moe_dspark(tiny_pair, tiny_dspark, tmp_path_factory):
     """(engine_dir, checkpoint_dir, train_report): a tiny MoE drafter (8 experts, top-2) trained briefly on the
     tiny target's features (the store conftest's ``tiny_dspark`` extracted) and compiled with the target."""
-    from dspark_export.build import Recipe, build_engine
-    from dspark_export.draft_features import FeatureStore
-    from dspark_export.draft_graph import target_frozen_weights
-    from dspark_export.draft_train import TrainSettings, train
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.drafter.features import FeatureStore
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.train import TrainSettings, train
 
     tdir, _ = tiny_pair
     features = tiny_dspark[1].parent / "features"

@@ -68,7 +68,7 @@ def test_first_token_distribution_matches_target(engine):
 
     The second generated token is the first one decided by rejection sampling; over many seeds its
     empirical distribution must match the target's p at that position (given the first token)."""
-    from dspark_runtime.sampling import SamplingParams, process_logits
+    from dspark_runtime.decoding.sampling import SamplingParams, process_logits
 
     prompt = PROMPTS[0]
     params = SamplingParams(temperature=1.0, top_k=4)
@@ -106,7 +106,7 @@ def test_stop_string_and_streaming(engine):
 
 
 def test_streamable_length_holds_back_possible_stop_prefixes():
-    from dspark_runtime.request import cut_at_stop, streamable_length
+    from dspark_runtime.decoding.request import cut_at_stop, streamable_length
 
     assert streamable_length("abc</s", ["</stop>"]) == 3  # "</s" may become "</stop>"
     assert streamable_length("abc</stop> more", ["</stop>"]) == 3
@@ -132,7 +132,7 @@ def test_bad_generation_arguments(engine, kwargs, message):
 def test_stopper_ignores_tokens_past_max_new_tokens():
     """A speculative round can commit more tokens than max_new_tokens allows: an EOS or a stop
     string in the overshoot must not count."""
-    from dspark_runtime.request import Stopper
+    from dspark_runtime.decoding.request import Stopper
 
     dec = lambda ids: "".join(chr(97 + i) for i in ids)  # 0 -> "a", 1 -> "b", ...
     st = Stopper(eos_ids=[9], max_new_tokens=3, stop=["cd"], decode=dec)
@@ -163,9 +163,9 @@ def test_lm_drafter_proposes_when_its_cache_already_holds_the_whole_context(engi
     target accepted it and the bonus token was the LM's next draft): the LM must still re-feed the anchor."""
     from types import SimpleNamespace
 
-    from dspark_runtime.drafters import LMDrafter
-    from dspark_runtime.runners import batch_runner
-    from dspark_runtime.sampling import SamplingParams
+    from dspark_runtime.drafting.drafters import LMDrafter
+    from dspark_runtime.runners.sequence import batch_runner
+    from dspark_runtime.decoding.sampling import SamplingParams
 
     def lm_over_its_own_runner():
         return LMDrafter(batch_runner(engine.graph_backend(engine.lm_graph), max_requests=1))

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 def test_export_matches_torch_with_dynamic_axes(family, tmp_path):
     from tiny_models import make_pair
 
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model, torch_reference, validate_decoder
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.kvcache import causal_mask
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model, torch_reference, validate_decoder
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.runners.kvcache import causal_mask
 
     tdir, _ = make_pair(tmp_path, family=family)
     model = load_hf_model(tdir)
@@ -66,7 +66,7 @@ def test_grouped_attention_equals_eager_attention():
     """The export's grouped form is transformers' eager attention (repeat_kv), to float rounding."""
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
-    from dspark_export.export import grouped_query_attention
+    from dspark_export.graphs.decoder import grouped_query_attention
 
     g = torch.Generator().manual_seed(0)
     b, h, kv, q, t, d = 2, 6, 2, 3, 7, 16
@@ -87,7 +87,7 @@ def test_grouped_attention_equals_eager_attention():
 
 
 def test_feature_layer_out_of_range_is_a_clear_error(tiny_pair):
-    from dspark_export.export import decoder_dims, load_hf_model
+    from dspark_export.graphs.decoder import decoder_dims, load_hf_model
     from dspark_runtime.errors import DSparkError
 
     model = load_hf_model(tiny_pair[0])
@@ -96,7 +96,7 @@ def test_feature_layer_out_of_range_is_a_clear_error(tiny_pair):
 
 
 def test_precision_spec_parsing():
-    from dspark_export.build import Recipe
+    from dspark_export.engine_dir.build import Recipe
     from dspark_runtime.errors import DSparkError
 
     r = Recipe(name="x", target="t", precision="target=fp32,draft=int8-dynamic")
@@ -116,7 +116,7 @@ def test_precision_spec_parsing():
 
 def test_int8_dynamic_draft_engine_is_exact(tiny_pair, tmp_path):
     """A quantized draft changes only the speed and acceptance, never the output."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime import Engine
 
     tdir, ddir = tiny_pair

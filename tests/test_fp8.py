@@ -1,11 +1,11 @@
-"""FP8 (E4M3) QDQ graphs: the streaming writer (dspark_export.qdq.quantize_qdq, checked against a numpy
+"""FP8 (E4M3) QDQ graphs: the streaming writer (dspark_export.precision.qdq.quantize_qdq, checked against a numpy
 fake-quantization with ml_dtypes), the writer choice, and NVIDIA ModelOpt in its own environment (skipped
 when it is not installed)."""
 import onnx
 import pytest
 
 pytest.importorskip("torch")
-from dspark_export.fp8 import SETUP_HINT, modelopt_python  # noqa: E402
+from dspark_export.precision.fp8 import SETUP_HINT, modelopt_python  # noqa: E402
 
 needs_modelopt = pytest.mark.skipif(modelopt_python() is None,
                                     reason=f"NVIDIA ModelOpt environment not found; create it with: {SETUP_HINT}")
@@ -31,7 +31,7 @@ def _refused_on_cpu_then_lossless(engine_dir):
 def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine_dir, tmp_path, monkeypatch):
     import numpy as np
 
-    from dspark_export.quantize import quantize_engine
+    from dspark_export.precision.quantize import quantize_engine
 
     import os
 
@@ -59,7 +59,7 @@ def test_fp8_engine_passes_checks_and_is_refused_on_cpu_unless_asked(tiny_engine
 
 
 def test_fp8_modelopt_asked_for_without_modelopt_names_the_setup(tiny_engine_dir, tmp_path, monkeypatch):
-    from dspark_export.quantize import quantize_engine
+    from dspark_export.precision.quantize import quantize_engine
     from dspark_runtime.errors import DSparkError
 
     monkeypatch.setenv("DSPARK_MODELOPT_PYTHON", str(tmp_path / "nowhere" / "python"))
@@ -86,9 +86,9 @@ def test_streamed_fp8_graph_matches_a_numpy_fake_quantization(tiny_graph, tmp_pa
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.onnx_io import quant_targets, session_over_weights
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import calibrate_graph
+    from dspark_export.graphs.onnx_io import quant_targets, session_over_weights
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import calibrate_graph
 
     path, spec, ids = tiny_graph
     feeds = []
@@ -158,8 +158,8 @@ def test_streamed_fp8_graph_matches_a_numpy_fake_quantization(tiny_graph, tmp_pa
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=t.module)
 
     # and stays close to the fp32 graph
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.kvcache import causal_mask
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.runners.kvcache import causal_mask
 
     x = list(map(int, np.random.default_rng(7).integers(3, 300, 20)))
     logits = {}
@@ -180,8 +180,8 @@ def test_fp8_saturates_guards_zero_columns_and_keeps_activation_matmuls_fp32(tmp
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import CalibrationTable
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import CalibrationTable
     from dspark_runtime.errors import DSparkError
 
     rng = np.random.default_rng(3)
@@ -219,9 +219,9 @@ def test_fp8_saturates_guards_zero_columns_and_keeps_activation_matmuls_fp32(tmp
 
 
 def test_auto_picks_stream_without_modelopt_or_memory_and_rejects_unknown_writers(tiny_graph, monkeypatch, tmp_path):
-    from dspark_export import fp8
-    from dspark_export.build import quantize_graph
-    from dspark_export.onnx_io import graph_weight_bytes
+    from dspark_export.precision import fp8
+    from dspark_export.engine_dir.build import quantize_graph
+    from dspark_export.graphs.onnx_io import graph_weight_bytes
     from dspark_runtime.errors import DSparkError
 
     path = tiny_graph[0]
@@ -251,7 +251,7 @@ def test_auto_picks_stream_without_modelopt_or_memory_and_rejects_unknown_writer
 
 
 def test_available_memory_is_read():
-    from dspark_export.fp8 import available_memory_bytes
+    from dspark_export.precision.fp8 import available_memory_bytes
 
     m = available_memory_bytes()
     assert m is None or m > 2**20
@@ -264,9 +264,9 @@ def test_streamed_fp8_engine_records_the_writer_and_is_refused_on_cpu_unless_ask
 
     from click.testing import CliRunner
 
-    from dspark_export import fp8
+    from dspark_export.precision import fp8
     from dspark_export.cli import cli
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     monkeypatch.setattr(fp8, "modelopt_python", lambda: None)
     r = CliRunner().invoke(cli, ["quantize", str(tiny_engine_dir), "-o", str(tmp_path / "f8"), "--precision",
@@ -293,7 +293,7 @@ def test_streamed_fp8_engine_records_the_writer_and_is_refused_on_cpu_unless_ask
 
 
 def test_build_with_fp8_stream_writer(tiny_pair, tmp_path):
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime.errors import DSparkError
 
     tdir, ddir = tiny_pair

@@ -31,8 +31,9 @@ def _module_imports(path: Path, package: str) -> set:
 def _graph() -> dict:
     graph = {}
     for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).glob("*.py")):
-            name = f"{pkg}.{f.stem}" if f.stem != "__init__" else pkg
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             graph[name] = _module_imports(f, pkg)
     return {m: {d for d in deps if d in graph or d.split(".")[0] == "torch"} for m, deps in graph.items()}
 

@@ -1,13 +1,13 @@
-"""Row padding for row-count invariance (dspark_runtime/invariance.py, DecoderRunner.row_multiple)."""
+"""Row padding for row-count invariance (dspark_runtime/machine/row_invariance.py, DecoderRunner.row_multiple)."""
 import json
 
 import numpy as np
 import pytest
 
-from dspark_runtime.backend import StepOutput
+from dspark_runtime.backends.ort import StepOutput
 from dspark_runtime.errors import InputError
-from dspark_runtime.runners import DecoderRunner
-from dspark_runtime.invariance import max_difference, padded_rows, probe_row_multiple, teacher_force
+from dspark_runtime.runners.sequence import DecoderRunner
+from dspark_runtime.machine.row_invariance import max_difference, padded_rows, probe_row_multiple, teacher_force
 
 VOCAB, LAYERS, KVH, HD = 11, 2, 1, 4
 
@@ -161,7 +161,7 @@ def test_row_multiple_from_the_manifest_and_bad_values(tiny_engine_dir, tmp_path
 def test_profile_probes_and_stores_the_row_multiple(tiny_engine_dir, tmp_path):
     import shutil
 
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
     from dspark_runtime import Engine
 
     d = tmp_path / "e"
@@ -214,7 +214,7 @@ def test_a_stored_probe_of_another_graph_or_thread_count_is_flagged(tiny_engine_
 def test_quantize_drops_the_source_engines_probe_and_cost_table(tiny_engine_dir, tmp_path):
     import shutil
 
-    from dspark_export.quantize import quantize_engine
+    from dspark_export.precision.quantize import quantize_engine
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.manifest import VERIFIED_NAME, load_manifest
+from dspark_runtime.engine_dir.manifest import VERIFIED_NAME, load_manifest
 
 pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
 
-from dspark_export.nbits import (_ENCODINGS, NBitsWeight, _Meta, _nbits_nodes, encode_gguf_rows,  # noqa: E402
+from dspark_export.precision.nbits import (_ENCODINGS, NBitsWeight, _Meta, _nbits_nodes, encode_gguf_rows,  # noqa: E402
                                  gguf_tensor_name)
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
@@ -164,9 +164,9 @@ def monkeypatch_module():
 
 
 def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
-    from dspark_export.nbits import quantize_nbits_gguf
-    from dspark_runtime.backend import OrtDecoder
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
+    from dspark_export.precision.nbits import quantize_nbits_gguf
+    from dspark_runtime.backends.ort import OrtDecoder
 
     folder, gpath = gguf_model
     model = load_hf_model(folder)
@@ -203,7 +203,7 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
 def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, tmp_path):
     """Must-show in small: an int4 engine (target re-packed from its GGUF, draft by ONNX Runtime's RTN quantizer)
     records its sources, and speculative greedy output equals int4 target-only output."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime import Engine
 
     folder, _ = gguf_model
@@ -235,7 +235,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("KV layout scatter") == 2  # target and draft
     # gguf asked for where the model has no GGUF: a clear error
-    from dspark_export.build import resolve_int4_source
+    from dspark_export.engine_dir.build import resolve_int4_source
 
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
@@ -252,7 +252,7 @@ def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.nbits_fuse import fuse_shared_inputs
+    from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
     rng = np.random.default_rng(3)
     k = 512

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dspark_runtime.drafters import ngram_lookup
+from dspark_runtime.drafting.drafters import ngram_lookup
 
 
 def test_lookup_prefers_longest_and_most_recent_match():

@@ -1,4 +1,4 @@
-"""The capacity-layout decoder on ONNX Runtime (dspark_runtime.ort_device, device_decoder, device_memory) with host
+"""The capacity-layout decoder on ONNX Runtime (dspark_runtime.backends.ort_cuda, device_decoder, device_memory) with host
 memory standing in for the GPU: the same buffers, IOBindings, bucket re-layouts and strided cache writes a CUDA run
 makes, on ONNX Runtime's CPU provider. The GPU itself: scripts/gpu_check.sh (tests skip it here)."""
 import shutil
@@ -6,10 +6,10 @@ import shutil
 import numpy as np
 import pytest
 
-from dspark_runtime.device_decoder import DeviceLayout, new_slot_length
-from dspark_runtime.device_memory import HostMemory
+from dspark_runtime.backends.device_decoder import DeviceLayout, new_slot_length
+from dspark_runtime.backends.device_memory import HostMemory
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.trt_profiles import ProfileSettings
+from dspark_runtime.backends.trt.profiles import ProfileSettings
 
 PROFILE = ProfileSettings(max_batch=4, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 123))]  # 40 tokens: 3 chunks of 16; 3; 23
@@ -18,7 +18,7 @@ PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 123))]  # 40 tokens: 3
 @pytest.fixture(scope="module")
 def cuda_engine(tiny_engine_dir, tmp_path_factory):
     """A copy of the tiny fp32 engine with an fp32 device graph of its target (the build-cuda path)."""
-    from dspark_export.device_graphs import build_cuda
+    from dspark_export.graphs.device import build_cuda
 
     d = tmp_path_factory.mktemp("cuda") / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -29,7 +29,7 @@ def cuda_engine(tiny_engine_dir, tmp_path_factory):
 def _host_engine(d, **kw):
     """Engine.load with the target placed on cuda and host memory standing in for the GPU."""
     from dspark_runtime import Engine
-    from dspark_runtime.ort_device import OrtDeviceDecoder
+    from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 
     eng = Engine.load(d, threads=1, placement="target=cuda", **kw)
     dec = eng._backends["target"]
@@ -71,8 +71,8 @@ def test_write_copy_geometry_moves_exactly_a_rows_new_positions():
 
 
 def test_build_cuda_records_a_device_graph_and_refuses_cpu_engines(cuda_engine, tmp_path):
-    from dspark_export.device_graphs import build_cuda
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.device import build_cuda
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     e = load_manifest(cuda_engine).device_graphs["target"]
     assert (e.graph, e.kv_layout, e.onnx, e.precision) == ("target", "capacity", "target.capacity.onnx", "fp32")
@@ -101,7 +101,7 @@ def test_device_decoder_matches_the_growing_graph(cuda_engine):
     """One sequence through DecoderRunner: a 40-token prompt in chunks of 16 (buckets 32 -> 64 re-laid out), then
     verify steps with rollbacks: the same logits as the growing graph on ONNX Runtime CPU."""
     from dspark_runtime import Engine
-    from dspark_runtime.runners import DecoderRunner
+    from dspark_runtime.runners.sequence import DecoderRunner
 
     ref = Engine.load(cuda_engine, threads=1).runner("target")
     dev = _host_engine(cuda_engine).runner("target")
@@ -120,10 +120,10 @@ def test_device_decoder_matches_the_growing_graph(cuda_engine):
 
 
 def test_greedy_speculative_equals_target_only_and_a_batch_equals_each_alone(cuda_engine):
-    """On the device decoder (a TrtBatchRunner over it): greedy with the draft LM == target-only == the CPU engine's
+    """On the device decoder (a DeviceBatchRunner over it): greedy with the draft LM == target-only == the CPU engine's
     target-only tokens; three prompts decoded together == each alone; the argmax output comes back, not logits."""
     from dspark_runtime import Engine
-    from dspark_runtime.trt_batch import TrtBatchRunner
+    from dspark_runtime.runners.device import DeviceBatchRunner
 
     texts = ["def quicksort(xs): return the list sorted, shortest code first", "hi", "a b c d e f g h i j k"]
     cpu = Engine.load(cuda_engine, threads=1)
@@ -142,7 +142,7 @@ def test_greedy_speculative_equals_target_only_and_a_batch_equals_each_alone(cud
         loop.run()
     ref = [r.token_ids for r in solo]
     loop = eng.batch(draft=None, max_batch=3)
-    assert isinstance(loop.target, TrtBatchRunner) and loop.target.device_argmax
+    assert isinstance(loop.target, DeviceBatchRunner) and loop.target.device_argmax
     dec = eng._backends["target"]
     vocab = eng.manifest.graphs["target"].spec.dims.vocab_size
     before = dec.stats["d2h_bytes"]
@@ -183,8 +183,8 @@ def test_an_fp16_device_graph_keeps_its_cache_in_fp16(tiny_engine_dir, tmp_path)
     the cache bytes), the decoder sizes its buffers by that dtype, and greedy speculative == target-only on it."""
     import onnx
 
-    from dspark_export.device_graphs import build_cuda
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.device import build_cuda
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

@@ -122,9 +122,9 @@ def test_wheel_outside_the_checkout(tiny_pair, tmp_path):
 import json
 import dspark_export, dspark_runtime
 from dspark_export.paths import prompts_dir, recipes_dir, resolve_recipe
-from dspark_export.agreement import eval_prompts
-from dspark_export.calibrate import calibration_prompts
-from dspark_export.draft_data import TRAIN_SPLIT, split_prompts
+from dspark_export.fit.compare import eval_prompts
+from dspark_export.fit.calibrate_drafter import calibration_prompts
+from dspark_export.drafter.data import TRAIN_SPLIT, split_prompts
 print(json.dumps({"export": dspark_export.__file__, "runtime": dspark_runtime.__file__,
                   "prompts": str(prompts_dir()), "recipe": str(resolve_recipe("qwen2.5-coder-1.5b")),
                   "eval": [x[:2] for x in eval_prompts({"humaneval": 1, "mbpp": 1})],

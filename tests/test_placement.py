@@ -1,9 +1,9 @@
-"""Per-graph placement (dspark_runtime.placement): parsing, the refusals and their fixes, and an Engine that
+"""Per-graph placement (dspark_runtime.backends.placement): parsing, the refusals and their fixes, and an Engine that
 records where its graphs run."""
 import pytest
 
 from dspark_runtime.errors import InputError
-from dspark_runtime.placement import PROVIDERS, format_placement, parse_placement
+from dspark_runtime.backends.placement import PROVIDERS, format_placement, parse_placement
 
 GRAPHS = {"target": "causal_lm", "draft": "causal_lm", "dspark": "dspark_draft"}
 

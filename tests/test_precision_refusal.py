@@ -52,7 +52,7 @@ def test_refusal_covers_the_draft_graph_and_the_cli(tiny_engine_dir, tmp_path):
 
 
 def test_gpu_provider_first_is_not_refused():
-    from dspark_runtime.backend import check_precision_for_providers
+    from dspark_runtime.backends.ort import check_precision_for_providers
 
     check_precision_for_providers("fp8", ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     check_precision_for_providers("int8", ["CPUExecutionProvider"])

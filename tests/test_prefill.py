@@ -1,13 +1,13 @@
-"""Chunked prefill (issue 21): the pure planner (dspark_runtime/prefill.py) and the decoding loop feeding a joining
+"""Chunked prefill (issue 21): the pure planner (dspark_runtime/scheduling/prefill.py) and the decoding loop feeding a joining
 prompt in chunks beside the requests already decoding, on a toy bigram target (no models)."""
 import numpy as np
 import pytest
 
-from dspark_runtime.decoding import DecodingLoop
+from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.errors import InputError
-from dspark_runtime.prefill import (DEFAULT_PREFILL_BUDGET, MIN_PREFILL_BUDGET, PrefillPlan, plan_prefill,
+from dspark_runtime.scheduling.prefill import (DEFAULT_PREFILL_BUDGET, MIN_PREFILL_BUDGET, PrefillPlan, plan_prefill,
                                     prefill_budget)
-from dspark_runtime.runners import SequenceRunner
+from dspark_runtime.runners.sequence import SequenceRunner
 from toy import BigramBook, BigramTarget
 
 # the int4 Qwen2.5-Coder-1.5B engine's profiled table on the 2-core EPYC (t_verify, monotone fit; flat tail)

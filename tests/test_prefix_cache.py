@@ -1,12 +1,12 @@
 """Prefix KV cache across requests (issue 21): the block keys and LRU bookkeeping without models
-(dspark_runtime/prefix_cache.py), then a tiny scatter-layout engine with a draft LM and a DSpark drafter: a
+(dspark_runtime/decoding/prefix_cache.py), then a tiny scatter-layout engine with a draft LM and a DSpark drafter: a
 shared-system-prompt, multi-turn workload gives token-for-token the same output with the cache on (also under a
 bound small enough to evict) as with it off, and the cache is really hit (target and draft blocks)."""
 import numpy as np
 import pytest
 
 from dspark_runtime.errors import InputError
-from dspark_runtime.prefix_cache import PrefixCache, block_hashes, concat_blocks, payload_bytes
+from dspark_runtime.decoding.prefix_cache import PrefixCache, block_hashes, concat_blocks, payload_bytes
 
 
 def _payload(start, end, nbytes=100):
@@ -98,7 +98,7 @@ def engine_dir(tiny_pair, tmp_path_factory):
     """The tiny pair in the scatter KV layout (fp32) with target features, plus an untrained DSpark drafter."""
     from tiny_models import add_tiny_dspark
 
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
 
     out = tmp_path_factory.mktemp("prefix") / "e"
     build_engine(Recipe(name="e", target=str(tiny_pair[0]), draft=str(tiny_pair[1]), kv_layout="scatter",
@@ -163,7 +163,7 @@ def test_server_reports_hits_and_answers_as_without_the_cache(engine_dir):
     import httpx
 
     from dspark_runtime import Engine
-    from dspark_runtime.server import ServerThread, create_app
+    from dspark_runtime.serving.app import ServerThread, create_app
     from test_server import _metrics
 
     ref = Engine.load(engine_dir, threads=1)

@@ -1,4 +1,4 @@
-"""Static INT8 QDQ quantization (dspark_export.quantize) on tiny exported graphs and engines."""
+"""Static INT8 QDQ quantization (dspark_export.precision.quantize) on tiny exported graphs and engines."""
 import json
 
 import numpy as np
@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 
 def _run(path, spec, ids):
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.kvcache import causal_mask
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.runners.kvcache import causal_mask
 
     dec = OrtDecoder(path, spec, threads=1).activate()
     n = len(ids)
@@ -18,7 +18,7 @@ def _run(path, spec, ids):
 
 
 def test_weight_quantization_streams_in_chunks_and_matches_the_formula():
-    from dspark_export.qdq import quantize_weight_chunks
+    from dspark_export.precision.qdq import quantize_weight_chunks
 
     w = np.random.default_rng(1).standard_normal((37, 11)).astype(np.float32)
     w[:, 3] = 0.0  # an all-zero column must not divide by zero
@@ -32,7 +32,7 @@ def test_weight_quantization_streams_in_chunks_and_matches_the_formula():
 
 
 def test_activation_qparams():
-    from dspark_export.qdq import activation_qparams
+    from dspark_export.precision.qdq import activation_qparams
 
     s, zp = activation_qparams(-1.0, 3.0, signed=False)
     assert zp.dtype == np.uint8 and zp == 64 and s == pytest.approx(4 / 255)
@@ -43,8 +43,8 @@ def test_activation_qparams():
 
 
 def test_calibration_covers_prefill_decode_and_verify(tiny_graph):
-    from dspark_export.onnx_io import quant_targets
-    from dspark_export.qdq_calibrate import calibrate_graph
+    from dspark_export.graphs.onnx_io import quant_targets
+    from dspark_export.precision.activation_ranges import calibrate_graph
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=4, log=lambda *a: None)
@@ -67,9 +67,9 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
     """Our streaming writer against ONNX Runtime's own quantize_static on the same calibration feeds."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from dspark_export.onnx_io import quant_targets
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import calibrate_graph
+    from dspark_export.graphs.onnx_io import quant_targets
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import calibrate_graph
 
     path, spec, ids = tiny_graph
     nodes = [t.node for t in quant_targets(onnx.load(str(path), load_external_data=False))[0]]
@@ -107,8 +107,8 @@ def test_int8_qdq_matches_onnxruntime_quantize_static(tiny_graph, tmp_path):
 
 
 def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import calibrate_graph
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import calibrate_graph
 
     path, spec, ids = tiny_graph
     tab = calibrate_graph(path, spec, ids, verify_len=4, log=lambda *a: None)
@@ -123,8 +123,8 @@ def test_int8_trt_is_symmetric_s8(tiny_graph, tmp_path):
 
 
 def test_exclusions_stay_fp32_and_missing_ranges_are_an_error(tiny_graph, tmp_path):
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import calibrate_graph, CalibrationTable
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import calibrate_graph, CalibrationTable
     from dspark_runtime.errors import DSparkError
 
     path, spec, ids = tiny_graph
@@ -144,7 +144,7 @@ def test_exclusions_stay_fp32_and_missing_ranges_are_an_error(tiny_graph, tmp_pa
 
 def test_int8_engine_build_records_calibration_and_stays_lossless(tiny_pair, tmp_path):
     """Must-show 3 in small: speculative greedy output with an INT8 target equals INT8 target-only output."""
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
     from dspark_runtime import Engine
 
     tdir, ddir = tiny_pair
@@ -172,7 +172,7 @@ def test_int8_engine_build_records_calibration_and_stays_lossless(tiny_pair, tmp
 def test_quantize_existing_engine_and_reuse_a_calibration_table(tiny_engine_dir, tmp_path):
     from dspark_export.cli import cli
     from dspark_runtime import Engine
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
     from click.testing import CliRunner
 
     before = (tiny_engine_dir / "manifest.json").read_text()
@@ -205,8 +205,8 @@ def test_a_weight_shared_with_an_excluded_matmul_keeps_its_fp32_copy(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import CalibrationTable
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import CalibrationTable
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((16, 8)).astype(np.float32)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dspark_runtime.errors import InputError
-from dspark_runtime.ray_serve import DEPLOYMENT_NAME, REPLICA_HEADER, RayServeSettings
+from dspark_runtime.serving.ray_serve import DEPLOYMENT_NAME, REPLICA_HEADER, RayServeSettings
 
 PROMPTS = ["hello world", "def f(x):\n    return x + 1\n\ndef g(x):", "the the the the the",
            "import numpy as np\nimport numpy as np\n", "1 2 3 4 5 6 7 8 9", "Write a function that sorts a list."]
@@ -68,12 +68,12 @@ def test_settings_map_to_serve_options_and_bad_ones_are_refused():
 
 
 def test_the_runtime_and_this_module_import_without_ray():
-    """Ray is imported only inside the functions of dspark_runtime.ray_serve: importing it (and the CLI, the
+    """Ray is imported only inside the functions of dspark_runtime.serving.ray_serve: importing it (and the CLI, the
     server) loads no ``ray`` module."""
     import subprocess
     import sys
 
-    code = ("import sys; import dspark_runtime, dspark_runtime.cli, dspark_runtime.server, dspark_runtime.ray_serve; "
+    code = ("import sys; import dspark_runtime, dspark_runtime.cli, dspark_runtime.serving.app, dspark_runtime.serving.ray_serve; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -82,7 +82,7 @@ def test_the_runtime_and_this_module_import_without_ray():
 def test_without_ray_the_deployment_names_the_extra(monkeypatch):
     import sys
 
-    from dspark_runtime.ray_serve import app_builder, build_app
+    from dspark_runtime.serving.ray_serve import app_builder, build_app
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `from ray import serve` raises ImportError, as without the extra
     with pytest.raises(InputError, match=r"pip install 'dspark\[ray\]'"):
@@ -143,14 +143,14 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
     from prometheus_client import CollectorRegistry
 
     import dspark_runtime.engine
-    import dspark_runtime.ray_serve as rs
-    import dspark_runtime.server
+    import dspark_runtime.serving.ray_serve as rs
+    import dspark_runtime.serving.app
     from dspark_runtime.cli import main
 
     got = {}
     monkeypatch.setattr(rs, "run", lambda settings, **kw: got.update(settings=settings, run=kw))
     (tmp_path / "manifest.json").write_text("{}")
-    monkeypatch.setattr("dspark_runtime.manifest.load_manifest", lambda *a, **k: None)
+    monkeypatch.setattr("dspark_runtime.engine_dir.manifest.load_manifest", lambda *a, **k: None)
     main(["serve", "--ray", "--engine", str(tmp_path), "--prefill-budget", "12", "--prefix-cache-mb", "3",
           "--max-batch", "5", "--max-queue", "7", "--draft", "ngram", "--draft-length", "4", "--threads", "2",
           "--max-context", "512", "--default-max-tokens", "9", "--model-name", "m", "--shutdown-timeout", "4",
@@ -176,7 +176,7 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
 
     monkeypatch.setattr(dspark_runtime.engine.Engine, "load",
                         classmethod(lambda cls, path, **kw: loads.append((path, kw)) or "ENGINE"))
-    monkeypatch.setattr(dspark_runtime.server, "create_app", lambda eng, **kw: apps.append((eng, kw)) or FakeApp())
+    monkeypatch.setattr(dspark_runtime.serving.app, "create_app", lambda eng, **kw: apps.append((eng, kw)) or FakeApp())
     app = rs.replica_app(s, replica="r-1")
     assert app.state.replica_id == "r-1"
     path, kw = loads[0]
@@ -222,7 +222,7 @@ def scatter_engine_dir(tiny_pair, tmp_path_factory):
     """The tiny pair built with the scatter KV layout (batch-invariant greedy output); only the Ray tests use it,
     so without Ray they skip before it is built."""
     _ray_serve()
-    from dspark_export.build import Recipe, build_engine
+    from dspark_export.engine_dir.build import Recipe, build_engine
 
     tdir, ddir = tiny_pair
     out = tmp_path_factory.mktemp("ray-engines") / "tiny-scatter"
@@ -250,7 +250,7 @@ def cluster(scatter_engine_dir):
     serve = _ray_serve()
     import ray
 
-    from dspark_runtime.ray_serve import APP_NAME, build_app
+    from dspark_runtime.serving.ray_serve import APP_NAME, build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,8 +21,8 @@ def _humaneval(n):
 @pytest.fixture(scope="module")
 def smollm_engine(tmp_path_factory):
     pytest.importorskip("torch")
-    from dspark_export.build import Recipe, build_engine
-    from dspark_export.fetch import model_path
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.models.fetch import model_path
     from dspark_export.paths import resolve_recipe
 
     if not (model_path("smollm2-135m-instruct") / "config.json").is_file():

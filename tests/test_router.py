@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dspark_runtime import router as router_mod
-from dspark_runtime.decoding import DecodingLoop
-from dspark_runtime.drafters import NgramMatch, Proposal, match_extent, ngram_lookup, ngram_match
-from dspark_runtime.router import (AcceptanceStats, NgramConfidence, Router, acceptance_counts, fit_ngram_counts,
+from dspark_runtime.drafting import router as router_mod
+from dspark_runtime.decoding.loop import DecodingLoop
+from dspark_runtime.drafting.drafters import NgramMatch, Proposal, match_extent, ngram_lookup, ngram_match
+from dspark_runtime.drafting.router import (AcceptanceStats, NgramConfidence, Router, acceptance_counts, fit_ngram_counts,
                                    route, router_priors)
-from dspark_runtime.runners import SequenceRunner
-from dspark_runtime.sampling import SamplingParams
+from dspark_runtime.runners.sequence import SequenceRunner
+from dspark_runtime.decoding.sampling import SamplingParams
 from toy import BigramTarget, StatelessDrafter
 
 GREEDY = SamplingParams()
@@ -367,7 +367,7 @@ def test_router_greedy_equals_target_only(dspark_engine, prompt, gamma):
 def _run(engine, make_router, prompt, params=GREEDY, max_new_tokens=48, gamma=4, seed=None, cost_table=None):
     """Decode ``prompt`` alone with the router ``make_router(inner DSpark drafter)`` on the engine's target;
     returns (token ids, stats, router)."""
-    from dspark_runtime.runners import batch_runner
+    from dspark_runtime.runners.sequence import batch_runner
 
     target = batch_runner(engine.graph_backend("target"), row_multiple=engine.row_multiple, max_requests=1)
     router = make_router(engine.drafter("dspark", target))
@@ -431,7 +431,7 @@ def test_scheduled_router_sends_ngram_continuations_longer_than_a_block(dspark_e
 def test_skipped_dspark_rounds_stay_in_sync(dspark_engine):
     """mode='prior' skips the DSpark pass on n-gram rounds; its next call ingests every feature committed
     since, and drafts exactly what a fresh DSpark drafter (whole context at once) drafts."""
-    from dspark_runtime.dspark import DSparkDrafter
+    from dspark_runtime.drafting.dspark import DSparkDrafter
 
     checks = {"calls": 0, "after_skip": 0}
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime import sampling
-from dspark_runtime.acceptance import rejection_accept
-from dspark_runtime.sampling import SamplingParams, process_logits, sample
+from dspark_runtime.decoding import sampling
+from dspark_runtime.decoding.acceptance import rejection_accept
+from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
 from script_loader import load_script
 from test_acceptance import chisquare
 

@@ -1,4 +1,4 @@
-"""Verify-length scheduling (dspark_runtime.scheduler): hand-computed optima, baselines, the
+"""Verify-length scheduling (dspark_runtime.scheduling.verify_length): hand-computed optima, baselines, the
 cost table, and the non-anticipation property of the paper's Algorithm 1.
 
 Every expected value below is worked out by hand in the comments. Randomised tests use seeded
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduler import (
+from dspark_runtime.scheduling.verify_length import (
     CostTable,
     expected_throughput,
     schedule_fixed,
@@ -172,7 +172,7 @@ def test_greedy_step_cost_stops_at_the_step():
 
 
 def padded(verify_tokens: list) -> int:
-    """The scatter layout's pass: one row per request, each padded to the longest (SlotRunner.pass_rows)."""
+    """The scatter layout's pass: one row per request, each padded to the longest (ScatterRunner.pass_rows)."""
     return len(verify_tokens) * max(verify_tokens)
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from script_loader import load_script
 
-from dspark_runtime.request import RoundRecord
+from dspark_runtime.decoding.request import RoundRecord
 
 
 @pytest.fixture(scope="module")

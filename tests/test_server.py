@@ -37,7 +37,7 @@ def solo(engine):
 def _start(engine, slow: float = 0.0, graceful: float | None = 10, **kw):
     """A server in a background thread. ``slow``: seconds added to every decoding round (the tiny model
     decodes thousands of tokens/s; the queue, disconnect and shutdown tests need requests that last)."""
-    from dspark_runtime.server import ServerThread, create_app
+    from dspark_runtime.serving.app import ServerThread, create_app
 
     app = create_app(engine, **kw)
     if slow:
@@ -477,7 +477,7 @@ def test_max_context_beyond_the_model_is_refused(engine):
     """--max-context larger than the model's max_position_embeddings is refused, naming both (positions the model
     never saw give unreliable output); at the limit it is accepted."""
     from dspark_runtime.errors import InputError
-    from dspark_runtime.server import create_app, engine_max_context
+    from dspark_runtime.serving.app import create_app, engine_max_context
 
     limit = engine_max_context(engine)
     assert limit == 1024  # tests/tiny_models.py

@@ -22,8 +22,8 @@ def test_shared_pool_decodes_exactly_and_later_sessions_still_load(tiny_engine_d
     res = _run(f"""
         import json
         from dspark_runtime import Engine
-        from dspark_runtime import backend
-        from dspark_runtime.invariance import kernel_row_difference
+        from dspark_runtime.backends import ort as backend
+        from dspark_runtime.machine.row_invariance import kernel_row_difference
         eng = Engine.load({str(tiny_engine_dir)!r}, threads=2, shared_thread_pool=True)
         ref = eng.generate("def add(a, b):", max_new_tokens=24, draft=None).token_ids
         spec = eng.generate("def add(a, b):", max_new_tokens=24, draft="lm", draft_length=3).token_ids
@@ -41,7 +41,7 @@ def test_shared_pool_decodes_exactly_and_later_sessions_still_load(tiny_engine_d
 def test_cli_default_and_opt_out():
     code = """
         import json
-        from dspark_runtime.backend import shared_pool_default
+        from dspark_runtime.backends.ort import shared_pool_default
         print(json.dumps({"on": shared_pool_default()}))
     """
     assert _run(code)["on"] is True

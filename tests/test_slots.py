@@ -14,8 +14,8 @@ def graphs(tmp_path_factory):
     differences grow)."""
     from tiny_models import make_pair
 
-    from dspark_export.export import decoder_dims, export_decoder, load_hf_model
-    from dspark_export.nbits import quantize_nbits_rtn
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
+    from dspark_export.precision.nbits import quantize_nbits_rtn
 
     root = tmp_path_factory.mktemp("slots")
     target, _ = make_pair(root)
@@ -29,7 +29,7 @@ def graphs(tmp_path_factory):
 
 
 def _backend(graphs, key):
-    from dspark_runtime.backend import OrtDecoder
+    from dspark_runtime.backends.ort import OrtDecoder
 
     spec, path = graphs[key]
     return OrtDecoder(path, spec, threads=1).activate()
@@ -40,11 +40,11 @@ STEPS = [[12], [13, 14], [15, 16, 17, 18], [19], [20, 21, 22], [23]]
 
 
 def test_scatter_graph_computes_what_the_growing_graph_computes(graphs):
-    from dspark_runtime.runners import DecoderRunner
-    from dspark_runtime.slots import SlotRunner
+    from dspark_runtime.runners.sequence import DecoderRunner
+    from dspark_runtime.runners.scatter import ScatterRunner
 
     grow = DecoderRunner(_backend(graphs, "growing"))
-    sr = SlotRunner(_backend(graphs, "scatter"))
+    sr = ScatterRunner(_backend(graphs, "scatter"))
     sr.add(0)
     ref = [grow.prefill(PROMPT)]
     got = [sr.prefill(0, PROMPT)]
@@ -65,9 +65,9 @@ def test_scatter_graph_computes_what_the_growing_graph_computes(graphs):
 def test_a_requests_logits_do_not_depend_on_its_batch(graphs, key, row_multiple):
     """Request A teacher-forced alone, then with two neighbours of other lengths stepping other token counts,
     in several row orders and slot sizes: every logit bit-identical."""
-    from dspark_runtime.invariance import probe_row_multiple
-    from dspark_runtime.runners import decoder_runner
-    from dspark_runtime.slots import SlotRunner
+    from dspark_runtime.machine.row_invariance import probe_row_multiple
+    from dspark_runtime.runners.sequence import decoder_runner
+    from dspark_runtime.runners.scatter import ScatterRunner
 
     be = _backend(graphs, key)
     if row_multiple == 1:  # no padding: only where this CPU's kernels give every row count the same results
@@ -75,13 +75,13 @@ def test_a_requests_logits_do_not_depend_on_its_batch(graphs, key, row_multiple)
         if probe["row_multiple"] != 1:
             pytest.skip(f"this CPU's {key} kernels are not row-count invariant without padding (probe: "
                         f"{probe['max_abs_difference']}); the runtime pads to the probed row multiple here")
-    alone = SlotRunner(be, row_multiple=row_multiple)
+    alone = ScatterRunner(be, row_multiple=row_multiple)
     alone.add("a")
     ref = [alone.prefill("a", PROMPT)]
     ref += [alone.step([("a", t)])[0] for t in STEPS]
 
     rng = np.random.default_rng(0)
-    mixed = SlotRunner(be, row_multiple=row_multiple)
+    mixed = ScatterRunner(be, row_multiple=row_multiple)
     for rid, n in (("x", 41), ("y", 3)):  # neighbours first: A gets row 2, then a middle row after x leaves
         mixed.add(rid)
         mixed.prefill(rid, list(rng.integers(1, 300, n)))
@@ -101,7 +101,7 @@ def test_a_requests_logits_do_not_depend_on_its_batch(graphs, key, row_multiple)
 
 
 def test_row_padding_and_refusals(graphs):
-    from dspark_runtime.slots import SlotRunner
+    from dspark_runtime.runners.scatter import ScatterRunner
 
     be = _backend(graphs, "scatter")
     shapes = []
@@ -111,7 +111,7 @@ def test_row_padding_and_refusals(graphs):
         shapes.append(ids.shape)
         return real(ids, *a, **k)
 
-    sr = SlotRunner(be, row_multiple=4, max_slots=64)
+    sr = ScatterRunner(be, row_multiple=4, max_slots=64)
     sr.add(1)
     sr.add(2)
     be.step = spy
@@ -127,13 +127,13 @@ def test_row_padding_and_refusals(graphs):
     with pytest.raises(DSparkError, match="context limit"):
         sr.step([(2, list(range(1, 70)))])
     with pytest.raises(DSparkError, match="scatter-layout"):
-        SlotRunner(_backend(graphs, "growing"))
+        ScatterRunner(_backend(graphs, "growing"))
 
 
 def test_padded_shape_is_the_fewest_rows():
     """Hand cases, and against a brute-force search over a wider range: the fewest rows b' x q' (b' >= b, q' >= q,
     a multiple of m; ties: fewer batch rows), never falling as q grows."""
-    from dspark_runtime.slots import padded_shape
+    from dspark_runtime.runners.scatter import padded_shape
 
     assert padded_shape(7, 1, 2) == (8, 1)  # one dummy row, not 7 padded positions
     assert padded_shape(1, 1, 2) == (1, 2)  # a tie: no dummy row
@@ -158,7 +158,7 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
     """Three requests of one token each at row multiple 2: the call computes 4 rows of 1 (a dummy row), not 3 of 2,
     in contiguous rows (a view) and in scattered rows (a gathered copy); every request's logits and cache are
     bit-identical to what it gets stepped with a neighbour (an even call of 2 x 1 rows)."""
-    from dspark_runtime.slots import SlotRunner
+    from dspark_runtime.runners.scatter import ScatterRunner
 
     be = _backend(graphs, key)
     shapes = []
@@ -170,7 +170,7 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
 
     rng = np.random.default_rng(1)
     prompts = {rid: list(rng.integers(1, 300, n)) for rid, n in (("a", 9), ("b", 4), ("c", 13), ("d", 6))}
-    ref = SlotRunner(be, row_multiple=2)
+    ref = ScatterRunner(be, row_multiple=2)
     for rid in "abc":
         ref.add(rid)
         ref.prefill(rid, prompts[rid])
@@ -182,7 +182,7 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
         want[rid] = ref.step([(rid, toks[i]), (other, [toks[3][0]])])[0]
         ref.rollback(other, n)
     for scattered in (False, True):
-        sr = SlotRunner(be, row_multiple=2)
+        sr = ScatterRunner(be, row_multiple=2)
         for rid in ("a", "d", "b", "c") if scattered else "abc":
             sr.add(rid)
             sr.prefill(rid, prompts[rid])
@@ -200,7 +200,7 @@ def test_an_odd_batch_gets_a_dummy_row_and_the_same_logits(graphs, key):
             assert sr.length(rid) == len(prompts[rid]) + 1
             np.testing.assert_array_equal(sr.features(rid), ref.features(rid)[: sr.length(rid)])
     # the dummy row of a view may be another request's row (here d's, not in the call): it is read, never written
-    sr = SlotRunner(be, row_multiple=2)
+    sr = ScatterRunner(be, row_multiple=2)
     for rid in "abcd":
         sr.add(rid)
         sr.prefill(rid, prompts[rid])
@@ -220,7 +220,7 @@ def test_prompt_chunks_compute_only_their_last_positions_logits(graphs, key):
     position on (``logits_from``), each segment gets [1, vocab] bit-identical to the last row of the full logits, and
     the cache and features are those of the full call. A call with a segment outside ``last_only`` computes every
     position, as before."""
-    from dspark_runtime.slots import SlotRunner
+    from dspark_runtime.runners.scatter import ScatterRunner
 
     be = _backend(graphs, key)
     assert be.takes_logits_from
@@ -233,7 +233,7 @@ def test_prompt_chunks_compute_only_their_last_positions_logits(graphs, key):
 
     rng = np.random.default_rng(2)
     chunks = {"a": list(rng.integers(1, 300, 7)), "b": list(rng.integers(1, 300, 4))}
-    full, last = SlotRunner(be, row_multiple=2), SlotRunner(be, row_multiple=2)
+    full, last = ScatterRunner(be, row_multiple=2), ScatterRunner(be, row_multiple=2)
     for sr in (full, last):
         for rid in "ab":
             sr.add(rid)

@@ -1,4 +1,4 @@
-"""The manifest's ``speculation`` section as a typed schema (dspark_runtime.manifest.Speculation, DSparkSection):
+"""The manifest's ``speculation`` section as a typed schema (dspark_runtime.engine_dir.manifest.Speculation, DSparkSection):
 round trips (existing manifests unchanged, unknown keys kept), validation errors naming the key and the fix, and
 the writers' attribute access (profile, quantize, build)."""
 import copy
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.manifest import parse_manifest
-from dspark_runtime.speculation import DSparkSection, Speculation
+from dspark_runtime.engine_dir.manifest import parse_manifest
+from dspark_runtime.engine_dir.speculation import DSparkSection, Speculation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_parse_manifest_uses_the_schema_and_names_the_file(tiny_engine_dir):
 def test_load_manifest_refuses_a_bad_speculation_section(tiny_engine_dir, tmp_path):
     import shutil
 
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -208,8 +208,8 @@ def test_writers_use_attributes(tiny_engine_dir, tmp_path):
     """profile's _store sets fields by name; the manifest written back keeps every other key."""
     import shutil
 
-    from dspark_export.profile import _store
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.fit.cost_profile import _store
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

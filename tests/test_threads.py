@@ -1,5 +1,5 @@
 """The default thread count follows the CPUs this process may use: the affinity mask and the cgroup CPU quota
-(dspark_runtime.sysinfo.usable_cpus), not os.cpu_count(). Fake cgroup trees in tmp_path; affinity and
+(dspark_runtime.machine.sysinfo.usable_cpus), not os.cpu_count(). Fake cgroup trees in tmp_path; affinity and
 os.cpu_count monkeypatched."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_runtime import sysinfo
+from dspark_runtime.machine import sysinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
 """Issue 18, "nothing a user built is lost": every command that changes an engine directory in place (`build` over
-an existing engine, `add-draft`, `profile`, `calibrate`, `build-trt`) is a transaction (dspark_export/txn.py), and
+an existing engine, `add-draft`, `profile`, `calibrate`, `build-trt`) is a transaction (dspark_export/engine_dir/transaction.py), and
 trusted-hash records live in the user's cache, so a read-only engine directory is hashed once, not on every load.
 
 Each fault test injects a failure (an exception, KeyboardInterrupt, a full disk) at one step and checks that the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dspark_runtime.errors import DSparkError, ManifestError
-from dspark_runtime.manifest import FileEntry, load_manifest
+from dspark_runtime.engine_dir.manifest import FileEntry, load_manifest
 
 pytest.importorskip("torch")
 
@@ -140,14 +140,14 @@ def stage_dirs(d: Path) -> list:
 
 
 def _recipe(tiny_pair):
-    from dspark_export.build import Recipe
+    from dspark_export.engine_dir.build import Recipe
 
     tdir, ddir = tiny_pair
     return Recipe(name="tiny", target=str(tdir), draft=str(ddir), target_feature_layers=[-1, 0], draft_length=4)
 
 
 def _fault_tokenizer(monkeypatch, d):
-    import dspark_export.build as build
+    import dspark_export.engine_dir.build as build
 
     monkeypatch.setattr(build, "_copy_tokenizer", raiser(RuntimeError("injected failure")))
     return RuntimeError("")
@@ -155,7 +155,7 @@ def _fault_tokenizer(monkeypatch, d):
 
 def _fault_draft_export(monkeypatch, d):
     """The target graph is exported; the draft's export writes part of its file, then Ctrl-C."""
-    import dspark_export.build as build
+    import dspark_export.engine_dir.build as build
 
     real = build.export_graph
 
@@ -208,7 +208,7 @@ BUILD_FAULTS = {"tokenizer copy": _fault_tokenizer, "draft export, Ctrl-C": _fau
 
 @pytest.mark.parametrize("step", list(BUILD_FAULTS))
 def test_build_over_an_engine_fails_cleanly(step, engine_copy, tiny_pair, monkeypatch):
-    from dspark_export.build import build_engine
+    from dspark_export.engine_dir.build import build_engine
 
     (engine_copy / "notes.txt").write_text("the user's own file\n")
     before = snapshot(engine_copy)
@@ -221,7 +221,7 @@ def test_build_over_an_engine_fails_cleanly(step, engine_copy, tiny_pair, monkey
 
 
 def test_build_into_a_new_directory_leaves_nothing_on_failure(tiny_pair, tmp_path, monkeypatch):
-    from dspark_export.build import build_engine
+    from dspark_export.engine_dir.build import build_engine
 
     out = tmp_path / "new" / "engine"
     _fault_draft_export(monkeypatch, out)
@@ -233,8 +233,8 @@ def test_build_into_a_new_directory_leaves_nothing_on_failure(tiny_pair, tmp_pat
 def test_build_over_an_engine_replaces_it(engine_copy, tiny_pair, monkeypatch):
     """A successful rebuild: new files in place, the legacy hash sidecar and the stage gone, the user's files
     kept, files the new manifest no longer lists deleted, and the first load hashes nothing."""
-    import dspark_runtime.manifest as manifest_mod
-    from dspark_export.build import Recipe, build_engine
+    import dspark_runtime.engine_dir.manifest as manifest_mod
+    from dspark_export.engine_dir.build import Recipe, build_engine
 
     (engine_copy / "notes.txt").write_text("the user's own file\n")
     (engine_copy / ".dspark-verified.json").write_text("{}")  # left by an older dspark
@@ -275,7 +275,7 @@ COMMIT_STEPS = [(1, "error"), (2, "KeyboardInterrupt"), (3, "error"), (4, "Keybo
 
 @pytest.mark.parametrize("n,fault", COMMIT_STEPS)
 def test_commit_fails_at_each_step_and_rolls_back(n, fault, engine_copy, monkeypatch):
-    from dspark_export.txn import engine_transaction
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     before = snapshot(engine_copy)
     real, calls = os.replace, []
@@ -296,7 +296,7 @@ def test_commit_fails_at_each_step_and_rolls_back(n, fault, engine_copy, monkeyp
 
 
 def test_commit_full_disk_on_the_manifest_write(engine_copy, monkeypatch):
-    from dspark_export.txn import engine_transaction
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     before = snapshot(engine_copy)
     with pytest.raises(DSparkError, match="no space left on the device .* left as it was. Free space"):
@@ -310,7 +310,7 @@ def test_commit_full_disk_on_the_manifest_write(engine_copy, monkeypatch):
 
 def test_ctrl_c_during_the_moves_is_held_then_rolls_back(engine_copy, monkeypatch):
     """A real SIGINT arriving while files are moved into place: the moves finish (or are undone), never half."""
-    from dspark_export.txn import engine_transaction
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     before = snapshot(engine_copy)
     real, calls = os.replace, []
@@ -332,8 +332,8 @@ def test_ctrl_c_during_the_moves_is_held_then_rolls_back(engine_copy, monkeypatc
 
 
 def test_commit_succeeds(engine_copy, monkeypatch):
-    import dspark_runtime.manifest as manifest_mod
-    from dspark_export.txn import engine_transaction
+    import dspark_runtime.engine_dir.manifest as manifest_mod
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     (engine_copy / ".dspark-verified.json").write_text("{}")
     with engine_transaction(engine_copy) as txn:
@@ -353,8 +353,8 @@ KILLED = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from dspark_export.txn import engine_transaction
-from dspark_runtime.manifest import load_manifest
+from dspark_export.engine_dir.transaction import engine_transaction
+from dspark_runtime.engine_dir.manifest import load_manifest
 from test_transactional import _change
 
 d, n = Path(sys.argv[1]), int(sys.argv[2])
@@ -381,7 +381,7 @@ with engine_transaction(d) as txn:
 def test_a_killed_commit_is_recovered_by_the_next_transaction(n, engine_copy):
     """SIGKILL / power loss during a commit: the next transaction rolls it back (before the commit point) or
     finishes it (after)."""
-    from dspark_export.txn import engine_transaction
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     before = snapshot(engine_copy)
     code = KILLED.format(tests=str(Path(__file__).parent))
@@ -400,7 +400,7 @@ def test_a_killed_commit_is_recovered_by_the_next_transaction(n, engine_copy):
 
 
 def test_a_second_command_on_the_same_directory_is_refused(engine_copy):
-    from dspark_export.txn import engine_transaction
+    from dspark_export.engine_dir.transaction import engine_transaction
 
     with engine_transaction(engine_copy):
         with pytest.raises(DSparkError, match="another dspark-export command is changing"):
@@ -413,7 +413,7 @@ def test_a_second_command_on_the_same_directory_is_refused(engine_copy):
 
 def test_add_draft_with_other_feature_layers_leaves_the_engine(engine_copy, tiny_dspark, tiny_pair, tmp_path):
     """The feature-layer check fails after the old code had deleted manifest.json: the engine stays loadable."""
-    from dspark_export.add_draft import add_dspark_draft
+    from dspark_export.engine_dir.add_draft import add_dspark_draft
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dspark[1], ckpt)
@@ -430,8 +430,8 @@ def test_add_draft_with_other_feature_layers_leaves_the_engine(engine_copy, tiny
 @pytest.mark.parametrize("fault", ["KeyboardInterrupt", "ENOSPC"])
 def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dspark, tiny_pair, monkeypatch):
     """Replacing the DSpark drafter of an engine: the export writes part of the new graph, then fails."""
-    import dspark_export.draft_graph as dg
-    from dspark_export.add_draft import add_dspark_draft
+    import dspark_export.drafter.graph as dg
+    from dspark_export.engine_dir.add_draft import add_dspark_draft
 
     before = snapshot(dspark_copy)
 
@@ -447,8 +447,8 @@ def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dsp
 
 
 def test_add_draft_succeeds_and_records_its_hashes(engine_copy, tiny_dspark, tiny_pair, monkeypatch):
-    import dspark_runtime.manifest as manifest_mod
-    from dspark_export.add_draft import add_dspark_draft
+    import dspark_runtime.engine_dir.manifest as manifest_mod
+    from dspark_export.engine_dir.add_draft import add_dspark_draft
 
     add_dspark_draft(engine_copy, tiny_dspark[1], str(tiny_pair[0]), isolate=False, **QUIET)
     assert not stage_dirs(engine_copy)
@@ -467,7 +467,7 @@ def test_add_draft_succeeds_and_records_its_hashes(engine_copy, tiny_dspark, tin
 
 @pytest.mark.parametrize("fault", ["ENOSPC", "KeyboardInterrupt"])
 def test_profile_failing_to_write_leaves_the_manifest(fault, engine_copy, monkeypatch):
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
 
     before = snapshot(engine_copy)
     fail_writes(monkeypatch, engine_copy, FAULTS[fault], name_contains="manifest")
@@ -481,7 +481,7 @@ def test_profile_failing_to_write_leaves_the_manifest(fault, engine_copy, monkey
 @pytest.mark.parametrize("fault", ["ENOSPC", "KeyboardInterrupt"])
 def test_calibrate_failing_to_write_leaves_the_engine(fault, dspark_copy, tiny_dspark, tmp_path, monkeypatch):
     """calibration.json cannot be written: the old code had already replaced the manifest."""
-    from dspark_export.calibrate import calibrate_engine
+    from dspark_export.fit.calibrate_drafter import calibrate_engine
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dspark[1], ckpt)
@@ -513,8 +513,8 @@ def _fake_trt_build(fail_on=None, exc=None):
 
 @pytest.mark.parametrize("fault", ["error", "KeyboardInterrupt", "ENOSPC"])
 def test_build_trt_failing_on_the_second_engine_leaves_the_engine(fault, engine_copy, monkeypatch):
-    import dspark_export.trt as trt
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    import dspark_export.engine_dir.trt_build as trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 
     before = snapshot(engine_copy)
     exc = DSparkError("injected TensorRT failure") if fault == "error" else FAULTS[fault]
@@ -527,8 +527,8 @@ def test_build_trt_failing_on_the_second_engine_leaves_the_engine(fault, engine_
 
 
 def test_build_trt_interrupted_in_the_16_bit_conversion_leaves_the_engine(engine_copy, monkeypatch):
-    import dspark_export.trt as trt
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    import dspark_export.engine_dir.trt_build as trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 
     before = snapshot(engine_copy)
     real = trt.to_half
@@ -537,7 +537,7 @@ def test_build_trt_interrupted_in_the_16_bit_conversion_leaves_the_engine(engine
         real(src, dst, half)
         raise KeyboardInterrupt
 
-    import dspark_export.device_graphs as device_graphs
+    import dspark_export.graphs.device as device_graphs
 
     monkeypatch.setattr(trt, "to_half", to_half)
     monkeypatch.setattr(device_graphs, "to_half", to_half)  # the capacity layout's 16-bit copy is made there
@@ -548,8 +548,8 @@ def test_build_trt_interrupted_in_the_16_bit_conversion_leaves_the_engine(engine
 
 
 def test_build_trt_commits_beside_the_graphs(engine_copy, monkeypatch):
-    import dspark_export.trt as trt
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    import dspark_export.engine_dir.trt_build as trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 
     monkeypatch.setattr(trt, "build_engine_file", _fake_trt_build())
     build_trt(engine_copy, TrtBuildSettings(kv_layouts=("capacity", "growing"), graphs=("target",), half="fp16"),
@@ -606,8 +606,8 @@ def _fill(d: Path) -> None:
 
 
 def test_full_disk_rebuild_and_profile_on_a_tmpfs(tiny_engine_dir, tiny_pair, small_disk):
-    from dspark_export.build import build_engine
-    from dspark_export.profile import profile_engine
+    from dspark_export.engine_dir.build import build_engine
+    from dspark_export.fit.cost_profile import profile_engine
 
     disk = small_disk(4 * _du(tiny_engine_dir))
     eng = disk / "eng"
@@ -675,7 +675,7 @@ def _writable(p: Path):
 
 
 def test_read_only_engine_is_hashed_once(read_only_engine, monkeypatch, private_cache):
-    import dspark_runtime.manifest as manifest_mod
+    import dspark_runtime.engine_dir.manifest as manifest_mod
     from dspark_runtime.engine import Engine
 
     view, src = read_only_engine
@@ -725,7 +725,7 @@ def test_read_only_engine_is_hashed_once(read_only_engine, monkeypatch, private_
 
 
 def test_a_read_only_engine_refuses_changes_clearly(read_only_engine):
-    from dspark_export.profile import profile_engine
+    from dspark_export.fit.cost_profile import profile_engine
 
     view, _ = read_only_engine
     before = snapshot(view)
@@ -735,8 +735,8 @@ def test_a_read_only_engine_refuses_changes_clearly(read_only_engine):
 
 
 def test_unpacked_engine_holds_only_its_files_and_loads_without_hashing(tiny_engine_dir, tmp_path, monkeypatch):
-    import dspark_runtime.manifest as manifest_mod
-    from dspark_runtime.artifact import pack, unpack
+    import dspark_runtime.engine_dir.manifest as manifest_mod
+    from dspark_runtime.engine_dir.artifact import pack, unpack
 
     pack(tiny_engine_dir, tmp_path / "t.tar.gz")
     d = unpack(tmp_path / "t.tar.gz", tmp_path / "u")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dspark_runtime.errors import DSparkError, ManifestError
-from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
-from dspark_runtime.trt_import import tensorrt_available
-from dspark_runtime.trt_profiles import (ProfileSettings, capacity_buckets, choose_bucket, derive_profiles,
+from dspark_runtime.engine_dir.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
+from dspark_runtime.backends.trt.loader import tensorrt_available
+from dspark_runtime.backends.trt.profiles import (ProfileSettings, capacity_buckets, choose_bucket, derive_profiles,
                                          kv_buffer_bytes, pick_profile)
 
 DIMS = DecoderDims(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=320, feature_layers=(-1, 0))
@@ -50,7 +50,7 @@ def test_profiles_capacity_layout_and_dspark_draft():
 
 
 def test_derived_axes_come_from_the_one_declaration():
-    from dspark_runtime.graphspec import BLOCK, graph_constants, resolve_axes, tensor_shape
+    from dspark_runtime.engine_dir.graphspec import BLOCK, graph_constants, resolve_axes, tensor_shape
 
     ds = dspark_draft_spec(DIMS, feature_size=128, block_size=4)
     assert graph_constants(ds) == {BLOCK: 4} and graph_constants(causal_lm_spec(DIMS)) == {}
@@ -113,10 +113,10 @@ def test_kv_buffer_bytes():
 
 
 def test_capacity_graph_matches_growing_graph(tiny_engine_dir, tmp_path):
-    from dspark_export.trt_graphs import to_capacity_layout
-    from dspark_runtime.backend import OrtDecoder
-    from dspark_runtime.kvcache import causal_mask
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.capacity import to_capacity_layout
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.runners.kvcache import causal_mask
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -161,8 +161,8 @@ def test_half_capacity_graph_argmax_reads_the_float32_logits(tiny_engine_dir, tm
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt_graphs import ARGMAX_NODE, to_capacity_layout, to_half
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.capacity import ARGMAX_NODE, to_capacity_layout, to_half
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -187,7 +187,7 @@ def test_half_capacity_graph_argmax_reads_the_float32_logits(tiny_engine_dir, tm
 
 
 def test_capacity_layout_refuses_unknown_graphs(tiny_engine_dir, tmp_path):
-    from dspark_export.trt_graphs import to_capacity_layout
+    from dspark_export.graphs.capacity import to_capacity_layout
 
     spec = causal_lm_spec(DIMS, "capacity")
     with pytest.raises(DSparkError, match="only growing causal_lm graphs"):
@@ -208,7 +208,7 @@ def _entry_json(graph="target"):
 
 
 def test_manifest_with_and_without_trt_engines(tiny_engine_dir):
-    from dspark_runtime.manifest import parse_manifest
+    from dspark_runtime.engine_dir.manifest import parse_manifest
 
     d = json.loads((tiny_engine_dir / "manifest.json").read_text())
     assert "trt_engines" not in d  # an ONNX-only build writes the schema it always wrote
@@ -236,7 +236,7 @@ def test_manifest_with_and_without_trt_engines(tiny_engine_dir):
 @pytest.fixture(scope="module")
 def trt_engine_dir(tiny_engine_dir, tmp_path_factory):
     """A copy of the tiny engine with TensorRT-RTX engines for its target (capacity + growing layouts)."""
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 
     d = tmp_path_factory.mktemp("trt") / "tiny"
     shutil.copytree(tiny_engine_dir, d)
@@ -247,7 +247,7 @@ def trt_engine_dir(tiny_engine_dir, tmp_path_factory):
 
 @needs_rtx
 def test_trt_rtx_builds_fp32_engines_and_records_them(trt_engine_dir, trt_build_log):
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(trt_engine_dir, rehash=True)  # every engine file re-hashed against the manifest
     assert set(m.trt_engines) == {"target.capacity", "target"}
@@ -275,7 +275,7 @@ def test_trt_rtx_builds_fp32_engines_and_records_them(trt_engine_dir, trt_build_
 
 
 def _calibration_feeds(spec):
-    from dspark_runtime.kvcache import causal_mask
+    from dspark_runtime.runners.kvcache import causal_mask
 
     d = spec.dims
     feeds = {"input_ids": np.arange(3, 11, dtype=np.int64)[None], "position_ids": np.arange(8, dtype=np.int64)[None],
@@ -291,8 +291,8 @@ def _calibration_feeds(spec):
 def test_trt_rtx_builds_qdq_engines(fmt, tiny_engine_dir, tmp_path, trt_build_log):
     from qdq_graphs import make_qdq_graph
 
-    from dspark_export.trt import TrtBuildSettings, build_engine_file
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_engine_file
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     spec = load_manifest(tiny_engine_dir).graphs["target"].spec
     src = tmp_path / "target.onnx"
@@ -314,8 +314,8 @@ def test_trt_rtx_builds_qdq_engines(fmt, tiny_engine_dir, tmp_path, trt_build_lo
 
 @needs_rtx
 def test_trt_build_errors_are_clear(tiny_engine_dir, tmp_path):
-    from dspark_export.trt import TrtBuildSettings, build_engine_file
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_engine_file
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     spec = load_manifest(tiny_engine_dir).graphs["target"].spec
     with pytest.raises(DSparkError, match="cannot run fp32 GEMMs on Turing"):
@@ -338,7 +338,7 @@ def test_build_trt_cli_isolated(tiny_engine_dir, tmp_path, trt_build_log):
     from click.testing import CliRunner
 
     from dspark_export.cli import cli
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -380,7 +380,7 @@ def test_half_graphs_match_fp32_on_onnx_runtime(tiny_engine_dir, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt_graphs import graph_precision, to_half
+    from dspark_export.graphs.capacity import graph_precision, to_half
 
     for f in ("target.onnx", "target.onnx.data"):
         shutil.copy(tiny_engine_dir / f, tmp_path / f)
@@ -417,8 +417,8 @@ def test_half_graphs_match_fp32_on_onnx_runtime(tiny_engine_dir, tmp_path):
 @pytest.mark.parametrize("half,ccs", [("fp16", ("7.5",)), ("bf16", None)])
 def test_trt_rtx_half_engines(half, ccs, tiny_engine_dir, tmp_path, trt_build_log):
     """--half: a 16-bit copy of the capacity graph; fp16 is what Turing (7.5) runs, bf16 the portable set."""
-    from dspark_export.trt import TrtBuildSettings, build_trt
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -438,10 +438,10 @@ def test_trt_rtx_half_engines(half, ccs, tiny_engine_dir, tmp_path, trt_build_lo
 def test_trt_rtx_builds_the_streamed_fp8_graph(tiny_engine_dir, tmp_path, trt_build_log):
     """The streaming writer stores FP8 weights behind DequantizeLinear (not ModelOpt's fp32 + Q + DQ):
     TensorRT-RTX parses and builds that graph for the FP8 GPUs."""
-    from dspark_export.qdq import quantize_qdq
-    from dspark_export.qdq_calibrate import calibrate_graph
-    from dspark_export.trt import TrtBuildSettings, build_engine_file
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.precision.qdq import quantize_qdq
+    from dspark_export.precision.activation_ranges import calibrate_graph
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_engine_file
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     spec = load_manifest(tiny_engine_dir).graphs["target"].spec
     src = tiny_engine_dir / "target.onnx"
@@ -462,7 +462,7 @@ def test_trt_rtx_builds_the_streamed_fp8_graph(tiny_engine_dir, tmp_path, trt_bu
 def trt_all_graphs_dir(tiny_engine_with_dspark, tmp_path_factory):
     """The tiny engine with target, draft LM and DSpark drafter graphs, and `build-trt`'s default engines of all
     three (the drafter's from the growing graph, the decoders' capacity layout)."""
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 
     d = tmp_path_factory.mktemp("trt-all") / "tiny"
     shutil.copytree(tiny_engine_with_dspark, d)
@@ -473,9 +473,9 @@ def trt_all_graphs_dir(tiny_engine_with_dspark, tmp_path_factory):
 @needs_rtx
 def test_trt_rtx_builds_target_draft_and_dspark_drafter(trt_all_graphs_dir, trt_build_log):
     from dspark_runtime.engine import Engine
-    from dspark_runtime.manifest import load_manifest
-    from dspark_runtime.trt_backend import TrtDecoder
-    from dspark_runtime.trt_dspark import TrtDSparkGraph
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.backends.trt.decoder import TrtDecoder
+    from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 
     m = load_manifest(trt_all_graphs_dir, rehash=True)
     assert set(m.trt_engines) == {"target.capacity", "draft.capacity", "dspark"}
@@ -503,8 +503,8 @@ def test_trt_rtx_builds_target_draft_and_dspark_drafter(trt_all_graphs_dir, trt_
 @needs_rtx
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_trt_rtx_half_dspark_drafter_engines(half, tiny_engine_with_dspark, tmp_path, trt_build_log):
-    from dspark_export.trt import TrtBuildSettings, build_trt
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_with_dspark, d)
@@ -523,9 +523,9 @@ def test_half_dspark_drafter_matches_fp32_on_onnx_runtime(tiny_engine_with_dspar
     import onnx
     import onnxruntime as ort
 
-    from dspark_export.trt_graphs import to_half
-    from dspark_runtime.dspark import EmbeddingRows
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.capacity import to_half
+    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tiny_engine_with_dspark
     m = load_manifest(d)
@@ -558,7 +558,7 @@ def test_int4_graphs_are_refused_with_the_fp32_route(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from dspark_export.trt import check_trt_parsable
+    from dspark_export.engine_dir.trt_build import check_trt_parsable
 
     node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=64, N=64, bits=4,
                             block_size=32)

@@ -6,13 +6,13 @@ import pytest
 from cuda_gpu import gpu_skip_reason
 
 from dspark_runtime.errors import DSparkError, InputError
-from dspark_runtime.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
-from dspark_runtime.kvcache import KVCache, causal_mask
-from dspark_runtime.manifest import FileEntry, TrtEngineEntry
-from dspark_runtime.device_decoder import DeviceKV, plan_buffers, widen_mask
-from dspark_runtime.trt_backend import TrtDecoder
-from dspark_runtime.trt_dspark import TrtDSparkGraph, dspark_chunk_mask, plan_dspark_chunks
-from dspark_runtime.trt_profiles import ProfileSettings, derive_profiles
+from dspark_runtime.engine_dir.graphspec import DecoderDims, causal_lm_spec, dspark_draft_spec
+from dspark_runtime.runners.kvcache import KVCache, causal_mask
+from dspark_runtime.engine_dir.manifest import FileEntry, TrtEngineEntry
+from dspark_runtime.backends.device_decoder import DeviceKV, plan_buffers, widen_mask
+from dspark_runtime.backends.trt.decoder import TrtDecoder
+from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph, dspark_chunk_mask, plan_dspark_chunks
+from dspark_runtime.backends.trt.profiles import ProfileSettings, derive_profiles
 
 DIMS = DecoderDims(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=320, feature_layers=(-1, 0))
 
@@ -108,7 +108,7 @@ def test_engine_wires_trt_backends_and_batches_within_max_batch(tiny_engine_dir,
     import shutil
 
     from dspark_runtime import Engine
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -121,14 +121,14 @@ def test_engine_wires_trt_backends_and_batches_within_max_batch(tiny_engine_dir,
                                          r"rows per call; use max_batch <= 2 or rebuild it with `dspark-export "
                                          r"build-trt .* --max-batch 8`"):
         eng.batch(draft="ngram")
-    from dspark_runtime.trt_batch import TrtBatchRunner
+    from dspark_runtime.runners.device import DeviceBatchRunner
 
     gen = eng.batch(draft="ngram", max_batch=2)  # batched TensorRT: a runner of 2 rows, the engine not yet touched
-    assert isinstance(gen.target, TrtBatchRunner) and gen.target.rows == 2 and gen.max_batch == 2
+    assert isinstance(gen.target, DeviceBatchRunner) and gen.target.rows == 2 and gen.max_batch == 2
     assert gen.prefill_budget == 32  # "auto" on TensorRT: whole prefill chunks, the same in any batch
     assert eng._backends["target"].batch == 2 and eng._backends["target"].context is None
     solo = eng.batch(draft=None, max_batch=1)  # generate(): the same runner class at one row
-    assert isinstance(solo.target, TrtBatchRunner) and solo.target.rows == 1 and eng._backends["target"].batch == 1
+    assert isinstance(solo.target, DeviceBatchRunner) and solo.target.rows == 1 and eng._backends["target"].batch == 1
     assert not gen.target.keep_features and not solo.target.keep_features  # no DSpark drafter reads them
 
 
@@ -136,7 +136,7 @@ def test_trt_target_features_come_back_for_the_dspark_drafter(tiny_engine_with_d
     import shutil
 
     from dspark_runtime import Engine
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_with_dspark, d)
@@ -154,7 +154,7 @@ def test_engine_sizes_the_dspark_drafter_engine_for_its_rows(tiny_engine_with_ds
     import shutil
 
     from dspark_runtime import Engine
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_with_dspark, d)
@@ -184,9 +184,9 @@ def test_trt_backend_on_gpu_matches_onnx_runtime(tiny_engine_dir, tmp_path):
     target-only greedy on TensorRT; CUDA graphs captured and replayed."""
     import shutil
 
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
     from dspark_runtime import Engine
-    from dspark_runtime.runners import DecoderRunner
+    from dspark_runtime.runners.sequence import DecoderRunner
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -264,8 +264,8 @@ def test_trt_dspark_graph_constructs_cheaply_and_checks_its_entry(tmp_path):
 def test_chunked_drafter_calls_equal_one_call_on_onnx_runtime(tiny_engine_with_dspark):
     """What TrtDSparkGraph does with a context longer than its prefill chunk, run on ONNX Runtime: the chunked calls
     (each chunk's present the next one's past, the last one's block) give the one call's block outputs and context."""
-    from dspark_runtime.dspark import EmbeddingRows, OrtDSparkGraph
-    from dspark_runtime.manifest import load_manifest
+    from dspark_runtime.drafting.dspark import EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(tiny_engine_with_dspark)
     spec = m.graphs["dspark"].spec
@@ -298,9 +298,9 @@ def test_dspark_drafter_on_gpu_matches_onnx_runtime(tiny_engine_with_dspark, tmp
     first call, chunked, then rounds), and speculative greedy with dspark=trt == target-only greedy."""
     import shutil
 
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
     from dspark_runtime import Engine
-    from dspark_runtime.dspark import DSparkDrafter
+    from dspark_runtime.drafting.dspark import DSparkDrafter
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_with_dspark, d)

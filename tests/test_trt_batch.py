@@ -1,5 +1,5 @@
-"""Batched TensorRT decoding (dspark_runtime.trt_batch), CPU-side: the pure planning (call shapes, bucket choice,
-capture keys, the engine's inputs) and TrtBatchRunner's bookkeeping driven by the decoding loop, with the
+"""Batched TensorRT decoding (dspark_runtime.runners.device), CPU-side: the pure planning (call shapes, bucket choice,
+capture keys, the engine's inputs) and DeviceBatchRunner's bookkeeping driven by the decoding loop, with the
 capacity-layout graph on ONNX Runtime CPU standing in for the TensorRT engine (the device code itself,
 TrtDecoder.run_rows, needs a GPU: scripts/gpu_check.sh trt check 5)."""
 import shutil
@@ -9,8 +9,8 @@ import pytest
 from cuda_gpu import gpu_skip_reason
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.trt_batch import (TrtBatchRunner, call_bucket, call_inputs, capture_key, pass_rows, plan_calls)
-from dspark_runtime.trt_profiles import choose_bucket
+from dspark_runtime.runners.device import (DeviceBatchRunner, call_bucket, call_inputs, capture_key, pass_rows, plan_calls)
+from dspark_runtime.backends.trt.profiles import choose_bucket
 
 BUCKETS = [16, 32, 64, 128]
 
@@ -83,11 +83,11 @@ def test_a_rows_inputs_do_not_depend_on_the_other_rows():
         np.testing.assert_array_equal(a[1], b[1])
 
 
-# -- TrtBatchRunner driven by the decoding loop, ONNX Runtime standing in for the device
+# -- DeviceBatchRunner driven by the decoding loop, ONNX Runtime standing in for the device
 
 
 class OrtDevice:
-    """The part of :class:`~dspark_runtime.trt_backend.TrtDecoder` a TrtBatchRunner uses (``set_rows``, ``use_bucket``,
+    """The part of :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder` a DeviceBatchRunner uses (``set_rows``, ``use_bucket``,
     ``run_rows``, ``batch``, ``buckets``, ``decode_q``, ``max_q``, ``spec``), with the capacity-layout graph on ONNX
     Runtime CPU for the engine and host arrays for the device KV buffers: a bucket change keeps only the first
     ``keep`` positions of every row and fills the rest with garbage, which the masks must hide."""
@@ -147,8 +147,8 @@ class OrtDevice:
 
 @pytest.fixture(scope="module")
 def capacity_graph(tiny_engine_dir, tmp_path_factory):
-    from dspark_export.trt_graphs import to_capacity_layout
-    from dspark_runtime.manifest import load_manifest
+    from dspark_export.graphs.capacity import to_capacity_layout
+    from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tmp_path_factory.mktemp("trt-batch") / "e"
     shutil.copytree(tiny_engine_dir, d)
@@ -160,7 +160,7 @@ PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 123))]  # 40 tokens: 3
 
 
 def _loop(runner, drafter=None, rows=3):
-    from dspark_runtime.decoding import DecodingLoop
+    from dspark_runtime.decoding.loop import DecodingLoop
 
     return DecodingLoop(runner, drafter, max_batch=rows, prefill_budget=runner.max_chunk)
 
@@ -176,13 +176,13 @@ def test_batched_greedy_output_is_independent_of_the_batch(capacity_graph, tiny_
     rollbacks) give each request the tokens it gets alone in the same runner, and the ONNX Runtime engine's
     target-only greedy tokens; with the n-gram drafter too. Every call has 3 rows at q 5 or 16."""
     from dspark_runtime import Engine
-    from dspark_runtime.drafters import NgramDrafter
+    from dspark_runtime.drafting.drafters import NgramDrafter
 
     d, spec = capacity_graph
     eng = Engine.load(tiny_engine_dir, threads=1)
     ref = [_run(eng.batch(draft=None, max_batch=1), [p])[0] for p in PROMPTS]
     dev = OrtDevice(d / "target.capacity.onnx", spec)
-    runner = TrtBatchRunner(dev, rows=3)
+    runner = DeviceBatchRunner(dev, rows=3)
     assert runner.device_argmax and runner.max_chunk == 16 and runner.pass_rows([1, 16]) == 3 * 5 + 3 * 16
     batched = _run(_loop(runner), PROMPTS)
     assert batched == ref
@@ -192,10 +192,10 @@ def test_batched_greedy_output_is_independent_of_the_batch(capacity_graph, tiny_
     fed = sum(len(p) for p in PROMPTS) + sum(len(t) for t in batched)
     assert dev.stats["d2h_bytes"] < fed * (8 + 128 * 4) + 320 * 4
     assert set(runner.calls) == {capture_key(*s) for s in dev.shapes}
-    solo = [_run(_loop(TrtBatchRunner(dev, rows=3)), [p])[0] for p in PROMPTS]
+    solo = [_run(_loop(DeviceBatchRunner(dev, rows=3)), [p])[0] for p in PROMPTS]
     assert solo == batched
-    assert _run(_loop(TrtBatchRunner(dev, rows=3), NgramDrafter()), PROMPTS) == ref
-    assert _run(_loop(TrtBatchRunner(dev.set_rows(1), rows=1), NgramDrafter(), rows=1), PROMPTS[:1]) == ref[:1]
+    assert _run(_loop(DeviceBatchRunner(dev, rows=3), NgramDrafter()), PROMPTS) == ref
+    assert _run(_loop(DeviceBatchRunner(dev.set_rows(1), rows=1), NgramDrafter(), rows=1), PROMPTS[:1]) == ref[:1]
 
 
 def test_pinned_bucket_gives_bitwise_equal_logits_in_any_batch(capacity_graph):
@@ -205,7 +205,7 @@ def test_pinned_bucket_gives_bitwise_equal_logits_in_any_batch(capacity_graph):
     feeds = [list(range(5, 21)), [30, 31, 32, 33, 34], [9], [40, 41]]
 
     def logits_of_x(others: bool):
-        r = TrtBatchRunner(OrtDevice(d / "target.capacity.onnx", spec), rows=3, pin_bucket=True)
+        r = DeviceBatchRunner(OrtDevice(d / "target.capacity.onnx", spec), rows=3, pin_bucket=True)
         if others:
             r.add("y")
             r.step([("y", list(range(50, 66)))])
@@ -226,7 +226,7 @@ def test_pinned_bucket_gives_bitwise_equal_logits_in_any_batch(capacity_graph):
 
 def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     d, spec = capacity_graph
-    r = TrtBatchRunner(OrtDevice(d / "target.capacity.onnx", spec), rows=2)
+    r = DeviceBatchRunner(OrtDevice(d / "target.capacity.onnx", spec), rows=2)
     r.add("a")
     r.add("b")
     full = r.step([("a", [5, 6, 7]), ("b", [8])])
@@ -265,8 +265,8 @@ def test_argmax_for_greedy_requests_and_refusals(capacity_graph):
     r.add("c")  # a freed row is reused
     assert r._row["c"] == 0
     with pytest.raises(DSparkError, match="rows must be a positive integer"):
-        TrtBatchRunner(r.decoder, rows=0)
-    TrtBatchRunner(r.decoder, rows=1)  # takes the decoder over
+        DeviceBatchRunner(r.decoder, rows=0)
+    DeviceBatchRunner(r.decoder, rows=1)  # takes the decoder over
     with pytest.raises(DSparkError, match="set to 1 rows by another runner after this one \\(2 rows\\)"):
         r.step([("c", [1])])
 
@@ -279,9 +279,9 @@ def _gpu_reason():
 def test_batched_trt_on_gpu_matches_alone_and_onnx_runtime(tiny_engine_dir, tmp_path):
     """GPU only: 3 prompts decoded together on the TensorRT engine (3 rows) == each alone in a 3-row runner ==
     ONNX Runtime CPU's target-only greedy; the engine's argmax output used; decode calls captured and replayed."""
-    from dspark_export.trt import TrtBuildSettings, build_trt
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
     from dspark_runtime import Engine
-    from dspark_runtime.trt_profiles import ProfileSettings
+    from dspark_runtime.backends.trt.profiles import ProfileSettings
 
     d = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, d)

@@ -2,7 +2,7 @@
 and the no-op request hooks of a drafter."""
 import numpy as np
 
-from dspark_runtime.runners import RequestBook
+from dspark_runtime.runners.sequence import BatchRunner
 
 
 class BigramTarget:
@@ -44,8 +44,8 @@ class StatelessDrafter:
 
 
 
-class BigramBook(RequestBook):
-    """A toy batched runner (the :class:`~dspark_runtime.runners.RequestBook` interface) over the bigram table: any
+class BigramBook(BatchRunner):
+    """A toy batched runner (the :class:`~dspark_runtime.runners.sequence.BatchRunner` interface) over the bigram table: any
     number of requests, packed rows (``pass_rows`` = tokens in the call); ``calls`` records each ``step``'s
     segments as (rid, token count) pairs."""
 

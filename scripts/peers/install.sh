@@ -210,12 +210,12 @@ EOF
     cat "$P/installed.json"
 }
 
-hf_folder() {  # the converted HF folder of a fetched model (dspark_export.fetch.model_path)
+hf_folder() {  # the converted HF folder of a fetched model (dspark_export.models.fetch.model_path)
     if [ -d "$1" ]; then (cd "$1" && pwd); return; fi
     local d="$CACHE/models/$1"
     if [ -x "$ROOT/.venv/bin/python" ]; then
         d="$(cd "$ROOT" && DSPARK_CACHE="$CACHE" .venv/bin/python -c \
-            'import sys; from dspark_export.fetch import model_path; print(model_path(sys.argv[1]))' "$1" 2>/dev/null || echo "$d")"
+            'import sys; from dspark_export.models.fetch import model_path; print(model_path(sys.argv[1]))' "$1" 2>/dev/null || echo "$d")"
     fi
     echo "$d"
 }

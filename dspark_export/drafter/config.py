@@ -1,0 +1,597 @@
+"""The DSpark drafter's configuration: DeepSpec's ``config.json`` fields, parsed and checked.
+
+**Strict loading.** Every config.json field is either read (:data:`USED_FIELDS`), accepted and ignored
+for a stated reason (:data:`IGNORED_FIELDS`, :data:`CONDITIONAL_FIELDS`), or refused with a
+:class:`DraftConfigError` naming it; every checkpoint tensor must be consumed and every model tensor filled.
+
+Which layer family (``Qwen3DSparkModel`` / ``Gemma4DSparkModel``), its RoPE table (transformers' own rotary
+classes) and activation come from here; the torch modules that use them are in :mod:`dspark_export.drafter.model`.
+
+Our extensions beside DeepSpec's fields: ``draft_vocab_size``, ``frozen_from_target`` and the MoE FFN option
+(:data:`MOE_FIELDS`: ``draft_moe_experts`` E, 0/absent = dense; ``draft_moe_top_k`` 1..E;
+``draft_moe_intermediate_size`` each expert's width; all three written back only when E > 0).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark_runtime.errors import DSparkError
+
+WEIGHTS_NAME = "model.safetensors"
+
+# DSpark fields of a DeepSpec draft config.json (the rest is a copy of the target's config).
+DSPARK_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "num_hidden_layers", "markov_rank",
+                 "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors",
+                 "num_target_layers")
+REQUIRED_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "num_hidden_layers", "markov_rank",
+                   "enable_confidence_head", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "vocab_size", "rms_norm_eps")
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+# Our extension (not DeepSpec's): a Mixture-of-Experts FFN in every draft layer. Prefixed with ``draft_`` so they
+# never collide with a MoE *target's* own fields (num_experts, num_experts_per_tok, moe_intermediate_size, ...)
+# copied into the same config.json. Absent (or draft_moe_experts 0) = the dense SwiGLU MLP.
+MOE_FIELDS = ("draft_moe_experts", "draft_moe_top_k", "draft_moe_intermediate_size")
+
+QWEN3 = "Qwen3DSparkModel"
+GEMMA4 = "Gemma4DSparkModel"
+ARCHITECTURES = (QWEN3, GEMMA4)
+# model_type values each layer family accepts (DeepSpec copies the target's; our own drafters for Qwen2/Llama/
+# Mistral targets use DeepSpec's Qwen3 layer).
+MODEL_TYPES = {QWEN3: ("qwen3", "qwen2", "llama", "mistral"), GEMMA4: ("gemma4_text", "gemma4_unified_text")}
+REQUIRED_BY_LAYER = {QWEN3: (), GEMMA4: ("global_head_dim", "hidden_activation", "rope_parameters", "attention_k_eq_v")}
+
+# RoPE types implemented (inv_freq and attention scaling from transformers' own rotary embedding of the
+# family), the keys each may carry besides rope_type/rope_theta, and the types refused with the reason.
+ROPE_TYPES = {QWEN3: ("default", "linear", "yarn", "llama3"), GEMMA4: ("default", "proportional")}
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "proportional": ("factor", "partial_rotary_factor"),
+}
+ROPE_REFUSED = {
+    "dynamic": "dynamic NTK recomputes the frequencies from the current sequence length at every call, so keys "
+               "cached in earlier rounds would carry other frequencies than the new ones; a fixed ONNX graph with "
+               "a reused context cache cannot reproduce that faithfully",
+    "longrope": "LongRoPE switches between its short and long factors by the current sequence length, which a "
+                "fixed ONNX graph with a reused context cache cannot reproduce faithfully",
+}
+
+# config.json fields read by the drafter, per layer family.
+_COMMON_USED = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "attention_bias",
+                "rope_parameters", "max_position_embeddings", "layer_types", "tie_word_embeddings", "block_size",
+                "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov", "num_target_layers", "draft_vocab_size",
+                "frozen_from_target") + MOE_FIELDS
+USED_FIELDS = {
+    QWEN3: _COMMON_USED + ("head_dim", "hidden_act", "rope_theta", "rope_scaling", "original_max_position_embeddings"),
+    GEMMA4: _COMMON_USED + ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "hidden_activation",
+                            "final_logit_softcapping"),
+}
+# Fields accepted only with the values the drafter implements (checked in DSparkConfig.from_dict).
+CONDITIONAL_FIELDS = {
+    QWEN3: {
+        "mlp_bias": "must be false (DeepSpec's Qwen3 MLP has no biases)",
+        "use_sliding_window": "ignored when layer_types is given (DeepSpec's layer reads layer_types); must be "
+                              "false otherwise",
+        "sliding_window": "ignored: it applies only to 'sliding_attention' layers, which are refused",
+        "max_window_layers": "ignored: it only derives layer_types when those are absent (use_sliding_window false)",
+    },
+    GEMMA4: {
+        "enable_moe_block": "must be false (DeepSpec's Gemma-4 DSpark layer refuses MoE blocks)",
+        "hidden_size_per_layer_input": "must be 0 or null (per-layer inputs; DeepSpec's Gemma-4 DSpark layer "
+                                       "refuses them)",
+        "use_double_wide_mlp": "must be false when num_kv_shared_layers > 0 (the MLP width of KV-shared layers "
+                               "then depends on the transformers version's sharing layout)",
+        "num_kv_shared_layers": "ignored when use_double_wide_mlp is false: DeepSpec's drafter attention never "
+                                "shares keys/values between layers",
+        "per_layer_config": "(transformers' newer layout) accepted only when every entry repeats global_head_dim "
+                            "and the KV head count",
+        "sliding_window": "ignored: it applies only to 'sliding_attention' layers, which are refused",
+    },
+}
+# Fields accepted and not read, with why that is safe.
+IGNORED_FIELDS = {
+    "attention_dropout": "dropout, off at inference (DeepSpec evaluates with it off)",
+    "initializer_range": "weight initialisation only",
+    "bos_token_id": "tokenizer id; the drafter never reads it",
+    "eos_token_id": "tokenizer id; the drafter never reads it",
+    "pad_token_id": "tokenizer id; in DeepSpec only nn.Embedding's padding_idx, which changes gradients, not outputs",
+    "use_cache": "generation flag of the target",
+    "torch_dtype": "storage dtype; each tensor's own dtype is read and cast to load_checkpoint(dtype=...)",
+    "dtype": "storage dtype; each tensor's own dtype is read and cast to load_checkpoint(dtype=...)",
+    "transformers_version": "provenance",
+    "_name_or_path": "provenance",
+    "_model_name_or_path": "provenance (the GGUF a target was converted from)",
+    "num_anchors": "training only (anchors sampled per sequence)",
+    "_attn_implementation": "attention kernel choice (eager/sdpa/flex): the same function",
+    "pretraining_tp": "Llama's tensor-parallel split of the target's matmuls (the same function); the drafter "
+                      "layer never reads it",
+    "id2label": "Hugging Face bookkeeping (classification heads)",
+    "label2id": "Hugging Face bookkeeping (classification heads)",
+    "problem_type": "Hugging Face bookkeeping (classification heads)",
+    "output_attentions": "Hugging Face output flag",
+    "output_hidden_states": "Hugging Face output flag",
+    "return_dict": "Hugging Face output flag",
+    "chunk_size_feed_forward": "Hugging Face bookkeeping; DeepSpec's layers do not read it",
+    "is_encoder_decoder": "Hugging Face bookkeeping; DeepSpec's layers do not read it",
+    "tokenizer_class": "tokenizer bookkeeping",
+}
+IGNORED_BY_LAYER = {
+    QWEN3: {},
+    GEMMA4: {
+        "head_dim": "the sliding-attention head size; every draft layer is full attention with global_head_dim",
+        "use_bidirectional_attention": "the target's causal switch; the DSpark block mask sets the drafter's "
+                                       "attention",
+        "vocab_size_per_layer_input": "per-layer input embeddings, off (hidden_size_per_layer_input = 0)",
+        "num_experts": "MoE, off (enable_moe_block false)",
+        "top_k_experts": "MoE, off (enable_moe_block false)",
+        "moe_intermediate_size": "MoE, off (enable_moe_block false)",
+        "target_model_type": "provenance DeepSpec records",
+        "target_text_model_type": "provenance DeepSpec records",
+    },
+}
+
+
+class DraftConfigError(DSparkError):
+    """A DSpark draft config.json or checkpoint is missing a field or tensor, has a malformed one, or holds a
+    value or tensor this loader does not implement (the message names it and what would support it)."""
+
+
+def _family(d: dict, source: str) -> str:
+    arch = d.get("architectures")
+    mt = d.get("model_type")
+    if arch is None:
+        fam = GEMMA4 if isinstance(mt, str) and mt in MODEL_TYPES[GEMMA4] else QWEN3
+    else:
+        if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES:
+            raise DraftConfigError(
+                f"{source}: architectures {arch!r} is not a DSpark drafter this loader implements; it loads "
+                f"DeepSpec's {QWEN3} and {GEMMA4} (one of them, as DeepSpec writes it). DeepSpec's Eagle-3 "
+                "drafters are a different model")
+        fam = arch[0]
+    if mt is not None and mt not in MODEL_TYPES[fam]:
+        raise DraftConfigError(
+            f"{source}: model_type {mt!r} with the {fam} layer is not implemented (that layer accepts model_type "
+            f"{list(MODEL_TYPES[fam])}); a drafter for that family needs its own layer in dspark_export/drafter/model.py")
+    return fam
+
+
+def _check_fields(d: dict, fam: str, source: str) -> None:
+    known = (set(USED_FIELDS[fam]) | set(CONDITIONAL_FIELDS[fam]) | set(IGNORED_FIELDS)
+             | set(IGNORED_BY_LAYER[fam]))
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        k = unknown[0]
+        others = f" (and {unknown[1:]})" if len(unknown) > 1 else ""
+        raise DraftConfigError(
+            f"{source}: config field {k!r} = {d[k]!r}{others} is not implemented by this loader's {fam} layer; "
+            "loading would ignore it and draft with a different function. Supporting it needs the layer in "
+            "dspark_export/drafter/model.py to implement it; remove the field only if you know it does not change "
+            "the drafter")
+
+
+def _rope_parameters(d: dict, fam: str, source: str) -> dict:
+    """The RoPE parameters of the draft layers (a flat dict with rope_type and rope_theta)."""
+    if fam == GEMMA4:
+        rp = d.get("rope_parameters")
+        if not isinstance(rp, dict) or not isinstance(rp.get("full_attention"), dict):
+            raise DraftConfigError(f"{source}: a Gemma-4 DSpark config needs rope_parameters['full_attention'] (the "
+                                   f"RoPE of full-attention layers, which DeepSpec's drafter uses), got {rp!r}")
+        p = dict(rp["full_attention"])
+        where = "rope_parameters['full_attention']"
+    else:
+        rp, rs = d.get("rope_parameters"), d.get("rope_scaling")
+        for name, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+            if v is not None and not isinstance(v, dict):
+                raise DraftConfigError(f"{source}: {name} must be an object or null, got {v!r}")
+        if rp and rs and {k: v for k, v in rp.items() if k != "rope_theta"} != {
+                k: v for k, v in rs.items() if k != "rope_theta"}:
+            raise DraftConfigError(f"{source}: rope_parameters {rp!r} and rope_scaling {rs!r} disagree; give one")
+        p = dict(rp or rs or {})
+        where = "rope_parameters" if rp else "rope_scaling" if rs else "config"
+        theta = d.get("rope_theta")
+        if theta is not None:
+            if "rope_theta" in p and float(p["rope_theta"]) != float(theta):
+                raise DraftConfigError(f"{source}: rope_theta {theta!r} and {where}['rope_theta'] "
+                                       f"{p['rope_theta']!r} disagree")
+            p["rope_theta"] = theta
+        top = d.get("original_max_position_embeddings")
+        if top is not None:
+            if "original_max_position_embeddings" in p and p["original_max_position_embeddings"] != top:
+                raise DraftConfigError(f"{source}: original_max_position_embeddings {top!r} and {where}"
+                                       f"['original_max_position_embeddings'] {p['original_max_position_embeddings']!r}"
+                                       " disagree")
+            if p.get("rope_type", p.get("type")) in ("yarn", "llama3"):
+                p["original_max_position_embeddings"] = top
+    if "type" in p:  # the old name of rope_type
+        legacy = p.pop("type")
+        if p.setdefault("rope_type", legacy) != legacy:
+            raise DraftConfigError(f"{source}: {where} has type {legacy!r} and rope_type {p['rope_type']!r}")
+    kind = p.setdefault("rope_type", "default")
+    if kind in ROPE_REFUSED:
+        raise DraftConfigError(f"{source}: {where} rope_type {kind!r} is refused: {ROPE_REFUSED[kind]}. Supported: "
+                               f"{list(ROPE_TYPES[fam])} for the {fam} layer")
+    if kind not in ROPE_TYPES[fam]:
+        raise DraftConfigError(f"{source}: {where} rope_type {kind!r} is not implemented for the {fam} layer "
+                               f"(supported: {list(ROPE_TYPES[fam])})")
+    if "rope_theta" not in p:
+        raise DraftConfigError(f"{source}: no rope_theta (top level or in {where}); the loader does not guess the "
+                               "RoPE base — give the target's value")
+    extra = [k for k in p if k not in ("rope_type", "rope_theta", "partial_rotary_factor") + ROPE_KEYS[kind]]
+    if extra:
+        raise DraftConfigError(f"{source}: {where} key(s) {extra} are not read by the {kind!r} RoPE "
+                               f"(it reads {['rope_theta', *ROPE_KEYS[kind]]}); refusing rather than ignoring them")
+    prf = p.get("partial_rotary_factor", 1.0)
+    if kind != "proportional" and prf != 1.0:
+        raise DraftConfigError(f"{source}: {where} partial_rotary_factor {prf!r} is not implemented: DeepSpec's "
+                               f"{fam} layer rotates whole heads (only Gemma-4's 'proportional' RoPE leaves "
+                               "a part of each head unrotated)")
+    return p
+
+
+def rotary_table(c: "DSparkConfig"):
+    """(inv_freq float32 [head_dim/2], attention scaling) of the draft layers' RoPE, from transformers' own
+    rotary embedding of the layer family (``Qwen3RotaryEmbedding`` / ``Gemma4TextRotaryEmbedding``), so
+    every supported rope_type matches transformers exactly.
+
+    Raises:
+        DraftConfigError: transformers rejects the RoPE parameters.
+    """
+    import logging
+
+    log = logging.getLogger("transformers.modeling_rope_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its key warnings repeat what from_dict checked
+    p = json.loads(json.dumps(c.rope_parameters))
+    mpe = {"max_position_embeddings": c.max_position_embeddings} if c.max_position_embeddings else {}
+    try:
+        with torch.device("cpu"):
+            if c.layer == GEMMA4:
+                from transformers import Gemma4TextConfig
+                from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+                tc = Gemma4TextConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                      global_head_dim=c.head_dim, num_global_key_value_heads=c.num_key_value_heads,
+                                      attention_k_eq_v=c.attention_k_eq_v, num_hidden_layers=1,
+                                      layer_types=["full_attention"], hidden_size_per_layer_input=0,
+                                      rope_parameters={"full_attention": p}, **mpe)
+                rot = Gemma4TextRotaryEmbedding(tc)
+                inv, scale = rot.full_attention_inv_freq, rot.full_attention_attention_scaling
+            else:
+                from transformers import Qwen3Config
+                from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+                tc = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                 num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, num_hidden_layers=1,
+                                 layer_types=["full_attention"], rope_parameters=p, **mpe)
+                rot = Qwen3RotaryEmbedding(tc)
+                inv, scale = rot.inv_freq, rot.attention_scaling
+    except Exception as e:  # transformers' own validation (a missing factor, ...)
+        raise DraftConfigError(f"RoPE parameters {c.rope_parameters} of the {c.layer} layer: transformers' rotary "
+                               f"embedding rejects them ({type(e).__name__}: {e})") from None
+    finally:
+        log.setLevel(level)
+    inv = inv.detach().to(torch.float32).clone()
+    if inv.shape != (c.head_dim // 2,):
+        raise DraftConfigError(f"RoPE parameters {c.rope_parameters}: {inv.numel()} frequencies for head_dim "
+                               f"{c.head_dim} (needs {c.head_dim // 2})")
+    return inv, float(scale)
+
+
+def _activation(name, field_name: str, source: str):
+    from transformers.activations import ACT2FN
+
+    if not isinstance(name, str) or name not in ACT2FN:
+        raise DraftConfigError(f"{source}: {field_name} {name!r} is not an activation of transformers' ACT2FN "
+                               f"(known: {sorted(ACT2FN)})")
+    if any(True for _ in ACT2FN[name].parameters()):
+        raise DraftConfigError(f"{source}: {field_name} {name!r} has learnable parameters, which DeepSpec's MLP "
+                               "checkpoints do not hold; not implemented")
+    return name
+
+
+def _moe_fields(d: dict, source: str):
+    """(experts, top_k, expert width) of the MoE FFN option (our extension); (0, None, None) = the dense MLP.
+
+    Raises:
+        DraftConfigError: a malformed value (the message names the field and its valid range), a missing
+            draft_moe_top_k / draft_moe_intermediate_size, or either of them given without experts.
+    """
+    def _int(name, lo, hi, meaning):
+        v = d.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise DraftConfigError(f"{source}: field {name!r} must be an integer {rng} ({meaning}), got {v!r}")
+        return v
+
+    experts = d.get("draft_moe_experts")
+    if experts is None or (type(experts) is int and experts == 0):
+        extra = [k for k in MOE_FIELDS[1:] if k in d]
+        if extra:
+            raise DraftConfigError(f"{source}: {extra[0]!r} = {d[extra[0]]!r} is given but draft_moe_experts is "
+                                   f"{experts!r} (the dense MLP, which has no experts); set draft_moe_experts to the "
+                                   f"number of experts (e.g. 8) or remove {extra}")
+        return 0, None, None
+    experts = _int("draft_moe_experts", 2, None, "experts per draft layer; 0 or absent = the dense MLP, and 1 "
+                                                 "expert would be the dense MLP under other tensor names")
+    for name, what in (("draft_moe_top_k", "the number of experts mixed per token, e.g. 2"),
+                       ("draft_moe_intermediate_size", "each expert's SwiGLU width, e.g. intermediate_size // "
+                                                       "draft_moe_top_k")):
+        if name not in d:
+            raise DraftConfigError(f"{source}: draft_moe_experts {experts} needs {name!r} ({what}); the loader does "
+                                   "not guess it, since the checkpoint's shapes and the routing depend on it")
+    top_k = _int("draft_moe_top_k", 1, experts, f"experts mixed per token, at most draft_moe_experts = {experts}")
+    width = _int("draft_moe_intermediate_size", 1, None, "each expert's SwiGLU width")
+    return experts, top_k, width
+
+
+@dataclass
+class DSparkConfig:
+    """A DSpark drafter's configuration; reads and writes DeepSpec's draft ``config.json``.
+
+    DeepSpec configs are a copy of the whole target config plus the DSpark fields. The dataclass fields are the
+    values the drafter uses (for Gemma-4: ``head_dim`` = ``global_head_dim``, ``num_key_value_heads`` = the
+    KV heads of its full-attention layers); ``source`` keeps the config.json as read so a round trip writes
+    it back unchanged.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: str | None = None
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    num_anchors: int = 512
+    num_target_layers: int | None = None
+    draft_vocab_size: int | None = None  # our extension: reduced draft vocabulary
+    frozen_from_target: bool = False  # our extension: embed_tokens / lm_head omitted from the weights
+    draft_moe_experts: int = 0  # our extension: experts per draft layer's MoE FFN (0 = the dense MLP)
+    draft_moe_top_k: int | None = None  # our extension: experts mixed per token (1..draft_moe_experts)
+    draft_moe_intermediate_size: int | None = None  # our extension: each expert's SwiGLU width
+    layer: str = QWEN3  # the layer family: QWEN3 | GEMMA4 (DeepSpec's class name)
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int | None = None
+    attention_k_eq_v: bool = False  # Gemma-4: keys double as values (no v_proj)
+    final_logit_softcapping: float | None = None  # Gemma-4: tanh soft cap of the base logits
+    source: dict = field(default_factory=dict)
+    rope_inv_freq: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    rope_attention_scaling: float = 1.0
+
+    @property
+    def gemma(self) -> bool:
+        return self.layer == GEMMA4
+
+    @property
+    def moe(self) -> bool:
+        """Whether every draft layer's FFN is the Mixture of Experts (:class:`dspark_model.DraftMoE`)."""
+        return self.draft_moe_experts > 0
+
+    @property
+    def attention_scale(self) -> float:
+        """Multiplier of the q·k scores: head_dim^-1/2 (Qwen3), 1.0 (Gemma-4, whose q/k are RMS-normed)."""
+        return 1.0 if self.gemma else self.head_dim ** -0.5
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Gemma-4 multiplies the embeddings by sqrt(hidden_size); None = no scaling."""
+        return float(self.hidden_size) ** 0.5 if self.gemma else None
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "DSparkConfig":
+        """Validate a DeepSpec draft config dict.
+
+        Raises:
+            DraftConfigError: a required field is missing or malformed, or a field or value is not implemented
+                (the message names it and what would support it).
+        """
+        if not isinstance(d, dict):
+            raise DraftConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        fam = _family(d, source)
+        missing = [k for k in REQUIRED_FIELDS + REQUIRED_BY_LAYER[fam] if k not in d]
+        if missing:
+            raise DraftConfigError(f"{source}: missing DSpark/target field(s) {missing}; a DeepSpec draft config "
+                                   f"is the target's config plus {list(DSPARK_FIELDS)}")
+        _check_fields(d, fam, source)
+
+        def _int(name, lo=None, default=None):
+            v = d.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+                raise DraftConfigError(f"{source}: field {name!r} must be an integer"
+                                       f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+            return v
+
+        def _bool(name, default):
+            v = d.get(name, default)
+            if not isinstance(v, bool):
+                raise DraftConfigError(f"{source}: field {name!r} must be true or false, got {v!r}")
+            return v
+
+        ids = d["target_layer_ids"]
+        if (not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+                or any(b <= a for a, b in zip(ids, ids[1:])) or min(ids) < -1):
+            raise DraftConfigError(f"{source}: 'target_layer_ids' must be a non-empty strictly increasing list of "
+                                   f"layer indices >= -1 (-1 = embedding output), got {ids!r}")
+        rank = _int("markov_rank", 0)
+        mtype = d.get("markov_head_type")
+        if rank > 0 and mtype not in MARKOV_TYPES:
+            raise DraftConfigError(f"{source}: 'markov_head_type' must be one of {list(MARKOV_TYPES)} when "
+                                   f"markov_rank > 0, got {mtype!r}")
+        conf = _bool("enable_confidence_head", True)
+        with_markov = _bool("confidence_head_with_markov", False) if conf else False
+        if conf and "confidence_head_with_markov" not in d:
+            raise DraftConfigError(f"{source}: 'confidence_head_with_markov' must be given when "
+                                   "enable_confidence_head is true")
+        if with_markov and rank == 0:
+            raise DraftConfigError(f"{source}: confidence_head_with_markov needs markov_rank > 0")
+        heads = _int("num_attention_heads", 1)
+        hidden = _int("hidden_size", 1)
+        n_layers = _int("num_hidden_layers", 1)
+        vocab = _int("vocab_size", 1)
+        mask_id = _int("mask_token_id", 0)
+        if mask_id >= vocab:
+            raise DraftConfigError(f"{source}: mask_token_id {mask_id} is outside the vocabulary (size {vocab})")
+        ntl = d.get("num_target_layers")
+        if ntl is not None and max(ids) >= ntl:
+            raise DraftConfigError(f"{source}: target_layer_ids {ids} exceed num_target_layers={ntl}")
+        dvs = d.get("draft_vocab_size")
+        if dvs is not None and (isinstance(dvs, bool) or not isinstance(dvs, int) or not 0 < dvs <= vocab):
+            raise DraftConfigError(f"{source}: draft_vocab_size must be an integer in 1..{vocab}, got {dvs!r}")
+        bias = _bool("attention_bias", False)
+        if _bool("tie_word_embeddings", False):
+            raise DraftConfigError(f"{source}: tie_word_embeddings true is not implemented: DeepSpec drafters hold "
+                                   "an untied lm_head (DeepSpec writes tie_word_embeddings false)")
+        lt = d.get("layer_types")
+        if lt is not None:
+            if not isinstance(lt, list) or len(lt) < n_layers:
+                raise DraftConfigError(f"{source}: layer_types must list one entry per draft layer "
+                                       f"({n_layers}), got {lt!r}")
+            bad = [(i, t) for i, t in enumerate(lt[:n_layers]) if t != "full_attention"]
+            if bad:
+                raise DraftConfigError(
+                    f"{source}: layer_types[{bad[0][0]}] = {bad[0][1]!r} is not implemented: every draft layer "
+                    "attends to the whole context (DeepSpec writes 'full_attention' for each draft layer); a "
+                    "sliding-window draft layer would need its window in the graph's attention mask")
+        mpe = d.get("max_position_embeddings")
+        if mpe is not None:
+            mpe = _int("max_position_embeddings", 1)
+        kv = _int("num_key_value_heads", 1)
+        k_eq_v, softcap = False, None
+        if fam == QWEN3:
+            head_dim = d.get("head_dim") or hidden // heads
+            act = _activation(d.get("hidden_act", "silu"), "hidden_act", source)
+            if _bool("mlp_bias", False):
+                raise DraftConfigError(f"{source}: mlp_bias true is not implemented: DeepSpec's Qwen3 DSpark MLP has "
+                                       "no biases")
+            if lt is None and _bool("use_sliding_window", False):
+                raise DraftConfigError(f"{source}: use_sliding_window true (without layer_types) is not implemented: "
+                                       "every draft layer attends to the whole context")
+        else:
+            head_dim = _int("global_head_dim", 1)
+            act = _activation(d["hidden_activation"], "hidden_activation", source)
+            k_eq_v = _bool("attention_k_eq_v", False)
+            if k_eq_v:
+                if "num_global_key_value_heads" not in d:
+                    raise DraftConfigError(f"{source}: attention_k_eq_v true needs num_global_key_value_heads (the "
+                                           "KV heads of Gemma-4's full-attention layers)")
+                kv = _int("num_global_key_value_heads", 1)
+            if _bool("enable_moe_block", False):
+                raise DraftConfigError(f"{source}: enable_moe_block true is not implemented: Gemma-4 MoE blocks are "
+                                       "not part of DeepSpec's Gemma-4 DSpark layer (it refuses them too)")
+            if d.get("hidden_size_per_layer_input") not in (None, 0):
+                raise DraftConfigError(f"{source}: hidden_size_per_layer_input {d['hidden_size_per_layer_input']!r} "
+                                       "is not implemented: Gemma-4 per-layer inputs are not part of DeepSpec's "
+                                       "Gemma-4 DSpark layer (it refuses them too); it must be 0")
+            shared = d.get("num_kv_shared_layers") or 0
+            if _bool("use_double_wide_mlp", False) and shared:
+                raise DraftConfigError(f"{source}: use_double_wide_mlp true with num_kv_shared_layers {shared} is "
+                                       "not implemented: the MLP width of KV-shared layers depends on the "
+                                       "transformers version's sharing layout")
+            plc = d.get("per_layer_config")
+            if plc is not None and (not isinstance(plc, dict) or any(
+                    not isinstance(v, dict) or v.get("head_dim", head_dim) != head_dim
+                    or v.get("num_key_value_heads", kv) != kv or set(v) - {"head_dim", "num_key_value_heads"}
+                    for v in plc.values())):
+                raise DraftConfigError(f"{source}: per_layer_config {plc!r} differs from global_head_dim {head_dim} "
+                                       f"/ {kv} KV heads; per-layer shapes are not implemented")
+            softcap = d.get("final_logit_softcapping")
+            if softcap is not None:
+                if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0:
+                    raise DraftConfigError(f"{source}: final_logit_softcapping must be a positive number or null, "
+                                           f"got {softcap!r}")
+                softcap = float(softcap)
+        if heads % kv:
+            raise DraftConfigError(f"{source}: num_attention_heads {heads} is not a multiple of the {kv} KV heads")
+        if int(head_dim) % 2:
+            raise DraftConfigError(f"{source}: head size {head_dim} must be even (RoPE)")
+        rope = _rope_parameters(d, fam, source)
+        moe_e, moe_k, moe_i = _moe_fields(d, source)
+        c = cls(hidden_size=hidden, intermediate_size=_int("intermediate_size", 1),
+                num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=int(head_dim), vocab_size=vocab, rms_norm_eps=float(d["rms_norm_eps"]),
+                rope_theta=float(rope["rope_theta"]), block_size=_int("block_size", 1), target_layer_ids=list(ids),
+                mask_token_id=mask_id, markov_rank=rank, markov_head_type=mtype if rank > 0 else None,
+                enable_confidence_head=conf, confidence_head_with_markov=with_markov,
+                num_anchors=int(d.get("num_anchors", 512)), num_target_layers=ntl, draft_vocab_size=dvs,
+                frozen_from_target=bool(d.get("frozen_from_target", False)), layer=fam, attention_bias=bias,
+                hidden_act=act, rope_parameters=rope, max_position_embeddings=mpe, attention_k_eq_v=k_eq_v,
+                final_logit_softcapping=softcap, draft_moe_experts=moe_e, draft_moe_top_k=moe_k,
+                draft_moe_intermediate_size=moe_i, source=json.loads(json.dumps(d)))
+        try:
+            c.rope_inv_freq, c.rope_attention_scaling = rotary_table(c)
+        except DraftConfigError as e:
+            raise DraftConfigError(f"{source}: {e}") from None
+        return c
+
+    def to_dict(self) -> dict:
+        """The DeepSpec-style config.json dict: the config as read, with the DSpark fields' current values."""
+        d = json.loads(json.dumps(self.source))
+        d.setdefault("architectures", [self.layer])
+        d.setdefault("model_type", "gemma4_text" if self.gemma else "qwen3")
+        for k in DSPARK_FIELDS + ("draft_vocab_size",):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        if self.markov_head_type is None:
+            d.pop("markov_head_type", None)
+        if not self.draft_vocab_size:
+            d.pop("draft_vocab_size", None)
+        if self.frozen_from_target:
+            d["frozen_from_target"] = True
+        else:
+            d.pop("frozen_from_target", None)
+        for k in MOE_FIELDS:  # written only when the MoE FFN is on: a dense config keeps exactly its old fields
+            if self.moe:
+                d[k] = getattr(self, k)
+            else:
+                d.pop(k, None)
+        return d
+
+    @property
+    def out_vocab(self) -> int:
+        """Size of the drafter's output vocabulary (V_d if reduced, else the target's)."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features, m·d."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+def load_config(path: Path) -> DSparkConfig:
+    """Read a draft ``config.json`` (a folder or the file itself).
+
+    Raises:
+        DraftConfigError: missing file, bad JSON, a missing/malformed DSpark field, or a field or value the
+            drafter does not implement.
+    """
+    path = Path(path)
+    f = path / "config.json" if path.is_dir() else path
+    if not f.is_file():
+        raise DraftConfigError(f"no DSpark draft config at {f}: pass a DeepSpec checkpoint folder holding "
+                               "config.json and model.safetensors")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftConfigError(f"{f}: not valid JSON ({e})") from None
+    return DSparkConfig.from_dict(d, source=str(f))

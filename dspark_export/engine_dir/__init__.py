@@ -1,0 +1,1 @@
+"""Writing engine directories: build, add-draft and TensorRT builds, each through one transaction."""

@@ -1,0 +1,542 @@
+"""``dspark-export build``: export the target (verifier) and draft graphs, validate them against
+torch, copy the tokenizer, and write ``<engine_dir>/manifest.json``.
+
+``build`` over an existing engine directory and ``add-draft`` are transactions
+(:func:`dspark_export.engine_dir.transaction.engine_transaction`): the new files are written beside the old ones and replace
+them only when everything succeeded; on any error, Ctrl-C included, the directory is left as it was.
+
+A *recipe* (``engines/<name>.json``, tracked in git) names the models and settings::
+
+    {"name": "qwen2.5-coder-1.5b", "target": "qwen2.5-coder-1.5b-instruct",
+     "draft": "qwen2.5-coder-0.5b-instruct", "precision": "fp32",
+     "target_feature_layers": [1, 13, 25], "draft_length": 5}
+
+Models are fetched names (see ``dspark-export fetch``) or Hugging Face folders. Each graph is
+exported in its own subprocess by default, so only one model is in memory at a time (an fp32
+1.5B takes ~7 GB wherever it lives).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.engine_dir.graphspec import KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, GraphSpec
+from dspark_runtime.engine_dir.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, record_verified
+
+from dspark_export.engine_dir.add_draft import add_dspark_into, dspark_checkpoint
+
+# fp32: the exported graph as is.
+# int8: static QDQ for ONNX Runtime CPU (U8 activations / S8 per-channel weights, calibrated on the
+#   calibration split; dspark_export.precision.quantize). int8-trt: the same with symmetric S8/S8 for TensorRT.
+# int8-dynamic: ONNX Runtime dynamic quantization of the MatMul weights (S8, per tensor; activations
+#   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
+#   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
+# fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
+#   environment (dspark_export.precision.fp8) or by the streaming QDQ writer (dspark_export.precision.qdq; fp8_writer picks);
+#   the runtime refuses it on the CPU provider unless asked.
+# int4: weight-only com.microsoft.MatMulNBits for ONNX Runtime CPU (dspark_export.precision.nbits), from the GGUF's own
+#   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
+#   ("rtn" / "hqq"). The CPU default (the packaged recipes, dspark_export/recipes/*.json).
+PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
+SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
+AUTO_SCATTER_PRECISIONS = ("int4", "int8-dynamic")  # kv_layout "auto" picks scatter when every graph is one of these
+CALIBRATED = ("int8", "int8-trt", "fp8")
+ROLES = ("target", "draft")
+CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
+                    "mbpp, gsm8k, mbpp, math500 in turn)")
+VALIDATION_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@dataclass
+class Recipe:
+    """What to build. ``target``/``draft``: fetched model names or HF folders."""
+
+    name: str
+    target: str
+    draft: str | None = None
+    precision: str = "fp32"  # one for all graphs, or per graph: "target=fp32,draft=int8-dynamic"
+    target_feature_layers: list = field(default_factory=list)
+    draft_length: int = 5
+    calibration_prompts: int = 16  # calibration-split prompts for static quantization (int8, int8-trt)
+    # int4 weights: "auto" | "gguf" | "rtn" | "hqq", one for all graphs or per graph ("target=gguf,draft=rtn")
+    int4_source: str = "auto"
+    # KV layout of the decoder graphs: "auto" | "growing" | "scatter" (one batch row per request: a request's output
+    # does not depend on its batch; ONNX Runtime fp32 / int4 / int8-dynamic only, see dspark_runtime.engine_dir.graphspec).
+    # auto (resolved by validate()): scatter when every graph is int4 or int8-dynamic — the CPU deployment, which
+    # nothing is built from afterwards — growing otherwise (fp32 engines are what `quantize` and `build-trt` start
+    # from, and static int8 / int8-trt / fp8 calibrate and run growing graphs)
+    kv_layout: str = "auto"
+
+    @staticmethod
+    def from_file(path: str | Path) -> "Recipe":
+        path = Path(path)
+        if not path.is_file():
+            raise DSparkError(f"recipe {path} not found; `dspark-export list-recipes` shows the packaged ones (dspark_export/recipes/*.json)")
+        try:
+            d = json.loads(path.read_text())
+            return Recipe(**d)
+        except (ValueError, TypeError) as e:
+            raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
+                              "target_feature_layers, draft_length, calibration_prompts, int4_source, "
+                              "kv_layout") from e
+
+    def precision_for(self, role: str) -> str:
+        """The precision of graph ``role`` ("target" or "draft"); raises DSparkError on a bad spec."""
+        choice = per_role(self.precision, role, "fp32", "precision", "target=int8,draft=fp32")
+        if choice not in PRECISIONS:
+            raise DSparkError(f"precision {choice!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+        return choice
+
+    def int4_source_for(self, role: str) -> str:
+        """The int4 weight source of graph ``role``: auto | gguf | rtn | hqq (see :func:`resolve_int4_source`)."""
+        from dspark_export.precision.nbits import INT4_SOURCES
+
+        choice = per_role(self.int4_source, role, "auto", "int4_source", "target=gguf,draft=rtn")
+        if choice not in INT4_SOURCES:
+            raise DSparkError(f"int4 source {choice!r} is not supported; choose one of {', '.join(INT4_SOURCES)}")
+        return choice
+
+    def validate(self) -> None:
+        """Check every field; resolves ``kv_layout`` "auto" to the layout the precisions allow. Raises DSparkError."""
+        if self.kv_layout not in ("auto", KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER):
+            raise DSparkError(f"kv_layout {self.kv_layout!r} is not supported; choose auto, growing or scatter")
+        if self.kv_layout == "auto":
+            ok = all(self.precision_for(r) in AUTO_SCATTER_PRECISIONS for r in ROLES)
+            self.kv_layout = KV_LAYOUT_SCATTER if ok else KV_LAYOUT_GROWING
+        for role in ROLES:
+            p = self.precision_for(role)
+            self.int4_source_for(role)
+            if self.kv_layout == KV_LAYOUT_SCATTER and p not in SCATTER_PRECISIONS:
+                raise DSparkError(f"the {role} graph is {p}, which needs the growing KV layout (its calibration and "
+                                  "TensorRT paths run growing graphs); use kv_layout growing, or precision "
+                                  f"{' / '.join(SCATTER_PRECISIONS)} with scatter")
+        if not isinstance(self.draft_length, int) or self.draft_length < 1:
+            raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
+        if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:
+            raise DSparkError(f"calibration_prompts must be a positive integer, got {self.calibration_prompts!r}")
+
+
+def per_role(spec, role: str, default: str, what: str, example: str) -> str:
+    """The value for graph ``role`` of a setting written once for all graphs (``"int8"``) or per graph
+    (``"target=int8,draft=fp32"``; roles not named get ``default``). Raises DSparkError on a malformed spec."""
+    spec = str(spec).strip()
+    if "=" not in spec:
+        return spec
+    per = {}
+    for item in spec.split(","):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in ROLES:
+            raise DSparkError(f"{what} {spec!r}: write one value, or role=value pairs such as {example!r}")
+        per[k.strip()] = v.strip()
+    return per.get(role, default)
+
+
+def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
+    """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
+
+    ``auto``: the target re-packs the GGUF it was converted from when that file is present (faithful: the
+    weights llama.cpp runs), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
+    output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` requires the file;
+    ``rtn``/``hqq`` use the float weights. Raises DSparkError when ``gguf`` is asked for and no GGUF is known.
+    """
+    from dspark_export.models.fetch import source_gguf
+
+    gguf = source_gguf(model_dir) if model_dir is not None else None
+    if requested == "auto":
+        if role == "target" and gguf is not None:
+            return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
+        return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
+                             else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
+    if requested == "gguf":
+        if gguf is None:
+            raise DSparkError(f"--int4-source gguf: {model_dir} records no GGUF it was converted from (or the file "
+                              "is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
+        return "gguf", gguf, "asked for"
+    return requested, None, "asked for"
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A fetched model name -> its cache folder; an existing folder -> itself. Raises DSparkError."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    from dspark_export.models import fetch
+
+    if name_or_path in fetch.MODELS:
+        mp = fetch.model_path(name_or_path)
+        if (mp / "config.json").is_file():
+            return mp
+        raise DSparkError(f"model {name_or_path!r} is not fetched yet; run `dspark-export fetch {name_or_path}`")
+    raise DSparkError(f"{name_or_path!r} is neither a model folder nor a known model "
+                      f"({', '.join(sorted(fetch.MODELS))})")
+
+
+def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
+                 calibration_ids=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None,
+                 kv_layout: str = KV_LAYOUT_GROWING) -> dict:
+    """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
+    "quantization"}.
+
+    The torch reference is computed first and the model freed before ONNX Runtime loads the
+    graph, so only one copy of the weights is in memory at a time. ``calibration_ids``: token-id lists
+    of calibration-split prompts, needed for ``int8``/``int8-trt``/``fp8``. ``fp8_writer``: see
+    :func:`quantize_graph`.
+    """
+    import gc
+
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model, torch_reference, validate_decoder
+
+    model = load_hf_model(model_dir)
+    dims = decoder_dims(model.config, feature_layers)
+    ref = torch_reference(model, dims, validation_ids)
+    spec = export_decoder(model, dims, out_path, kv_layout=kv_layout)
+    cfg = model.config.to_dict()
+    del model
+    gc.collect()
+    # validation: {precision: report}, always with the fp32 graph's strict check
+    quantization = {}
+    if precision == "fp32":
+        validation = {"fp32": validate_decoder(ref, dims, out_path, kv_layout=kv_layout).to_json()}
+    else:
+        fp32_path = out_path.with_name(out_path.stem + ".fp32.onnx")
+        _move_graph(out_path, fp32_path)
+        validation = {"fp32": validate_decoder(ref, dims, fp32_path, kv_layout=kv_layout).to_json()}
+        quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
+                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf)
+        for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
+            p.unlink()
+        # quantized graphs are not expected to match torch exactly: record the agreement
+        validation[precision] = validate_decoder(ref, dims, out_path, strict=False, kv_layout=kv_layout).to_json()
+    keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
+            "tie_word_embeddings", "torch_dtype", "dtype")
+    return {"spec": spec.to_json(), "validation": validation, "config": {k: cfg[k] for k in keep if k in cfg},
+            "quantization": quantization}
+
+
+def _move_graph(src: Path, dst: Path) -> None:
+    """Rename an ONNX graph and its external-data file, updating the graph's data reference."""
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=False)
+    new_loc = dst.name + ".data"
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = new_loc
+    (src.with_name(src.name + ".data")).rename(dst.with_name(new_loc))
+    onnx.save_model(model, str(dst))
+    src.unlink()
+
+
+def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
+                   exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, log=print) -> dict:
+    """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
+    ``quantization`` record.
+
+    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.precision.qdq.quantize_qdq`), memory-bounded
+    (peak ≈ the largest weight plus the graph structure), with activation ranges from ``table`` (a
+    :class:`~dspark_export.precision.activation_ranges.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
+    lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
+    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.precision.qdq.DEFAULT_EXCLUDE`;
+    for fp8 none: every weight MatMul).
+    ``fp8``: FP8 E4M3 QDQ by the writer ``fp8_writer`` names (:func:`dspark_export.precision.fp8.choose_fp8_writer`):
+    ``"modelopt"`` — NVIDIA ModelOpt in its own environment (:func:`dspark_export.precision.fp8.quantize_fp8`; needs
+    ``calibration_ids``; peak ~7.5x the fp32 weights); ``"stream"`` — the memory-bounded QDQ writer as for
+    int8 (``table`` or ``calibration_ids``; FP8 weights stored quantized); ``"auto"`` (default) — ModelOpt
+    when installed and ~8x the fp32 weights fits in the available memory, else ``"stream"``. The record
+    says which (``"writer"``) and why (``"writer_reason"``).
+    ``int4``: MatMulNBits weight-only (:mod:`dspark_export.precision.nbits`): ``int4_source`` ``"gguf"`` re-packs the blocks
+    of ``gguf`` (the GGUF the model was converted from; streamed, peak ≈ one weight), ``"rtn"`` / ``"hqq"`` run ONNX
+    Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration data.
+    ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
+    Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
+    DSparkError when that cannot fit in this machine's RAM.
+    Raises DSparkError for an unknown precision or fp8 writer, missing calibration data, a calibration
+    table measured on another graph, or a failing quantizer.
+    """
+    if precision == "int4":
+        from dspark_export.precision import nbits
+
+        if int4_source == "gguf":
+            if gguf is None:
+                raise DSparkError("int4 from the GGUF needs the GGUF path")
+            return nbits.quantize_nbits_gguf(src, dst, gguf, log=log)
+        return nbits.quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
+    writer = reason = None
+    if precision == "fp8":
+        from dspark_export.precision.fp8 import choose_fp8_writer
+
+        writer, reason = choose_fp8_writer(src, fp8_writer, log=log)
+        exclude = () if exclude is None else tuple(exclude)
+    if writer == "modelopt":
+        from dspark_export.precision.fp8 import quantize_fp8
+
+        if not calibration_ids or spec is None:
+            raise DSparkError("fp8 needs calibration prompts (token ids) and the graph spec")
+        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=exclude, log=log)
+        rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
+        return {**rep, "writer_reason": reason}
+    if precision in CALIBRATED:
+        from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
+        from dspark_export.precision.activation_ranges import calibrate_graph
+        from dspark_runtime.engine_dir.manifest import sha256_file
+
+        exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
+        if table is None:
+            if not calibration_ids or spec is None:
+                raise DSparkError(f"{precision} needs calibration data: token ids of calibration prompts and the "
+                                  "graph spec (or a table from `dspark-export calibrate-quant`)")
+            table = calibrate_graph(src, spec, calibration_ids, log=log,  # every weight MatMul: reusable table
+                                    prompts_note=CALIBRATION_NOTE + f"; first {len(calibration_ids)}")
+        elif table.graph_sha256 and table.graph_sha256 != sha256_file(src):
+            raise DSparkError(f"the calibration table was measured on another graph than {src} (sha256 "
+                              f"{table.graph_sha256[:12]}...); run `dspark-export calibrate-quant` on this engine")
+        rep = quantize_qdq(src, dst, table, precision, exclude=exclude, log=log)
+        rep = {**rep, "calibration": table.summary(),
+               "calibration_run": {"seconds": table.seconds, "peak_rss_gb": table.peak_rss_gb}}
+        if writer is not None:
+            rep.update(writer=writer, writer_reason=reason)
+        return rep
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    if precision != "int8-dynamic":
+        raise DSparkError(f"no quantizer for {precision!r}")
+    weights = src.with_name(src.name + ".data").stat().st_size
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 3 * weights > 0.9 * total:
+        raise DSparkError(f"quantizing {src.name} needs ~{3 * weights / 2**30:.0f} GiB RAM (3x its weights) but this "
+                          f"machine has {total / 2**30:.0f} GiB; use the memory-bounded static 'int8' instead, or "
+                          "build on a larger machine")
+    t0 = time.perf_counter()
+    quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=False,
+                     weight_type=QuantType.QInt8, use_external_data_format=True)
+    data = dst.with_name(dst.name + ".data")
+    if not data.is_file():  # small graphs may be saved inline: normalise to one external file
+        import onnx
+
+        m = onnx.load(str(dst))
+        onnx.save_model(m, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=0)
+    log(f"  quantized {dst.name} ({precision}) in {time.perf_counter() - t0:.1f}s")
+    return {"precision": precision, "method": "ONNX Runtime quantize_dynamic (MatMul weights S8 per tensor, "
+            "activations quantized at run time; no calibration data)"}
+
+
+def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
+                           precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto",
+                           int4_source: str = "rtn", gguf=None, kv_layout: str = KV_LAYOUT_GROWING) -> dict:
+    """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
+    args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
+                       "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
+                       "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer,
+                       "int4_source": int4_source, "gguf": None if gguf is None else str(gguf),
+                       "kv_layout": kv_layout})
+    result_path = out_path.with_suffix(".export.json")
+    proc = subprocess.run([sys.executable, "-m", "dspark_export.engine_dir.build", args, str(result_path)])
+    if proc.returncode != 0 or not result_path.is_file():
+        raise DSparkError(f"exporting {model_dir} failed (exit {proc.returncode}); see the messages above")
+    res = json.loads(result_path.read_text())
+    result_path.unlink()
+    return res
+
+
+def _copy_tokenizer(model_dir: Path, out_dir: Path) -> dict:
+    tok_dir = out_dir / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (model_dir / f).is_file():
+            shutil.copy2(model_dir / f, tok_dir / f)
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise DSparkError(f"{model_dir} has no tokenizer.json; the runtime needs a fast tokenizer")
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text()) if (tok_dir / "tokenizer_config.json").is_file() else {}
+    if not (tok_dir / "chat_template.jinja").is_file() and isinstance(cfg.get("chat_template"), str):
+        (tok_dir / "chat_template.jinja").write_text(cfg["chat_template"])
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eos = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        eos += e if isinstance(e, list) else ([e] if e is not None else [])
+    if isinstance(cfg.get("eos_token"), str) and tok.token_to_id(cfg["eos_token"]) is not None:
+        eos.append(tok.token_to_id(cfg["eos_token"]))
+    eos = sorted(set(int(i) for i in eos))
+    if not eos:
+        raise DSparkError(f"{model_dir}: no EOS token id in generation_config.json or tokenizer_config.json")
+    files = sorted(p.name for p in tok_dir.iterdir() if p.is_file())
+    return {"dir": "tokenizer", "files": [FileEntry.of(out_dir, f"tokenizer/{f}") for f in files],
+            "eos_token_ids": eos,
+            "chat_template": "tokenizer/chat_template.jinja" if (tok_dir / "chat_template.jinja").is_file() else None}
+
+
+def _check_same_vocab(target_dir: Path, draft_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    a = Tokenizer.from_file(str(target_dir / "tokenizer.json")).get_vocab()
+    b = Tokenizer.from_file(str(draft_dir / "tokenizer.json")).get_vocab()
+    if a != b:
+        raise DSparkError(f"the draft {draft_dir} and the target {target_dir} have different vocabularies; "
+                          "a draft LM must share the target's tokenizer")
+
+
+def _tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("dspark", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _build_machine() -> dict:
+    """The manifest's ``build_machine``: the CPU of this machine (:func:`dspark_runtime.machine.sysinfo.cpu_features`),
+    on which the graphs are written and their validation figures measured."""
+    from dspark_runtime.machine.sysinfo import cpu_features
+
+    return cpu_features()
+
+
+def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
+                 fp8_writer: str = "auto") -> Manifest:
+    """Build ``out_dir`` from ``recipe``: graphs, tokenizer, manifest. Returns the Manifest.
+
+    ``isolate``: export each graph in its own process (default; keeps one model in memory).
+    ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see :func:`quantize_graph`).
+    Over an existing engine directory this is a transaction (:func:`dspark_export.engine_dir.transaction.engine_transaction`):
+    the new engine is written beside the old one, which it replaces only once complete (the old engine's files
+    that the new manifest does not list are then deleted; other files are kept). A new directory is removed
+    again when the build fails.
+    Raises DSparkError on any failure (missing model, unknown fp8 writer, export or validation failure, a full
+    disk); the directory is then as it was.
+    """
+    from dspark_export.precision.fp8 import check_fp8_writer
+
+    recipe.validate()
+    check_fp8_writer(fp8_writer)
+    out_dir = Path(out_dir)
+    target_dir = resolve_model(recipe.target)
+    dspark_ckpt = dspark_checkpoint(recipe.draft)
+    draft_dir = resolve_model(recipe.draft) if recipe.draft and dspark_ckpt is None else None
+    if draft_dir is not None:
+        _check_same_vocab(target_dir, draft_dir)
+    if dspark_ckpt is not None:
+        from dspark_export.drafter.config import load_config
+
+        ids = load_config(dspark_ckpt).target_layer_ids
+        if recipe.target_feature_layers and list(recipe.target_feature_layers) != list(ids):
+            raise DSparkError(f"target_feature_layers {recipe.target_feature_layers} differ from the DSpark "
+                              f"drafter's target_layer_ids {ids}; drop the field or make them equal")
+        recipe.target_feature_layers = list(ids)
+    from dspark_export.engine_dir.transaction import engine_transaction
+
+    t0 = time.perf_counter()
+    with engine_transaction(out_dir) as txn:  # an existing engine stays as it was unless this succeeds
+        manifest = _build_into(txn.stage, out_dir, recipe, target_dir, draft_dir, dspark_ckpt, isolate, log,
+                               fp8_writer)
+        _commit(txn, manifest)
+    log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
+    return manifest
+
+
+def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, draft_dir, dspark_ckpt, isolate: bool,
+                log, fp8_writer: str) -> Manifest:
+    """Write every file of the engine ``recipe`` describes into ``stage`` (an empty folder; the files move to
+    ``out_dir`` at commit) and return its Manifest."""
+    tokenizer = _copy_tokenizer(target_dir, stage)
+    from dspark_runtime.engine_dir.tokenizer import Tokenizer
+
+    tok = Tokenizer(stage / "tokenizer")
+    val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
+                         if tok.chat_template else VALIDATION_TEXT)
+    calib_ids = None
+    if any(recipe.precision_for(r) in CALIBRATED for r in ROLES):
+        from dspark_export.precision.activation_ranges import calibration_token_ids
+
+        calib_ids = calibration_token_ids(tok, recipe.calibration_prompts)
+    graphs = {}
+    jobs = [("target", target_dir, recipe.target_feature_layers)]
+    if draft_dir is not None:
+        jobs.append(("draft", draft_dir, []))
+    for role, mdir, feats in jobs:
+        log(f"[{role}] exporting {mdir} -> {out_dir / (role + '.onnx')}")
+        fn = _export_graph_isolated if isolate else export_graph
+        precision = recipe.precision_for(role)
+        source, gguf = "rtn", None
+        if precision == "int4":
+            source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
+            log(f"[{role}] int4 weights from {source} ({why})")
+        res = fn(mdir, stage / f"{role}.onnx", feats, val_ids, precision,
+                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf, recipe.kv_layout)
+        for prec, v in res["validation"].items():
+            log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
+                f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
+                f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
+        log(f"[{role}] hashing files")
+        files = [FileEntry.of(stage, f"{role}.onnx"), FileEntry.of(stage, f"{role}.onnx.data")]
+        graphs[role] = GraphEntry(role=role, model_id=str(recipe.target if role == "target" else recipe.draft),
+                                  format="onnx", precision=precision, files=files,
+                                  spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
+                                  model_config=res["config"], quantization=res.get("quantization", {}))
+    from dspark_runtime.engine_dir.speculation import Speculation
+
+    manifest = Manifest(
+        name=recipe.name, graphs=graphs, tokenizer=tokenizer,
+        speculation=Speculation(draft_graph="draft" if draft_dir else None, draft_length=recipe.draft_length),
+        tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        schema_version=SCHEMA_VERSION, build_machine=_build_machine())
+    if dspark_ckpt is not None:
+        from dspark_export.engine_dir.add_draft import DSPARK_PRECISIONS
+
+        prec = recipe.precision_for("draft")
+        if prec not in DSPARK_PRECISIONS:
+            log(f"[draft] a DSpark drafter graph is weight-only quantized ({', '.join(DSPARK_PRECISIONS)}); "
+                f"{prec} -> fp32")
+            prec = "fp32"
+        add_dspark_into(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log, precision=prec)
+    return manifest
+
+
+def _commit(txn, manifest: Manifest) -> None:
+    """Commit ``txn`` (:meth:`dspark_export.engine_dir.transaction.EngineTransaction.commit`) with ``manifest``, recording this
+    machine as ``build_machine`` when the manifest has none (one of an engine built before it was recorded)."""
+    if not manifest.build_machine:
+        manifest.build_machine = _build_machine()
+    txn.commit(manifest)
+
+
+def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
+    """Write ``manifest`` into the new engine directory ``out_dir`` (``quantize``; atomically), recording this
+    machine as ``build_machine`` when the manifest has none, and record its files as hashed (the caller hashed
+    or verified them), so the first load need not hash 7 GB again. Commands that change an existing engine
+    directory use :func:`dspark_export.engine_dir.transaction.engine_transaction` instead. Raises OSError when it cannot write."""
+    if not manifest.build_machine:
+        manifest.build_machine = _build_machine()
+    manifest.write(out_dir)
+    record_verified(out_dir, manifest.all_files())
+
+
+if __name__ == "__main__":  # worker for _export_graph_isolated
+    a = json.loads(sys.argv[1])
+    try:
+        r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
+                         a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"),
+                         a.get("int4_source", "rtn"), a.get("gguf"), a.get("kv_layout", KV_LAYOUT_GROWING))
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    Path(sys.argv[2]).write_text(json.dumps(r))

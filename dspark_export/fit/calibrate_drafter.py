@@ -1,0 +1,135 @@
+"""``dspark-export calibrate``: fit the DSpark confidence head's STS temperatures on the calibration split.
+
+The engine decodes calibration prompts (``dspark_export/data/prompts/README.md``: gsm8k 901–1000, math500 351–400,
+mbpp 181–200 — never evaluation prompts) greedily with its DSpark drafter at the full block size,
+recording every round's confidence logits and how many drafts the target accepted. Sequential
+Temperature Scaling (docs/design.md §1 step 3; :func:`dspark_runtime.drafting.sts.fit_sts`) then picks one
+temperature per position so the cumulative survival product matches the measured prefix survival.
+The temperatures go into the engine's manifest (and ``sts.json`` beside the checkpoint when known).
+The manifest and ``calibration.json`` are replaced in one transaction
+(:func:`dspark_export.engine_dir.transaction.engine_transaction`): an error or Ctrl-C leaves the engine directory as it was.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.drafting.sts import fit_sts, survival_ece_report
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.drafter.data import CALIB_SPLIT, split_prompts
+
+
+def calibration_prompts(n: int) -> list:
+    """The first turns of ``n`` calibration-split prompts, code-weighted: mbpp, gsm8k, math500 in turn."""
+    groups = split_prompts(CALIB_SPLIT)
+    order, out = ["mbpp", "gsm8k", "mbpp", "math500"], []
+    idx = {k: 0 for k in groups}
+    while len(out) < n and any(idx[k] < len(groups[k]) for k in groups):
+        for k in order:
+            if len(out) < n and idx[k] < len(groups[k]):
+                out.append(groups[k][idx[k]][1])
+                idx[k] += 1
+    return out
+
+
+def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequences: list | None = None) -> tuple:
+    """Decode ``prompts`` with the engine's DSpark drafter; returns (logits [R, γ], accepted [R, γ]).
+    When ``sequences`` is a list, (prompt ids + greedy output, prompt length) pairs are appended to it.
+
+    accepted[r, k] = 1 for k < n_r, 0 at k = n_r (the first rejection), and 0 afterwards (ignored by STS,
+    which conditions on all earlier positions being accepted). Rounds cut short by the token budget
+    (fewer than γ drafts) are dropped.
+    """
+    gen = engine.batch(draft="dspark", max_batch=1)  # full blocks: the default length of a DSpark drafter
+    drafter, gamma = gen.drafter, gen.default_gamma
+    drafter.record = []
+    rows, accs = [], []
+    for i, p in enumerate(prompts):
+        ids = engine.encode_prompt(p)
+        t0 = time.perf_counter()
+        start = len(drafter.record)
+        req = gen.submit(ids, max_new_tokens=max_new_tokens)
+        gen.run()
+        out, stats = req.token_ids, req.stats
+        if sequences is not None:
+            sequences.append((list(ids) + list(out), len(ids)))
+        for conf, n in drafter.record[start:]:
+            if len(conf) == gamma:
+                rows.append(conf)
+                a = np.zeros(gamma)
+                a[:n] = 1
+                accs.append(a)
+        log(f"  [{i + 1}/{len(prompts)}] {len(out)} tokens, tau {stats.accepted_length_mean:.2f}, "
+            f"{time.perf_counter() - t0:.0f} s")
+    drafter.record = None
+    if not rows:
+        raise DSparkError("no full draft rounds were recorded; use more prompts or more tokens")
+    return np.stack(rows), np.stack(accs)
+
+
+def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_on: str = "") -> dict:
+    """The router's priors (issue 9), for ``speculation.router`` in the manifest: n-gram lookup's
+    acceptance per match-extent bucket and position measured on the greedy outputs ``sequences`` (list of
+    (token ids, prompt length); :func:`dspark_runtime.drafting.router.fit_ngram_counts`), and the DSpark drafter's
+    per-position acceptance from its recorded rounds (``dspark_accepted`` [R, γ]). Pure function."""
+    from dspark_runtime.drafting.router import NGRAM_MAX_LENGTH, acceptance_counts, fit_ngram_counts
+
+    ngram = fit_ngram_counts([s for s, _ in sequences], [p for _, p in sequences], max(gamma, NGRAM_MAX_LENGTH))
+    return {"ngram": ngram, "inner": {"dspark": acceptance_counts(dspark_accepted)}, "fitted_on": fitted_on,
+            "sequences": len(sequences), "gamma": int(gamma)}
+
+
+def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print) -> dict:
+    """Fit STS temperatures for the engine's DSpark drafter and write them to its manifest.
+
+    Returns {"temperatures", "report" (per position ECE before/after), "rounds", "prompts"}.
+    The manifest and ``<engine_dir>/calibration.json`` change together or not at all; ``sts.json`` beside the
+    checkpoint is written (atomically) after them. Raises DSparkError when the engine has no DSpark drafter,
+    no full draft round was recorded, or the engine directory cannot be written (read-only, full disk; it is
+    then unchanged).
+    """
+    from dspark_export.engine_dir.transaction import engine_transaction
+    from dspark_runtime.engine import Engine
+    from dspark_runtime.engine_dir.manifest import atomic_write_text, load_manifest
+
+    engine_dir = Path(engine_dir)
+    eng = Engine.load(engine_dir)
+    if eng.dspark_graph is None:
+        raise DSparkError(f"{engine_dir} has no DSpark drafter to calibrate")
+    eng.dspark_heads().temperatures = None  # record raw (uncalibrated) confidences
+    prompts = calibration_prompts(n_prompts)
+    log(f"decoding {len(prompts)} calibration-split prompts with the DSpark drafter")
+    sequences: list = []
+    logits, acc = record_rounds(eng, prompts, max_new_tokens, log, sequences)
+    temps = fit_sts(logits, acc)
+    report = survival_ece_report(logits, acc, temps)
+    fitted_on = ("calibration split (dspark_export/data/prompts/README.md): " + ", ".join(
+        f"{k} lines {a + 1}-{b}" for k, (a, b) in CALIB_SPLIT.items()) + f"; first {len(prompts)}")
+    router = fit_router(sequences, acc, gamma=logits.shape[1], fitted_on=fitted_on)
+    res = {"temperatures": [float(t) for t in temps], "report": report, "rounds": int(len(logits)),
+           "prompts": fitted_on, "max_new_tokens": max_new_tokens, "router": router,
+           "sequences": [{"token_ids": list(map(int, q)), "prompt_tokens": int(n)} for q, n in sequences]}
+    with engine_transaction(engine_dir) as txn:
+        m = load_manifest(engine_dir, verify=False)
+        m.speculation.dspark.sts_temperatures = res["temperatures"]
+        m.speculation.dspark.calibration = {"rounds": res["rounds"], "ece": [
+            {k: r[k] for k in ("position", "ece_before", "ece_after")} for r in report]}
+        m.speculation.router = router
+        txn.add("calibration.json").write_text(json.dumps(res, indent=2) + "\n")
+        txn.commit(m)
+    ng = np.asarray(router["ngram"]["hits"]) / np.maximum(np.asarray(router["ngram"]["tries"]), 1)
+    log("n-gram lookup acceptance at position 1 by match extent "
+        + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
+                    for i, lo in enumerate(router["ngram"]["edges"])))
+    model_id = m.graphs[m.speculation.dspark.graph].model_id
+    if model_id.startswith("dspark:"):
+        ck = Path(model_id[len("dspark:"):])
+        if ck.is_dir():
+            atomic_write_text(ck / "sts.json", json.dumps({"temperatures": res["temperatures"],
+                                                           "fitted_on": res["prompts"], "rounds": res["rounds"],
+                                                           "router": router}, indent=2) + "\n")
+    return res

@@ -1,0 +1,218 @@
+"""Fewer, larger MatMulNBits: the weight MatMuls of an int4 graph that read the same activation (a layer's
+q/k/v projections, its gate/up projections) become one ``com.microsoft.MatMulNBits`` over the weights
+concatenated along the output channels, followed by one ``Split``.
+
+Why: at decode time (1–8 rows) an int4 step is memory-bound and ONNX Runtime pays a fixed cost per node (thread
+pool dispatch, output allocation); the Qwen2.5 1.5B graph has 7 weight MatMuls per layer, each with a block-min
+correction (``Reshape``/``ReduceSum``/``MatMul``/``Sub``, see :mod:`dspark_export.precision.nbits`) and a bias ``Add`` on
+q/k/v. Merged, a layer has 4 weight MatMuls (3 where v has the same block type as q and k), one correction
+``MatMul``/``Sub`` per merged node, and the q/k/v biases ride in MatMulNBits' own ``bias`` input.
+
+What is merged: MatMulNBits nodes with the same activation input and the same ``K``, ``bits``, ``block_size``,
+``accuracy_level``, zero-point presence and type, correction input (the shared block sums) and bias presence;
+nodes with ``g_idx`` or ``bias`` inputs already are left alone. The graph computes bit for bit what it computed
+before (measured on ONNX Runtime 1.32's CPU kernels, 1–16 rows: each output column is the same dot product over
+the same blocks, the activation is quantized per block of K, not per node; the bias goes into the kernel only where
+there is no correction, otherwise one ``Add`` after the ``Sub`` keeps the rounding order) — ``tests/test_nbits.py``
+checks the merged graph against the unmerged one for equality.
+
+The rewrite streams: the graph structure is loaded without its weights, each merged group's tensors are read,
+concatenated (one layer's gate+up: ~14 MB) and written, everything else is copied in chunks into a new
+``.data`` file, and both files replace the originals at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class _Member:
+    node: object            # the MatMulNBits NodeProto
+    n: int                  # its output channels
+    final: str              # the tensor carrying x @ W (+ bias): what the Split writes
+    removed: list = field(default_factory=list)  # nodes replaced by the merged ones (correction, bias Add)
+    corr_weight: str | None = None
+    bias: str | None = None
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _toposort(nodes: list, available: set) -> list:
+    """``nodes`` in an order where every input is produced before use (Kahn; the given order breaks ties)."""
+    produced_by = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [{produced_by[x] for x in n.input if x and x in produced_by and x not in available} for n in nodes]
+    users = defaultdict(list)
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(i)
+    import heapq
+
+    ready = [i for i, ds in enumerate(deps) if not ds]
+    heapq.heapify(ready)
+    left = [len(ds) for ds in deps]
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(nodes[i])
+        for u in users[i]:
+            left[u] -= 1
+            if left[u] == 0:
+                heapq.heappush(ready, u)
+    if len(out) != len(nodes):
+        from dspark_runtime.errors import DSparkError
+
+        raise DSparkError("merging MatMulNBits nodes left a cycle in the graph (a bug); rebuild without it")
+    return out
+
+
+def fuse_shared_inputs(path: Path, log=print) -> dict:
+    """Merge the MatMulNBits nodes of graph ``path`` (with its ``<name>.data`` beside it) that read the same
+    activation, in place (see the module doc).
+
+    Returns ``{"groups": number of merged groups, "matmul_nbits_nodes": [before, after], "nodes": [before,
+    after]}``; a graph with nothing to merge is left untouched. Raises DSparkError on a malformed graph.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
+
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers, producer = defaultdict(list), {}
+    for n in g.node:
+        for i in n.input:
+            consumers[i].append(n)
+        for o in n.output:
+            producer[o] = n
+    outputs = {o.name for o in g.output}
+    before = (sum(n.op_type == "MatMulNBits" for n in g.node), len(g.node))
+
+    groups = defaultdict(list)
+    for n in g.node:
+        if n.op_type != "MatMulNBits" or n.domain != "com.microsoft" or len(n.input) > 4:
+            continue
+        if any(i and i not in inits for i in n.input[1:]):
+            continue
+        a = _attrs(n)
+        m = _Member(n, int(a["N"]), n.output[0])
+        cons = consumers[m.final]
+        if m.final not in outputs and len(cons) == 1 and cons[0].op_type == "Sub" and cons[0].input[0] == m.final:
+            sub = cons[0]
+            cm = producer.get(sub.input[1])
+            if cm is not None and cm.op_type == "MatMul" and cm.input[1] in inits and len(consumers[cm.output[0]]) == 1:
+                m.removed += [cm, sub]
+                m.corr_weight, m.final = cm.input[1], sub.output[0]
+        cons = consumers[m.final]
+        if m.final not in outputs and len(cons) == 1 and cons[0].op_type == "Add":
+            add = cons[0]
+            other = add.input[1] if add.input[0] == m.final else add.input[0]
+            t = inits.get(other)
+            if t is not None and list(t.dims) == [m.n] and t.data_type == TensorProto.FLOAT:
+                m.removed.append(add)
+                m.bias, m.final = other, add.output[0]
+        zp = n.input[3] if len(n.input) > 3 and n.input[3] else None
+        key = (n.input[0], a["K"], a["bits"], a["block_size"], a.get("accuracy_level", 0),
+               None if zp is None else (inits[zp].data_type, len(inits[zp].dims)),
+               len(inits[n.input[2]].dims), m.removed[0].input[0] if m.corr_weight else None, m.bias is not None)
+        groups[key].append(m)
+    merged = [ms for ms in groups.values() if len(ms) > 1]
+    if not merged:
+        return {"groups": 0, "matmul_nbits_nodes": [before[0]] * 2, "nodes": [before[1]] * 2}
+
+    # which initializers each merged group concatenates, and on which axis
+    plan = {}   # new tensor name -> ([member tensor names], concatenation axis)
+    skip = set()  # the members' tensors (dropped below unless something else reads them)
+    new_nodes, gone = [], set()
+    for gi, ms in enumerate(merged):
+        first = ms[0].node
+        base = f"{first.name}_fused{len(ms)}"
+        ins = list(first.input)
+        cat = {1: base + "_Q", 2: base + "_scales", 3: base + "_zp"}
+        for slot, name in cat.items():
+            if slot < len(ins) and ins[slot]:
+                plan[name] = ([m.node.input[slot] for m in ms], 0)
+        fused_in = [ins[0], cat[1], cat[2], cat[3] if len(ins) > 3 and ins[3] else ""]
+        if ms[0].bias:
+            plan[base + "_bias"] = ([m.bias for m in ms], 0)
+            if not ms[0].corr_weight:  # no correction: the kernel adds the bias (bit-identical to the Add)
+                fused_in += ["", base + "_bias"]
+        a = _attrs(first)
+        a["N"] = sum(m.n for m in ms)
+        y = base + "_out"
+        mm = helper.make_node("MatMulNBits", fused_in, [y], name=base, domain="com.microsoft", **a)
+        mm.metadata_props.extend(first.metadata_props)
+        prop = mm.metadata_props.add()
+        prop.key, prop.value = "dspark.fused", ",".join(m.node.name for m in ms)
+        new_nodes.append(mm)
+        if ms[0].corr_weight:
+            plan[base + "_corr"] = ([m.corr_weight for m in ms], 1)
+            blocksum = ms[0].removed[0].input[0]
+            new_nodes.append(helper.make_node("MatMul", [blocksum, base + "_corr"], [base + "_correction"],
+                                              name=base + "_correction_MatMul"))
+            new_nodes.append(helper.make_node("Sub", [y, base + "_correction"], [base + "_sub"], name=base + "_Sub"))
+            y = base + "_sub"
+            if ms[0].bias:  # after the correction, as before: (x·W − c) + b rounds exactly like the separate nodes
+                new_nodes.append(helper.make_node("Add", [y, base + "_bias"], [base + "_biased"], name=base + "_Add"))
+                y = base + "_biased"
+        split = base + "_split_sizes"
+        proto.graph.initializer.append(numpy_helper.from_array(np.array([m.n for m in ms], np.int64), split))
+        new_nodes.append(helper.make_node("Split", [y, split], [m.final for m in ms], axis=-1, name=base + "_Split"))
+        for m in ms:
+            gone.add(id(m.node))
+            gone.update(id(r) for r in m.removed)
+
+    # a member's tensor is dropped only when nothing else reads it (exporters share equal constants, e.g. zero biases)
+    skip = {t for parts, _ in plan.values() for t in parts}
+    skip = {t for t in skip if all(id(c) in gone for c in consumers[t]) and t not in outputs}
+    nodes = [n for n in g.node if id(n) not in gone] + new_nodes
+    avail = {i.name for i in g.input} | set(inits) | {t.name for t in proto.graph.initializer}
+    nodes = _toposort(nodes, avail)
+
+    tmp = path.parent / f".fuse-{os.getpid()}-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    reader = ExternalData(path.parent)
+    new_inits = []
+    try:
+        with ExternalWriter(tmp / path.name) as writer:
+            for t in list(proto.graph.initializer):
+                if t.name not in skip:
+                    new_inits.append(writer.copy(t, reader))
+            for name, (parts, axis) in plan.items():
+                out = np.concatenate([_read(inits[p], reader) for p in parts], axis=axis)
+                new_inits.append(writer.put([out], name, inits[parts[0]].data_type, out.shape))
+        reader.close()
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(new_inits)
+        onnx.save_model(proto, str(tmp / path.name))
+        os.replace(tmp / (path.name + ".data"), path.parent / (path.name + ".data"))
+        os.replace(tmp / path.name, path)
+    finally:
+        reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    after = (before[0] - sum(len(ms) - 1 for ms in merged), len(nodes))
+    log(f"  merged {sum(len(ms) for ms in merged)} MatMulNBits reading a shared input into {len(merged)}: "
+        f"{before[0]} -> {after[0]} MatMulNBits, {before[1]} -> {after[1]} nodes")
+    return {"groups": len(merged), "matmul_nbits_nodes": [before[0], after[0]], "nodes": [before[1], after[1]]}
+
+
+def _read(t, reader) -> np.ndarray:
+    from onnx import helper
+
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    return np.frombuffer(reader.read(t), dtype).reshape([int(d) for d in t.dims])

@@ -1,0 +1,94 @@
+"""Per-graph placement: which backend / execution provider runs each graph of an engine (the seeds' heterogeneous
+offloading: e.g. the target on a GPU's TensorRT engine, the draft LM on ONNX Runtime's CUDA provider, the DSpark
+drafter on the CPU). Pure parsing and checks, no engine I/O; :class:`dspark_runtime.engine.Engine` applies them.
+
+A placement string is ``"target=trt,draft=cuda,dspark=cpu"`` (graph key = place, keys as in the manifest's
+``graphs``; graphs not named run on the CPU) or one place for every graph (``"cuda"``; ``"trt"`` puts every graph
+that has a TensorRT engine on it and leaves the others on the CPU, as ``--backend trt`` always did).
+
+Places:
+  ``cpu``     ONNX Runtime, CPU execution provider (the default)
+  ``cuda``    ONNX Runtime, CUDA execution provider (the ``onnxruntime-gpu`` package in place of ``onnxruntime``:
+              ``pip uninstall -y onnxruntime && pip install onnxruntime-gpu``; its newest release on PyPI, 1.31.1, is
+              one minor version behind the CPU package this project pins, and no GPU run has checked it yet)
+  ``trt-ep``  ONNX Runtime, TensorRT execution provider (also ``onnxruntime-gpu``), CUDA then CPU as fallbacks
+  ``trt``     the engine's own TensorRT engine of that graph (``dspark-export build-trt``; ``dspark_runtime.backends.trt.decoder``:
+              ``TrtDecoder`` for the target / draft LM, ``TrtDSparkGraph`` for the DSpark drafter)
+"""
+from __future__ import annotations
+
+from dspark_runtime.errors import InputError
+
+PLACES = ("cpu", "cuda", "trt-ep", "trt")
+# ONNX Runtime execution providers of each ONNX Runtime place, in the order ONNX Runtime tries them
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "trt-ep": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def parse_placement(spec: str | dict | None, graphs: dict, trt_graphs=()) -> dict:
+    """The place of every graph of an engine.
+
+    Args:
+        spec: ``"key=place,..."``, one place for all, a dict {key: place}, or None / "" (every graph on the CPU).
+        graphs: {graph key: graph kind} of the engine ("target": "causal_lm", "dspark": "dspark_draft", ...).
+        trt_graphs: keys of the graphs that have a TensorRT engine in the manifest.
+    Returns:
+        {graph key: place} for every key of ``graphs``.
+    Raises:
+        InputError naming the problem and the fix: a malformed entry, a key the engine has no graph of, a key given
+        twice, an unknown place, ``trt`` for a graph without a TensorRT engine (the DSpark drafter's included: its
+        engine comes from ``build-trt`` on an fp32 drafter graph).
+    """
+    trt_graphs = set(trt_graphs)
+    if spec is None or spec == "":
+        return {k: "cpu" for k in graphs}
+    if isinstance(spec, dict):
+        pairs = list(spec.items())
+    elif "=" not in spec:
+        place = _check_place(spec.strip(), "every graph")
+        if place == "trt":
+            if "target" not in trt_graphs:
+                raise InputError("placement 'trt' needs the target's TensorRT engine; build it with "
+                                 "`dspark-export build-trt ENGINE`, or place the target on 'cuda' or 'cpu'")
+            return {k: "trt" if k in trt_graphs else "cpu" for k in graphs}
+        return {k: place for k in graphs}
+    else:
+        pairs = []
+        for item in spec.split(","):
+            key, sep, place = item.partition("=")
+            if not sep or not key.strip() or not place.strip():
+                raise InputError(f"placement entry {item!r} is not key=place (e.g. "
+                                 "'target=trt,draft=cuda,dspark=cpu')")
+            pairs.append((key.strip(), place.strip()))
+    out = {k: "cpu" for k in graphs}
+    seen = set()
+    for key, place in pairs:
+        if key not in graphs:
+            raise InputError(f"placement names graph {key!r}, but this engine's graphs are {sorted(graphs)}")
+        if key in seen:
+            raise InputError(f"placement gives graph {key!r} twice; give each graph one place")
+        seen.add(key)
+        place = _check_place(place, f"graph {key!r}")
+        if place == "trt" and key not in trt_graphs:
+            raise InputError(f"graph {key!r} has no TensorRT engine in this engine directory; build one with "
+                             f"`dspark-export build-trt ENGINE --graphs {key}`"
+                             + (" from an fp32 drafter graph (an int4 one has MatMulNBits, which TensorRT does not "
+                                "build)" if graphs[key] == "dspark_draft" else "")
+                             + ", or place it on 'cuda' or 'cpu'")
+        out[key] = place
+    return out
+
+
+def _check_place(place: str, what: str) -> str:
+    if place not in PLACES:
+        raise InputError(f"unknown place {place!r} for {what}; choose one of {list(PLACES)} (cpu, cuda: ONNX Runtime "
+                         "providers; trt-ep: ONNX Runtime's TensorRT provider; trt: the engine's TensorRT engine)")
+    return place
+
+
+def format_placement(places: dict) -> str:
+    """``{"target": "trt", "draft": "cpu"}`` -> ``"target=trt,draft=cpu"`` (the form :func:`parse_placement` reads)."""
+    return ",".join(f"{k}={v}" for k, v in places.items())

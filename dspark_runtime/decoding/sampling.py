@@ -1,0 +1,342 @@
+"""Token selection: turn target/draft logits into the distribution a token is drawn from, and
+draw from it.
+
+Everything here is a pure function of its arguments (numpy only, no torch). Randomness comes
+from an explicit ``numpy.random.Generator`` passed by the caller, never from numpy's global
+state, so a run is reproducible from its seed and the functions are unit-testable without a
+model. The layout follows vLLM's sampler (``vllm/v1/sample/sampler.py`` and
+``vllm/v1/sample/rejection_sampler.py``): every array argument carries a shape/dtype comment.
+
+The order of the transforms is the usual one (HF ``generate`` and vLLM agree):
+temperature, then top-k, then top-p, each on the result of the previous one.
+
+Speculative decoding (``dspark_runtime.decoding.acceptance``) needs the *same* processed distribution
+for the draft (q) and the target (p) that plain sampling would use, so both go through
+:func:`process_logits`; speculative sampling is then lossless with respect to the processed
+target distribution (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding", Theorem 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling", Theorem 1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import numpy as np
+
+from dspark_runtime.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen.
+
+    temperature: 0 means greedy (argmax, ties to the lowest token id); > 0 divides the logits.
+    top_k:       0 disables; k >= 1 keeps the k most probable tokens (ties to the lowest ids).
+    top_p:       1.0 disables; p in (0, 1) keeps the smallest set of most probable tokens whose
+                 probability mass is >= p (nucleus sampling, Holtzman et al. 2020).
+
+    top_k and top_p are ignored when greedy. Call :meth:`validate` before use (the functions in
+    this module do).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature == 0)."""
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Check the ranges.
+
+        Raises:
+            InputError: temperature not a finite number >= 0; top_k not an integer >= 0;
+                top_p not a number in (0, 1]. The message names the bad value and the range.
+        """
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, Real) or not math.isfinite(t) or t < 0:
+            raise InputError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
+            )
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 = disabled), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, Real) or not (0.0 < p <= 1.0):
+            raise InputError(f"top_p must be a number in (0, 1] (1 = disabled), got {p!r}")
+
+
+def process_logits(
+    logits: np.ndarray,  # float [..., vocab]; float32 from the graphs; -inf allowed (masked)
+    params: SamplingParams,
+) -> np.ndarray:  # float64 [..., vocab]; each row sums to 1
+    """Turn logits into the probabilities the next token is drawn from.
+
+    Non-greedy: ``softmax(logits / temperature)`` computed in float64 with the row maximum
+    subtracted (no overflow), then top-k, then top-p, renormalising after each cut:
+
+    * top-k keeps exactly ``min(top_k, vocab)`` tokens: the k largest logits, ties broken
+      towards the lowest token id (the same order as ``np.argmax``);
+    * top-p keeps, in descending-probability order (ties to the lowest id), every token whose
+      preceding mass is ``< top_p``: the smallest prefix with mass ``>= top_p``. The most
+      probable token is always kept. The comparison is exact on the float64 probabilities
+      computed here (no tolerance).
+
+    The result is the one a full stable sort of the vocabulary gives (the reference kept in
+    ``scripts/sampling_bench.py``), bit for bit on the kept tokens' float64 values, but the
+    cuts use partial selection: ``np.argpartition`` for the k largest (on the float32 logits
+    themselves where ``logits / temperature`` cannot merge two of them, see
+    :func:`_rank_keys`), and for top-p a candidate set of the ``m`` most probable tokens with
+    ``m`` growing (at least doubling) from :data:`TOP_P_START` until the candidates strictly
+    above the m-th value reach ``top_p`` (a sort of whole rows, by value only, when ``m`` would
+    exceed half the row; see :func:`_nucleus`). The normalising sums still run over the whole
+    row in numpy's pairwise order, as the full-sort version does, so the probabilities are the
+    same float64 numbers. Cost at a 151,936-token vocabulary: ``scripts/sampling_bench.py``.
+
+    Greedy (``temperature == 0``): a one-hot row (point mass, 1.0 at ``np.argmax`` of the raw
+    logits, ties to the lowest id, 0.0 elsewhere); top-k/top-p are ignored. A point mass
+    is a valid distribution, so greedy goes through :func:`sample` and
+    ``acceptance.rejection_accept`` unchanged and reduces to exact argmax matching.
+
+    Raises:
+        InputError: from ``params.validate()``.
+        ValueError: logits are not a floating array with ndim >= 1 and vocab >= 1, contain NaN
+            or +inf, or a row is entirely -inf (no token possible).
+    """
+    params.validate()
+    x = np.asarray(logits)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., vocab] with vocab >= 1, got {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"logits must be a floating array, got dtype {x.dtype}")
+    vocab = x.shape[-1]
+    rows = x.reshape(-1, vocab)  # [R, vocab] (a view when x is contiguous)
+    row_max = np.max(rows, axis=-1)  # [R]; NaN propagates, +inf / -inf show as the maximum
+    if np.isnan(row_max).any() or np.isposinf(row_max).any():
+        raise ValueError("logits contain NaN or +inf")
+    if np.isneginf(row_max).any():
+        raise ValueError("a logits row is entirely -inf: no token can be chosen")
+
+    if params.greedy:
+        probs = np.zeros(x.shape, dtype=np.float64)
+        np.put_along_axis(probs, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return probs
+    if rows.shape[0] == 0:
+        return np.zeros(x.shape, dtype=np.float64)
+
+    temperature = float(params.temperature)
+    # max(logits / T) == fl(max(logits) / T): correctly rounded division is monotone.
+    z_max = row_max.astype(np.float64) / temperature  # [R]
+    top_k = int(params.top_k)
+    top_p = float(params.top_p)
+    if 0 < top_k < vocab:
+        probs = _top_k_probs(rows, top_k, temperature, z_max, top_p)
+    else:
+        probs = _softmax_rows(rows, temperature, z_max)
+        if top_p < 1.0:
+            probs = _top_p_dense(probs, top_p)
+    return probs.reshape(x.shape)
+
+
+def sample(
+    probs: np.ndarray,  # float [..., vocab]; non-negative, each row with positive finite sum
+    rng: np.random.Generator,  # consumes one rng.random() draw per row
+) -> int | np.ndarray:  # int for a 1-D probs; int64 [...] otherwise
+    """Draw one token per row by inverse CDF.
+
+    With ``c = cumsum(row)`` and ``u = rng.random() * c[-1]`` (so rows need not be exactly
+    normalised), the token is the first ``i`` with ``u < c[i]``. A token with probability 0
+    is never chosen (its CDF step is empty). If float rounding makes ``u`` reach ``c[-1]``,
+    the result is clamped to the last token with positive probability, never out of range.
+
+    Raises:
+        ValueError: probs has ndim < 1 or vocab < 1, contains a negative/NaN/inf entry, or a
+            row sums to 0.
+    """
+    p = np.asarray(probs)
+    if p.ndim < 1 or p.shape[-1] < 1:
+        raise ValueError(f"probs must have shape [..., vocab] with vocab >= 1, got {p.shape}")
+    if not (np.isfinite(p) & (p >= 0)).all():
+        raise ValueError("probs must be finite and non-negative")
+    cdf = np.cumsum(p, axis=-1, dtype=np.float64)  # [..., vocab]
+    total = cdf[..., -1]  # [...]
+    if (total <= 0).any():
+        raise ValueError("a probs row sums to 0: nothing to sample")
+    u = rng.random(size=total.shape) * total  # [...] in [0, total] (== total only by rounding)
+    idx = np.count_nonzero(cdf <= u[..., None], axis=-1)  # [...] first i with u < cdf[i]
+    vocab = p.shape[-1]
+    if (idx >= vocab).any():  # only when u rounded up to the total; cdf[idx] > cdf[idx-1] else
+        last_positive = vocab - 1 - np.argmax(p[..., ::-1] > 0, axis=-1)  # [...]
+        idx = np.minimum(idx, last_positive)
+    idx = idx.astype(np.int64, copy=False)
+    if p.ndim == 1:
+        return int(idx)
+    return idx
+
+
+#: first candidate-set size of the top-p search (:func:`_nucleus`; at least doubled until the nucleus is found)
+TOP_P_START = 1024
+
+
+def _softmax_rows(
+    rows: np.ndarray,  # float [R, vocab]; logits, -inf allowed, a finite entry per row
+    temperature: float,  # > 0
+    z_max: np.ndarray,  # float64 [R]; max(rows / temperature) per row
+) -> np.ndarray:  # float64 [R, vocab]; exp(z - max) / sum, the sum in numpy's pairwise order
+    z = rows.astype(np.float64)  # a new array: every step below is in place
+    z /= temperature
+    z -= z_max[:, None]
+    np.exp(z, out=z)
+    z /= np.sum(z, axis=-1, keepdims=True)
+    return z
+
+
+def _rank_keys(
+    rows: np.ndarray,  # float [R, vocab]; logits
+    temperature: float,  # > 0
+) -> np.ndarray:  # float [R, vocab]; ranked like rows / temperature in float64, ties included
+    """The array to rank for top-k: the logits themselves when ``x / temperature`` in float64
+    keeps their order and their ties exactly (float16/float32 logits and a temperature in
+    [1e-250, 1e250]: every quotient of a nonzero float32 is then a normal float64, and two
+    float32 values a relative 2**-24 apart cannot round to one float64), else the float64
+    scaled logits (float64 input, extreme temperatures)."""
+    if rows.dtype in (np.float16, np.float32) and 1e-250 <= temperature <= 1e250:
+        return rows
+    return rows.astype(np.float64) / temperature
+
+
+def _top_k_columns(
+    keys: np.ndarray,  # float [R, vocab]; ranking keys, no NaN
+    k: int,  # 1 <= k < vocab
+) -> np.ndarray:  # int64 [R, k]; per row the k largest keys' columns, ties to the lowest, ascending
+    vocab = keys.shape[-1]
+    part = np.argpartition(keys, vocab - k, axis=-1)[:, vocab - k:]  # [R, k]; ties arbitrary
+    kth = np.take_along_axis(keys, part[:, :1], axis=-1)  # [R, 1]; the k-th largest key
+    cols = np.sort(part, axis=-1)
+    tied = np.flatnonzero(np.count_nonzero(keys >= kth, axis=-1) > k)  # ties straddle the cut
+    for r in tied:  # keep everything above the k-th key, then the lowest-id equal ones
+        above = np.flatnonzero(keys[r] > kth[r, 0])
+        equal = np.flatnonzero(keys[r] == kth[r, 0])[: k - above.size]
+        cols[r] = np.sort(np.concatenate([above, equal]))
+    return cols
+
+
+def _top_k_probs(
+    rows: np.ndarray,  # float [R, vocab]; logits
+    k: int,  # 1 <= k < vocab
+    temperature: float,  # > 0
+    z_max: np.ndarray,  # float64 [R]; max(rows / temperature)
+    top_p: float,  # in (0, 1]; 1 = no top-p
+) -> np.ndarray:  # float64 [R, vocab]
+    """softmax over the k kept tokens (then top-p among them). The numerators are computed on
+    the k kept logits only; the sums run over a dense row with zeros elsewhere, in the pairwise
+    order a dense softmax of the masked row uses, so the values are the full-sort ones."""
+    cols = _top_k_columns(_rank_keys(rows, temperature), k)  # [R, k] ascending token ids
+    rr = np.arange(rows.shape[0])[:, None]  # [R, 1]
+    e = np.take_along_axis(rows, cols, axis=-1).astype(np.float64)  # [R, k]
+    e /= temperature
+    e -= z_max[:, None]  # the top token is kept, so its max is the row's
+    np.exp(e, out=e)
+    out = np.zeros(rows.shape, dtype=np.float64)
+    out[rr, cols] = e
+    probs_k = e / np.sum(out, axis=-1, keepdims=True)  # [R, k]
+    if top_p >= 1.0:
+        out[rr, cols] = probs_k
+        return out
+    out[rr, cols] = 0.0
+    kr, kc = _nucleus(probs_k, top_p)
+    return _renormalised(out, kr, cols[kr, kc], probs_k[kr, kc])
+
+
+def _top_p_dense(
+    probs: np.ndarray,  # float64 [R, vocab]; rows sum to 1
+    top_p: float,  # in (0, 1)
+) -> np.ndarray:  # float64 [R, vocab]; nucleus kept, renormalised
+    kr, kc = _nucleus(probs, top_p)
+    return _renormalised(np.zeros(probs.shape, dtype=np.float64), kr, kc, probs[kr, kc])
+
+
+def _renormalised(
+    out: np.ndarray,  # float64 [R, vocab]; zeros, filled here
+    rows: np.ndarray,  # int64 [N]; row of each kept entry
+    cols: np.ndarray,  # int64 [N]; token id of each kept entry
+    vals: np.ndarray,  # float64 [N]; its probability before renormalising
+) -> np.ndarray:  # out with out[rows, cols] = vals / (the dense row sum of the kept values)
+    out[rows, cols] = vals
+    total = np.sum(out, axis=-1)  # [R]; pairwise over the dense row, as the full-sort version
+    out[rows, cols] = vals / total[rows]
+    return out
+
+
+def _nucleus(
+    vals: np.ndarray,  # float64 [R, n]; non-negative; columns in ascending token-id order
+    top_p: float,  # in (0, 1)
+) -> tuple[np.ndarray, np.ndarray]:  # (rows int64 [N], cols int64 [N]) of the kept entries
+    """The top-p set of each row: in descending value order, ties to the lowest column, every
+    entry whose preceding mass (the running float64 sum in that order) is < top_p.
+
+    The running sums need the values in descending order only, not which of two equal values
+    comes first (swapping equal terms leaves every partial sum as it is), so a plain value sort
+    gives the full stable sort's sums; the cut is then a value ``b`` (the last kept rank's):
+    everything above ``b`` is kept and, of the entries equal to ``b``, the lowest columns.
+
+    Only a candidate set is sorted: the ``m`` largest by ``np.argpartition``, ``t`` the m-th
+    largest value. Every entry above ``t`` is a candidate, so the candidates above ``t`` are the
+    row's first ranks. The row is decided when their mass reaches ``top_p`` (the next rank is out
+    whatever it is) or when ``t == 0`` (nothing outside has mass); otherwise ``m`` doubles for
+    the undecided rows (a cheap unsorted sum tells which cannot be decided yet; when none can,
+    ``m`` grows by at least ``(top_p - mass above t) / t``, the fewest entries of value <= t that
+    could make up the rest), and once ``2 * m > n`` they are sorted whole."""
+    n = vals.shape[-1]
+    kept_rows, kept_cols = [], []
+    pending = np.arange(vals.shape[0])  # [P] rows not decided yet
+    m = min(TOP_P_START, n)
+    while pending.size:
+        v = vals if pending.size == vals.shape[0] else vals[pending]  # [P, n]
+        if 2 * m > n:  # sort whole rows
+            cand = None
+            cv = v
+            done = np.ones(pending.size, dtype=bool)
+        else:
+            part = np.argpartition(v, n - m, axis=-1)  # [P, n]; the m largest at the end
+            kth = np.take_along_axis(v, part[:, n - m:n - m + 1], axis=-1)  # [P, 1]
+            cand = part[:, n - m:]  # [P, m] columns, in no order
+            cv = np.take_along_axis(v, cand, axis=-1)  # [P, m]
+            above_mass = np.sum(np.where(cv > kth, cv, 0.0), axis=-1)  # [P], any order
+            # Rounding of the two summation orders differs by far less than 1e-6.
+            maybe = (above_mass >= top_p - 1e-6) | (kth[:, 0] == 0.0)
+            if not maybe.any():  # every entry outside is <= t: at least (top_p - mass) / t more needed
+                short = (top_p - above_mass) / kth[:, 0]
+                m = max(2 * m, m + int(min(float(np.max(short)), float(n))))
+                continue
+            cv, cand, kth = cv[maybe], cand[maybe], kth[maybe]
+            done = np.zeros(pending.size, dtype=bool)
+            done[np.flatnonzero(maybe)] = True  # refined below
+        sv = np.sort(cv, axis=-1)[:, ::-1]  # [D, w] descending
+        csum = np.cumsum(sv, axis=-1)  # running mass up to and including each rank
+        n_keep = 1 + np.count_nonzero(csum[:, :-1] < top_p, axis=-1)  # [D]; rank 0 always kept
+        rr = np.arange(sv.shape[0])
+        if cand is not None:
+            above = np.count_nonzero(cv > kth, axis=-1)  # [D] candidates strictly above t
+            decided = ((above > 0) & (csum[rr, np.maximum(above, 1) - 1] >= top_p)) | (kth[:, 0] == 0.0)
+            done[np.flatnonzero(done)[~decided]] = False
+            cv, cand, n_keep, sv, rr = cv[decided], cand[decided], n_keep[decided], sv[decided], rr[:decided.sum()]
+        bound = sv[rr, n_keep - 1][:, None]  # [D, 1] the last kept value
+        keep = cv > bound  # [D, w]; all of them are candidates (bound > t, or bound == t == 0)
+        need = n_keep - np.count_nonzero(keep, axis=-1)  # [D] entries equal to bound to keep
+        positive = bound[:, 0] > 0.0  # a zero bound: the equal entries add nothing, leave them
+        for d in np.flatnonzero(positive & (need > 0)):
+            equal = np.flatnonzero(cv[d] == bound[d, 0])  # positions in cv
+            if cand is not None:  # the lowest token ids among the tied candidates
+                equal = equal[np.argsort(cand[d, equal], kind="stable")]
+            keep[d, equal[: need[d]]] = True
+        i, j = np.nonzero(keep)
+        kept_rows.append(pending[done][i])
+        kept_cols.append(j if cand is None else cand[i, j])
+        pending = pending[~done]
+        m *= 2
+    return np.concatenate(kept_rows), np.concatenate(kept_cols)

@@ -1,0 +1,483 @@
+"""The DSpark drafter at run time: the ``dspark_draft`` graph (ONNX Runtime) plus numpy Markov and
+confidence heads, driven by the target's own features (no second target pass).
+
+One round (docs/design.md section 1 steps 1-3; DSpark paper section 3):
+1. Append the target features of the positions committed since the last round (the verify pass
+   produced them; :attr:`DecoderRunner.features`) to the drafter's context K/V cache, and run the block
+   [anchor, mask, ..., mask] at positions anchor_pos..anchor_pos+γ-1: one graph call gives the normed
+   hidden states h_1..h_γ and base logits U_k. The context cache only ever holds committed positions,
+   so it is never rolled back.
+2. Left to right, logits_k = U_k + W2·latent(W1[x_{k-1}], h_k) (x_0 = anchor) and x_k is the argmax
+   (greedy) or a sample from the processed distribution (its probabilities are kept for rejection
+   sampling).
+3. Confidence c_k = σ((wᵀ[h_k; W1[x_{k-1}]] + b) / T_k) with the STS temperatures T_k from the manifest;
+   prefix survival a_j = Π_{k≤j} c_k. A static threshold P cuts the block by one of two named rules
+   (:data:`THRESHOLD_RULES`); both decide on the draft's own quantities only, so sampling stays lossless:
+
+   - ``"survival"`` (ours, the default): cut before the first position j whose *calibrated running
+     product* a_j = Π_{k≤j} σ(z_k / T_k) falls below P (a_j estimates the probability that drafts 1..j
+     are all accepted, so P is a floor on that estimate).
+   - ``"deepspec"`` (DeepSpec's rule, ``deepspec/eval/dspark/draft_ops.py`` ``_confident_prefix_length``):
+     cut before the first position k whose *own* raw confidence σ(z_k) (no STS temperature, no product)
+     falls below P; P <= 0 keeps the whole block.
+
+   The same P gives different block lengths under the two rules (the product only falls, so ``survival``
+   cuts no later than ``deepspec`` when T_k = 1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.engine_dir.graphspec import GraphSpec
+from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
+
+# Static-threshold rules (module docstring, step 3): "survival" = ours, on the calibrated running product a_j;
+# "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
+THRESHOLD_RULES = ("survival", "deepspec")
+# A drafter graph call's fixed cost, in context positions (session dispatch, feeds, K/V copies): the price of
+# splitting one padded call into several (:func:`context_groups`): a call's fixed part is ~10 context positions on
+# the int4 Qwen engine's drafter; 16 leaves a margin (measured in docs/serving.md "The drafter's catch-up").
+DRAFT_CALL_OVERHEAD = 16
+
+
+def context_groups(new_counts, block: int, overhead: int = DRAFT_CALL_OVERHEAD) -> list:
+    """Split one round's drafting pass into graph calls so that rows of very different new-context lengths are not
+    padded to the longest (pure function).
+
+    A call over the rows G computes ``|G| x (max_{r in G} n_r + block)`` drafter positions (every row is padded to
+    the longest new context in its call, the padding masked) plus a fixed ``overhead``. A request that has just
+    joined brings its whole prompt's features (hundreds of positions), a request that decoded last round one to
+    eight, so one call would pad every row to the prompt: R times the drafter work of the new row alone. The
+    partition minimising the total is contiguous in the rows sorted by ``n_r`` (descending), found by dynamic
+    programming over that order: O(R^2).
+
+    Args:
+        new_counts: per row its new context positions this round, ints >= 0 (R of them).
+        block: γ, the block positions every row computes.
+        overhead: a call's fixed cost in positions (>= 0).
+    Returns:
+        list of lists of row indices (into ``new_counts``), each list one call; every row in exactly one; the
+        calls in order of their longest row, descending; one call holding every row when splitting does not pay.
+    Raises ValueError for a negative count or overhead.
+    """
+    counts = [int(n) for n in new_counts]
+    if any(n < 0 for n in counts) or overhead < 0:
+        raise ValueError(f"new context counts and the call overhead must be >= 0, got {counts}, {overhead}")
+    order = sorted(range(len(counts)), key=lambda i: -counts[i])
+    R = len(order)
+    if R <= 1:
+        return [order] if order else []
+    best = [0.0] + [float("inf")] * R  # best[k]: cheapest calls for the first k rows of ``order``
+    cut = [0] * (R + 1)
+    for k in range(1, R + 1):
+        for j in range(k):  # the last call holds order[j:k], padded to order[j]'s count
+            c = best[j] + (k - j) * (counts[order[j]] + block) + overhead
+            if c < best[k]:
+                best[k], cut[k] = c, j
+    groups, k = [], R
+    while k > 0:
+        groups.append(order[cut[k]:k])
+        k = cut[k]
+    return groups[::-1]
+
+
+def check_threshold_rule(rule: str) -> str:
+    """``rule`` if it names a static-threshold rule; raises DSparkError naming the choices otherwise."""
+    if rule not in THRESHOLD_RULES:
+        raise DSparkError(f"unknown confidence threshold rule {rule!r}; choose one of {list(THRESHOLD_RULES)} "
+                          "('survival': calibrated prefix survival, ours; 'deepspec': each position's own "
+                          "confidence, DeepSpec's)")
+    return rule
+
+
+class EmbeddingRows:
+    """Rows of an embedding table [vocab, hidden] stored as a raw row-major array in a file (the target graph's
+    external data, or a file of the drafter's own), memory-mapped read-only: a lookup reads only the rows it
+    touches, so the drafter adds no copy of the table to the process (0.93 GB fp32 for Qwen2.5-1.5B).
+
+    Args:
+        path: the file; offset: bytes before the table; dtype: "float32" or "float16"; shape: (vocab, hidden).
+    Raises DSparkError when the file is missing or shorter than offset + vocab·hidden·itemsize (a truncated or
+    foreign file), naming the file and the fix.
+    """
+
+    def __init__(self, path: str | Path, offset: int, dtype: str, shape):
+        path = Path(path)
+        vocab, hidden = (int(x) for x in shape)
+        dt = np.dtype({"float32": np.float32, "float16": np.float16}.get(dtype, dtype))
+        need = offset + vocab * hidden * dt.itemsize
+        size = path.stat().st_size if path.is_file() else -1
+        if size < need:
+            raise DSparkError(f"the DSpark drafter's embedding table {path} is "
+                              f"{'missing' if size < 0 else f'{size} bytes, shorter than the {need} it needs'} "
+                              "(speculation.dspark.embedding of manifest.json); re-run `dspark-export add-draft`")
+        self.path, self.shape = path, (vocab, hidden)
+        self._table = np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=(vocab, hidden))
+
+    @classmethod
+    def from_manifest(cls, engine_dir: Path, entry: dict) -> "EmbeddingRows":
+        """From ``speculation.dspark.embedding`` (:class:`~dspark_runtime.engine_dir.speculation.DSparkSection`)."""
+        return cls(Path(engine_dir) / entry["file"], entry["offset"], entry["dtype"], entry["shape"])
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [*ids.shape, hidden] for int ids of any shape. Raises DSparkError for an id outside the table."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise DSparkError(f"token id {int(ids.max() if ids.max() >= self.shape[0] else ids.min())} is outside the "
+                              f"DSpark drafter's embedding table ({self.shape[0]} rows)")
+        return np.asarray(self._table[ids.reshape(-1)], dtype=np.float32).reshape(ids.shape + (self.shape[1],))
+
+
+class OrtDSparkGraph(OrtDecoder):
+    """Runs a ``dspark_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``; the
+    session setup, providers check and ``empty_kv`` are :class:`OrtDecoder`'s).
+
+    ``embedding``: the :class:`EmbeddingRows` the anchor's row is read from (graphs whose spec takes
+    ``anchor_embeds``); graphs built before it (input ``anchor_ids``) embed the id themselves."""
+
+    def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
+                 embedding: EmbeddingRows | None = None, **kw):
+        if spec.kind != "dspark_draft":
+            raise DSparkError(f"{path}: graph kind {spec.kind!r} is not a DSpark drafter (dspark_draft)")
+        super().__init__(path, spec, threads=threads, providers=providers, **kw)
+        self.block_size = next(t for t in spec.inputs if t.name == "block_positions").shape[1]
+        self.embeds_anchor = any(t.name == "anchor_embeds" for t in spec.inputs)
+        self.embedding = embedding
+
+    def run(self, features, feature_positions, anchor_ids, block_positions, attention_mask, kv):
+        """One call. features float32 [b, n, F]; feature_positions int64 [b, n]; anchor_ids int64 [b, 1];
+        block_positions int64 [b, γ]; attention_mask bool [b, 1, γ, past + n + γ]; kv per layer
+        (key, value) [b, kvh, past, hd]. Returns (hidden [b, γ, d], base_logits [b, γ, V_d], present kv).
+        Raises DSparkError when the graph takes the anchor's embedding and no table was given."""
+        if self.session is None:
+            self.activate()
+        feeds = {"features": features, "feature_positions": feature_positions,
+                 "block_positions": block_positions, "attention_mask": attention_mask}
+        if self.embeds_anchor:
+            if self.embedding is None:
+                raise DSparkError(f"{self.path}: the DSpark drafter graph takes the anchor's embedding row but the "
+                                  "manifest names no table (speculation.dspark.embedding); re-run "
+                                  "`dspark-export add-draft`")
+            feeds["anchor_embeds"] = self.embedding.rows(anchor_ids)
+        else:
+            feeds["anchor_ids"] = anchor_ids
+        for (kn, vn), (k, v) in zip(self._past, kv):
+            feeds[kn] = np.ascontiguousarray(k)
+            feeds[vn] = np.ascontiguousarray(v)
+        outs = self.session.run(self._out_names, feeds)
+        n = self.spec.dims.num_layers
+        return outs[0], outs[1], [(outs[2 + 2 * i], outs[3 + 2 * i]) for i in range(n)]
+
+
+class DSparkHeads:
+    """Markov head, confidence head and draft-vocabulary map, as numpy arrays (``dspark_heads.npz``).
+
+    Arrays: markov_w1 [V_in, r], markov_w2 [V_out, r] (+ gate_w [r, d+r], gate_b [r] | joint_w [3r, 2r+d],
+    joint_b [3r]), conf_w [d (+r)], conf_b [1], draft_vocab_ids int64 [V_d] (reduced vocabulary only).
+    """
+
+    def __init__(self, arrays: dict, kind: str | None, with_markov: bool, vocab_size: int,
+                 temperatures=None):
+        self.kind = kind
+        self.w1 = arrays.get("markov_w1")
+        self.w2 = arrays.get("markov_w2")
+        self.gate_w, self.gate_b = arrays.get("gate_w"), arrays.get("gate_b")
+        self.joint_w, self.joint_b = arrays.get("joint_w"), arrays.get("joint_b")
+        self.conf_w, self.conf_b = arrays.get("conf_w"), arrays.get("conf_b")
+        self.with_markov = with_markov
+        self.vocab_size = vocab_size
+        self.d2t = arrays.get("draft_vocab_ids")
+        if self.d2t is not None:
+            self.t2d = np.full(vocab_size, len(self.d2t), dtype=np.int64)
+            self.t2d[self.d2t] = np.arange(len(self.d2t))
+        else:
+            self.t2d = None
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+
+    @classmethod
+    def load(cls, path: Path, info, vocab_size: int, temperatures=None) -> "DSparkHeads":
+        """The heads in the ``.npz`` file ``path``, shaped by ``info``: the manifest's
+        :class:`~dspark_runtime.engine_dir.manifest.DSparkSection` or a dict of its heads keys (``markov_rank``,
+        ``markov_head_type``, ``confidence_head_with_markov``; what ``dspark_export.drafter.graph.write_heads``
+        returns). No Markov head when ``markov_rank`` is 0 or absent."""
+        get = info.get if isinstance(info, dict) else (lambda k: getattr(info, k, None))
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        return cls(arrays, get("markov_head_type") if get("markov_rank") else None,
+                   bool(get("confidence_head_with_markov")), vocab_size, temperatures)
+
+    def w1_row(self, target_id: int) -> int:
+        return int(target_id) if self.t2d is None else int(self.t2d[target_id])
+
+    def to_target(self, draft_idx: int) -> int:
+        return int(draft_idx) if self.d2t is None else int(self.d2t[draft_idx])
+
+    def step(self, base: np.ndarray, h: np.ndarray, prev_target: int, state):
+        """Position logits [V_out] = base + Markov bias, and the confidence pre-sigmoid score.
+
+        Returns (logits float32 [V_out], conf_logit float | None, new_state).
+        """
+        if self.w1 is None:
+            lat, e = None, None
+        else:
+            e = self.w1[self.w1_row(prev_target)]
+            if self.kind == "vanilla":
+                lat = e
+            elif self.kind == "gated":
+                lat = _sigmoid(self.gate_w @ np.concatenate([h, e]) + self.gate_b) * e
+            else:
+                s = np.zeros_like(e) if state is None else state
+                z = self.joint_w @ np.concatenate([s, e, h]) + self.joint_b
+                g, cand, o = np.split(z, 3)
+                g = _sigmoid(g)
+                state = g * s + (1 - g) * np.tanh(cand)
+                lat = np.tanh(o)
+        logits = base if lat is None else base + self.w2 @ lat
+        conf = None
+        if self.conf_w is not None:
+            x = np.concatenate([h, e]) if self.with_markov else h
+            conf = float(self.conf_w @ x + self.conf_b[0])
+        return logits, conf, state
+
+    def full_vocab(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits [V_out] -> target-vocabulary logits [V] (-inf outside a reduced draft vocabulary)."""
+        if self.d2t is None:
+            return logits
+        full = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        full[self.d2t] = logits
+        return full
+
+    def draft(self, base: np.ndarray, hidden: np.ndarray, anchor: int, n: int, params: SamplingParams, rng,
+              threshold: float | None = None, threshold_rule: str = "survival") -> tuple:
+        """Draft ``n`` tokens of one block, left to right (docs/design.md section 1 steps 2-3).
+
+        Args:
+            base: float32 [γ, V_out] base logits U_k of the block; hidden: float32 [γ, d] normed h_k.
+            anchor: the anchor token (x_0); n: tokens to draft (<= γ).
+            params, rng: sampling (greedy = argmax; else a sample from the processed distribution).
+            threshold: static threshold P; None = no cut.
+            threshold_rule: ``"survival"`` (ours): cut before the first position whose calibrated prefix
+                survival a_j falls below P; ``"deepspec"`` (DeepSpec's): cut before the first position whose
+                own raw confidence σ(z_k) falls below P (P <= 0: no cut). See the module docstring.
+        Returns:
+            (tokens list[int] target ids, qs list of float [V] processed draft distributions (sampling only),
+            survival list[float] a_1.. (one per position scored, possibly one past the last token when the
+            threshold cut), confidence logits list[float]).
+        """
+        deepspec = check_threshold_rule(threshold_rule) == "deepspec"
+        tokens, qs, surv, confs = [], [], [], []
+        prev, state, a = anchor, None, 1.0
+        temps = self.temperatures
+        for k in range(n):
+            logits, conf, state = self.step(base[k], hidden[k], prev, state)
+            own = None
+            if conf is not None:
+                confs.append(conf)
+                t = 1.0 if temps is None or k >= len(temps) else float(temps[k])
+                a *= float(_sigmoid(conf / t))
+                own = float(_sigmoid(conf))
+            surv.append(a)
+            if threshold is not None:
+                if deepspec:
+                    if own is not None and threshold > 0.0 and own < threshold:
+                        break
+                elif a < threshold:
+                    break
+            if params.greedy:
+                tok = self.to_target(int(np.argmax(logits)))
+            else:
+                q = process_logits(self.full_vocab(logits), params)
+                tok = int(sample(q, rng))
+                qs.append(q)
+            tokens.append(tok)
+            prev = tok
+        return tokens, qs, surv, confs
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class DSparkDrafter:
+    """The DSpark drafter (:mod:`dspark_runtime.drafting.drafters` interface) for one request or many: one ``dspark_draft``
+    graph call per round with one row per request (block = anchor + γ-1 mask tokens; rows padded to the longest
+    new context, padding masked), split into several calls when one row's new context is much longer than the
+    others' (a request that has just joined brings its whole prompt; :func:`context_groups`), then the numpy
+    Markov/confidence heads per row.
+
+    The context K/V is a [R, kv_heads, S, head_dim] array per drafter layer with a validity mask [R, S]: rows
+    join (zero row, nothing valid) and leave (row deleted) between rounds; each call appends the target features
+    of the positions committed since the row's last call (all of them after rounds the router sent elsewhere);
+    invalid (padding) slots are gathered away when they exceed a quarter of the array. The context only holds
+    committed positions, so it never rolls back.
+
+    Args:
+        graph: the drafter graph backend (:class:`OrtDSparkGraph`).
+        heads: the Markov/confidence heads (:class:`DSparkHeads`).
+        target: the verifier's runner (a :class:`~dspark_runtime.runners.sequence.BatchRunner`: its ``features(rid)`` feed
+            the context).
+        confidence_threshold: static threshold P; None = always the full length asked for.
+        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`, module docstring step 3).
+
+    ``confident``: the heads have a confidence head (proposals carry calibrated survivals). ``record``: set to a
+    list to collect (confidence logits float [l], accepted n) per verified round (``dspark-export calibrate``).
+    Raises DSparkError (``begin``) when the target graph outputs no features.
+    """
+
+    name = "dspark"
+
+    def __init__(self, graph, heads: DSparkHeads, target, confidence_threshold: float | None = None,
+                 threshold_rule: str = "survival"):
+        self.graph, self.heads, self.target = graph, heads, target
+        self.block_size = graph.block_size
+        self.confidence_threshold = confidence_threshold
+        self.threshold_rule = check_threshold_rule(threshold_rule)
+        self.confident = getattr(heads, "conf_w", None) is not None
+        self.record: list | None = None
+        self.rows: list = []
+        self._kv = graph.empty_kv(0)
+        self._valid = np.zeros((0, 0), dtype=bool)
+        self._ctx: dict = {}  # rid -> committed positions already in its context row
+        self._conf: dict = {}  # rid -> the last proposal's confidence logits
+
+    def begin(self, req) -> None:
+        if self.target.features(req.rid) is None:
+            raise DSparkError("the target graph outputs no features; rebuild the engine with the drafter's "
+                              "target_layer_ids as target feature layers")
+        self.rows.append(req.rid)
+        self._ctx[req.rid] = 0
+        self._kv = [(np.concatenate([k, self._zero_row(k)]), np.concatenate([v, self._zero_row(v)]))
+                    for k, v in self._kv]
+        self._valid = np.concatenate([self._valid, np.zeros((1, self._valid.shape[1]), dtype=bool)])
+
+    @staticmethod
+    def _zero_row(a: np.ndarray) -> np.ndarray:
+        return np.zeros((1,) + a.shape[1:], dtype=a.dtype)
+
+    def remove(self, rid) -> None:
+        if rid not in self._ctx:
+            return
+        i = self.rows.index(rid)
+        self.rows.pop(i)
+        self._ctx.pop(rid)
+        self._conf.pop(rid, None)
+        self._kv = [(np.delete(k, i, axis=0), np.delete(v, i, axis=0)) for k, v in self._kv]
+        self._valid = np.delete(self._valid, i, axis=0)
+
+    def _compact(self) -> None:
+        S = self._valid.shape[1]
+        counts = self._valid.sum(axis=1)
+        keep = int(counts.max()) if counts.size else 0
+        if S - keep < max(64, S // 4):
+            return
+        new_kv = []
+        for k, v in self._kv:
+            nk = np.zeros(k.shape[:2] + (keep,) + k.shape[3:], dtype=k.dtype)
+            nv = np.zeros_like(nk)
+            for r in range(len(self.rows)):
+                idx = np.flatnonzero(self._valid[r])
+                nk[r, :, : idx.size] = k[r][:, idx]
+                nv[r, :, : idx.size] = v[r][:, idx]
+            new_kv.append((nk, nv))
+        self._kv = new_kv
+        self._valid = np.arange(keep)[None, :] < counts[:, None]
+
+    def _run_groups(self, reqs_rows: list, news: list) -> tuple:
+        """The round's drafter graph calls: the rows (in ``self.rows`` order) split by :func:`context_groups` so no
+        row is padded to a much longer new context than its own, each call appending its rows' new context
+        positions ``news`` [(first, end)] to their K/V. Returns (hidden [R, γ, d], base [R, γ, V_d], the merged K/V
+        per layer [R, kvh, S + max new, hd], validity [R, S + max new])."""
+        g = self.block_size
+        R = len(reqs_rows)
+        fdim = self.graph.spec.inputs[0].shape[-1]
+        S = self._valid.shape[1]
+        n_all = max((b - a for a, b in news), default=0)
+        groups = context_groups([b - a for a, b in news], g)
+        one = len(groups) == 1  # the steady round: every row in one call, the K/V passed and kept as they are
+        if one:
+            groups = [list(range(R))]
+        else:  # the merged K/V the calls write their rows into
+            kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
+                   np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in self._kv]
+            valid = np.zeros((R, S + n_all), dtype=bool)
+        hidden = base = None
+        for rows in groups:
+            idx = np.asarray(rows, dtype=np.int64)
+            n_new = max(news[i][1] - news[i][0] for i in rows)
+            feats = np.zeros((len(rows), n_new, fdim), dtype=np.float32)
+            fpos = np.zeros((len(rows), n_new), dtype=np.int64)
+            new_valid = np.zeros((len(rows), n_new), dtype=bool)
+            bpos = np.zeros((len(rows), g), dtype=np.int64)
+            anchors = np.zeros((len(rows), 1), dtype=np.int64)
+            for j, i in enumerate(rows):
+                (r, _), (a, b) = reqs_rows[i], news[i]
+                feats[j, : b - a] = self.target.features(r.rid)[a:b]
+                fpos[j, : b - a] = np.arange(a, b)
+                new_valid[j, : b - a] = True
+                bpos[j] = np.arange(b, b + g)
+                anchors[j, 0] = r.out[-1]
+            ctx_valid = np.concatenate([self._valid if one else self._valid[idx], new_valid], axis=1)
+            mask = np.concatenate([ctx_valid, np.ones((len(rows), g), dtype=bool)], axis=1)
+            mask = np.broadcast_to(mask[:, None, None, :], (len(rows), 1, g, mask.shape[1]))
+            past = self._kv if one else [(k[idx], v[idx]) for k, v in self._kv]
+            h, u, present = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), past)
+            if one:
+                return h, u, present, ctx_valid
+            if hidden is None:
+                hidden = np.zeros((R,) + h.shape[1:], dtype=h.dtype)
+                base = np.zeros((R,) + u.shape[1:], dtype=u.dtype)
+            hidden[idx], base[idx] = h, u
+            width = S + n_new
+            for (k, v), (pk, pv) in zip(kv, present):
+                k[idx, :, :width] = pk
+                v[idx, :, :width] = pv
+            valid[idx, :width] = ctx_valid
+        return hidden, base, kv, valid
+
+    def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
+        """One drafting pass for every active request (``reqs``: all of them, with their γ caps); the heads run
+        only for the requests in ``only`` (None = all). Returns list[Proposal] in the order of ``reqs`` (q None
+        when greedy; survival float64 [l] when ``confident``). Raises DSparkError when a request is missing or
+        out of sync with the target."""
+        from dspark_runtime.drafting.drafters import Proposal
+
+        if sorted(r.rid for r in reqs) != sorted(self.rows):
+            raise DSparkError("DSpark drafter: every active request must propose each round")
+        order = {rid: i for i, rid in enumerate(self.rows)}
+        reqs_rows = sorted(zip(reqs, gammas), key=lambda rg: order[rg[0].rid])
+        g = self.block_size
+        if not reqs_rows:
+            return []
+        news = []
+        for r, _ in reqs_rows:
+            anchor_pos = len(r.prompt) + len(r.out) - 1
+            if self.target.length(r.rid) != anchor_pos or self._ctx[r.rid] > anchor_pos:
+                raise DSparkError(f"DSpark drafter out of sync for request {r.rid}: target holds "
+                                  f"{self.target.length(r.rid)} positions, anchor at {anchor_pos}, drafter "
+                                  f"context {self._ctx[r.rid]}")
+            news.append((self._ctx[r.rid], anchor_pos))
+        hidden, base, self._kv, self._valid = self._run_groups(reqs_rows, news)
+        for (r, _), (a, b) in zip(reqs_rows, news):
+            self._ctx[r.rid] = b
+        self._compact()
+        props = {}
+        for i, (r, gam) in enumerate(reqs_rows):
+            if only is not None and r.rid not in only:
+                props[r.rid] = Proposal([])
+                continue
+            toks, qs, surv, confs = self.heads.draft(base[i], hidden[i], int(r.out[-1]), max(0, min(gam, g)),
+                                                     r.params, r.rng, self.confidence_threshold, self.threshold_rule)
+            self._conf[r.rid] = np.asarray(confs[: len(toks)])
+            props[r.rid] = Proposal(toks, np.stack(qs) if qs and not r.params.greedy else None,
+                                    np.asarray(surv[: len(toks)], dtype=np.float64) if self.confident else None)
+        return [props[r.rid] for r in reqs]
+
+    def observe(self, rid, sent: int, accepted: int) -> None:
+        """After verification: with ``record`` set, keep (the sent positions' confidence logits, accepted)."""
+        conf = self._conf.pop(rid, None)
+        if self.record is not None and conf is not None and sent:
+            self.record.append((conf[:sent].copy(), int(accepted)))

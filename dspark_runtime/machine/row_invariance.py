@@ -1,0 +1,179 @@
+"""Row-count invariance of the verifier: the condition under which speculative greedy output is
+*bitwise* the target's, and the probe that finds the padding that gives it on this machine.
+
+Speculative decoding is lossless only if the target computes a position's logits identically whether
+it is fed alone (target-only decoding: one row per call) or as one row of a verify block (q = 1 + ℓ
+rows per call) — docs/design.md section 1, the exactness contract. Float kernels do not promise that: on
+ONNX Runtime's CPU provider a row's float result depends on how many rows the call has (measured on a
+2-core AVX2 machine, Qwen2.5-Coder-1.5B: one row alone differs from the same row in a block of 2 or 4,
+and a block of 3 from blocks of 2 or 4, while the even row counts tried (2, 4, 6, 8) agree bit for bit; fp32 logits
+differ by up to 2e-5, and in an INT8 graph the activation
+quantizer occasionally turns that into a whole quantization step, |Δlogit| 1.8, and flips greedy
+tokens — ``scripts/chunk_invariance.py``, docs/precision.md).
+
+The fix needs no kernel change: **pad every call to a multiple of m rows** (``row_multiple``), the
+extra rows repeating the last token *after* the real ones, so causal masking keeps them invisible to
+the real rows, and their logits and KV entries are dropped. Every real row is then computed by the same
+kernel path whatever the call's real row count, so target-only decoding and verify blocks fill the KV
+cache bit for bit alike — checked by :func:`probe_row_multiple` for calls of 1-17 rows (:data:`PROBE_BLOCKS`),
+not for arbitrary lengths. The attention reductions are unaffected by how many (trailing, fully masked) keys a
+call has: masked keys contribute exact zeros.
+
+m is a property of the kernels on the deployment machine (CPU ISA, ONNX Runtime version, thread count),
+like the cost table, so it is measured there: :func:`probe_row_multiple` (run by ``dspark-export profile``,
+stored as ``speculation.row_invariance`` in the manifest, applied by ``Engine.load``). The cost is one
+extra row on odd-row calls: target-only decoding pays it on every token (about +16 % per token fp32,
++27 % INT8 in one teacher-forcing run on the 2-core AVX2 machine); speculative rounds only when the verify
+block has an odd row count.
+
+Scope: every runner pads its calls this way (:mod:`dspark_runtime.runners.sequence`). Alone (``Engine.generate``, the CLI)
+a request's output is covered on every KV layout; in a batch it is covered on the scatter layout (one batch row per
+request, :mod:`dspark_runtime.runners.scatter`). The packed growing layout (:class:`~dspark_runtime.runners.packed.PackedRunner`)
+also shifts where a request's keys sit in the attention reduction; it is not covered by this guarantee.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: multiples tried by :func:`probe_row_multiple`, smallest first
+CANDIDATES = (1, 2, 4, 8)
+#: real rows per call that each candidate must make equivalent: 1 = target-only decoding, 2..17 = verify blocks
+#: of draft length 1..16 (the router's longest n-gram block; a DSpark block of 7 verifies 8 rows), so every
+#: candidate is compared across several padded sizes (m = 8: 8, 16 and 24 rows)
+PROBE_BLOCKS = tuple(range(1, 18))
+
+
+def padded_rows(q: int, multiple: int) -> int:
+    """The number of rows a call of ``q`` real rows is padded to: the smallest multiple of ``multiple``
+    that is >= q. Raises ValueError for q < 1 or multiple < 1."""
+    if q < 1 or multiple < 1:
+        raise ValueError(f"need q >= 1 and multiple >= 1, got q={q}, multiple={multiple}")
+    return -(-q // multiple) * multiple
+
+
+def teacher_force(runner, prompt: list, cont: list, block: int) -> tuple:
+    """Prefill ``prompt``, then feed ``cont`` in calls of ``block`` real tokens through ``runner`` (a
+    :class:`~dspark_runtime.runners.sequence.DecoderRunner`, with whatever ``row_multiple`` it has).
+
+    Returns (logits float32 [len(cont), vocab], per-layer (key, value) float32 copies of the final cache
+    [1, kv_heads, len(prompt) + len(cont), head_dim])."""
+    runner.reset()
+    runner.prefill(prompt)
+    out = [np.array(runner.step(cont[s:s + block])) for s in range(0, len(cont), block)]
+    kv = [(np.array(k), np.array(v)) for k, v in runner.cache.view()]
+    return np.concatenate(out, axis=0), kv
+
+
+def max_difference(a: tuple, b: tuple) -> float:
+    """Max |difference| over the logits and every layer's keys and values of two :func:`teacher_force`
+    results (0.0 = bitwise identical, NaN-aware: a NaN anywhere counts as a difference)."""
+    (la, kva), (lb, kvb) = a, b
+    d = [np.abs(la - lb).max()] + [np.abs(x - y).max() for (k0, v0), (k1, v1) in zip(kva, kvb)
+                                   for x, y in ((k0, k1), (v0, v1))]
+    d = np.asarray(d, dtype=np.float64)
+    return float("inf") if np.isnan(d).any() else float(d.max())
+
+
+def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, head_dim: int = 128, keys: int = 300,
+                         seed: int = 0):
+    """An ONNX Runtime CPU session of the float kernels a decoder step runs per row — a weight MatMul
+    (X [1, M, hidden] @ W [hidden, hidden]) and attention (softmax(Q [1, heads, M, head_dim] @ K^T
+    [1, heads, head_dim, keys]) @ V [1, heads, keys, head_dim]) — built in memory with ``onnx`` (the export
+    extra; ImportError otherwise). Used by :func:`kernel_row_difference`: unlike a quantized graph, whose
+    activation rounding hides row-count differences until one crosses a rounding boundary (rare), these
+    fp32 outputs show every one. Returns the session; its inputs are ``x`` float32 [1, M, hidden] and ``q``
+    float32 [1, heads, M, head_dim], its outputs ``y`` and ``o``."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    k = rng.standard_normal((1, heads, head_dim, keys)).astype(np.float32)
+    v = rng.standard_normal((1, heads, keys, head_dim)).astype(np.float32)
+    f = TensorProto.FLOAT
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]),
+         helper.make_node("MatMul", ["q", "k"], ["s"]),
+         helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+         helper.make_node("MatMul", ["p", "v"], ["o"])],
+        "row_probe",
+        [helper.make_tensor_value_info("x", f, [1, "m", hidden]),
+         helper.make_tensor_value_info("q", f, [1, heads, "m", head_dim])],
+        [helper.make_tensor_value_info("y", f, [1, "m", hidden]),
+         helper.make_tensor_value_info("o", f, [1, heads, "m", head_dim])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(k, "k"), numpy_helper.from_array(v, "v")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    from dspark_runtime.backends.ort import session_options
+
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
+
+
+def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1) -> float:
+    """Max |difference| of the per-row results of :func:`kernel_probe_session`'s kernels when ``rows`` random
+    rows are fed in calls of every size in ``blocks``, each call padded to a multiple of ``multiple`` rows
+    (0.0 = the kernels are row-count invariant at that padding on this machine, with ``threads``)."""
+    sess = kernel_probe_session(threads)
+    rng = np.random.default_rng(seed)
+    hidden = sess.get_inputs()[0].shape[-1]
+    heads, head_dim = sess.get_inputs()[1].shape[1], sess.get_inputs()[1].shape[-1]
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    q = rng.standard_normal((heads, rows, head_dim)).astype(np.float32)
+
+    def run(block):
+        ys, os_ = [], []
+        for s in range(0, rows, block):
+            n = min(block, rows - s)
+            pad = padded_rows(n, multiple) - n
+            xi = np.concatenate([x[s:s + n], np.repeat(x[s + n - 1:s + n], pad, axis=0)])
+            qi = np.concatenate([q[:, s:s + n], np.repeat(q[:, s + n - 1:s + n], pad, axis=1)], axis=1)
+            y, o = sess.run(["y", "o"], {"x": xi[None], "q": qi[None]})
+            ys.append(y[0, :n])
+            os_.append(o[0, :, :n])
+        return np.concatenate(ys), np.concatenate(os_, axis=1)
+
+    ref = run(blocks[0])
+    worst = 0.0
+    for b in blocks[1:]:
+        y, o = run(b)
+        worst = max(worst, float(np.abs(y - ref[0]).max()), float(np.abs(o - ref[1]).max()))
+    return worst
+
+
+def probe_row_multiple(runner, prompt: list, cont: list, *, candidates=CANDIDATES, blocks=PROBE_BLOCKS,
+                       kernel_check=None) -> dict:
+    """Find the smallest row multiple m (from ``candidates``) that makes ``runner``'s graph row-count
+    invariant on this machine: ``cont`` teacher-forced after ``prompt`` in calls of every size in
+    ``blocks``, each call padded to a multiple of m, gives bitwise-identical logits and KV cache.
+
+    Args:
+        runner: a DecoderRunner (its ``row_multiple`` is restored afterwards).
+        prompt, cont: token ids (list[int]); ``cont`` should hold >= max(blocks) tokens (a few dozen:
+            differences can appear anywhere, the probe finds the usual kernel paths within ~16 tokens).
+    Returns {"row_multiple": m or None when no candidate is invariant, "max_abs_difference": {str(m):
+    float, largest difference from the block-1 run over all block sizes}, "blocks": list, "tokens":
+    len(cont)}. Raises ValueError when ``cont`` is shorter than the largest block.
+    """
+    if len(cont) < max(blocks):
+        raise ValueError(f"the probe needs at least {max(blocks)} continuation tokens, got {len(cont)}")
+    saved = runner.row_multiple
+    diffs, kdiffs, found = {}, {}, None
+    try:
+        for m in candidates:
+            if kernel_check is not None:
+                kdiffs[str(m)] = float(kernel_check(m))
+                if kdiffs[str(m)] != 0.0:
+                    continue
+            runner.row_multiple = m
+            ref = teacher_force(runner, prompt, cont, blocks[0])
+            worst = max(max_difference(ref, teacher_force(runner, prompt, cont, b)) for b in blocks[1:])
+            diffs[str(m)] = worst
+            if worst == 0.0:
+                found = m
+                break
+    finally:
+        runner.row_multiple = saved
+        runner.reset()
+    res = {"row_multiple": found, "max_abs_difference": diffs, "blocks": list(blocks), "tokens": len(cont)}
+    if kernel_check is not None:
+        res["kernel_max_abs_difference"] = kdiffs
+    return res

@@ -1,0 +1,319 @@
+"""Slot KV cache for the *scatter* layout: one batch row per request, one slot per position, the same graph
+call for one request or many — and a request's logits bit-identical whatever else shares the call.
+
+Why (the one-core issue; ``scripts/batch_invariance.py``): in the packed layout (:mod:`dspark_runtime.runners.packed`)
+a request's cached keys are slots of one row shared with other requests, so its key block has masked gaps and an
+offset that depend on its neighbours, and ONNX Runtime's CPU Softmax/MatMul round differently for each (up to 2.2 in
+the logits of the 1.5B int4 target). In the scatter layout row r holds exactly [its n_r cached keys][its new keys]
+[masked slots], a contiguous block at offset 0 whatever the other rows hold, which those kernels compute bit for bit
+as a call of request r alone does (trailing masked slots do not change the result; measured, see the probe).
+
+Buffers: per layer (key, value) float32 ``[rows, kv_heads, slots, head_dim]``; a request owns one row; a position p
+of it lives in slot p. A call passes the buffers of the requests it steps — a contiguous range of rows as a view
+(no copy), otherwise a gathered copy — the graph writes the new entries at the rows' positions internally and
+returns them, and this class writes them into its buffers at the same slots. Rolling back only moves a length
+(stale slots stay masked until overwritten). ``slots`` grows in steps of :data:`SLOT_STEP` as requests lengthen
+(one copy each time), rows double when requests join.
+
+Row padding: a call has ``Q`` query rows per request (the longest segment, rows of shorter segments padded with
+their last token one position on, masked from every real query; their new entries are never written). The call's
+``batch * Q`` query rows must be a multiple of ``row_multiple`` (:mod:`dspark_runtime.machine.row_invariance`: the probed row
+count under which the weight kernels' results do not depend on the call's size), and of the two ways to get there —
+raise ``Q`` (every request gets more padded positions) or add dummy batch rows (each reads some buffer row, its
+results are dropped) — each call takes the one that computes fewer rows (:func:`padded_shape`): 7 requests of one
+token each at a multiple of 2 compute 8 rows, not 14. A request's logits are the same either way (its own row is
+computed alone in attention, and the weight kernels give every call of a multiple of ``row_multiple`` rows the same
+per-row results).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.runners.sequence import PREFILL_CHUNK, BatchRunner
+
+SLOT_STEP = 128  # slots are added in multiples of this many positions
+
+
+def padded_shape(batch: int, q: int, row_multiple: int) -> tuple:
+    """The (batch rows, query rows per batch row) a call of ``batch`` requests with ``q`` query rows each computes:
+    the fewest rows ``b * qq`` with ``b >= batch``, ``qq >= q`` and ``b * qq`` a multiple of ``row_multiple`` (ties:
+    fewer batch rows, so no dummy row where raising ``qq`` costs the same). Pure function; both searches stay within
+    ``row_multiple`` of the start, which always holds the optimum, and the result never falls as ``q`` grows."""
+    m = max(1, int(row_multiple))
+    best = None
+    for b in range(batch, batch + m):
+        for qq in range(q, q + m):
+            if (b * qq) % m == 0 and (best is None or (b * qq, b) < (best[0] * best[1], best[0])):
+                best = (b, qq)
+    return best
+
+
+class ScatterRunner(BatchRunner):
+    """Requests' views of one scatter-layout ``causal_lm`` graph (``spec.kv_layout == "scatter"``).
+
+    Same interface as :class:`~dspark_runtime.runners.packed.PackedRunner` (``add``, ``remove``, ``step(segments)``,
+    ``rollback``; ``length``, ``features``, ``prefill`` from their common :class:`~dspark_runtime.runners.sequence.BatchRunner`):
+    a single request is a set of one.
+
+    Args:
+        backend: an :class:`~dspark_runtime.backends.ort.OrtDecoder` of a scatter-layout graph.
+        row_multiple: ``batch * Q`` of every call is padded to a multiple of this (1 = no padding).
+        max_slots: refuse to grow a request past this many positions (the graph's context limit), or None.
+    Raises DSparkError when the graph is not a scatter-layout causal_lm graph.
+    """
+
+    def __init__(self, backend, row_multiple: int = 1, max_slots: int | None = None):
+        spec = backend.spec
+        if spec.kind != "causal_lm" or spec.kv_layout != "scatter":
+            raise DSparkError(f"ScatterRunner needs a scatter-layout causal_lm graph, got {spec.kind}/{spec.kv_layout}; "
+                              "re-export the graph with kv_layout='scatter'")
+        if int(row_multiple) < 1:
+            raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {row_multiple!r}")
+        super().__init__()
+        self.backend = backend
+        self.row_multiple = int(row_multiple)
+        self.max_slots = max_slots
+        d = spec.dims
+        self._shape = (d.num_kv_heads, d.head_dim)
+        self._layers = d.num_layers
+        self._kv = self._alloc(0, 0)
+        self._row: dict = {}     # rid -> row
+
+    def _alloc(self, rows: int, slots: int) -> list:
+        kv, d = self._shape
+        return [(np.zeros((rows, kv, slots, d), np.float32), np.zeros((rows, kv, slots, d), np.float32))
+                for _ in range(self._layers)]
+
+    def _resize(self, rows: int, slots: int) -> None:
+        old = self._kv
+        r0, s0 = old[0][0].shape[0], old[0][0].shape[2]
+        if rows <= r0 and slots <= s0:
+            return
+        rows, slots = max(rows, r0), max(slots, s0)
+        new = self._alloc(rows, slots)
+        for (ok, ov), (nk, nv) in zip(old, new):
+            nk[:r0, :, :s0] = ok
+            nv[:r0, :, :s0] = ov
+        self._kv = new
+
+    # -- requests
+    def add(self, rid) -> None:
+        """Register request ``rid`` (length 0) in a free row. Raises DSparkError if it is already here."""
+        if rid in self._row:
+            raise DSparkError(f"request {rid!r} is already in the slot cache")
+        used = set(self._row.values())
+        row = next(i for i in range(len(used) + 1) if i not in used)
+        rows = self._kv[0][0].shape[0]
+        if row >= rows:
+            self._resize(max(1, 2 * rows), self._kv[0][0].shape[2])
+        self._row[rid] = row
+        self._length[rid] = 0
+
+    def remove(self, rid) -> None:
+        """Forget request ``rid`` (its row is reused by the next ``add``); no-op for an unknown id."""
+        self._row.pop(rid, None)
+        self._length.pop(rid, None)
+        self._feats.pop(rid, None)
+
+    def rollback(self, rid, length: int) -> None:
+        """Keep the first ``length`` positions of ``rid`` (O(1)). Raises ValueError outside 0..length(rid)."""
+        self._check_rollback(rid, length)
+        self._length[rid] = length
+
+    def pass_rows(self, lengths: list) -> int:
+        """Query rows one ``step`` over segments of these token counts computes: one batch row per segment, each
+        padded to the longest, then padded to a multiple of ``row_multiple`` rows (:func:`padded_shape`)."""
+        if not lengths:
+            return 0
+        b, qq = padded_shape(len(lengths), max(lengths), self.row_multiple)
+        return b * qq
+
+    can_import_kv = True
+
+    def export_kv(self, rid, start: int, end: int) -> tuple:
+        """Copies of request ``rid``'s cached positions start..end-1 (the prefix cache's block payload): per layer
+        (key, value) float32 [kv_heads, end - start, head_dim], and its target features float32 [end - start, F]
+        or None. Raises ValueError outside 0 <= start < end <= length(rid)."""
+        if not 0 <= start < end <= self._length[rid]:
+            raise ValueError(f"request {rid!r} holds {self._length[rid]} positions; cannot export {start}..{end}")
+        row = self._row[rid]
+        kv = [(k[row, :, start:end].copy(), v[row, :, start:end].copy()) for k, v in self._kv]
+        f = self._feats.get(rid)
+        return kv, None if f is None else f[start:end].copy()
+
+    def import_kv(self, rid, kv: list, features: np.ndarray | None) -> None:
+        """Fill an empty request's first n positions from cached arrays (a prefix cache hit): ``kv`` per layer
+        (key, value) float32 [kv_heads, n, head_dim], ``features`` float32 [n, F] or None. Raises DSparkError when
+        ``rid`` already holds positions or the arrays do not fit this graph."""
+        if self._length[rid]:
+            raise DSparkError(f"request {rid!r} already holds {self._length[rid]} positions; import a prefix into an "
+                              "empty request")
+        n = kv[0][0].shape[1]
+        if len(kv) != self._layers or kv[0][0].shape != (self._shape[0], n, self._shape[1]):
+            raise DSparkError(f"cached prefix of {len(kv)} layers x {kv[0][0].shape} does not fit this graph "
+                              f"({self._layers} layers x [{self._shape[0]}, n, {self._shape[1]}])")
+        if n > self.slots:
+            self._resize(self._kv[0][0].shape[0], -(-n // SLOT_STEP) * SLOT_STEP)
+        row = self._row[rid]
+        for (k, v), (ck, cv) in zip(self._kv, kv):
+            k[row, :, :n] = ck
+            v[row, :, :n] = cv
+        if features is not None:
+            self._store_features(rid, 0, features)
+        self._length[rid] = n
+
+    @property
+    def slots(self) -> int:
+        """Slots per row of the buffers."""
+        return int(self._kv[0][0].shape[2])
+
+    def attended_positions(self, rids) -> int:
+        """Positions a call reads per row: every slot of the buffers (a multiple of :data:`SLOT_STEP`, never
+        shrinking: the longest request so far sets it), at least the longest request's cached length."""
+        return max(self.slots, super().attended_positions(rids))
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return int(sum(k.nbytes + v.nbytes for k, v in self._kv))
+
+    step_hints = True  # step() takes last_only (and argmax_for, ignored: the logits come back) from the loop
+
+    # -- the graph call
+    def step(self, segments: list, argmax_for=(), last_only=()) -> list:
+        """Feed every ``(rid, tokens)`` of ``segments`` after that request's cached positions, in one call.
+
+        Returns float32 [q_r, vocab] logits per segment, in order; when every segment's request is in ``last_only``
+        (prompt chunks) and the graph takes ``logits_from``, [1, vocab]: its last position's only, and the LM head
+        runs on the positions from the shortest segment's last one on. ``argmax_for`` is accepted for the loop's
+        interface and ignored. Raises DSparkError for an unknown or repeated request, an empty segment, or a request
+        growing past ``max_slots``.
+        """
+        if not segments:
+            return []
+        self._check_segments(segments)
+        order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
+        segs = [segments[i] for i in order]
+        b = len(segs)
+        bp, qq = padded_shape(b, max(len(t) for _, t in segs), self.row_multiple)
+        need = max(self._length[rid] + qq for rid, _ in segs)
+        if self.max_slots is not None and max(self._length[rid] + len(t) for rid, t in segs) > self.max_slots:
+            raise DSparkError(f"a request would hold more than {self.max_slots} positions (the context limit)")
+        cap = self._kv[0][0].shape[0]
+        if need > self.slots or bp > cap:
+            self._resize(max(cap, bp), max(self.slots, -(-need // SLOT_STEP) * SLOT_STEP))
+            cap = self._kv[0][0].shape[0]
+        rows = np.array([self._row[rid] for rid, _ in segs])
+        if rows[-1] - rows[0] == b - 1:  # a contiguous range of rows (dummy rows beside it): views, no copy
+            lo = min(int(rows[0]), cap - bp)
+            at = rows - lo  # each request's index in the call
+            kv = [(k[lo:lo + bp], v[lo:lo + bp]) for k, v in self._kv]
+        else:  # a gathered copy; dummy rows repeat the last request's row
+            at = np.arange(b)
+            idx = np.concatenate([rows, np.full(bp - b, rows[-1])])
+            kv = [(k[idx], v[idx]) for k, v in self._kv]
+        ids = np.zeros((bp, qq), np.int64)  # dummy rows: token 0 at positions 0..qq-1, results dropped
+        pos = np.tile(np.arange(qq, dtype=np.int64), (bp, 1))
+        for r, (rid, toks) in zip(at, segs):
+            t = list(toks)
+            ids[r] = t + [t[-1]] * (qq - len(t))
+            pos[r] = np.arange(self._length[rid], self._length[rid] + qq)
+        slot = np.arange(self.slots)
+        mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
+        start = 0  # the first query position whose logits are computed
+        if last_only and getattr(self.backend, "takes_logits_from", False) and all(r in last_only for r, _ in segs):
+            start = min(len(t) for _, t in segs) - 1
+        out = self.backend.step(ids, pos, mask, kv, logits_from=start) if start else self.backend.step(ids, pos, mask, kv)
+        results = [None] * b
+        for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
+            q, n0, row = len(toks), self._length[rid], rows[j]
+            for (k, v), (nk, nv) in zip(self._kv, out.kv):
+                k[row, :, n0:n0 + q] = nk[r, :, :q]
+                v[row, :, n0:n0 + q] = nv[r, :, :q]
+            if out.features is not None:
+                self._store_features(rid, n0, out.features[r, :q])
+            self._length[rid] = n0 + q
+            results[j] = out.logits[r, q - 1 - start:q - start] if start else out.logits[r, :q]
+        back = [None] * b
+        for j, i in enumerate(order):
+            back[i] = results[j]
+        return back
+
+
+class _ScatterCacheView:
+    """What :class:`~dspark_runtime.runners.kvcache.KVCache` offers to readers of a runner's cache: ``length`` and
+    ``view()`` — per layer (key, value) [1, kv_heads, length, head_dim] of one request's slots (views)."""
+
+    def __init__(self, runner: ScatterRunner, rid):
+        self._runner, self._rid = runner, rid
+
+    @property
+    def length(self) -> int:
+        return self._runner.length(self._rid)
+
+    def view(self) -> list:
+        r, n = self._runner._row[self._rid], self.length
+        return [(k[r:r + 1, :, :n], v[r:r + 1, :, :n]) for k, v in self._runner._kv]
+
+
+class ScatterSequence:
+    """One sequence's view of a scatter-layout graph, with the interface of
+    :class:`~dspark_runtime.runners.sequence.DecoderRunner` (``step``, ``prefill``, ``rollback``, ``reset``, ``length``,
+    ``features``, ``cache``, a settable ``row_multiple``): a :class:`ScatterRunner` holding one request, so a request
+    decoded alone runs exactly the calls it would run as one row of a batch.
+    """
+
+    _RID = 0
+
+    def __init__(self, backend, row_multiple: int = 1):
+        self.backend = backend
+        self.slots = ScatterRunner(backend, row_multiple=row_multiple)
+        self.slots.add(self._RID)
+        self.cache = _ScatterCacheView(self.slots, self._RID)
+
+    @property
+    def row_multiple(self) -> int:
+        return self.slots.row_multiple
+
+    @row_multiple.setter
+    def row_multiple(self, m: int) -> None:
+        if int(m) < 1:
+            raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {m!r}")
+        self.slots.row_multiple = int(m)
+
+    @property
+    def features(self) -> np.ndarray | None:
+        return self.slots.features(self._RID)
+
+    @property
+    def length(self) -> int:
+        return self.slots.length(self._RID)
+
+    def attended_positions(self) -> int:
+        """Positions a call reads: the buffers' slots (:meth:`ScatterRunner.attended_positions`)."""
+        return self.slots.attended_positions([self._RID])
+
+    def reset(self) -> None:
+        self.slots.rollback(self._RID, 0)
+
+    step_hints = True  # step() takes last_only
+
+    def step(self, tokens, last_only: bool = False) -> np.ndarray:
+        """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab] ([1, vocab], the last
+        position's, with ``last_only`` on a graph that takes ``logits_from``)."""
+        return self.slots.step([(self._RID, list(tokens))], last_only={self._RID} if last_only else ())[0]
+
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Feed a prompt in chunks of ``chunk`` tokens; returns the last position's logits [vocab]."""
+        return self.slots.prefill(self._RID, list(tokens), chunk)
+
+    def rollback(self, length: int) -> None:
+        self.slots.rollback(self._RID, length)
+
+    def export_kv(self, start: int, end: int) -> tuple:
+        """:meth:`ScatterRunner.export_kv` of this sequence."""
+        return self.slots.export_kv(self._RID, start, end)
+
+    def import_kv(self, kv: list, features: np.ndarray | None) -> None:
+        """:meth:`ScatterRunner.import_kv` into this (emptied) sequence."""
+        self.slots.import_kv(self._RID, kv, features)

@@ -1,0 +1,547 @@
+"""``dspark serve``: an OpenAI-compatible HTTP server over the batched runtime (continuous batching).
+
+Layout::
+
+    HTTP handlers (asyncio, FastAPI)  --submit/cancel-->  EngineWorker thread  --owns-->  DecodingLoop
+           ^                                                   |
+           +------ tokens / done / error events  <-------------+   (loop.call_soon_threadsafe)
+
+The :class:`~dspark_runtime.decoding.loop.DecodingLoop` is not thread-safe, so exactly one thread (the
+:class:`EngineWorker`) owns it: it takes submissions and cancellations from a command queue *between*
+rounds, runs ``step()`` (one packed verifier pass for every active request) while any request is
+active, and hands each request's newly committed tokens back to the event loop. Requests therefore
+join and leave between rounds; a client that disconnects is cancelled and its KV slots are freed
+before the next round. At most ``max_batch + max_queue`` requests are accepted at once; beyond that
+the server answers 429 with an OpenAI-style error body.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, streamed as
+server-sent events ending with ``data: [DONE]`` or not), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text format). Responses carry a ``dspark`` extension object with the
+request's τ (tokens committed per verify round, bonus included) and draft acceptance rate.
+
+Every user error (malformed JSON, unknown field, out-of-range value, unsupported ``n``, a prompt the
+engine's context cannot hold) is a 4xx with ``{"error": {"message", "type", "param", "code"}}``.
+
+Modules: this one holds the FastAPI app (:func:`create_app`) and the running of it (:func:`serve`,
+:class:`ServerThread`); :mod:`dspark_runtime.serving.worker` the engine thread and the metrics;
+:mod:`dspark_runtime.serving.wire` the error bodies and request models.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark_runtime.decoding.request import streamable_length
+from dspark_runtime.errors import DSparkError, InputError
+from dspark_runtime.decoding.sampling import SamplingParams
+from dspark_runtime.serving.wire import (_ERRORS, APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                       SafeJSONResponse, error_body)
+from dspark_runtime.serving.worker import EngineWorker, Job, Outcome, ServerMetrics
+
+log = logging.getLogger("dspark.server")
+
+DEFAULT_MAX_CONTEXT = 4096  # when neither the manifest nor the caller gives one
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM): logits / 1e-300 would overflow
+SHUTDOWN_GRACE_S = 5.0  # after the drain deadline, how long handlers get to send their "cancelled" answers
+API_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+# ---------------------------------------------------------------------------------------- the app
+
+
+def engine_max_context(engine) -> int | None:
+    """The engine's context capacity: the smallest ``max_position_embeddings`` its graphs record, or None."""
+    vals = [g.model_config.get("max_position_embeddings") for g in engine.manifest.graphs.values()]
+    vals = [int(v) for v in vals if isinstance(v, int) and v > 0]
+    return min(vals) if vals else None
+
+
+def _loc_param(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # drop pydantic's union-branch tags (e.g. 'str', 'list[int]', 'constrained-str', 'function-after[...]')
+    parts = [p for p in parts if not (p in ("str", "int", "float", "bool", "none") or "[" in p
+                                      or p.startswith(("function-", "constrained-")))]
+    return ".".join(parts) or None
+
+
+def _sse(obj, ascii: bool = False) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=ascii)}\n\n"
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _dspark_ext(stats) -> dict:
+    """The ``dspark`` extension object of a response: τ, acceptance and timings of the request."""
+    return {"drafter": stats.drafter, "tau": round(stats.accepted_length_mean, 4),
+            "acceptance_rate": round(stats.acceptance_rate, 4), "draft_tokens_proposed": stats.proposed,
+            "draft_tokens_accepted": stats.accepted, "rounds": stats.num_rounds,
+            "accepted_by_position": [round(x, 4) for x in stats.accepted_by_position],
+            "ttft_ms": round(stats.ttft_ms, 2), "decode_ms": round(stats.decode_ms, 2),
+            "cached_prompt_tokens": stats.cached_tokens,
+            "tokens_per_second": round(stats.tokens_per_second, 3)}
+
+
+def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | None = None,
+               draft_confidence: float | None = None, max_batch: int = 8, max_queue: int = 64,
+               max_context: int | None = None, default_max_tokens: int = 256, model_name: str | None = None,
+               shutdown_drain_s: float = 5.0, prefill_budget: int | str = "auto") -> FastAPI:
+    """The FastAPI app serving ``engine`` (a loaded :class:`~dspark_runtime.engine.Engine`).
+
+    Args:
+        draft, draft_length, draft_confidence, max_batch, prefill_budget: as :meth:`Engine.batch` ("auto":
+            :meth:`Engine.auto_draft` — the router over a calibrated DSpark drafter with scheduled verify lengths
+            where the engine has a cost table, else its draft LM, else the router over an uncalibrated DSpark
+            drafter, else n-gram lookup; None/"none": target-only).
+        max_queue: requests accepted beyond ``max_batch`` (waiting for a slot); more are answered 429.
+        max_context: prompt + max_tokens limit; default: the manifest's ``max_position_embeddings``
+            (else 4096); a larger value than that raises InputError.
+        default_max_tokens: max_tokens when a request gives none (capped by the context left).
+        model_name: the id served in /v1/models and responses (default: the manifest's name).
+        shutdown_drain_s: at shutdown, how long in-flight requests may still finish before they are cancelled.
+
+    The engine thread starts and stops with the app's lifespan (uvicorn runs it). ``app.state.worker``
+    is the :class:`EngineWorker`, ``app.state.metrics`` the :class:`ServerMetrics`.
+    Raises InputError (from :meth:`Engine.batch`) for a drafter the engine lacks or bad arguments.
+    """
+    gen = engine.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
+                       max_batch=max_batch, prefill_budget=prefill_budget, draft_skip=True)
+    worker = EngineWorker(gen, max_queue=max_queue)
+    metrics = ServerMetrics(worker)
+    model_ctx = engine_max_context(engine)
+    if max_context is not None and model_ctx is not None and int(max_context) > model_ctx:
+        raise InputError(f"max_context {max_context} is beyond what the engine's model was trained for "
+                         f"(max_position_embeddings {model_ctx}): positions past it give unreliable output; pass "
+                         f"--max-context {model_ctx} or less")
+    ctx = int(max_context or model_ctx or DEFAULT_MAX_CONTEXT)
+    name = model_name or engine.manifest.name
+    vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        log.info("engine thread started: %s, max_batch %d, capacity %d, max context %d",
+                 getattr(gen.drafter, "name", "target-only"), gen.max_batch, worker.capacity, ctx)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop, shutdown_drain_s)
+            log.info("engine thread stopped")
+
+    app = FastAPI(title="DSpark", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  description="OpenAI-compatible completions over DSpark speculative decoding.")
+    app.state.worker, app.state.metrics, app.state.max_context, app.state.model_name = worker, metrics, ctx, name
+    app.state.shutdown_drain_s = shutdown_drain_s
+
+    def _count_invalid(request: Request, outcome: str = "invalid") -> None:
+        if request.url.path in API_PATHS:
+            metrics.requests.labels(request.url.path, outcome).inc()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        _count_invalid(request)
+        errs = exc.errors()
+        e = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
+        if e.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+            return SafeJSONResponse(error_body(msg, code="json_invalid"), status_code=400)
+        param = _loc_param(e.get("loc", ()))
+        msg = e.get("msg", "invalid value")
+        if e.get("type") == "extra_forbidden":
+            msg = f"unrecognized request argument: {param}"
+        elif tuple(e.get("loc", ())) == ("body",):
+            msg = "the request body must be a JSON object (Content-Type: application/json)"
+        elif param:
+            msg = f"{param}: {msg}"
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+        return SafeJSONResponse(error_body(msg, param=param, code=e.get("type")), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        _count_invalid(request, "rejected" if exc.status in (429, 503) else "invalid")
+        return SafeJSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(DSparkError)
+    async def _dspark_error(request: Request, exc: DSparkError):
+        _count_invalid(request)
+        return SafeJSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return SafeJSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        _count_invalid(request, "error")
+        return SafeJSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+
+    # -- helpers
+
+    def _check_model(body) -> None:
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def _max_tokens(body, n_prompt: int, prompt_param: str) -> int:
+        room = ctx - n_prompt
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
+                                f"{n_prompt} tokens, which leaves no room to generate. Shorten the prompt.",
+                           param=prompt_param, code="context_length_exceeded")
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if asked is None:
+            return min(default_max_tokens, room)
+        if n_prompt + asked > ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} to generate). "
+                                f"Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    def _job(request: Request, body, ids: list, prompt_param: str) -> Job:
+        _check_model(body)
+        max_tokens = _max_tokens(body, len(ids), prompt_param)
+        temperature = 0.0 if body.temperature < GREEDY_BELOW else float(body.temperature)
+        params = SamplingParams(temperature=temperature, top_k=int(body.top_k), top_p=float(body.top_p))
+        params.validate()
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        seed = None if body.seed is None else body.seed % 2 ** 64
+        return Job(asyncio.get_running_loop(), ids, max_tokens, params, seed, stop)
+
+    def _encode(prompt, raw: bool, param: str) -> list:
+        try:
+            return engine.encode_prompt(prompt, raw=raw)
+        except DSparkError:
+            raise
+        except Exception as e:  # noqa: BLE001 - text the tokenizer or the chat template cannot take
+            raise APIError(400, f"the {param} could not be tokenized: {type(e).__name__}", param=param) from None
+
+    def _usage(n_prompt: int, n_gen: int, stats) -> dict:
+        """OpenAI usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(stats, "cached_tokens", 0))}}
+
+    def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None) -> None:
+        metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
+        if out.finish_reason == "cancelled":
+            return
+        now = time.perf_counter()
+        metrics.prompt_tokens.inc(len(job.prompt_ids))
+        metrics.generation_tokens.inc(len(out.token_ids))
+        if t_first is not None:
+            metrics.ttft.observe(t_first - t0)
+            if len(out.token_ids) > 1:
+                metrics.tpot.observe((now - t_first) / (len(out.token_ids) - 1))
+        metrics.e2e.observe(now - t0)
+        if out.stats.num_rounds:
+            metrics.request_tau.observe(out.stats.accepted_length_mean)
+
+    async def _next_event(job: Job, request: Request | None):
+        """The job's next event; for non-streaming requests, also checks (at most every 0.5 s, whether
+        events arrive or not) that the client is still there (a streaming response is cancelled by
+        Starlette when its client disconnects)."""
+        if request is None:
+            return await job.events.get()
+        while True:
+            now = time.monotonic()
+            if now - job.checked >= 0.5:
+                job.checked = now
+                if await request.is_disconnected():
+                    return ("disconnected", None)
+            try:
+                return await asyncio.wait_for(job.events.get(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run(request: Request, body, ids: list, chat: bool, prompt_param: str):
+        endpoint = request.url.path
+        t0 = time.perf_counter()
+        job = _job(request, body, ids, prompt_param)
+        worker.submit(job)  # 429 / 503 raise here, before any response is started
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(endpoint, job, rid, chat, include_usage, t0),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        ids_out: list = []
+        t_first = None
+        try:
+            while True:
+                kind, payload = await _next_event(job, request)
+                if kind == "tokens":
+                    t_first = t_first or time.perf_counter()
+                    ids_out += payload
+                elif kind == "error":
+                    job.closed = True
+                    metrics.requests.labels(endpoint, "error").inc()
+                    return SafeJSONResponse(payload.body(), status_code=payload.status)
+                elif kind == "done":
+                    job.closed = True
+                    out: Outcome = payload
+                    _record(endpoint, job, out, t0, t_first)
+                    if out.finish_reason == "cancelled":
+                        return SafeJSONResponse(error_body("the request was cancelled (the server is shutting down)",
+                                                       "service_unavailable", code="cancelled"), status_code=503)
+                    break
+                elif kind == "disconnected":
+                    return Response(status_code=499)
+        finally:  # the client went away (or the handler was cancelled at shutdown)
+            if not job.closed:
+                job.closed = True
+                worker.cancel(job)
+                metrics.requests.labels(endpoint, "cancelled").inc()
+        text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
+        fr = _finish_reason(out.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": fr} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": fr})
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
+                "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats), "dspark": _dspark_ext(out.stats)}
+
+    async def _stream(endpoint: str, job: Job, rid: str, chat: bool, include_usage: bool, t0: float):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(delta: str | None, finish=None, role=False, extra=None) -> str:
+            if chat:
+                d = {}
+                if role:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            o = {"id": rid, "object": obj, "created": created, "model": name, "choices": [c]}
+            if extra:
+                o.update(extra)
+            return _sse(o)
+
+        ids: list = []
+        sent = ""
+        t_first = None
+        try:
+            if chat:
+                yield chunk("", role=True)
+            while True:
+                kind, payload = await _next_event(job, None)
+                if kind == "tokens":
+                    t_first = t_first or time.perf_counter()
+                    ids += payload
+                    text = engine.tokenizer.decode(ids)
+                    text = text[:streamable_length(text, job.stop)]
+                    if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
+                        yield chunk(text[len(sent):])
+                        sent = text
+                elif kind == "error":
+                    job.closed = True
+                    metrics.requests.labels(endpoint, "error").inc()
+                    yield _sse(payload.body(), ascii=True)
+                    break
+                elif kind == "done":
+                    job.closed = True
+                    out: Outcome = payload
+                    _record(endpoint, job, out, t0, t_first)
+                    text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
+                    tail = text[len(sent):] if text.startswith(sent) else ""
+                    if tail:
+                        yield chunk(tail)
+                    if out.finish_reason == "cancelled":
+                        yield _sse(error_body("the request was cancelled (the server is shutting down)",
+                                              "service_unavailable", code="cancelled"))
+                        break
+                    yield chunk(None if chat else "", finish=_finish_reason(out.finish_reason),
+                                extra={"dspark": _dspark_ext(out.stats)})
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
+                                    "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the task is cancelled) or the server is stopping
+            if not job.closed:
+                job.closed = True
+                worker.cancel(job)
+                metrics.requests.labels(endpoint, "cancelled").inc()
+
+    # -- routes
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        """Text completion of a raw prompt (OpenAI ``/v1/completions``)."""
+        if isinstance(body.prompt, str):
+            ids = _encode(body.prompt, True, "prompt")
+        else:
+            bad = [t for t in body.prompt if t >= vocab]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is out of range (vocabulary of {vocab})",
+                               param="prompt", code="invalid_token_id")
+            ids = list(body.prompt)
+        return await _run(request, body, ids, chat=False, prompt_param="prompt")
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """Chat completion (OpenAI ``/v1/chat/completions``), rendered with the engine's chat template."""
+        msgs = []
+        for m in body.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        ids = _encode(msgs, False, "messages")
+        return await _run(request, body, ids, chat=True, prompt_param="messages")
+
+    @app.get("/v1/models")
+    async def models():
+        """The served model (OpenAI ``/v1/models``)."""
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "dspark", "max_model_len": ctx}]}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        """200 while the engine thread runs and accepts work, else 503."""
+        snap = worker.snapshot
+        if not worker.alive:
+            return SafeJSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
+        return {"status": "ok", "model": name, "active": snap["active"],
+                "queued": max(0, snap["inflight"] - snap["active"]), "capacity": worker.capacity}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """Prometheus text exposition of the server and engine metrics."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def _draining_server(config, app, drain_s: float | None = None):
+    """A ``uvicorn.Server`` whose shutdown first tells the app's engine thread to stop taking work and to
+    cancel, ``drain_s`` seconds later (default: the app's ``shutdown_drain_s``), whatever is still running.
+
+    uvicorn itself would wait ``timeout_graceful_shutdown`` seconds and then cancel the handlers of open
+    requests, which answers a non-streamed request with a bare 500 and cuts a stream mid-body; the engine
+    thread's own drain only started after that (at the lifespan's end), when nothing was left to drain.
+    Draining from the start of the shutdown instead ends each open request with its own clean answer before
+    uvicorn's timeout: it finishes, or gets a 503 ``cancelled`` body or an SSE error event then ``[DONE]``.
+    ``timeout_graceful_shutdown`` must leave handlers time after the drain deadline (see
+    :data:`SHUTDOWN_GRACE_S`)."""
+    import uvicorn
+
+    worker = getattr(getattr(app, "state", None), "worker", None)
+    if drain_s is None:
+        drain_s = getattr(app.state, "shutdown_drain_s", 0.0) if worker is not None else 0.0
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            if isinstance(worker, EngineWorker):
+                worker.begin_stop(drain_s)
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(config)
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread on an already-bound loopback socket (tests,
+    embedding). Use as a context manager; ``url`` is ``http://host:port``.
+
+    Args:
+        app: the ASGI app (``create_app(...)``).
+        host: address to bind; port 0 picks a free port.
+        timeout_graceful_shutdown: seconds uvicorn waits for open connections at shutdown (None: no limit).
+            Open requests get the app's ``shutdown_drain_s`` to finish, at most this less a grace (the
+            smaller of :data:`SHUTDOWN_GRACE_S` and half of it) in which their handlers answer the
+            cancellation cleanly.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float | None = 10,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=timeout_graceful_shutdown)
+        drain = getattr(getattr(app, "state", None), "shutdown_drain_s", 0.0)
+        if timeout_graceful_shutdown is not None:
+            t = float(timeout_graceful_shutdown)
+            drain = max(0.0, min(drain, t - min(SHUTDOWN_GRACE_S, t / 2)))
+        self.server = _draining_server(config, app, drain)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="dspark-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start serving; returns once uvicorn is up. Raises RuntimeError if it does not start in time."""
+        self.thread.start()
+        t_end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown (uvicorn closes the listener, the engine thread drains open requests, uvicorn
+        waits for them, runs the lifespan exit)."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+          log_level: str = "info", **app_kwargs) -> None:
+    """Serve ``engine`` with uvicorn until interrupted (``dspark serve``). ``app_kwargs`` go to :func:`create_app`.
+
+    On SIGINT/SIGTERM uvicorn stops accepting and the engine thread stops taking work; open requests may
+    finish for up to ``shutdown_timeout`` s, then the rest are cancelled and each gets a clean answer (a 503
+    ``cancelled`` body, or an SSE error event then ``[DONE]``) within :data:`SHUTDOWN_GRACE_S` more; then
+    the process exits (uvicorn re-raises the signal it handled: a SIGTERM'd server ends by that signal)."""
+    import sys
+
+    import uvicorn
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    shutdown_timeout = max(0.0, float(shutdown_timeout))
+    app_kwargs.setdefault("shutdown_drain_s", shutdown_timeout)
+    app = create_app(engine, **app_kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=app.state.shutdown_drain_s + SHUTDOWN_GRACE_S)
+    server = _draining_server(config, app)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the SIGINT uvicorn handled, re-raised after the graceful shutdown
+        pass
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the server did not start (e.g. the port is taken)

@@ -1,0 +1,121 @@
+"""The wire format of ``dspark serve`` (:mod:`dspark_runtime.serving.app`): OpenAI-style error bodies and the request
+models of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic, unknown fields refused)."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+
+MAX_STOP_STRINGS = 8
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """The JSON body of the error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error response (OpenAI format)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An error response (OpenAI format)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 404, 429, 503)}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a body that echoes a client's string (e.g. an unknown field name with
+    a lone surrogate) still encodes, so it can never turn into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+# ---------------------------------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    """Request models reject unknown fields (answered 400 "unrecognized request argument")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    model: str | None = Field(None, description="The served model's id (see /v1/models); optional.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off (extension).")
+    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1, description="Sampling seed.")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: Literal[1] = Field(1, description="Number of choices; only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_GenerationFields):
+    """``POST /v1/completions``: ``prompt`` is raw text (no chat template) or a list of token ids."""
+
+    prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[
+        list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(min_length=1)]
+
+
+class TextPart(_Strict):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message (text only)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """``POST /v1/chat/completions``: messages rendered with the engine's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
