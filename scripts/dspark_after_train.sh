@@ -10,6 +10,6 @@ CK=${CHECKPOINT:-engines/drafters/qwen2.5-coder-1.5b-dspark}
 .venv/bin/dspark-export add-draft "$E" "$CK" --target qwen2.5-coder-1.5b-instruct
 .venv/bin/dspark-export calibrate "$E" --prompts "${CALIB_PROMPTS:-8}" --max-new-tokens 96
 .venv/bin/dspark-export profile "$E"
-.venv/bin/python scripts/bench.py --engine "$E" --humaneval "${N_HE:-8}" --mbpp "${N_MBPP:-8}" \
+.venv/bin/python -m benchmarks.bench --engine "$E" --humaneval "${N_HE:-8}" --mbpp "${N_MBPP:-8}" \
   --mt-bench "${N_MT:-4}" --draft "${DRAFTERS:-dspark:7,lm:7,dspark:scheduled}" --max-new-tokens 128 \
-  --out scripts/results/bench-dspark-qwen2.5-coder-1.5b.json
+  --out results/bench-dspark-qwen2.5-coder-1.5b.json

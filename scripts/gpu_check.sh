@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # The runtime on an NVIDIA GPU, in prepared scripts (transcripts on stdout). Two paths:
 #
-# ONNX Runtime's CUDA provider (device-resident K/V, CUDA graphs; scripts/gpu_check_cuda.py):
+# ONNX Runtime's CUDA provider (device-resident K/V, CUDA graphs; benchmarks/gpu/check_cuda.py):
 #   bash scripts/gpu_check.sh --prepare-cuda  # on any machine with this repo's .venv: .carry/gpu-cuda/ <- tiny
 #                                             #   engines with device graphs + the stripped 1.5B-architecture graph
-#                                             #   (scripts/gpu_cuda_prepare.py); .carry/site.tar.xz.part* <- the
+#                                             #   (benchmarks/gpu/prepare_cuda.py); .carry/site.tar.xz.part* <- the
 #                                             #   trimmed onnxruntime-gpu, onnxruntime-genai-cuda and polygraphy
 #                                             #   (scripts/gpu_site_pack.sh), in <= 48 MiB parts for 64 MiB device calls
 #   bash scripts/gpu_check.sh cuda [STAGE [--skip PHASES]]  # on the GPU machine (Python 3.12 with numpy, onnx, torch, transformers,
 #                                             #   cuda-python): unpacks the parts found in STAGE (default /tmp/stage)
 #                                             #   into /tmp/site, runs the check; results in $OUT (or ./gpu-check-out)
 #
-# TensorRT (scripts/gpu_check_trt.py):
+# TensorRT (benchmarks/gpu/check_trt.py):
 #   bash scripts/gpu_check.sh --prepare       # on any machine with network (and this repo's .venv):
 #                                             #   wheelhouse/ <- Python 3.12 wheels for the runtime + TensorRT,
 #                                             #   engines/gpu-check-tiny/ <- a tiny engine (ONNX + TensorRT-RTX AOT engines)
 #   bash scripts/gpu_check.sh trt             # on the GPU machine (Python 3.12, no network needed): installs from
-#                                             #   wheelhouse/ into .venv-gpu/, runs scripts/gpu_check_trt.py
+#                                             #   wheelhouse/ into .venv-gpu/, runs benchmarks/gpu/check_trt.py
+#
+# A device call carries the working tree (tracked and untracked-not-ignored files) and at most 64 MiB in all; the
+# shipped drafter checkpoint alone is 56 MiB and no check needs it. Around every device call:
+#   bash scripts/gpu_check.sh --park          # before: moves it out of the tree ($DSPARK_PARK_DIR, default
+#                                             #   ~/.cache/dspark/parked) and prints what would travel
+#   bash scripts/gpu_check.sh --unpark        # after: moves it back (or restores it from git if the copy is gone)
+# Never commit while it is parked (git sees it deleted). Both prepare steps print these two commands.
 #
 # Both folders are gitignored (artifacts never go into git). TensorRT flavour: TensorRT-RTX for compute capability
 # 7.5/8.x/12.x; enterprise tensorrt for Hopper (9.0) and datacenter Blackwell (10.x), where TensorRT-RTX does not
@@ -28,12 +35,50 @@ ENGINE=engines/gpu-check-tiny
 RUNTIME_PKGS=("numpy>=1.26" "onnxruntime==1.32.*" "tokenizers>=0.21" "jinja2>=3.1" "click>=8.1" "onnx==1.23.*"
               "tensorrt-rtx-cu13-libs==1.7.1.116" "tensorrt-rtx-cu13-bindings==1.7.1.116" "cuda-python>=13.0,<14")
 ENTERPRISE_PKGS=("tensorrt-cu13-libs==10.16.1.11" "tensorrt-cu13-bindings==10.16.1.11")
+CHECKPOINT=engines/drafters/qwen2.5-coder-1.5b-dspark/model.safetensors
+PARK=${DSPARK_PARK_DIR:-${DSPARK_CACHE:-$HOME/.cache/dspark}/parked}
+
+travel_mib() {  # what a device call would carry: tracked files present + untracked files git does not ignore
+  { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s -- 2>/dev/null \
+    | awk '{s += $1} END {printf "%.1f", s / 1048576}'
+}
+
+park_note() {
+  echo "== before a device call: bash scripts/gpu_check.sh --park   (moves $CHECKPOINT out of the tree;"
+  echo "   the call carries at most 64 MiB: $(travel_mib) MiB of tracked and untracked files now, the checkpoint included)"
+  echo "== after it: bash scripts/gpu_check.sh --unpark"
+}
+
+if [[ "${1:-}" == "--park" ]]; then
+  if [[ -f "$CHECKPOINT" ]]; then
+    mkdir -p "$PARK/$(dirname "$CHECKPOINT")"
+    mv "$CHECKPOINT" "$PARK/$CHECKPOINT"
+    echo "parked $CHECKPOINT in $PARK (bash scripts/gpu_check.sh --unpark puts it back; do not commit meanwhile)"
+  else
+    echo "$CHECKPOINT is not in the tree (already parked?)"
+  fi
+  echo "a device call carries $(travel_mib) MiB of the working tree now (limit 64 MiB, .carry parts included)"
+  exit 0
+fi
+
+if [[ "${1:-}" == "--unpark" ]]; then
+  if [[ -f "$PARK/$CHECKPOINT" ]]; then
+    mv "$PARK/$CHECKPOINT" "$CHECKPOINT"
+    echo "restored $CHECKPOINT from $PARK"
+  elif [[ ! -f "$CHECKPOINT" ]]; then
+    git checkout -- "$CHECKPOINT" && echo "restored $CHECKPOINT from git (no parked copy in $PARK)"
+  else
+    echo "$CHECKPOINT is in place"
+  fi
+  exit 0
+fi
 
 if [[ "${1:-}" == "--prepare-cuda" ]]; then
   PY=${PY:-.venv/bin/python}
-  nice -n 19 "$PY" scripts/gpu_cuda_prepare.py --out .carry/gpu-cuda
+  nice -n 19 "$PY" -m benchmarks.gpu.prepare_cuda --out .carry/gpu-cuda
   bash scripts/gpu_site_pack.sh
   du -sh .carry/gpu-cuda .carry/site.tar.xz.part*
+  park_note
   exit 0
 fi
 
@@ -48,7 +93,7 @@ if [[ "${1:-}" == "cuda" ]]; then
   NV=$("$PY" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
   [[ -n "$NV" ]] && export LD_LIBRARY_PATH="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
   shift $(( $# >= 2 ? 2 : $# ))
-  "$PY" scripts/gpu_check_cuda.py .carry/gpu-cuda --out "$OUTDIR/gpu-check-cuda.json" --deadline-s "${DEADLINE_S:-470}" "$@"
+  "$PY" -m benchmarks.gpu.check_cuda .carry/gpu-cuda --out "$OUTDIR/gpu-check-cuda.json" --deadline-s "${DEADLINE_S:-470}" "$@"
   exit $?
 fi
 
@@ -70,8 +115,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   nice -n 19 "$PY" - "$ENGINE" <<'PYEOF'
 import sys, tempfile
 from pathlib import Path
-sys.path.insert(0, "tests")
-from tiny_models import add_tiny_dspark, make_pair
+from tests.tiny_models import add_tiny_dspark, make_pair
 from dspark_export.engine_dir.build import Recipe, build_engine
 from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 from dspark_runtime.backends.trt.profiles import ProfileSettings
@@ -88,6 +132,7 @@ build_trt(out, TrtBuildSettings(profile=ProfileSettings(max_batch=4, decode_q=5,
                                                         min_bucket=32)), isolate=False)
 PYEOF
   du -sh "$WHEELS" "$ENGINE"
+  park_note
   exit 0
 fi
 
@@ -108,4 +153,4 @@ echo "== compute capability $CC: TensorRT flavour $FLAVOUR"
 # enterprise engines must be built on this GPU; RTX engines built ahead of time on a CPU are used as shipped
 EXTRA=()
 [[ $FLAVOUR == enterprise ]] && EXTRA=(--rebuild)
-PYTHONPATH=. .venv-gpu/bin/python scripts/gpu_check_trt.py "$ENGINE" --flavour "$FLAVOUR" "${EXTRA[@]}"
+PYTHONPATH=. .venv-gpu/bin/python -m benchmarks.gpu.check_trt "$ENGINE" --flavour "$FLAVOUR" "${EXTRA[@]}"

@@ -5,6 +5,8 @@
         --target ~/.cache/dspark/models/qwen2.5-coder-1.5b-instruct --out data.npz \
         [--sharegpt-tokens 1200000] [--code-tokens 2400000] [--run-repeats 2]
 
+From the repository root with the project installed (``pip install -e .``), or with ``PYTHONPATH=.``.
+
 Training sequences (never an evaluation or calibration prompt: the answers come from the training split only):
 
 - the run's ``sequences.npz`` (the target's own answers to the training prompts, stdlib source, ShareGPT turns),
@@ -30,8 +32,6 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CODE_PACKAGES = ("transformers", "torch", "numpy", "onnx", "onnxruntime", "tokenizers", "safetensors", "click",
                  "jinja2", "pydantic", "ray", "sympy", "networkx", "fsspec", "huggingface_hub", "pip", "setuptools")

@@ -2,6 +2,8 @@
 
     python scripts/gpu_train_draft.py --gguf TARGET.gguf --data DATA.npz --out OUT_DIR [--minutes 5] [--deadline-s S]
 
+From the repository root with the project installed (``pip install -e .``), or with ``PYTHONPATH=.`` (a GPU machine).
+
 What the CPU pipeline (``dspark-export train-draft``) does in stages over hours, at GPU speed, for a machine that
 has the target as a GGUF file and nothing else (no engine, no Hugging Face folder):
 
@@ -33,8 +35,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 T0 = time.perf_counter()
 

@@ -25,5 +25,5 @@ if ! grep -q '"cost_table"' engines/qwen2.5-coder-1.5b/manifest.json; then
 fi
 # target-only vs: --draft auto (on this engine the router over n-gram lookup and the DSpark drafter, scheduled verify
 # lengths), the 0.5B draft LM at gamma 3, and n-gram prompt lookup alone
-.venv/bin/python scripts/bench.py --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
+.venv/bin/python -m benchmarks.bench --engine engines/qwen2.5-coder-1.5b --humaneval 1 --mt-bench 0 --show-text \
   --draft auto,lm:3,ngram:4 --max-new-tokens 256 --out engines/qwen2.5-coder-1.5b/quickstart-bench.json

@@ -1,14 +1,15 @@
-"""scripts/bench.py: drafters of a second engine of the same target (--engine-as) run beside --engine's, against one
+"""benchmarks.bench: drafters of a second engine of the same target (--engine-as) run beside --engine's, against one
 target-only run, and every output is checked against it."""
 import json
 
 import pytest
-from script_loader import load_script
+
+from benchmarks import bench as bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("bench", "bench_script")
+    return bench_module
 
 
 def test_engine_as_runs_another_engines_drafter_beside_this_one(bench, tiny_dspark, tiny_engine_with_dspark, tmp_path):

@@ -1,14 +1,15 @@
-"""scripts/chunk_invariance.py on the tiny fp32 engine: the measuring functions themselves (a sequence
+"""benchmarks.chunk_invariance on the tiny fp32 engine: the measuring functions themselves (a sequence
 compared with itself has no difference; fp32 verify blocks differ from one-token steps by rounding only;
 an injected difference is found at the right position and layer)."""
 import numpy as np
 import pytest
-from script_loader import load_script
+
+from benchmarks import chunk_invariance
 
 
 @pytest.fixture(scope="module")
 def ci():
-    return load_script("chunk_invariance", "chunk_invariance")
+    return chunk_invariance
 
 
 def test_teacher_force_and_compare(ci, tiny_engine_dir):

@@ -1,52 +1,49 @@
-"""scripts/compare.py: the pure parts (divergence, interleaving, speculation counters, aggregation,
+"""benchmarks.compare: the pure parts (divergence, interleaving, speculation counters, aggregation,
 markdown) on hand-made rows; no model, no subprocess."""
 import pytest
-from script_loader import load_script
+
+from benchmarks import evalsets
+from benchmarks.compare import report, resume, run, systems, workers
 
 
-@pytest.fixture(scope="module")
-def cmp():
-    return load_script("compare", "compare_script")
+def test_first_divergence():
+    assert report.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert report.first_divergence([], []) is None
+    assert report.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert report.first_divergence([5], [6]) == 0
+    assert report.first_divergence([1, 2], [1, 2, 3]) == 2  # proper prefix: the shorter length
+    assert report.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert report.first_divergence((1, 2), [1, 2]) is None  # tuples and lists compare by value
 
 
-def test_first_divergence(cmp):
-    assert cmp.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert cmp.first_divergence([], []) is None
-    assert cmp.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert cmp.first_divergence([5], [6]) == 0
-    assert cmp.first_divergence([1, 2], [1, 2, 3]) == 2  # proper prefix: the shorter length
-    assert cmp.first_divergence([1, 2, 3], [1, 2]) == 2
-    assert cmp.first_divergence((1, 2), [1, 2]) is None  # tuples and lists compare by value
-
-
-def test_interleave_and_rotate(cmp):
-    jobs = cmp.interleave({"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]})
+def test_interleave_and_rotate():
+    jobs = run.interleave({"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]})
     assert [t for _, _, t in jobs] == ["a0", "b0", "c0", "a1", "c1", "a2"]
     assert jobs[3] == ("a", 1, "a1")
-    assert cmp.rotate(["x", "y", "z"], 0) == ["x", "y", "z"]
-    assert cmp.rotate(["x", "y", "z"], 1) == ["y", "z", "x"]
-    assert cmp.rotate(["x", "y", "z"], 4) == ["y", "z", "x"]
-    assert cmp.rotate([], 3) == []
+    assert resume.rotate(["x", "y", "z"], 0) == ["x", "y", "z"]
+    assert resume.rotate(["x", "y", "z"], 1) == ["y", "z", "x"]
+    assert resume.rotate(["x", "y", "z"], 4) == ["y", "z", "x"]
+    assert resume.rotate([], 3) == []
 
 
-def test_position_counts_from_dspark(cmp):
+def test_position_counts_from_dspark():
     # rounds with verify lengths 3,3,1 (histogram); per-position acceptance fractions of those rounds
-    tries, hits = cmp.position_counts_from_dspark([2 / 3, 1 / 2, 0.0], {"3": 2, "1": 1})
+    tries, hits = workers.position_counts_from_dspark([2 / 3, 1 / 2, 0.0], {"3": 2, "1": 1})
     assert tries == [3, 2, 2]
     assert hits == [2, 1, 0]
-    assert cmp.position_counts_from_dspark([], {}) == ([], [])
+    assert workers.position_counts_from_dspark([], {}) == ([], [])
 
 
-def test_round_stats(cmp):
-    st = cmp.round_stats([(4, 4), (4, 1), (0, 0), (2, 0)])
+def test_round_stats():
+    st = evalsets.round_stats([(4, 4), (4, 1), (0, 0), (2, 0)])
     assert st["rounds"] == 4 and st["proposed"] == 10 and st["accepted"] == 5
     assert st["tau"] == pytest.approx((5 + 4) / 4)
     assert st["acceptance_rate"] == pytest.approx(0.5)
     assert st["pos_tries"] == [3, 3, 2, 2]
     assert st["pos_hits"] == [2, 1, 1, 1]
-    empty = cmp.round_stats([])
+    empty = evalsets.round_stats([])
     assert empty["rounds"] == 0 and empty["tau"] is None and empty["acceptance_rate"] is None
-    assert cmp.round_stats([(0, 0)])["acceptance_rate"] is None  # nothing proposed
+    assert evalsets.round_stats([(0, 0)])["acceptance_rate"] is None  # nothing proposed
 
 
 def _row(system, ds, i, ids, tps, *, ttft=100.0, tau=None, rounds=None, proposed=None, accepted=None,
@@ -79,14 +76,14 @@ def rows():
 SYSTEMS = ["hf", "dspark-target", "dspark-lm", "dspark-ngram"]
 
 
-def test_correctness_and_aggregation(cmp, rows):
-    cmp.add_correctness(rows, greedy=True)
+def test_correctness_and_aggregation(rows):
+    report.add_correctness(rows, greedy=True)
     lm_gsm = next(r for r in rows if r["system"] == "dspark-lm" and r["dataset"] == "gsm8k")
     assert lm_gsm["vs_hf"] == 2 and lm_gsm["vs_dspark-target"] == 2
     assert all(r["vs_hf"] is None for r in rows if r["system"] == "dspark-target")
     assert "vs_hf" not in rows[-1]  # failed rows are not compared
 
-    summ = cmp.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
+    summ = report.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
     he = summ["by_dataset"]["humaneval"]
     assert he["hf"]["tokens_per_second"] == pytest.approx(2.0)
     assert he["dspark-lm"]["ratio_to_hf"] == pytest.approx(4.0)
@@ -105,15 +102,15 @@ def test_correctness_and_aggregation(cmp, rows):
     assert allb["dspark-ngram"] == {"n": 0, "errors": 1}
 
 
-def test_no_identity_check_when_sampling(cmp, rows):
-    cmp.add_correctness(rows, greedy=False)
+def test_no_identity_check_when_sampling(rows):
+    report.add_correctness(rows, greedy=False)
     assert not any("vs_hf" in r for r in rows)
 
 
-def test_markdown_tables(cmp, rows):
-    cmp.add_correctness(rows, greedy=True)
-    summ = cmp.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
-    md = cmp.table(summ["all"], SYSTEMS, with_memory=True, loads={"hf": 12.34}, sizes={"hf": 7_108_390_424})
+def test_markdown_tables(rows):
+    report.add_correctness(rows, greedy=True)
+    summ = report.summarize(rows, SYSTEMS, ["humaneval", "gsm8k"])
+    md = report.table(summ["all"], SYSTEMS, with_memory=True, loads={"hf": 12.34}, sizes={"hf": 7_108_390_424})
     lines = md.splitlines()
     assert lines[0].startswith("| system | n |") and "peak RSS GB" in lines[0] and "model GB" in lines[0]
     assert len(lines) == 2 + len(SYSTEMS)
@@ -130,7 +127,7 @@ def test_markdown_tables(cmp, rows):
                            "temperature": 0.0, "seed": 0, "chunk": 4, "threads": 2},
               "summary": summ, "rows": rows, "workers": [{"system": "hf", "load_s": 3.0}],
               "prompt_check": {"n": 2, "all_identical": True, "mismatched": []}}
-    rep = cmp.render_report(result, plots=["tokens_per_second.png"])
+    rep = report.render_report(result, plots=["tokens_per_second.png"])
     assert rep.startswith("# DSpark vs transformers on tgt")
     assert "## humaneval" in rep and "## gsm8k" in rep and "## All prompts" in rep
     # divergence with its first differing position (no own-baseline comparison for the project's systems)
@@ -140,24 +137,24 @@ def test_markdown_tables(cmp, rows):
     assert "identical ids for all 2 prompts" in rep
 
 
-def test_temperature_variants(cmp, rows):
-    assert cmp.variant_name("hf", 0.0) == "hf"
-    assert cmp.variant_name("dspark-lm", 1.0) == "dspark-lm@T1"
-    assert cmp.variant_name("hf", 0.7) == "hf@T0.7"
-    assert cmp.split_variant("dspark-lm@T1") == ("dspark-lm", 1.0)
-    assert cmp.split_variant("hf-assisted") == ("hf-assisted", 0.0)
-    assert cmp.reference_for("dspark-lm@T1", "hf") == "hf@T1"
-    assert cmp.reference_for("dspark-lm", "hf") == "hf"
+def test_temperature_variants(rows):
+    assert systems.variant_name("hf", 0.0) == "hf"
+    assert systems.variant_name("dspark-lm", 1.0) == "dspark-lm@T1"
+    assert systems.variant_name("hf", 0.7) == "hf@T0.7"
+    assert systems.split_variant("dspark-lm@T1") == ("dspark-lm", 1.0)
+    assert systems.split_variant("hf-assisted") == ("hf-assisted", 0.0)
+    assert systems.reference_for("dspark-lm@T1", "hf") == "hf@T1"
+    assert systems.reference_for("dspark-lm", "hf") == "hf"
     # sampled variants: different tokens than greedy hf, never compared token for token; their ratios
     # are to hf at the same temperature (hf@T1 at 1 tok/s here), not to greedy hf (2 tok/s on humaneval)
     rows += [_row("hf@T1", "humaneval", 0, [9, 9, 9], 1.0),
              _row("dspark-lm@T1", "humaneval", 0, [8, 8, 8], 3.0, tau=1.5, rounds=2, proposed=4, accepted=1,
                   tries=[2, 2], hits=[1, 0])]
-    cmp.add_correctness(rows)
+    report.add_correctness(rows)
     assert not any(k.startswith("vs_") for r in rows if "@T" in r["system"] for k in r)
     assert next(r for r in rows if r["system"] == "dspark-lm" and r["dataset"] == "gsm8k")["vs_hf"] == 2
     variants = SYSTEMS + ["hf@T1", "dspark-lm@T1"]
-    he = cmp.summarize(rows, variants, ["humaneval", "gsm8k"])["by_dataset"]["humaneval"]
+    he = report.summarize(rows, variants, ["humaneval", "gsm8k"])["by_dataset"]["humaneval"]
     assert he["dspark-lm@T1"]["ratio_to_hf"] == pytest.approx(3.0)
     assert "ratio_to_dspark-target" not in he["dspark-lm@T1"]  # no dspark-target@T1 in this run
     assert he["dspark-lm"]["ratio_to_hf"] == pytest.approx(4.0)

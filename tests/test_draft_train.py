@@ -47,10 +47,7 @@ def test_training_and_calibration_splits_never_touch_evaluation_prompts():
     train, calib = split_prompts(TRAIN_SPLIT), split_prompts(CALIB_SPLIT)
     assert len(train["gsm8k"]) == 900 and len(train["mbpp"]) == 180 and len(train["math500"]) == 350
     assert len(calib["gsm8k"]) == 100 and len(calib["mbpp"]) == 20 and len(calib["math500"]) == 50
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from evalsets import EVAL_START
+    from benchmarks.evalsets import EVAL_START
     for name, (a, b) in list(TRAIN_SPLIT.items()) + list(CALIB_SPLIT.items()):
         assert b <= EVAL_START[name]
     keys = {k for v in train.values() for k, _ in v} & {k for v in calib.values() for k, _ in v}

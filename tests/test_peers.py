@@ -1,41 +1,34 @@
-"""scripts/compare.py's peers (scripts/peers/): the system table, the up-front refusal of a peer that is
+"""benchmarks.compare's peers (benchmarks/peers/): the system table, the up-front refusal of a peer that is
 not installed, the resume logic (progress file, schedule, settings mismatch) with a fake worker, and the
 parsing of llama.cpp's llama-speculative output from text captured from the real binary
 (tests/data/llama_speculative_*.txt). No network, no peer venv, no model."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from script_loader import ROOT, load_script
+
+from benchmarks.compare import report, resume, run, systems
+from benchmarks.peers import llama_speculative, worker as peer_worker
 
 DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="module")
-def cmp():
-    return load_script("compare", "compare_script_peers")
-
-
-@pytest.fixture(scope="module")
 def lspec():
-    sys.path.insert(0, str(ROOT / "scripts" / "peers"))
-    import llama_speculative
-
     return llama_speculative
 
 
 @pytest.fixture(scope="module")
 def worker():
-    return load_script("peers/worker", "peers_worker_script")
+    return peer_worker
 
 
 # ---------------------------------------------------------------------------------------------
 # the system table and the refusal
 
 
-def test_peer_systems_in_table(cmp):
-    s = cmp.SYSTEMS
+def test_peer_systems_in_table():
+    s = systems.SYSTEMS
     for name, backend, peer in [("llama-cpp", "llama-cpp", "llama-cpp"), ("llama-cpp-pld", "llama-cpp", "llama-cpp"),
                                 ("llama-speculative", "llama-speculative", "llama-cpp"),
                                 ("ort-genai", "ort-genai", "ort-genai"), ("ort-genai-ngram", "ort-genai", "ort-genai")]:
@@ -46,7 +39,7 @@ def test_peer_systems_in_table(cmp):
     assert s["llama-cpp-pld"].baseline == s["llama-speculative"].baseline == "llama-cpp"
     assert s["ort-genai-ngram"].baseline == "ort-genai"
     assert s["llama-cpp"].baseline is None and s["hf"].peer is None and s["dspark-lm"].peer is None
-    assert set(cmp.PEER_INSTALL) == {"llama-cpp", "ort-genai"}
+    assert set(systems.PEER_INSTALL) == {"llama-cpp", "ort-genai"}
 
 
 def _fake_peer_tree(root: Path, target="tgt"):
@@ -57,43 +50,43 @@ def _fake_peer_tree(root: Path, target="tgt"):
         (root / rel).write_text("")
 
 
-def test_refusal_names_the_install_command(cmp, tmp_path, monkeypatch):
+def test_refusal_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_PEER_DIR", str(tmp_path / "peers"))  # the default peer dir here
     peers = tmp_path / "peers"
     tg, dg = tmp_path / "t.gguf", tmp_path / "d.gguf"
     tg.write_text("")  # the target GGUF is there, the draft GGUF is not
-    msgs = cmp.check_peers(["llama-cpp", "hf", "llama-speculative", "ort-genai-ngram"], peers, "tgt", "drf", tg, dg)
+    msgs = systems.check_peers(["llama-cpp", "hf", "llama-speculative", "ort-genai-ngram"], peers, "tgt", "drf", tg, dg)
     assert len(msgs) == 3  # hf needs no peer
     m_cpp, m_spec, m_ort = msgs
     assert m_cpp.startswith("system llama-cpp needs its peer (llama-cpp): ")
-    assert f"{peers}/llama-cpp/venv/bin/python is missing, run `scripts/peers/install.sh llama-cpp`" in m_cpp
+    assert f"{peers}/llama-cpp/venv/bin/python is missing, run `benchmarks/peers/install.sh llama-cpp`" in m_cpp
     assert "t.gguf" not in m_cpp
     assert "llama-cpp/bin/llama-speculative is missing" in m_spec
     assert f"{dg} is missing, run `dspark-export fetch drf`" in m_spec
-    assert "run `scripts/peers/install.sh ort-genai`" in m_ort
+    assert "run `benchmarks/peers/install.sh ort-genai`" in m_ort
     assert f"{peers}/ort-genai/models/tgt-int4/genai_config.json is missing, run " \
-           "`scripts/peers/install.sh ort-genai-model tgt`" in m_ort
+           "`benchmarks/peers/install.sh ort-genai-model tgt`" in m_ort
 
     _fake_peer_tree(peers)
     dg.write_text("")
-    assert cmp.check_peers(["llama-cpp", "llama-cpp-pld", "llama-speculative", "ort-genai", "ort-genai-ngram"],
+    assert systems.check_peers(["llama-cpp", "llama-cpp-pld", "llama-speculative", "ort-genai", "ort-genai-ngram"],
                            peers, "tgt", "drf", tg, dg) == []
 
 
-def test_refusal_in_another_peer_dir_says_where_to_install(cmp, tmp_path, monkeypatch):
+def test_refusal_in_another_peer_dir_says_where_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_PEER_DIR", str(tmp_path / "default"))
     other = tmp_path / "elsewhere"
-    (msg,) = cmp.check_peers(["ort-genai"], other, "tgt", "drf", tmp_path / "t.gguf", tmp_path / "d.gguf")
-    assert f"run `DSPARK_PEER_DIR={other} scripts/peers/install.sh ort-genai`" in msg
+    (msg,) = systems.check_peers(["ort-genai"], other, "tgt", "drf", tmp_path / "t.gguf", tmp_path / "d.gguf")
+    assert f"run `DSPARK_PEER_DIR={other} benchmarks/peers/install.sh ort-genai`" in msg
 
 
-def test_main_refuses_missing_peer_before_any_worker(cmp, tmp_path, monkeypatch):
+def test_main_refuses_missing_peer_before_any_worker(tmp_path, monkeypatch):
     target = tmp_path / "qwen-tgt"
     target.mkdir()
     (tmp_path / "t.gguf").write_text("")
-    monkeypatch.setattr(cmp, "run_worker", lambda *a, **k: pytest.fail("no worker may start"))
+    monkeypatch.setattr(run, "run_worker", lambda *a, **k: pytest.fail("no worker may start"))
     with pytest.raises(SystemExit) as e:
-        cmp.main(["--target", str(target), "--systems", "llama-cpp,ort-genai", "--peer-dir", str(tmp_path / "none"),
+        run.main(["--target", str(target), "--systems", "llama-cpp,ort-genai", "--peer-dir", str(tmp_path / "none"),
                   "--target-gguf", str(tmp_path / "t.gguf"), "--out-dir", str(tmp_path / "out")])
     text = str(e.value)
     assert text.startswith("error: peer systems not installed")
@@ -101,17 +94,17 @@ def test_main_refuses_missing_peer_before_any_worker(cmp, tmp_path, monkeypatch)
     assert "install.sh ort-genai-model qwen-tgt" in text
 
 
-def test_default_peer_dir(cmp, monkeypatch, tmp_path):
+def test_default_peer_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("DSPARK_PEER_DIR", raising=False)
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
-    assert cmp.default_peer_dir() == tmp_path / "cache" / "peers"
+    assert systems.default_peer_dir() == tmp_path / "cache" / "peers"
     monkeypatch.delenv("DSPARK_CACHE")
-    assert cmp.default_peer_dir() == Path.home() / ".cache" / "dspark" / "peers"
+    assert systems.default_peer_dir() == Path.home() / ".cache" / "dspark" / "peers"
 
 
-def test_peer_context(cmp):
-    assert cmp.peer_context(100, 128) == 2048  # floor
-    assert cmp.peer_context(3000, 128) == 3328  # 3000 + 128 + 64 = 3192 -> next multiple of 256
+def test_peer_context():
+    assert systems.peer_context(100, 128) == 2048  # floor
+    assert systems.peer_context(3000, 128) == 3328  # 3000 + 128 + 64 = 3192 -> next multiple of 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,14 +116,14 @@ def _prompts(n):
             for i in range(n)]
 
 
-def test_schedule_skips_done_pairs_and_keeps_rotation(cmp):
+def test_schedule_skips_done_pairs_and_keeps_rotation():
     chunks = [_prompts(4)[:2], _prompts(4)[2:]]
-    systems = ["a", "b", "c"]
-    full = cmp.schedule(chunks, systems, set())
+    names = ["a", "b", "c"]
+    full = resume.schedule(chunks, names, set())
     assert [(c, s, [p["index"] for p in t]) for c, s, t in full] == [
         (0, "a", [0, 1]), (0, "b", [0, 1]), (0, "c", [0, 1]), (1, "b", [2, 3]), (1, "c", [2, 3]), (1, "a", [2, 3])]
     done = {("a", "humaneval[0]"), ("a", "humaneval[1]"), ("b", "humaneval[0]"), ("c", "humaneval[3]")}
-    plan = cmp.schedule(chunks, systems, done)
+    plan = resume.schedule(chunks, names, done)
     assert [(c, s, [p["index"] for p in t]) for c, s, t in plan] == [
         (0, "b", [1]), (0, "c", [0, 1]), (1, "b", [2, 3]), (1, "c", [2]), (1, "a", [2, 3])]
 
@@ -167,36 +160,36 @@ def cmp_append(path, obj):
         f.write(json.dumps(obj) + "\n")
 
 
-def _session(cmp, out, settings, prompts, resume, run):
-    fp = cmp.fingerprint(settings, prompts)
-    progress, rows, workers = cmp.open_progress(out, fp, resume)
+def _session(out, settings, prompts, resume_run, run_worker):
+    fp = resume.fingerprint(settings, prompts)
+    progress, rows, workers = resume.open_progress(out, fp, resume_run)
     result = {"settings": dict(settings), "rows": list(rows), "workers": list(workers), "sessions": []}
     done = {(r["system"], r["key"]) for r in rows}
     chunks = [prompts[i:i + settings["chunk"]] for i in range(0, len(prompts), settings["chunk"])]
-    plan = cmp.schedule(chunks, settings["systems"], done)
+    plan = resume.schedule(chunks, settings["systems"], done)
 
     def make_job(s, todo):
         return {"system": s, "prompts": todo, "progress": str(progress)}
 
-    cmp.run_schedule(plan, chunks, result, make_job, run, progress, out, 0.0)
+    run.run_schedule(plan, chunks, result, make_job, run_worker, progress, out, 0.0)
     return result, plan
 
 
-def test_resume_runs_only_what_is_left(cmp, tmp_path, monkeypatch):
-    monkeypatch.setattr(cmp, "write_outputs", lambda *a, **k: None)
+def test_resume_runs_only_what_is_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "write_outputs", lambda *a, **k: None)
     out, prompts, st = tmp_path / "out", _prompts(4), _settings()
     calls = []
     with pytest.raises(KeyboardInterrupt):  # killed while system b runs its second prompt of chunk 1
-        _session(cmp, out, st, prompts, False, _fake_run(calls, fail_on=("b", "humaneval[3]")))
+        _session(out, st, prompts, False, _fake_run(calls, fail_on=("b", "humaneval[3]")))
     assert calls == [("a", ["humaneval[0]", "humaneval[1]"]), ("b", ["humaneval[0]", "humaneval[1]"]),
                      ("b", ["humaneval[2]", "humaneval[3]"])]
-    prog = cmp.read_progress(out / cmp.PROGRESS)
+    prog = resume.read_progress(out / resume.PROGRESS)
     assert sorted(prog["rows"]) == [("a", "humaneval[0]"), ("a", "humaneval[1]"), ("b", "humaneval[0]"),
                                     ("b", "humaneval[1]"), ("b", "humaneval[2]")]
     assert set(prog["workers"]) == {"c0-a", "c0-b"}  # the killed worker never finished
 
     calls.clear()
-    result, plan = _session(cmp, out, st, prompts, True, _fake_run(calls))
+    result, plan = _session(out, st, prompts, True, _fake_run(calls))
     # chunk 1 rotated (b first): b's remaining prompt, then a's two
     assert calls == [("b", ["humaneval[3]"]), ("a", ["humaneval[2]", "humaneval[3]"])]
     got = sorted((r["system"], r["key"]) for r in result["rows"])
@@ -207,57 +200,57 @@ def test_resume_runs_only_what_is_left(cmp, tmp_path, monkeypatch):
     assert [w["tag"] for w in result["workers"]] == ["c0-a", "c0-b", "c1-b", "c1-a"]
 
     calls.clear()  # a third run with everything done runs nothing
-    _, plan = _session(cmp, out, st, prompts, True, _fake_run(calls))
+    _, plan = _session(out, st, prompts, True, _fake_run(calls))
     assert plan == [] and calls == []
 
 
-def test_resume_redoes_failed_rows(cmp, tmp_path, monkeypatch):
-    monkeypatch.setattr(cmp, "write_outputs", lambda *a, **k: None)
+def test_resume_redoes_failed_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "write_outputs", lambda *a, **k: None)
     out, prompts, st = tmp_path / "out", _prompts(2), _settings(systems=["a"])
-    fp = cmp.fingerprint(st, prompts)
-    path, _, _ = cmp.open_progress(out, fp, False)
+    fp = resume.fingerprint(st, prompts)
+    path, _, _ = resume.open_progress(out, fp, False)
     cmp_append(path, {"row": {"system": "a", "key": "humaneval[0]", "error": "boom"}, "tag": "c0-a"})
     cmp_append(path, {"row": {"system": "a", "key": "humaneval[1]", "token_ids": [1]}, "tag": "c0-a"})
     with open(path, "a") as f:
         f.write('{"row": {"system": "a", "key": "hum')  # torn last line of a killed run
     calls = []
-    _session(cmp, out, st, prompts, True, _fake_run(calls))
+    _session(out, st, prompts, True, _fake_run(calls))
     assert calls == [("a", ["humaneval[0]"])]
 
 
-def test_resume_with_other_settings_is_refused(cmp, tmp_path):
+def test_resume_with_other_settings_is_refused(tmp_path):
     out, prompts = tmp_path / "out", _prompts(2)
-    cmp.open_progress(out, cmp.fingerprint(_settings(), prompts), False)
+    resume.open_progress(out, resume.fingerprint(_settings(), prompts), False)
     with pytest.raises(SystemExit) as e:
-        cmp.open_progress(out, cmp.fingerprint(_settings(max_new_tokens=16, threads=1), prompts), True)
+        resume.open_progress(out, resume.fingerprint(_settings(max_new_tokens=16, threads=1), prompts), True)
     msg = str(e.value)
     assert msg.startswith("error: --resume with other settings than the run in")
     assert "max_new_tokens: was 8, now 16" in msg and "threads: was 2, now 1" in msg
     assert "systems" not in msg
     other_prompts = [dict(p, text=p["text"] + "!") for p in prompts]
     with pytest.raises(SystemExit, match="prompts: was"):
-        cmp.open_progress(out, cmp.fingerprint(_settings(), other_prompts), True)
+        resume.open_progress(out, resume.fingerprint(_settings(), other_prompts), True)
     # descriptions are not settings: same fingerprint
-    assert cmp.fingerprint(_settings(descriptions={}), prompts) == cmp.fingerprint(_settings(), prompts)
+    assert resume.fingerprint(_settings(descriptions={}), prompts) == resume.fingerprint(_settings(), prompts)
 
 
-def test_fresh_run_keeps_the_old_progress_aside(cmp, tmp_path):
+def test_fresh_run_keeps_the_old_progress_aside(tmp_path):
     out, prompts = tmp_path / "out", _prompts(1)
-    path, _, _ = cmp.open_progress(out, cmp.fingerprint(_settings(), prompts), False)
+    path, _, _ = resume.open_progress(out, resume.fingerprint(_settings(), prompts), False)
     cmp_append(path, {"row": {"system": "a", "key": "humaneval[0]", "token_ids": [1]}, "tag": "c0-a"})
-    path2, rows, workers = cmp.open_progress(out, cmp.fingerprint(_settings(n=1), prompts), False)
+    path2, rows, workers = resume.open_progress(out, resume.fingerprint(_settings(n=1), prompts), False)
     assert path2 == path and rows == [] and workers == []
-    aside = [p for p in out.iterdir() if p.name.startswith("progress.") and p.name != cmp.PROGRESS]
+    aside = [p for p in out.iterdir() if p.name.startswith("progress.") and p.name != resume.PROGRESS]
     assert len(aside) == 1 and "humaneval[0]" in aside[0].read_text()
-    assert cmp.read_progress(path)["rows"] == {}
+    assert resume.read_progress(path)["rows"] == {}
 
 
-def test_baseline_identity(cmp):
+def test_baseline_identity():
     rows = [{"system": "llama-cpp", "key": "k", "dataset": "d", "token_ids": [1, 2, 3]},
             {"system": "llama-cpp-pld", "key": "k", "dataset": "d", "token_ids": [1, 2, 3]},
             {"system": "llama-speculative", "key": "k", "dataset": "d", "token_ids": [1, 5, 3]},
             {"system": "hf", "key": "k", "dataset": "d", "token_ids": [1, 2, 4]}]
-    cmp.add_correctness(rows)
+    report.add_correctness(rows)
     assert rows[1]["vs_baseline"] is None and rows[2]["vs_baseline"] == 1
     assert rows[1]["vs_hf"] == 2 and "vs_baseline" not in rows[0] and "vs_baseline" not in rows[3]
 
@@ -337,26 +330,26 @@ def test_timing_row(worker):
     assert one["tokens_per_second"] is None and one["decode_tokens"] == 0
 
 
-def test_report_flags_contended_workers(cmp):
+def test_report_flags_contended_workers():
     rows = [{"system": "llama-cpp", "dataset": "humaneval", "index": 0, "key": "humaneval[0]", "token_ids": [1, 2],
              "new_tokens": 2, "ttft_ms": 100.0, "decode_tokens": 1, "decode_s": 0.1, "tokens_per_second": 10.0,
              "peak_rss_mb": 1800.0},
             {"system": "ort-genai", "dataset": "humaneval", "index": 0, "key": "humaneval[0]", "token_ids": [1, 3],
              "new_tokens": 2, "ttft_ms": 100.0, "decode_tokens": 1, "decode_s": 0.05, "tokens_per_second": 20.0,
              "peak_rss_mb": 1500.0}]
-    systems = ["llama-cpp", "ort-genai"]
-    cmp.add_correctness(rows)
-    result = {"settings": {"systems": systems, "datasets": ["humaneval"], "target_name": "tgt", "draft_name": "drf",
+    names = ["llama-cpp", "ort-genai"]
+    report.add_correctness(rows)
+    result = {"settings": {"systems": names, "datasets": ["humaneval"], "target_name": "tgt", "draft_name": "drf",
                            "engine": None, "n": 1, "max_new_tokens": 2, "temperatures": [0.0], "seed": 0, "chunk": 4,
-                           "threads": 2, "descriptions": {s: cmp.SYSTEMS[s].description for s in systems},
+                           "threads": 2, "descriptions": {s: systems.SYSTEMS[s].description for s in names},
                            "peer_versions": {"llama_cpp_python": "0.3.36"}},
-              "summary": cmp.summarize(rows, systems, ["humaneval"]), "rows": rows,
+              "summary": report.summarize(rows, names, ["humaneval"]), "rows": rows,
               "workers": [{"system": "llama-cpp", "chunk": 0, "wall_s": 100.0, "cpu_s": 60.0, "loadavg": [3.5],
                            "load_s": 0.8, "model_bytes": 1_117_320_768},
                           {"system": "ort-genai", "chunk": 0, "wall_s": 10.0, "cpu_s": 18.0, "loadavg": [2.0],
                            "load_s": 1.2, "model_bytes": 1_915_806_236}],
               "prompt_check": {"n": 1, "all_identical": True, "mismatched": [], "hf_only": True}}
-    rep = cmp.render_report(result)
+    rep = report.render_report(result)
     assert "| llama-cpp | 0 | 100 | 30% | 3.50 |  |" in rep and "| ort-genai | 0 | 10 | 90% | 2.00 |  |" in rep
     assert "**1 of 2 workers ran with under 60% CPU use** (llama-cpp)" in rep
     assert "from the HF chat template for all 1 prompts" in rep
@@ -366,7 +359,7 @@ def test_report_flags_contended_workers(cmp):
     assert "- `ort-genai`: ONNX Runtime GenAI, int4 graph" in rep
 
 
-def test_peers_run_greedy_only(cmp, capsys):
+def test_peers_run_greedy_only(capsys):
     with pytest.raises(SystemExit):
-        cmp.main(["--systems", "hf,llama-cpp", "--temperature", "0,1", "--sampled-systems", "hf,llama-cpp"])
+        run.main(["--systems", "hf,llama-cpp", "--temperature", "0,1", "--sampled-systems", "hf,llama-cpp"])
     assert "the peers ['llama-cpp'] run greedy only" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""process_logits with partial selection against the full-sort reference (scripts/sampling_bench.py), on random
+"""process_logits with partial selection against the full-sort reference (benchmarks/sampling_bench.py), on random
 logits with ties, -inf entries, k >= vocab, p = 1.0 and tiny p; the top-p candidate search at every stage
 (first candidate set, doubling, full-sort fallback, zero-mass tail); speculative sampling through the
 processed distributions; and no full-vocabulary sort on the hot path."""
@@ -10,10 +10,8 @@ import pytest
 from dspark_runtime.decoding import sampling
 from dspark_runtime.decoding.acceptance import rejection_accept
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
-from script_loader import load_script
+from benchmarks.sampling_bench import reference_process_logits as reference
 from test_acceptance import chisquare
-
-reference = load_script("sampling_bench", "sampling_bench_for_tests").reference_process_logits
 
 
 def _logits(kind: str, rows: int, vocab: int, seed: int) -> np.ndarray:

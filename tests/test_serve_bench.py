@@ -1,16 +1,17 @@
-"""scripts/serve_bench.py --round-trace: the decoding loop's per-round records of the concurrent phase, summarised by
-kind (scripts/evalsets.py round_kinds), on the tiny engine served in-process; and the summary itself on known rounds."""
+"""benchmarks.serve_bench --round-trace: the decoding loop's per-round records of the concurrent phase, summarised by
+kind (benchmarks/evalsets.py round_kinds), on the tiny engine served in-process; and the summary itself on known rounds."""
 import json
 
 import pytest
-from script_loader import load_script
 
-from dspark_runtime.decoding.request import RoundRecord
+from benchmarks import evalsets as evalsets_module
+from benchmarks import serve_bench
+from dspark_runtime.decoding.stats import RoundRecord
 
 
 @pytest.fixture(scope="module")
 def evalsets():
-    return load_script("evalsets", "evalsets_script")
+    return evalsets_module
 
 
 def _rec(rows, drafted=False, probe=False, prefilling=0, wall=0.1, committed=1, expected=(None, None), draft=0.0):
@@ -38,7 +39,7 @@ def test_round_kinds_groups_and_sums(evalsets):
 
 
 def test_serve_bench_round_trace_on_the_tiny_engine(tiny_engine_with_dspark, tmp_path, capsys):
-    sb = load_script("serve_bench", "serve_bench_script")
+    sb = serve_bench
     out = tmp_path / "serve.json"
     rc = sb.main(["--engine", str(tiny_engine_with_dspark), "--configs", "dspark,none", "--humaneval", "2",
                   "--mt-bench", "1", "--max-tokens", "6", "--clients", "3", "--max-batch", "3", "--round-trace",

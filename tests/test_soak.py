@@ -1,4 +1,4 @@
-"""A short version of scripts/soak.py (issue 18, "Under load and faults") on the suite's tiny engine: `dspark
+"""A short version of benchmarks.soak (issue 18, "Under load and faults") on the suite's tiny engine: `dspark
 serve` as a subprocess on loopback (a delay added to each decoding round so that requests last), mixed
 requests with the RSS of the server process, 2 x capacity clients at once (only 200/429), clients hanging
 up mid-stream, prompts at and over the context limit, SIGTERM with requests in flight (each finishes or
@@ -14,10 +14,9 @@ pytest.importorskip("torch")  # the tiny engine is exported from torch models
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from script_loader import load_script  # noqa: E402
 from test_server import _start, _wait  # noqa: E402 - the in-process server helpers of tests/test_server.py
 
-soak = load_script("soak", "soak_script")
+from benchmarks import soak  # noqa: E402
 
 CLEAN = {"completed", "error_body", "error_event"}
 

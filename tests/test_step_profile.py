@@ -1,11 +1,11 @@
-"""scripts/step_profile.py groups ONNX Runtime's node profile of a real (tiny) engine graph."""
+"""benchmarks.step_profile groups ONNX Runtime's node profile of a real (tiny) engine graph."""
 import json
 
-from script_loader import load_script
+from benchmarks import step_profile
 
 
 def test_step_profile_groups_the_nodes_of_one_step(tiny_engine_dir, tmp_path):
-    sp = load_script("step_profile", "step_profile")
+    sp = step_profile
     out = tmp_path / "p.json"
     assert sp.main(["--engine", str(tiny_engine_dir), "--past", "8,32", "--q", "1,4", "--repeats", "2",
                     "--threads", "1", "--json", str(out)]) == 0
@@ -25,13 +25,14 @@ def test_against_times_two_engines_alternately(tiny_engine_dir, tmp_path):
     process-wide), one row per (past, q) with a positive median for each engine."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "step_profile.py"
+    from benchmarks.evalsets import ROOT, child_env
+
     out = tmp_path / "ab.json"
-    r = subprocess.run([sys.executable, str(script), "--engine", str(tiny_engine_dir), "--against",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--engine", str(tiny_engine_dir), "--against",
                         str(tiny_engine_dir), "--past", "8,32", "--q", "2", "--repeats", "2", "--threads", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=str(ROOT), env=child_env())
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert [(row["past"], row["q"]) for row in rep["rows"]] == [(8, 2), (32, 2)]

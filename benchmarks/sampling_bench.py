@@ -1,0 +1,127 @@
+"""Cost of turning logits into the sampling distribution (``dspark_runtime.decoding.sampling.process_logits``)
+against the full-sort reference it replaced, side by side in one run.
+
+The reference (a stable ``argsort`` of the whole vocabulary per row, float64, for top-k and again for top-p) lives
+here only, as this benchmark's baseline and ``tests/test_sampling.py``'s reference. Each case checks both give the
+same distribution, then times each (best of ``--repeat``, interleaved). Prints a table.
+
+    python -m benchmarks.sampling_bench                  # 8 rows x 151,936 tokens (Qwen2 vocabulary)
+    python -m benchmarks.sampling_bench --rows 1 --repeat 20
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from dspark_runtime.decoding.sampling import SamplingParams, process_logits
+from dspark_runtime.machine.sysinfo import machine_description, usable_cpus
+
+
+def reference_process_logits(
+    logits: np.ndarray,  # float [..., vocab]; -inf allowed
+    params: SamplingParams,
+) -> np.ndarray:  # float64 [..., vocab]; each row sums to 1
+    """The full-sort reference: softmax(logits / T) in float64, top-k by a stable sort of the whole row
+    (ties to the lowest id), then top-p by a stable sort of the probabilities (keep every rank whose preceding
+    mass is < top_p), renormalising after each cut. Greedy (T == 0): one-hot argmax.
+
+    Raises:
+        InputError: from ``params.validate()``.
+        ValueError: not a floating array with vocab >= 1, NaN or +inf, or a row entirely -inf.
+    """
+    params.validate()
+    x = np.asarray(logits)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., vocab] with vocab >= 1, got {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"logits must be a floating array, got dtype {x.dtype}")
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError("logits contain NaN or +inf")
+    if np.isneginf(x).all(axis=-1).any():
+        raise ValueError("a logits row is entirely -inf: no token can be chosen")
+    if params.greedy:
+        probs = np.zeros(x.shape, dtype=np.float64)
+        np.put_along_axis(probs, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return probs
+    z = x.astype(np.float64) / float(params.temperature)
+    vocab = z.shape[-1]
+    if 0 < params.top_k < vocab:
+        order = np.argsort(-z, axis=-1, kind="stable")
+        keep = np.zeros(z.shape, dtype=bool)
+        np.put_along_axis(keep, order[..., : int(params.top_k)], True, axis=-1)
+        z = np.where(keep, z, -np.inf)
+    e = np.exp(z - np.max(z, axis=-1, keepdims=True))
+    probs = e / np.sum(e, axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_probs, axis=-1)
+        before = np.concatenate([np.zeros_like(before[..., :1]), before[..., :-1]], axis=-1)
+        keep = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(keep, order, before < float(params.top_p), axis=-1)
+        kept = np.where(keep, probs, 0.0)
+        probs = kept / np.sum(kept, axis=-1, keepdims=True)
+    return probs
+
+
+CASES = [
+    ("top-k 50", dict(top_k=50)),
+    ("top-p 0.9", dict(top_p=0.9)),
+    ("top-k 50 + top-p 0.9", dict(top_k=50, top_p=0.9)),
+    ("temperature only", dict()),
+]
+
+
+def _best_ms(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=151936, help="tokens per row (default: Qwen2's 151,936)")
+    ap.add_argument("--rows", type=int, default=8, help="rows per call (default 8: one verify block)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--scale", type=float, default=3.0,
+                    help="standard deviation of the random float32 logits (default 3.0)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed calls per case and implementation; best kept")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.vocab < 2 or a.rows < 1 or a.repeat < 1:
+        ap.error("--vocab must be >= 2, --rows and --repeat >= 1")
+
+    rng = np.random.default_rng(a.seed)
+    logits = (rng.standard_normal((a.rows, a.vocab)) * a.scale).astype(np.float32)  # [rows, vocab]
+    print(f"machine: {machine_description()}; usable CPUs {usable_cpus()}")
+    print(f"numpy {np.__version__}; logits float32 [{a.rows}, {a.vocab}] ~ N(0, {a.scale}^2); "
+          f"temperature {a.temperature}; best of {a.repeat}")
+    head = (f"{'case':<22} {'full sort ms/call':>17} {'ms/row':>8} {'partial ms/call':>15} {'ms/row':>8} "
+            f"{'speed-up':>8} {'max |diff|':>10}")
+    print(head)
+    print("-" * len(head))
+    for name, kw in CASES:
+        params = SamplingParams(temperature=a.temperature, **kw)
+        ref, new = reference_process_logits(logits, params), process_logits(logits, params)  # warm-up + check
+        diff = float(np.max(np.abs(ref - new)))
+        if not np.array_equal(ref > 0, new > 0):
+            print(f"{name}: the kept token sets differ", file=sys.stderr)
+            return 1
+        old_ms = new_ms = float("inf")
+        for _ in range(a.repeat):  # interleaved, so that a busy machine slows both alike
+            old_ms = min(old_ms, _best_ms(lambda: reference_process_logits(logits, params), 1))
+            new_ms = min(new_ms, _best_ms(lambda: process_logits(logits, params), 1))
+        print(f"{name:<22} {old_ms:>17.2f} {old_ms / a.rows:>8.3f} {new_ms:>15.2f} {new_ms / a.rows:>8.3f} "
+              f"{old_ms / new_ms:>7.1f}x {diff:>10.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Where one decoder step spends its time: ONNX Runtime's per-node profile of an engine graph, grouped.
+
+For each cached length in --past and step size in --q: the LM head, weight MatMuls, attention, the growing-KV
+``Concat`` copies and the rest by op type (medians over --repeats, ms per step; the wall time from an unprofiled
+session). ``--against OTHER_ENGINE``: no profile, the unprofiled steps of both engines timed alternately in one
+process (a before/after of two builds). ``--role dspark``: the DSpark drafter's drafting pass. Writes --json.
+
+    python -m benchmarks.step_profile --engine engines/qwen2.5-coder-1.5b-int4 --past 256,1024,2048 --q 1,2,8
+    python -m benchmarks.step_profile --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.machine.sysinfo import machine_description
+
+ATTENTION_OPS = {"Softmax", "Where", "Not", "Expand", "Equal", "Less", "LessOrEqual", "And", "Or", "Cast",
+                 "Trilu", "IsInf", "IsNaN"}
+
+
+def weight_inputs(graph_path: Path, vocab: int) -> tuple:
+    """(names of MatMul nodes with a weight initializer, name of the LM head node or None: the one traced from
+    ``lm_head``, else the weight MatMul with ``vocab`` outputs)."""
+    import onnx
+
+    from dspark_export.graphs.onnx_io import module_name
+
+    proto = onnx.load(str(graph_path), load_external_data=False)
+    inits = {t.name: t for t in proto.graph.initializer}
+    weighted, head = set(), None
+    for n in proto.graph.node:
+        if n.op_type in ("MatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat") and \
+                any(i in inits for i in n.input[1:2]):
+            weighted.add(n.name)
+            w = inits[n.input[1]]
+            n_out = next((a.i for a in n.attribute if a.name == "N"), w.dims[-1] if w.dims else 0)
+            if module_name(n) == "lm_head" or "lm_head" in n.name or (head is None and n_out == vocab):
+                head = n.name
+    return weighted, head
+
+
+def category(ev: dict, weighted: set, head: str | None) -> str:
+    op, name = ev["args"].get("op_name", "?"), ev["name"].rsplit("_kernel_time", 1)[0]
+    if head and (name == head or name.startswith(head)):
+        return "lm_head"
+    if op == "MatMulNBits" or name in weighted:
+        return "weight matmul"
+    if op in ("MatMul", "FusedMatMul"):
+        return "attention matmul"
+    if op in ATTENTION_OPS:
+        return "attention/mask other"
+    if op == "Concat":
+        return "Concat (KV copies)"
+    return op
+
+
+def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: int) -> float:
+    """Median wall time of one step on a session set up as the runtime's (dspark_runtime.backends.ort.OrtDecoder)."""
+    from dspark_runtime.backends.ort import OrtDecoder
+
+    dec = OrtDecoder(graph, spec, threads=threads, precision="any").activate()
+    outs = spec.output_names
+    dec.session.run(outs, feeds)
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dec.session.run(outs, feeds)
+        walls.append(time.perf_counter() - t)
+    dec.deactivate()
+    return statistics.median(walls) * 1000
+
+
+def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, weighted, head) -> dict:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
+    sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    feeds = _feeds(spec, past, q)
+    outs = spec.output_names
+    sess.run(outs, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sess.run(outs, feeds)
+        walls.append(time.perf_counter() - t)
+    trace_file = Path(sess.end_profiling())
+    trace = json.loads(trace_file.read_text())
+    trace_file.unlink()
+    runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    per_run = []
+    for r in runs[1:]:  # the first model_run is the warm-up
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        cats: dict = {}
+        for e in trace:
+            if e.get("cat") == "Node" and lo <= e["ts"] <= hi and e["name"].endswith("_kernel_time"):
+                c = category(e, weighted, head)
+                cats[c] = cats.get(c, 0.0) + e["dur"] / 1000.0
+        per_run.append(cats)
+    keys = sorted({k for c in per_run for k in c})
+    med = {k: statistics.median(c.get(k, 0.0) for c in per_run) for k in keys}
+    wall = statistics.median(walls) * 1000
+    del sess
+    nodes = sum(med.values())
+    return {"past": past, "q": q, "wall_ms": round(unprofiled_wall_ms(graph, spec, feeds, repeats, threads), 2),
+            "profiled_wall_ms": round(wall, 2), "profiled_nodes_ms": round(nodes, 2),
+            "by_category_ms": {k: round(v, 2) for k, v in sorted(med.items(), key=lambda kv: -kv[1])},
+            "by_category_share": {k: round(v / nodes, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])}}
+
+
+def _draft_feeds(spec, past: int, q: int, rng) -> dict:
+    """Random inputs of one DSpark drafting pass (``dspark_draft``): q new target features after ``past`` context
+    positions, then the block."""
+    from dspark_runtime.engine_dir.graphspec import past_names
+
+    d = spec.dims
+    ins = {t.name: t for t in spec.inputs}
+    g = ins["block_positions"].shape[1]
+    feeds = {"features": rng.standard_normal((1, q, ins["features"].shape[-1])).astype(np.float32),
+             "feature_positions": np.arange(past, past + q, dtype=np.int64)[None],
+             "block_positions": np.arange(past + q, past + q + g, dtype=np.int64)[None],
+             "attention_mask": np.ones((1, 1, g, past + q + g), bool)}
+    if "anchor_embeds" in ins:
+        feeds["anchor_embeds"] = rng.standard_normal((1, 1, d.hidden_size)).astype(np.float32) * 0.02
+    else:
+        feeds["anchor_ids"] = rng.integers(0, 1000, (1, 1)).astype(np.int64)
+    for kn, vn in past_names(d.num_layers):
+        for n in (kn, vn):
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, past, d.head_dim)).astype(np.float32) * 0.1
+    return feeds
+
+
+def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False) -> dict:
+    """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
+    Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.runners.scatter: past + q rounded up to
+    SLOT_STEP slots, the rest masked); a graph with ``logits_from`` gets 0 (every position's logits, a verify pass)
+    or, with ``last_logits``, q - 1 (a prompt chunk: its last position's)."""
+    from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, past_names
+    from dspark_runtime.runners.scatter import SLOT_STEP
+
+    d = spec.dims
+    rng = np.random.default_rng(seed)
+    if spec.kind == "dspark_draft":
+        return _draft_feeds(spec, past, q, rng)
+    cache = past
+    mask = np.tril(np.ones((q, past + q), bool), k=past)
+    if spec.kv_layout == "scatter":
+        cache = -(-(past + q) // SLOT_STEP) * SLOT_STEP
+        mask = np.tril(np.ones((q, cache), bool), k=past)
+    feeds = {"input_ids": rng.integers(0, d.vocab_size, (1, q)).astype(np.int64),
+             "position_ids": np.arange(past, past + q, dtype=np.int64)[None],
+             "attention_mask": mask[None, None]}
+    for kn, vn in past_names(d.num_layers):
+        for n in (kn, vn):
+            feeds[n] = rng.standard_normal((1, d.num_kv_heads, cache, d.head_dim)).astype(np.float32) * 0.1
+    if LOGITS_FROM in spec.input_names:
+        feeds[LOGITS_FROM] = np.array([q - 1 if last_logits else 0], np.int64)
+    return feeds
+
+
+def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int,
+            last_logits: bool = False) -> list:
+    """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
+    process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
+    from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
+
+    enable_shared_thread_pool(threads)
+    decs = {}
+    for i, e in enumerate(engines):
+        g = load_manifest(e, verify=False).graphs[role]
+        decs[i] = (OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any").activate(), g.spec)
+    rows = []
+    for past in pasts:
+        for q in qs:
+            feeds = {k: _feeds(spec, past, q, last_logits=last_logits) for k, (_, spec) in decs.items()}
+            walls = {k: [] for k in decs}
+            for k, (dec, spec) in decs.items():
+                dec.session.run(spec.output_names, feeds[k])  # warm-up
+            for _ in range(repeats):
+                for k, (dec, spec) in decs.items():
+                    t = time.perf_counter()
+                    dec.session.run(spec.output_names, feeds[k])
+                    walls[k].append(time.perf_counter() - t)
+            rows.append({"past": past, "q": q, "ms": [round(statistics.median(walls[k]) * 1000, 2) for k in decs]})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", required=True, type=Path)
+    ap.add_argument("--role", default="target")
+    ap.add_argument("--past", default="256,1024,2048")
+    ap.add_argument("--q", default="1,2,8")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--against", type=Path, action="append",
+                    help="another engine (repeatable): interleaved wall-time comparison, no profile")
+    ap.add_argument("--last-logits", action="store_true",
+                    help="time prompt-chunk calls: graphs with the logits_from input compute the last position's "
+                         "logits only (others, exported before it, every position's)")
+    a = ap.parse_args(argv)
+    if a.against:
+        engines = [a.engine] + a.against
+        rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
+                       [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits)
+        print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e.name[:24]:>24s}" for e in engines)
+              + "  change vs the first")
+        for r in rows:
+            m0 = r["ms"][0]
+            print(f"{r['past']:5d} {r['q']:3d} " + " ".join(f"{m:21.1f} ms" for m in r["ms"]) + "  "
+                  + " ".join(f"{m / m0 - 1:+.0%}" for m in r["ms"][1:]), flush=True)
+        out = {"engines": [str(e) for e in engines], "role": a.role, "machine": machine_description(),
+               "threads": a.threads, "repeats": a.repeats, "rows": rows}
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
+    m = load_manifest(a.engine, verify=False)
+    g = m.graphs.get(a.role)
+    if g is None or g.spec.kind != "causal_lm":
+        ap.error(f"{a.engine} has no decoder graph {a.role!r}")
+    graph = a.engine / g.model_file
+    weighted, head = weight_inputs(graph, g.spec.dims.vocab_size)
+    rows = []
+    for past in (int(x) for x in a.past.split(",")):
+        for q in (int(x) for x in a.q.split(",")):
+            r = profile(graph, g.spec, past, q, a.repeats, a.threads, weighted, head)
+            rows.append(r)
+            top = ", ".join(f"{k} {v:.0%}" for k, v in list(r["by_category_share"].items())[:7])
+            print(f"past {past:5d} q {q:3d}: {r['wall_ms']:7.1f} ms/step (profiled {r['profiled_wall_ms']:.1f}) | "
+                  f"{top}", flush=True)
+    out = {"engine": str(a.engine), "role": a.role, "precision": g.precision, "machine": machine_description(),
+           "threads": a.threads, "repeats": a.repeats, "rows": rows}
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
