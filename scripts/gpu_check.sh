@@ -57,7 +57,9 @@ if [[ "${1:-}" == "--park" ]]; then
   else
     echo "$CHECKPOINT is not in the tree (already parked?)"
   fi
-  echo "a device call carries $(travel_mib) MiB of the working tree now (limit 64 MiB, .carry parts included)"
+  CARRY=$( [[ -d .carry ]] && du -sb .carry | awk '{printf "%.1f", $1 / 1048576}' || echo 0)
+  echo "a device call carries $(travel_mib) MiB of the working tree now, plus what it names in carry (.carry/: $CARRY MiB);"
+  echo "64 MiB in all"
   exit 0
 fi
 
