@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
+import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
+from dspark_runtime.engine_dir.artifact import is_tarball
+from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
+from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.engine_dir.speculation import auto_draft_choice, manifest_drafters, manifest_schedulable
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
+from dspark_runtime.machine.sysinfo import DEFAULT_THREADS, cpu_difference, cpu_features, shared_pool_default
+from dspark_runtime.serving import ray_serve
 
 
 def _draft_length(value):
@@ -26,8 +33,6 @@ def check_engine_path(path, tarball_ok: bool = False):
     ``tarball_ok``: the command unpacks an engine tarball itself (``generate``, ``serve``)."""
     if path is None or not Path(path).is_file():
         return path
-    from dspark_runtime.engine_dir.artifact import is_tarball
-
     p = Path(path)
     if is_tarball(p):
         if tarball_ok:
@@ -111,13 +116,9 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
              draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, placement, stream,
              allow_slow_precision, profile_on_load, row_multiple):
     """Generate a completion for --prompt."""
-    from dspark_runtime.engine import DEFAULT_THREADS, Engine
-
-    from dspark_runtime.backends.ort import shared_pool_default
-
-    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads, backend=backend,
-                      shared_thread_pool=shared_pool_default(), placement=placement,
-                      allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
+    eng = dspark_runtime.Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
+                                     backend=backend, shared_thread_pool=shared_pool_default(), placement=placement,
+                                     allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
     if profile_on_load:
         t = eng.profile()
         click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"
@@ -147,8 +148,6 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
 @click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def verify(engine_dir):
     """Re-hash every file of the engine against its manifest (sha256)."""
-    from dspark_runtime.engine_dir.manifest import load_manifest
-
     m = load_manifest(engine_dir, verify=True, rehash=True)
     n = len(m.all_files())
     click.echo(f"{engine_dir}: manifest v{m.schema_version} '{m.name}', {n} files OK")
@@ -160,8 +159,6 @@ def speculation_lines(m) -> list:
     router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
     draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
     n-gram lookup at draft_length), and whether router priors exist."""
-    from dspark_runtime.drafting.choice import auto_draft_choice, manifest_drafters, manifest_schedulable
-
     sp = m.speculation
     dl = sp.draft_length
     lm, ds = manifest_drafters(m)
@@ -201,10 +198,6 @@ def speculation_lines(m) -> list:
 @click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def info(engine_dir):
     """Print the manifest summary: graphs, precision, validation figures."""
-    from dspark_runtime.engine_dir.manifest import load_manifest
-
-    from dspark_runtime.machine.sysinfo import cpu_difference, cpu_features
-
     m = load_manifest(engine_dir, verify=False)
     here = cpu_features()
 
@@ -298,9 +291,7 @@ def info(engine_dir):
 def unpack(tarball, dest):
     """Unpack an engine TARBALL (from `dspark-export pack`) and verify every file's sha256 against its manifest.
     (`dspark generate --engine x.tar.gz` unpacks into the cache by itself.)"""
-    from dspark_runtime.engine_dir.artifact import unpack as _unpack
-
-    d = _unpack(tarball, dest)
+    d = unpack_tarball(tarball, dest)
     click.echo(f"{d}: unpacked and verified")
 
 
@@ -383,19 +374,16 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
                    ray_address=ray_address)
         return
     try:
-        from dspark_runtime.serving.app import serve as _serve
+        from dspark_runtime.serving.server import serve as _serve
     except ImportError as e:
         raise InputError(f"`dspark serve` needs the serve extra: pip install 'dspark[serve]' ({e})")
-    from dspark_runtime.engine import DEFAULT_THREADS, Engine
-
     dl = _draft_length(draft_length)
     if dl == "auto":
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
-    from dspark_runtime.backends.ort import shared_pool_default
-
     _check_port_free(host, port)  # before the engine loads, not after
-    eng = Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
-                      shared_thread_pool=shared_pool_default(), placement=placement, prefix_cache_mb=prefix_cache_mb)
+    eng = dspark_runtime.Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
+                                     shared_thread_pool=shared_pool_default(), placement=placement,
+                                     prefix_cache_mb=prefix_cache_mb)
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,
@@ -405,7 +393,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
 def _check_port_free(host: str, port: int) -> None:
     """Raise InputError when ``host``:``port`` cannot be listened on (another server holds it, a host that is not this
     machine's), naming the fix; a bind test as the server makes it (SO_REUSEADDR), released at once."""
-    import socket
+    import socket  # only `dspark serve` needs it: `dspark --help` stays cheap
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -450,8 +438,6 @@ def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, repl
     """``dspark serve --ray``: :func:`dspark_runtime.serving.ray_serve.run` with the command's options. Raises InputError for
     bad options or without Ray Serve; ManifestError when a local cluster (no --ray-address) would load a missing
     or broken engine directory."""
-    from dspark_runtime.serving.ray_serve import RayServeSettings, run
-
     dl = _draft_length(draft_length)
     if dl == "auto":
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
@@ -461,13 +447,12 @@ def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, repl
         raise InputError("--target-ongoing-requests applies to autoscaling: add --autoscale MIN:MAX")
     lo, hi = _autoscale(autoscale) if autoscale is not None else (None, None)
     if ray_address is None and not Path(engine_dir).is_file():  # a tarball: the replicas unpack and check it
-        from dspark_runtime.engine_dir.manifest import load_manifest
-
         load_manifest(engine_dir, verify=False)  # the replicas run here: a wrong path fails now, not in each replica
-    settings = RayServeSettings(engine=str(engine_dir), draft_length=dl, num_replicas=replicas or 1, min_replicas=lo,
-                                max_replicas=hi, target_ongoing_requests=target_ongoing_requests,
-                                replica_cpus=1.0 if replica_cpus is None else float(replica_cpus), **app)
-    run(settings, address=ray_address, host=host, port=port, log=click.echo)
+    settings = ray_serve.RayServeSettings(engine=str(engine_dir), draft_length=dl, num_replicas=replicas or 1,
+                                          min_replicas=lo, max_replicas=hi,
+                                          target_ongoing_requests=target_ongoing_requests,
+                                          replica_cpus=1.0 if replica_cpus is None else float(replica_cpus), **app)
+    ray_serve.run(settings, address=ray_address, host=host, port=port, log=click.echo)
 
 
 def run_cli(group: click.Group, argv=None) -> None:

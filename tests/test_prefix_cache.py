@@ -163,7 +163,8 @@ def test_server_reports_hits_and_answers_as_without_the_cache(engine_dir):
     import httpx
 
     from dspark_runtime import Engine
-    from dspark_runtime.serving.app import ServerThread, create_app
+    from dspark_runtime.serving.app import create_app
+    from dspark_runtime.serving.server import ServerThread
     from test_server import _metrics
 
     ref = Engine.load(engine_dir, threads=1)

@@ -150,7 +150,7 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
     got = {}
     monkeypatch.setattr(rs, "run", lambda settings, **kw: got.update(settings=settings, run=kw))
     (tmp_path / "manifest.json").write_text("{}")
-    monkeypatch.setattr("dspark_runtime.engine_dir.manifest.load_manifest", lambda *a, **k: None)
+    monkeypatch.setattr("dspark_runtime.cli.load_manifest", lambda *a, **k: None)
     main(["serve", "--ray", "--engine", str(tmp_path), "--prefill-budget", "12", "--prefix-cache-mb", "3",
           "--max-batch", "5", "--max-queue", "7", "--draft", "ngram", "--draft-length", "4", "--threads", "2",
           "--max-context", "512", "--default-max-tokens", "9", "--model-name", "m", "--shutdown-timeout", "4",

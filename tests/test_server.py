@@ -37,7 +37,8 @@ def solo(engine):
 def _start(engine, slow: float = 0.0, graceful: float | None = 10, **kw):
     """A server in a background thread. ``slow``: seconds added to every decoding round (the tiny model
     decodes thousands of tokens/s; the queue, disconnect and shutdown tests need requests that last)."""
-    from dspark_runtime.serving.app import ServerThread, create_app
+    from dspark_runtime.serving.app import create_app
+    from dspark_runtime.serving.server import ServerThread
 
     app = create_app(engine, **kw)
     if slow:

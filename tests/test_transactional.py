@@ -233,7 +233,7 @@ def test_build_into_a_new_directory_leaves_nothing_on_failure(tiny_pair, tmp_pat
 def test_build_over_an_engine_replaces_it(engine_copy, tiny_pair, monkeypatch):
     """A successful rebuild: new files in place, the legacy hash sidecar and the stage gone, the user's files
     kept, files the new manifest no longer lists deleted, and the first load hashes nothing."""
-    import dspark_runtime.engine_dir.manifest as manifest_mod
+    import dspark_runtime.engine_dir.integrity as integrity
     from dspark_export.engine_dir.build import Recipe, build_engine
 
     (engine_copy / "notes.txt").write_text("the user's own file\n")
@@ -244,8 +244,8 @@ def test_build_over_an_engine_replaces_it(engine_copy, tiny_pair, monkeypatch):
     assert "notes.txt" in names and "draft.onnx" not in names and "draft.onnx.data" not in names
     assert ".dspark-verified.json" not in names and not stage_dirs(engine_copy)
     calls = []
-    real = manifest_mod.sha256_file
-    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
     m = load_manifest(engine_copy)
     assert calls == [] and set(m.graphs) == {"target"}  # recorded as hashed at commit
     load_manifest(engine_copy, rehash=True)
@@ -332,7 +332,7 @@ def test_ctrl_c_during_the_moves_is_held_then_rolls_back(engine_copy, monkeypatc
 
 
 def test_commit_succeeds(engine_copy, monkeypatch):
-    import dspark_runtime.engine_dir.manifest as manifest_mod
+    import dspark_runtime.engine_dir.integrity as integrity
     from dspark_export.engine_dir.transaction import engine_transaction
 
     (engine_copy / ".dspark-verified.json").write_text("{}")
@@ -343,8 +343,8 @@ def test_commit_succeeds(engine_copy, monkeypatch):
     assert not names & {"draft.onnx", "draft.onnx.data", ".dspark-verified.json"} and not stage_dirs(engine_copy)
     assert (engine_copy / "target.onnx.data").read_bytes() == b"new weights"
     calls = []
-    real = manifest_mod.sha256_file
-    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
     load_manifest(engine_copy)
     assert "target.onnx.data" not in calls and "x.bin" not in calls  # written and hashed by the transaction
 
@@ -447,15 +447,15 @@ def test_add_draft_export_failure_leaves_the_engine(fault, dspark_copy, tiny_dsp
 
 
 def test_add_draft_succeeds_and_records_its_hashes(engine_copy, tiny_dspark, tiny_pair, monkeypatch):
-    import dspark_runtime.engine_dir.manifest as manifest_mod
+    import dspark_runtime.engine_dir.integrity as integrity
     from dspark_export.engine_dir.add_draft import add_dspark_draft
 
     add_dspark_draft(engine_copy, tiny_dspark[1], str(tiny_pair[0]), isolate=False, **QUIET)
     assert not stage_dirs(engine_copy)
     assert not (engine_copy / ".dspark-verified.json").exists()  # hash records go to the user's cache
     calls = []
-    real = manifest_mod.sha256_file
-    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
     m = load_manifest(engine_copy)
     assert {"draft", "dspark"} <= set(m.graphs) and m.speculation.dspark.graph == "dspark"
     assert not {"dspark.onnx", "dspark.onnx.data", "dspark_heads.npz"} & set(calls)
@@ -675,15 +675,15 @@ def _writable(p: Path):
 
 
 def test_read_only_engine_is_hashed_once(read_only_engine, monkeypatch, private_cache):
-    import dspark_runtime.engine_dir.manifest as manifest_mod
+    import dspark_runtime.engine_dir.integrity as integrity
     from dspark_runtime.engine import Engine
 
     view, src = read_only_engine
     with pytest.raises(OSError):
         (view / "probe").write_text("x")  # really read-only
     calls = []
-    real = manifest_mod.sha256_file
-    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
     n = len(load_manifest(view, verify=False).all_files())
     Engine.load(view, threads=1)
     assert len(calls) == n  # the first load hashes every file
@@ -735,7 +735,7 @@ def test_a_read_only_engine_refuses_changes_clearly(read_only_engine):
 
 
 def test_unpacked_engine_holds_only_its_files_and_loads_without_hashing(tiny_engine_dir, tmp_path, monkeypatch):
-    import dspark_runtime.engine_dir.manifest as manifest_mod
+    import dspark_runtime.engine_dir.integrity as integrity
     from dspark_runtime.engine_dir.artifact import pack, unpack
 
     pack(tiny_engine_dir, tmp_path / "t.tar.gz")
@@ -744,7 +744,7 @@ def test_unpacked_engine_holds_only_its_files_and_loads_without_hashing(tiny_eng
     assert {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()} == \
         {"manifest.json"} | {f.path for f in m.all_files()}  # no hash sidecar in the engine directory
     calls = []
-    real = manifest_mod.sha256_file
-    monkeypatch.setattr(manifest_mod, "sha256_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
     load_manifest(d)
     assert calls == []  # unpack hashed every file already

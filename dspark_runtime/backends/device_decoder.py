@@ -1,19 +1,14 @@
-"""The capacity-layout decoder on a device (docs/design.md section 2): K/V cache, inputs and outputs in device
-buffers sized once, a row per sequence, capacity buckets, and the two ways a caller drives it — :meth:`step` (the
-``OrtDecoder`` interface, one sequence, as a :class:`~dspark_runtime.runners.sequence.DecoderRunner` uses it) and
-:meth:`use_bucket` / :meth:`run_rows` (the batched runner, :class:`~dspark_runtime.runners.device.DeviceBatchRunner`).
-:class:`CapacityDecoder` owns all of that; a subclass says how the graph runs on the bound buffers:
-:class:`~dspark_runtime.backends.ort_cuda.OrtDeviceDecoder` (ONNX Runtime's CUDA provider, IOBinding, its CUDA graphs) and
-:class:`~dspark_runtime.backends.trt.decoder.TrtDecoder` (a TensorRT engine).
+"""The capacity-layout decoder on a device (docs/design.md section 2). :class:`CapacityDecoder` owns the K/V cache,
+inputs and outputs in device buffers sized once, a row per sequence, capacity buckets, and two ways to drive it:
+:meth:`~CapacityDecoder.step` (the ``OrtDecoder`` interface, one sequence) and :meth:`~CapacityDecoder.use_bucket` /
+:meth:`~CapacityDecoder.run_rows` (the batched :class:`~dspark_runtime.runners.device.DeviceBatchRunner`). A subclass
+says how the graph runs on the bound buffers: :class:`~dspark_runtime.backends.ort_cuda.OrtDeviceDecoder` (ONNX
+Runtime's CUDA provider), :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder` (a TensorRT engine).
 
-Buffers (:class:`DeviceLayout`): the cache is one allocation of ``2 x layers`` slots (each layer's keys, then its
-values), a slot ``[rows, kv_heads, capacity, head_dim]`` of which the graph reads the first
-``[rows, kv_heads, bucket, head_dim]`` (bucket pitch; a bucket change re-lays out the written prefix). The graph's
-new K/V go to a second allocation of ``2 x layers`` slots; after a call each row's real new positions are copied
-into the cache at that row's positions with one strided 3-D copy per row (all layers at once). Inputs are written
-into pinned host buffers and copied on the decoder's stream; only the positions a caller asks for come back (the
-``argmax`` output alone for greedy requests, a prompt chunk's last logits). Memory comes from a
-:class:`~dspark_runtime.backends.device_memory.DeviceMemory`: a GPU, or host memory standing in for one (CPU tests).
+Buffers (:class:`DeviceLayout`): one cache allocation of ``2 x layers`` slots ``[rows, kv_heads, capacity, head_dim]``
+(each layer's keys, then its values), of which the graph reads the first ``bucket`` positions; the graph's new K/V
+land in a second allocation and are copied into the cache with one strided 3-D copy per row. Only the positions a
+caller asks for come back (``argmax`` alone for greedy requests). Memory: :class:`~dspark_runtime.backends.device_memory.DeviceMemory`.
 """
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.backends.ort import StepOutput
-from dspark_runtime.backends.device_memory import DeviceMemory
+from dspark_runtime.backends.device_memory import CudaMemory, DeviceMemory
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import (BATCH, CAPACITY, KV_LAYOUT_CAPACITY, NEW_LEN, PAST_LEN, Q_LEN, new_names,
                                       past_names, resolve_axes, tensor_shape)
@@ -257,8 +252,6 @@ class CapacityDecoder(ABC):
         """Check that the graph's runtime is installed before any device memory is taken. Default: nothing."""
 
     def _default_memory(self) -> DeviceMemory:
-        from dspark_runtime.backends.device_memory import CudaMemory
-
         return CudaMemory()
 
     def _alloc(self) -> None:

@@ -1,15 +1,10 @@
-"""Device memory for the capacity-layout decoders (:mod:`dspark_runtime.backends.device_decoder`): allocation, pinned host
-buffers, asynchronous copies on one stream, and the strided copies that write new K/V into the cache.
-
-Two implementations of one interface (:class:`DeviceMemory`):
-
-* :class:`CudaMemory`: an NVIDIA GPU through cuda-python (``cuda.bindings.runtime``; no torch): ``cudaMalloc``,
-  pinned ``cudaHostAlloc`` buffers, one non-blocking stream, ``cudaMemcpy{,2D,3D}Async``.
-* :class:`HostMemory`: the same calls on host memory (numpy buffers, copies done at once), so the decoders' buffer
-  planning, bindings and cache writes run on a machine without a GPU (ONNX Runtime's CPU provider on the
-  "device" buffers): what the CPU test suite checks.
-
-Pointers are plain ints; sizes and offsets are bytes.
+"""Device memory for the capacity-layout decoders (:mod:`dspark_runtime.backends.device_decoder`): allocation, pinned
+host buffers, asynchronous copies on one stream, and the strided copies that write new K/V into the cache, behind one
+interface (:class:`DeviceMemory`) with two implementations. :class:`CudaMemory`: an NVIDIA GPU through cuda-python
+(``cuda.bindings.runtime``; no torch): ``cudaMalloc``, pinned ``cudaHostAlloc`` buffers, one non-blocking stream,
+``cudaMemcpy{,2D,3D}Async``. :class:`HostMemory`: the same calls on numpy host buffers, copies done at once, so the
+decoders' buffer planning, bindings and cache writes run without a GPU (the CPU tests). Pointers are plain ints;
+sizes and offsets are bytes.
 """
 from __future__ import annotations
 

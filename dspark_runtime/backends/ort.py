@@ -1,8 +1,7 @@
-"""Backends that run a decoder graph. One small interface, Polygraphy-style: construct cheaply,
-allocate on ``activate()``, run with ``step()``, free with ``deactivate()``.
-
-Only ONNX Runtime is implemented here (CPU provider by default; CUDA / TensorRT execution
-providers when the installed onnxruntime has them and the caller asks).
+"""The ONNX Runtime backend of a decoder graph: :class:`OrtDecoder`, the backend interface (Polygraphy-style: construct
+cheaply, allocate on ``activate()``, run with ``step()``, free with ``deactivate()``; :class:`StepOutput` is a step's
+result), the session options and process-wide thread pool every DSpark session uses, and the checks that refuse a GPU
+precision on the CPU provider (unless asked for) or a GPU provider the installed onnxruntime lacks, naming the fix.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, GraphSpec, past_names, present_names
+from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -41,7 +41,7 @@ GPU_PRECISIONS = {
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "NvTensorRTRTXExecutionProvider")
 
 CUDA_INSTALL = ("pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu==1.31.1 "
-                "'cuda-python>=13,<14' (scripts/install_cuda.sh does this)")
+                "'cuda-python>=13,<14' (docs/gpu.md, 'Install and build')")
 
 
 def cuda_provider_check():
@@ -74,16 +74,10 @@ def enable_shared_thread_pool(threads: int) -> int:
 
     Why: a speculative round alternates the draft and the target session many times. With one pool per session,
     spinning threads of the idle session steal the cores from the busy one, so per-session pools must not spin,
-    and every operator then pays a thread wake-up. Measured on a 2-core AMD EPYC (int4 1.5B target + int4 0.5B
-    draft, 256 cached positions, one process per setting): target q=2 step 53 -> 46 ms, a round of 3 draft steps
-    + a q=4 verify 113 -> 95 ms against per-session non-spinning pools (per-session spinning pools: 148 ms).
-
-    The same call limits numpy's BLAS (OpenBLAS, MKL, ...) to one thread, process-wide, with threadpoolctl: the
-    runtime's numpy work between graph calls (the DSpark drafter's Markov and confidence heads: a [rank] x
-    [rank, draft vocab] product per drafted position; acceptance) is small, and a multi-threaded BLAS then wakes its
-    own threads, which fight the pool's spinning ones for the cores. Measured on a 2-core AMD EPYC Zen 5 (int4 1.5B
-    target, DSpark drafter, scheduled verify lengths, one 128-token HumanEval-style completion, alternating runs):
-    16.7 tok/s target-only; DSpark 10.5 tok/s with a 2-thread OpenBLAS, 21.6 with one.
+    and every operator then pays a thread wake-up. The same call limits numpy's BLAS (OpenBLAS, MKL, ...) to one
+    thread, process-wide, with threadpoolctl: the runtime's numpy work between graph calls (the DSpark drafter's
+    heads, acceptance) is small, and a multi-threaded BLAS would wake threads that fight the pool's spinning ones
+    for the cores. Measured effect: docs/serving.md, "Threads".
 
     Process-wide and irreversible (ONNX Runtime's rule): afterwards every session in the process must be made
     with ``use_per_session_threads = False`` — :func:`session_options` does that for DSpark's own sessions; code
@@ -114,15 +108,6 @@ def limit_blas_threads(threads: int = 1) -> list:
         return []
     threadpool_limits(limits=int(threads), user_api="blas")
     return [i for i in threadpool_info() if i.get("user_api") == "blas"]
-
-
-def shared_pool_default() -> bool:
-    """Whether the CLI, the server and the benchmark scripts run on the shared thread pool
-    (:func:`enable_shared_thread_pool`): yes unless ``DSPARK_SHARED_THREAD_POOL=0`` (the test suite sets it, since
-    its process also makes plain ONNX Runtime sessions)."""
-    import os
-
-    return os.environ.get("DSPARK_SHARED_THREAD_POOL", "1") != "0"
 
 
 def session_options(threads: int):

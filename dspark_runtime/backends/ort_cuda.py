@@ -1,24 +1,19 @@
-"""ONNX Runtime's CUDA execution provider on device-resident buffers: :class:`OrtDeviceDecoder`, the capacity-layout
-decoder (:class:`~dspark_runtime.backends.device_decoder.CapacityDecoder`) that ``--placement target=cuda`` runs when the
-engine has a device graph of the target (``dspark-export build-cuda``; manifest ``device_graphs``).
+"""ONNX Runtime's CUDA execution provider on device-resident buffers: :class:`OrtDeviceDecoder`, the
+:class:`~dspark_runtime.backends.device_decoder.CapacityDecoder` that ``--placement target=cuda`` runs on an engine's
+device graph (manifest ``device_graphs``, from ``dspark-export build-cuda``).
 
-The K/V cache, inputs and outputs stay in buffers allocated once on the GPU; ONNX Runtime reads and writes them
-through one IOBinding per call shape (rows, q, bucket), on the decoder's own CUDA stream (the provider's
-``user_compute_stream``), so the cache never crosses the bus and a greedy request copies back 8 bytes a position
-(the graph's ``argmax``). Decode/verify calls (``q <= decode_q``) run with ONNX Runtime's CUDA graphs
-(``enable_cuda_graph``): each call shape gets its own ``gpu_graph_id``, which ONNX Runtime captures after its own
-warm-up runs and replays from then on; ids are never reused after the buffers are re-allocated (``set_rows``), since
-a captured graph holds the addresses it was captured with. Prefill chunks run uncaptured (``gpu_graph_id`` -1).
-
-``placement="cuda"`` needs the ``onnxruntime-gpu`` package in place of ``onnxruntime`` (:func:`cuda_provider_check`
-names the install) and cuda-python. With host memory for the device (``memory=HostMemory``) the same code runs on
-ONNX Runtime's CPU provider: the CPU tests' stand-in.
+ONNX Runtime reads and writes the decoder's buffers through one IOBinding per call shape (rows, q, bucket) on the
+decoder's own stream, so the cache never crosses the bus. Decode/verify calls (``q <= decode_q``) replay ONNX
+Runtime's CUDA graphs, one ``gpu_graph_id`` per call shape, never reused after the buffers are re-allocated (a
+captured graph holds the addresses it was captured with); prefill chunks run uncaptured (id -1). Needs
+``onnxruntime-gpu`` and cuda-python (:func:`cuda_provider_check` names the install); with ``memory=HostMemory`` the
+same code runs on ONNX Runtime's CPU provider.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from dspark_runtime.backends.ort import CUDA_INSTALL, cuda_provider_check
+from dspark_runtime.backends.ort import CUDA_INSTALL, cuda_provider_check, session_options
 from dspark_runtime.backends.device_decoder import NUMPY_DTYPES, CapacityDecoder
 from dspark_runtime.errors import DSparkError
 
@@ -63,7 +58,6 @@ class OrtDeviceDecoder(CapacityDecoder):
         else:
             import onnxruntime as ort
 
-            from dspark_runtime.backends.ort import session_options
             so = session_options(self.threads)
             providers = ["CPUExecutionProvider"]
         try:

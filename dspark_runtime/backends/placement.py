@@ -1,19 +1,13 @@
-"""Per-graph placement: which backend / execution provider runs each graph of an engine (the seeds' heterogeneous
-offloading: e.g. the target on a GPU's TensorRT engine, the draft LM on ONNX Runtime's CUDA provider, the DSpark
-drafter on the CPU). Pure parsing and checks, no engine I/O; :class:`dspark_runtime.engine.Engine` applies them.
+"""Per-graph placement: which backend / execution provider runs each graph of an engine (e.g. the target on a
+TensorRT engine, the draft LM on ONNX Runtime's CUDA provider, the DSpark drafter on the CPU). Pure parsing and
+checks; :class:`dspark_runtime.engine.Engine` applies them.
 
-A placement string is ``"target=trt,draft=cuda,dspark=cpu"`` (graph key = place, keys as in the manifest's
-``graphs``; graphs not named run on the CPU) or one place for every graph (``"cuda"``; ``"trt"`` puts every graph
-that has a TensorRT engine on it and leaves the others on the CPU, as ``--backend trt`` always did).
-
-Places:
-  ``cpu``     ONNX Runtime, CPU execution provider (the default)
-  ``cuda``    ONNX Runtime, CUDA execution provider (the ``onnxruntime-gpu`` package in place of ``onnxruntime``:
-              ``pip uninstall -y onnxruntime && pip install onnxruntime-gpu``; its newest release on PyPI, 1.31.1, is
-              one minor version behind the CPU package this project pins, and no GPU run has checked it yet)
-  ``trt-ep``  ONNX Runtime, TensorRT execution provider (also ``onnxruntime-gpu``), CUDA then CPU as fallbacks
-  ``trt``     the engine's own TensorRT engine of that graph (``dspark-export build-trt``; ``dspark_runtime.backends.trt.decoder``:
-              ``TrtDecoder`` for the target / draft LM, ``TrtDSparkGraph`` for the DSpark drafter)
+A placement is ``"target=trt,draft=cuda,dspark=cpu"`` (manifest graph key = place; graphs not named run on the CPU)
+or one place for all (``"cuda"``; ``"trt"`` puts every graph that has a TensorRT engine on it, the rest on the CPU).
+Places: ``cpu`` (ONNX Runtime's CPU provider, the default); ``cuda`` and ``trt-ep`` (ONNX Runtime's CUDA and TensorRT
+providers, from the ``onnxruntime-gpu`` package in place of ``onnxruntime``; ``trt-ep`` falls back to CUDA, then the
+CPU); ``trt`` (the engine's own TensorRT engine of that graph, ``dspark-export build-trt``:
+:class:`~dspark_runtime.backends.trt.decoder.TrtDecoder`, :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph`).
 """
 from __future__ import annotations
 

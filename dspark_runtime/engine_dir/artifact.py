@@ -17,9 +17,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from dspark_runtime.engine_dir.integrity import cache_root, record_verified, sha256_file, verify_files
+from dspark_runtime.engine_dir.manifest import MANIFEST_NAME, load_manifest, parse_manifest
 from dspark_runtime.errors import ManifestError
-from dspark_runtime.engine_dir.manifest import (MANIFEST_NAME, cache_root, load_manifest, parse_manifest, record_verified,
-                                     sha256_file, verify_files)
 
 TARBALL_SUFFIXES = (".tar.gz", ".tgz")
 

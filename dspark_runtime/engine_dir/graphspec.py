@@ -1,60 +1,13 @@
-"""One declaration of the graph interfaces: inputs, outputs, dtypes and dynamic axes.
+"""One declaration of the graph interfaces: inputs, outputs, dtypes and dynamic axes of each graph kind and KV layout
+(:func:`causal_lm_spec`, :func:`dspark_draft_spec`), and the axis arithmetic built on it (:data:`DERIVED_AXES`,
+:func:`resolve_axes`, :func:`tensor_shape`). The exporter derives the ONNX names and dynamic shapes from these
+declarations, the validator its checks; the manifest records them and the runtime compares what it loads against
+them. Nothing here imports torch.
 
-The exporter (``dspark_export.graphs.decoder``) derives the ONNX input/output names and the dynamic
-shapes from these declarations, the validator derives its checks from them, and the manifest
-records them; the runtime compares what it loads against them. Nothing here imports torch.
-
-Decoder graph ("causal_lm", docs/design.md section 2, *growing* KV layout)
-----------------------------------------------------------------------
-inputs
-  input_ids       int64   [batch, q_len]
-  position_ids    int64   [batch, q_len]
-  attention_mask  bool    [batch, 1, q_len, past_len + q_len]   True = may attend
-  past.{i}.key    float32 [batch, kv_heads, past_len, head_dim]  for each layer i
-  past.{i}.value  float32 [batch, kv_heads, past_len, head_dim]
-outputs
-  logits          float32 [batch, q_len, vocab]
-  features        float32 [batch, q_len, m * hidden]  (only if feature layers are requested)
-  present.{i}.key   float32 [batch, kv_heads, past_len + q_len, head_dim]
-  present.{i}.value float32 [batch, kv_heads, past_len + q_len, head_dim]
-
-``q_len`` is the candidate-length axis: prefill chunks and ``1 + verify length`` tokens use the
-same graph.
-
-*Capacity* KV layout (TensorRT with CUDA graphs, docs/design.md section 2): the same decoder, but the
-cache inputs are fixed-size buffers and only the new entries come out, so every input and output
-shape of a step depends on (batch, q_len, capacity bucket) alone and a captured CUDA graph can be
-replayed. Slots the request has not written are hidden by the mask; the runtime writes the new
-keys/values into the buffers at the request's positions.
-
-inputs
-  input_ids, position_ids  int64 [batch, q_len]
-  attention_mask  bool    [batch, 1, q_len, capacity + q_len]       (``kv_len``)
-  past.{i}.key/value float32 [batch, kv_heads, capacity, head_dim]  the cache buffers (a capacity bucket)
-outputs
-  logits, features  as above
-  new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]      keys (after RoPE) / values of the q_len tokens
-  argmax          int64   [batch, q_len]   argmax of the logits (lowest index on ties in ONNX; TensorRT's TopK
-                                           decides its ties), so greedy decoding need not copy the logits back
-
-*Scatter* KV layout (one batch row per request, exact whatever shares the call): the cache inputs are per-row
-slot buffers indexed by position; the graph writes each row's new keys/values into its buffer at that row's
-``position_ids`` (``ScatterElements`` on the slot axis) and attends over the whole buffer, so row r always sees
-[its cached keys][its new keys][masked slots] — the same contiguous key block at offset 0 that a call of that
-request alone sees (ONNX Runtime's CPU Softmax/MatMul give bit-identical results for such a block whatever masked
-slots follow it; a masked gap *inside* the block, which a shared past of mixed lengths forces, does not).
-
-inputs
-  input_ids, position_ids  int64 [batch, q_len]        position_ids < slots
-  attention_mask  bool    [batch, 1, q_len, slots]
-  past.{i}.key/value float32 [batch, kv_heads, slots, head_dim]  slot buffers (slot = position)
-  logits_from     int64   [1]   the LM head runs on query positions logits_from.. of every row (0: all; a prompt
-                                chunk needs its last position only). Graphs exported before it lack it: all positions
-outputs
-  logits          float32 [batch, logits_len, vocab]   logits_len = q_len - logits_from
-  features        as above (every position)
-  new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries; the runtime writes them into its
-                                                                 buffers at the same positions
+KV layouts (docs/design.md section 2): *growing* (the cache grows by each call's ``q_len``), *capacity* (fixed-size
+cache buffers in, only the new entries out: a step's shapes depend on (batch, q_len, bucket) alone, so a captured
+CUDA graph replays) and *scatter* (one batch row per request, slot = position: a request's output does not depend on
+what shares its call). :func:`causal_lm_spec` lists each layout's tensors.
 """
 from __future__ import annotations
 
@@ -177,8 +130,60 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
     """Declare the decoder graph (verifier or draft LM) for ``dims``.
 
     ``kv_layout``: "growing" (past in, past + new out), "capacity" (cache buffers in, new entries
-    out) or "scatter" (slot buffers in, new entries written into them inside the graph, new entries out); see the
-    module docstring. Raises ValueError for another layout.
+    out) or "scatter" (slot buffers in, new entries written into them inside the graph, new entries out). Raises
+    ValueError for another layout. The tensors::
+
+    Decoder graph ("causal_lm", docs/design.md section 2, *growing* KV layout)
+    ----------------------------------------------------------------------
+    inputs
+      input_ids       int64   [batch, q_len]
+      position_ids    int64   [batch, q_len]
+      attention_mask  bool    [batch, 1, q_len, past_len + q_len]   True = may attend
+      past.{i}.key    float32 [batch, kv_heads, past_len, head_dim]  for each layer i
+      past.{i}.value  float32 [batch, kv_heads, past_len, head_dim]
+    outputs
+      logits          float32 [batch, q_len, vocab]
+      features        float32 [batch, q_len, m * hidden]  (only if feature layers are requested)
+      present.{i}.key   float32 [batch, kv_heads, past_len + q_len, head_dim]
+      present.{i}.value float32 [batch, kv_heads, past_len + q_len, head_dim]
+
+    ``q_len`` is the candidate-length axis: prefill chunks and ``1 + verify length`` tokens use the
+    same graph.
+
+    *Capacity* KV layout (TensorRT with CUDA graphs, docs/design.md section 2): the same decoder, but the
+    cache inputs are fixed-size buffers and only the new entries come out, so every input and output
+    shape of a step depends on (batch, q_len, capacity bucket) alone and a captured CUDA graph can be
+    replayed. Slots the request has not written are hidden by the mask; the runtime writes the new
+    keys/values into the buffers at the request's positions.
+
+    inputs
+      input_ids, position_ids  int64 [batch, q_len]
+      attention_mask  bool    [batch, 1, q_len, capacity + q_len]       (``kv_len``)
+      past.{i}.key/value float32 [batch, kv_heads, capacity, head_dim]  the cache buffers (a capacity bucket)
+    outputs
+      logits, features  as above
+      new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]      keys (after RoPE) / values of the q_len tokens
+      argmax          int64   [batch, q_len]   argmax of the logits (lowest index on ties in ONNX; TensorRT's TopK
+                                               decides its ties), so greedy decoding need not copy the logits back
+
+    *Scatter* KV layout (one batch row per request, exact whatever shares the call): the cache inputs are per-row
+    slot buffers indexed by position; the graph writes each row's new keys/values into its buffer at that row's
+    ``position_ids`` (``ScatterElements`` on the slot axis) and attends over the whole buffer, so row r always sees
+    [its cached keys][its new keys][masked slots] — the same contiguous key block at offset 0 that a call of that
+    request alone sees (ONNX Runtime's CPU Softmax/MatMul give bit-identical results for such a block whatever masked
+    slots follow it; a masked gap *inside* the block, which a shared past of mixed lengths forces, does not).
+
+    inputs
+      input_ids, position_ids  int64 [batch, q_len]        position_ids < slots
+      attention_mask  bool    [batch, 1, q_len, slots]
+      past.{i}.key/value float32 [batch, kv_heads, slots, head_dim]  slot buffers (slot = position)
+      logits_from     int64   [1]   the LM head runs on query positions logits_from.. of every row (0: all; a prompt
+                                    chunk needs its last position only). Graphs exported before it lack it: all positions
+    outputs
+      logits          float32 [batch, logits_len, vocab]   logits_len = q_len - logits_from
+      features        as above (every position)
+      new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries; the runtime writes them into its
+                                                                     buffers at the same positions
     """
     if kv_layout == KV_LAYOUT_CAPACITY:
         return _causal_lm_capacity_spec(dims)

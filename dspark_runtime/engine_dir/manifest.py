@@ -1,140 +1,27 @@
-"""The engine manifest (``engines/<name>/manifest.json``): the only way the runtime loads an
-engine directory. Pure data + file checks; no engine I/O.
+"""The engine manifest (``<engine>/manifest.json``), the only way the runtime loads an engine directory: its schema
+(:class:`Manifest` and its entries :class:`GraphEntry`, :class:`TrtEngineEntry`, :class:`DeviceGraphEntry`,
+:class:`FileEntry`; the ``speculation`` section is :mod:`~dspark_runtime.engine_dir.speculation`'s),
+:func:`parse_manifest` and :func:`load_manifest`. Pure data and file checks; no engine I/O.
 
-Schema version 1::
-
-    {
-      "schema_version": 1,
-      "name": "qwen2.5-coder-1.5b",
-      "created": "2026-11-30T16:00:00Z",
-      "tool_versions": {"dspark": "0.1.0", "torch": "...", "onnx": "...", ...},
-      "tokenizer": {"dir": "tokenizer", "files": [FileEntry...], "eos_token_ids": [...],
-                    "chat_template": "tokenizer/chat_template.jinja" | null, "bos_token": str | null},
-      "graphs": {
-        "target": {"role": "target", "model_id": "...", "format": "onnx", "precision": "fp32",
-                   "files": [FileEntry...], "spec": GraphSpec, "validation": {...},
-                   "model_config": {...},
-                   "quantization": {...}},                # only for quantized graphs (int8, int8-trt, fp8)
-        "draft": {... same, "role": "draft"}          # optional
-      },
-      "speculation": Speculation,
-      "trt_engines": {                                  # optional (dspark-export build-trt)
-        "target.capacity": TrtEngineEntry, ...
-      },
-      "build_machine": {"model": ..., "vendor": ..., "flags": [...], "cores": N}  # optional
-    }
-
-A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``. ``Speculation`` (the dataclass
-:class:`Speculation`; every key optional, an absent key and null read the same)::
-
-    {"draft_graph": str,                  # the draft LM's graph key (or the only drafter's)
-     "draft_kind": "dspark" | "lm",       # the kind of draft_graph
-     "draft_length": int > 0,             # default draft tokens per round
-     "dspark": {                          # DSparkSection: the DSpark drafter (build --draft dspark:..., add-draft)
-       "graph": str, "heads_file": str, "block_size": int > 0, "mask_token_id": int >= 0,
-       "target_layer_ids": [int, ...],    # these five required
-       "markov_rank": int >= 0, "markov_head_type": str, "confidence_head": bool,
-       "confidence_head_with_markov": bool, "draft_vocab_size": int > 0 | null,
-       "sts_temperatures": [float > 0, ...] | null,  # calibrate
-       "calibration": {...}},             # calibrate: {"rounds", "ece": [...]}
-     "router": {...},                     # calibrate / add-draft: the router's priors (router.router_priors)
-     "cost_table": {...},                 # profile: round costs per context bucket (profile.profile_runtime, cost_table.py); quantize drops it
-     "row_invariance": {...}}             # profile: the row padding probe (invariance); quantize drops it
-
-Other keys of ``speculation`` and of ``dspark`` are kept and written back unchanged (``extra``), so a manifest
-of a newer tool round-trips; a typed key of the wrong type or value is refused with a ManifestError naming it.
-
-``trt_engines`` was added without a version bump: manifests without it load unchanged, and runtimes that
-predate it ignore it.
-``build_machine`` (the CPU the graphs were written and validated on,
-:func:`dspark_runtime.machine.sysinfo.cpu_features`) likewise: written only when known, optional on read.
-
-The manifest is written atomically (:func:`atomic_write_text`: a temporary file beside it, fsync, rename,
-fsync of the directory), so a reader sees the old manifest or the new one, never half of one.
-
-Trusted hashes: loading checks every listed file's sha256, which is ~9 GB of reading for a 1.5B fp32 engine.
-A file hashed once (at build, at load, by ``dspark verify``) is recorded in the user's cache
-(:func:`trusted_records_path`: ``$DSPARK_CACHE/verified/``, default ``~/.cache/dspark``), keyed by its absolute
-path, size and mtime (ns) together with the sha256 it had; later loads skip hashing a file whose path, size,
-mtime and manifest sha256 all match its record. Nothing is written into the engine directory, so a read-only
-one (a mounted image, a container layer) is hashed once, not on every load. A replaced or modified file
-changes size or mtime and is hashed again; ``rehash=True`` (``dspark verify``, ``pack``) hashes everything.
+Schema version :data:`SCHEMA_VERSION`; another version is refused, naming the fix. The optional sections
+(``trt_engines``, ``device_graphs``, ``build_machine``) were added without a version bump: manifests without them
+load unchanged and runtimes that predate them ignore them. The manifest is written atomically and its files are
+checked by size and sha256 (:mod:`~dspark_runtime.engine_dir.integrity`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_runtime.errors import ManifestError
 from dspark_runtime.engine_dir.graphspec import KV_LAYOUTS, GraphSpec
+from dspark_runtime.engine_dir.integrity import (VERIFIED_NAME, atomic_write_text, cache_root,  # noqa: F401 (re-exported)
+                                                 fsync_dir, record_verified, sha256_file, verify_files)
 from dspark_runtime.engine_dir.speculation import Speculation
+from dspark_runtime.errors import ManifestError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-# The sidecar of trusted hashes that earlier versions wrote into the engine directory. No longer read or
-# written (records live in the user's cache, see trusted_records_path); a committed change of the engine
-# directory (dspark_export.engine_dir.transaction) deletes a stale one.
-VERIFIED_NAME = ".dspark-verified.json"
-TRUSTED_DIR = "verified"  # under cache_root(): one JSON file of trusted-hash records per engine directory
-
-
-def cache_root() -> Path:
-    """Root of the DSpark cache: ``$DSPARK_CACHE`` when set, else ``~/.cache/dspark``."""
-    env = os.environ.get("DSPARK_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` by a file holding ``text`` so that readers (and a crash) see the old or the new
-    content, never a mix: write a temporary file in the same directory, fsync it, ``os.replace`` it over
-    ``path``, fsync the directory.
-
-    Raises OSError (e.g. ENOSPC, EROFS) when the temporary file cannot be written or renamed; ``path`` is
-    then unchanged and the temporary file removed.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: Path) -> None:
-    """fsync directory ``d`` (makes renames in it durable); a filesystem that cannot is ignored."""
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path, on_progress=None, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks; ``on_progress(nbytes)`` after each chunk."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-            if on_progress is not None:
-                on_progress(len(b))
-    return h.hexdigest()
 
 
 @dataclass
@@ -285,9 +172,22 @@ class DeviceGraphEntry:
 
 @dataclass
 class Manifest:
-    """Parsed ``manifest.json``. Use :func:`load_manifest` to read and check one.
+    """Parsed ``manifest.json``. Use :func:`load_manifest` to read and check one; :meth:`write` writes it::
 
-    ``speculation`` is a :class:`Speculation` (typed; ``m.speculation.cost_table``, ``m.speculation.dspark``)."""
+        {"schema_version": 1, "name": "qwen2.5-coder-1.5b", "created": "<UTC time, ISO 8601>",
+         "tool_versions": {"dspark": "0.1.0", "torch": "...", "onnx": "...", ...},
+         "tokenizer": {"dir": "tokenizer", "files": [FileEntry, ...], "eos_token_ids": [...],
+                       "chat_template": "tokenizer/chat_template.jinja" | null, "bos_token": str | null},
+         "graphs": {"target": GraphEntry, "draft": GraphEntry, ...},  # "target" required; the rest optional
+         "speculation": Speculation,
+         "trt_engines": {"target.capacity": TrtEngineEntry, ...},     # optional: dspark-export build-trt
+         "device_graphs": {"target": DeviceGraphEntry, ...},          # optional: dspark-export build-cuda
+         "build_machine": {"model", "vendor", "flags", "cores"}}      # optional: sysinfo.cpu_features()
+
+    A FileEntry is ``{"path": relative path, "size": bytes, "sha256": hex}``; a GraphEntry ``{"role", "model_id",
+    "format": "onnx", "precision", "files", "spec": GraphSpec, "validation", "model_config"}`` plus
+    ``"quantization"`` for quantized graphs. ``speculation`` is a :class:`Speculation` (typed;
+    ``m.speculation.cost_table``, ``m.speculation.dspark``); its unknown keys are written back unchanged."""
 
     name: str
     graphs: dict
@@ -382,114 +282,6 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
             raise ManifestError(f"{where}: device graph {key!r} (of graph {e.graph!r}, {e.kv_layout} layout) is not "
                                 "a capacity-layout copy of a declared graph; rebuild it with `dspark-export build-cuda`")
     return m
-
-
-def trusted_records_path(engine_dir: Path) -> Path:
-    """The cache file of trusted-hash records for ``engine_dir``:
-    ``<cache_root()>/verified/<sha256 of the directory's real path, 32 hex digits>.json``."""
-    key = hashlib.sha256(os.path.realpath(engine_dir).encode()).hexdigest()[:32]
-    return cache_root() / TRUSTED_DIR / f"{key}.json"
-
-
-def _file_key(p: Path) -> str:
-    return os.path.realpath(p)
-
-
-def _read_records(engine_dir: Path) -> dict:
-    """{absolute file path: [size, mtime_ns, sha256]} recorded for ``engine_dir`` ({} when none/unreadable)."""
-    try:
-        d = json.loads(trusted_records_path(engine_dir).read_text())
-        files = d.get("files", {}) if isinstance(d, dict) else {}
-        return {k: v for k, v in files.items() if isinstance(v, list) and len(v) == 3}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_records(engine_dir: Path, records: dict) -> None:
-    """Store ``records`` for ``engine_dir`` (atomically) and drop the record files of engine directories that
-    no longer exist. Best effort: an unwritable cache only means hashing again next time."""
-    p = trusted_records_path(engine_dir)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(p, json.dumps({"engine_dir": os.path.realpath(engine_dir), "files": records}))
-    except OSError:
-        return
-    try:
-        for other in p.parent.glob("*.json"):
-            if other == p:
-                continue
-            try:
-                d = json.loads(other.read_text())
-                gone = not Path(d["engine_dir"]).is_dir()
-            except (OSError, ValueError, KeyError, TypeError):
-                gone = True
-            if gone:
-                other.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def record_verified(engine_dir: Path, files) -> None:
-    """Record the files ``files`` (FileEntry list, paths relative to ``engine_dir``) as hashed just now with
-    their manifest sha256, at their current size and mtime, so the next load need not hash them again.
-
-    Call it only for files whose content was hashed (or written and hashed) by the caller. Files that are
-    missing or whose size differs from the entry are skipped. Never raises for an unwritable cache.
-    """
-    engine_dir = Path(engine_dir)
-    records = _read_records(engine_dir)
-    for f in files:
-        p = engine_dir / f.path
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if st.st_size == f.size:
-            records[_file_key(p)] = [st.st_size, st.st_mtime_ns, f.sha256]
-    _write_records(engine_dir, records)
-
-
-def verify_files(engine_dir: Path, manifest: Manifest, rehash: bool = False, record: bool = True) -> None:
-    """Check every file the manifest lists: present, right size and right sha256.
-
-    A file recorded in the user's cache (:func:`trusted_records_path`) with its current absolute path, size,
-    mtime and the manifest's sha256 is trusted without hashing, unless ``rehash``. Files hashed here are
-    recorded (``record``; best effort, nothing is written into ``engine_dir``). Raises ManifestError naming
-    the file and the fix.
-    """
-    engine_dir = Path(engine_dir)
-    seen = _read_records(engine_dir)
-    records = dict(seen)
-    changed = False
-    try:
-        keys = set()
-        for f in manifest.all_files():
-            p = engine_dir / f.path
-            if not p.is_file():
-                raise ManifestError(f"{p} is missing (listed in the manifest); rebuild or re-unpack the engine")
-            st = p.stat()
-            if st.st_size != f.size:
-                raise ManifestError(f"{p} has {st.st_size} bytes but the manifest says {f.size}: the file is "
-                                    "truncated or corrupted; rebuild or re-unpack the engine")
-            key = _file_key(p)
-            keys.add(key)
-            rec = [st.st_size, st.st_mtime_ns, f.sha256]
-            if not rehash and seen.get(key) == rec:
-                continue
-            digest = sha256_file(p)
-            if digest != f.sha256:
-                changed |= records.pop(key, None) is not None
-                raise ManifestError(f"{p} is corrupted: sha256 {digest[:16]}… does not match the manifest's "
-                                    f"{f.sha256[:16]}…; rebuild or re-unpack the engine")
-            changed |= records.get(key) != rec
-            records[key] = rec
-        stale = set(records) - keys  # files the manifest no longer lists
-        for k in stale:
-            del records[k]
-        changed |= bool(stale)
-    finally:
-        if record and changed:  # also when a file failed: keep what was checked before it
-            _write_records(engine_dir, records)
 
 
 def load_manifest(engine_dir: str | Path, verify: bool = True, rehash: bool = False) -> Manifest:

@@ -1,5 +1,7 @@
 """The ``speculation`` section of an engine manifest, typed: :class:`Speculation` (draft graph and kind, default draft
-length, the DSpark drafter, router priors, cost table, row padding) and :class:`DSparkSection`. Written by ``build``,
+length, the DSpark drafter, router priors, cost table, row padding) and :class:`DSparkSection`, and what they imply
+without loading a graph: the engine's drafters (:func:`manifest_drafters`), whether it can schedule verify lengths
+(:func:`manifest_schedulable`) and what ``draft="auto"`` picks (:func:`auto_draft_choice`). Written by ``build``,
 ``add-draft``, ``profile``, ``calibrate`` and ``quantize``; read by the runtime. Pure data, no engine I/O; see
 :mod:`dspark_runtime.engine_dir.manifest` for the whole schema.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dspark_runtime.errors import ManifestError
+from dspark_runtime.scheduling.cost_table import check_cost_table
 
 
 def _fail(where: str | None, key: str, what: str, value) -> ManifestError:
@@ -201,8 +204,6 @@ class Speculation:
         if s.dspark is not None:
             s.dspark = DSparkSection.from_json(s.dspark, where)
         if s.cost_table is not None:  # its context buckets (dspark_runtime.scheduling.cost_table); older tables pass as they are
-            from dspark_runtime.scheduling.cost_table import check_cost_table
-
             try:
                 check_cost_table(s.cost_table)
             except ValueError as e:
@@ -216,3 +217,30 @@ class Speculation:
         if self.dspark is not None:
             values["dspark"] = self.dspark.to_json()
         return _write_section(self, values)
+
+
+def manifest_drafters(manifest) -> tuple:
+    """(the draft LM's graph key or None, the DSpark drafter's graph key or None) of an engine
+    :class:`~dspark_runtime.engine_dir.manifest.Manifest`: the ``causal_lm`` graph named by
+    ``speculation.draft_graph`` and the ``dspark_draft`` graph, where present."""
+    dg = manifest.speculation.draft_graph
+    lm = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
+    ds = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
+    return lm, ds
+
+
+def manifest_schedulable(manifest) -> bool:
+    """Whether the engine's DSpark drafter can run with scheduled verify lengths: its confidence head calibrated
+    (``speculation.dspark.sts_temperatures``) and a profiled cost table (``speculation.cost_table``)."""
+    sp = manifest.speculation
+    return bool(sp.dspark is not None and sp.dspark.sts_temperatures and sp.cost_table)
+
+
+def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None, schedulable: bool = False) -> str:
+    """What ``draft="auto"`` runs given the engine's drafters: the router over the DSpark drafter when it can
+    schedule (``schedulable``: :func:`manifest_schedulable`; it then runs with scheduled verify lengths), else the
+    draft LM when there is one, else the router over an uncalibrated DSpark drafter (fixed blocks), else n-gram
+    lookup. Measured in :meth:`dspark_runtime.engine.Engine.auto_draft`."""
+    if dspark_graph and schedulable:
+        return "router"
+    return "lm" if lm_graph else ("router" if dspark_graph else "ngram")

@@ -12,7 +12,10 @@ import time
 
 import numpy as np
 
+from dspark_runtime.decoding.sampling import SamplingParams
 from dspark_runtime.errors import InputError
+from dspark_runtime.runners.scatter import SLOT_STEP, ScatterSequence
+from dspark_runtime.scheduling.cost_table import reference_bucket
 
 
 PROFILE_POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
@@ -73,8 +76,6 @@ def engine_contexts(engine, context=None, *, max_tokens: int = 8, drafter: str |
     kind = drafter or engine.draft_kind
     block = (engine.manifest.speculation.dspark.block_size if kind == "dspark" else engine.default_draft_length) or 0
     limit = engine.manifest.graphs["target"].model_config.get("max_position_embeddings")
-    from dspark_runtime.runners.scatter import SLOT_STEP
-
     scatter = engine.manifest.graphs["target"].spec.kv_layout == "scatter" and engine.placement.get("target") != "trt"
     return profile_contexts(DEFAULT_CONTEXTS if context is None else context, limit=limit,
                             extra=max(max_tokens, block + 1), explicit=context is not None,
@@ -103,8 +104,6 @@ def profile_runtime(engine, *, max_tokens: int = 8, context=256, repeats: int = 
     Raises:
         InputError: bad contexts, or one that does not fit the engine's context (:func:`profile_contexts`).
     """
-    from dspark_runtime.scheduling.cost_table import reference_bucket
-
     target = _fresh(engine.runner("target"))
     rng = np.random.default_rng(0)
     vocab = engine.manifest.graphs["target"].spec.dims.vocab_size
@@ -146,19 +145,17 @@ def _fresh(runner):
     """A new one-sequence runner over ``runner``'s graph when ``runner`` keeps a slot buffer that never shrinks (the
     scatter layout's :class:`~dspark_runtime.runners.scatter.ScatterSequence`, possibly grown by earlier, longer sequences), so
     each context bucket reads its own width; ``runner`` itself otherwise."""
-    from dspark_runtime.runners.scatter import ScatterSequence
-
     if isinstance(runner, ScatterSequence):
         return ScatterSequence(runner.backend, row_multiple=runner.row_multiple)
     return runner
 
 
 def _time_verify(target, toks: list, context: int, repeats: int) -> tuple:
-    """(median seconds of one verifier step over ``toks`` after ``context`` cached positions, the positions the
-    step read: the runner's ``attended_positions()`` where it has one, else ``context``). The first of
-    ``repeats + 1`` runs is a warm-up; each run is rolled back."""
+    """(median seconds of one verifier step of ``target`` (a
+    :class:`~dspark_runtime.runners.base.SequenceDecoder`) over ``toks`` after ``context`` cached positions, the
+    positions the step read: its ``attended_positions()``). The first of ``repeats + 1`` runs is a warm-up; each run
+    is rolled back."""
     times = []
-    attended = getattr(target, "attended_positions", None)
     for r in range(repeats + 1):
         t0 = time.perf_counter()
         target.step(toks)
@@ -166,7 +163,7 @@ def _time_verify(target, toks: list, context: int, repeats: int) -> tuple:
         target.rollback(context)
         if r:
             times.append(dt)
-    return statistics.median(times), (attended() if callable(attended) else context)
+    return statistics.median(times), target.attended_positions()
 
 
 def monotone(values) -> list:
@@ -189,8 +186,6 @@ def _time_dspark_rows(engine, rows: int, context: int, repeats: int, rng) -> flo
     """Median seconds of one batched DSpark drafting pass for ``rows`` requests in steady state: each row adds
     8 new target-feature positions to a context of ``context - 8`` and drafts a full block (graph call plus
     the numpy heads of every row)."""
-    from dspark_runtime.decoding.sampling import SamplingParams
-
     graph = engine.graph_backend(engine.dspark_graph)
     heads = engine.dspark_heads()
     dims = graph.spec.dims

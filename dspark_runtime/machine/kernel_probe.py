@@ -15,6 +15,8 @@ import functools
 
 import numpy as np
 
+from dspark_runtime.backends.ort import session_options
+
 #: the probe's shape: M rows of A = 255 times a [K, N] weight of 127 (several rows and columns so the
 #: blocked GEMM kernel runs, not a 1-row special case)
 PROBE_M, PROBE_K, PROBE_N = 4, 64, 16
@@ -34,8 +36,6 @@ def _u8s8_session():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = min(model.ir_version, 8)
     onnx.checker.check_model(model)
-    from dspark_runtime.backends.ort import session_options
-
     so = session_options(1)
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), b

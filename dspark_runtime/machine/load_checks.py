@@ -4,10 +4,13 @@ weights suit this CPU's kernels. Each reads the manifest and warns or raises; no
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
-from dspark_runtime.errors import InputError
 from dspark_runtime.engine_dir.manifest import Manifest
+from dspark_runtime.errors import InputError
+from dspark_runtime.machine import kernel_probe
+from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
 
 
 def target_sha256(manifest: Manifest) -> str:
@@ -22,8 +25,6 @@ def row_multiple(manifest: Manifest, engine_dir: Path, backend: str, given: int 
     another target graph, and a warning says when it was made with another thread count. Raises
     InputError for a value that is not a positive integer, or above 1 with the TensorRT backend (its
     decode profile and CUDA graphs are sized for unpadded verify blocks; not probed)."""
-    import warnings
-
     if given is None:
         probe = manifest.speculation.row_invariance or {}
         given = probe.get("row_multiple") if probe.get("backend", "ort") == backend else None
@@ -48,17 +49,11 @@ def check_int8_weights(manifest: Manifest, engine_dir: Path, backend: str) -> No
     """Warn (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when an INT8 graph holds 8-bit U8S8 weights
     (``reduce_range`` False in its quantization record) and this CPU's u8·s8 kernel saturates
     (:func:`~dspark_runtime.machine.kernel_probe.u8s8_saturates`): its outputs would be wrong here."""
-    import warnings
-
-    from dspark_runtime.machine.sysinfo import OtherCpuWarning
-
     eight_bit = [k for k, g in manifest.graphs.items()
                  if g.precision == "int8" and (g.quantization or {}).get("reduce_range") is False]
     if eight_bit and backend == "ort":
         try:
-            from dspark_runtime.machine.kernel_probe import u8s8_saturates
-
-            saturates = u8s8_saturates()
+            saturates = kernel_probe.u8s8_saturates()
         except ImportError:  # the probe builds its graph with onnx (the export extra)
             saturates = False
         if saturates:
@@ -73,10 +68,6 @@ def check_cpu(manifest: Manifest, engine_dir: Path, backend: str, probe_used: bo
     graph) or the cost table (``speculation.cost_table``) was measured on another CPU than this one
     (:func:`~dspark_runtime.machine.sysinfo.cpu_difference` of their ``cpu`` records): both depend on the ISA
     paths of ONNX Runtime's kernels. Records without ``cpu`` (older engines) are not checked."""
-    import warnings
-
-    from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
-
     spec = manifest.speculation
     probe = spec.row_invariance or {}
     table = spec.cost_table or {}

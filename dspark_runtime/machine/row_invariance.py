@@ -1,39 +1,19 @@
-"""Row-count invariance of the verifier: the condition under which speculative greedy output is
-*bitwise* the target's, and the probe that finds the padding that gives it on this machine.
+"""Row-count invariance of the verifier: the condition under which speculative greedy output is *bitwise* the
+target's, and :func:`probe_row_multiple`, which finds the padding that gives it on this machine.
 
-Speculative decoding is lossless only if the target computes a position's logits identically whether
-it is fed alone (target-only decoding: one row per call) or as one row of a verify block (q = 1 + ℓ
-rows per call) — docs/design.md section 1, the exactness contract. Float kernels do not promise that: on
-ONNX Runtime's CPU provider a row's float result depends on how many rows the call has (measured on a
-2-core AVX2 machine, Qwen2.5-Coder-1.5B: one row alone differs from the same row in a block of 2 or 4,
-and a block of 3 from blocks of 2 or 4, while the even row counts tried (2, 4, 6, 8) agree bit for bit; fp32 logits
-differ by up to 2e-5, and in an INT8 graph the activation
-quantizer occasionally turns that into a whole quantization step, |Δlogit| 1.8, and flips greedy
-tokens — ``scripts/chunk_invariance.py``, docs/precision.md).
-
-The fix needs no kernel change: **pad every call to a multiple of m rows** (``row_multiple``), the
-extra rows repeating the last token *after* the real ones, so causal masking keeps them invisible to
-the real rows, and their logits and KV entries are dropped. Every real row is then computed by the same
-kernel path whatever the call's real row count, so target-only decoding and verify blocks fill the KV
-cache bit for bit alike — checked by :func:`probe_row_multiple` for calls of 1-17 rows (:data:`PROBE_BLOCKS`),
-not for arbitrary lengths. The attention reductions are unaffected by how many (trailing, fully masked) keys a
-call has: masked keys contribute exact zeros.
-
-m is a property of the kernels on the deployment machine (CPU ISA, ONNX Runtime version, thread count),
-like the cost table, so it is measured there: :func:`probe_row_multiple` (run by ``dspark-export profile``,
-stored as ``speculation.row_invariance`` in the manifest, applied by ``Engine.load``). The cost is one
-extra row on odd-row calls: target-only decoding pays it on every token (about +16 % per token fp32,
-+27 % INT8 in one teacher-forcing run on the 2-core AVX2 machine); speculative rounds only when the verify
-block has an odd row count.
-
-Scope: every runner pads its calls this way (:mod:`dspark_runtime.runners.sequence`). Alone (``Engine.generate``, the CLI)
-a request's output is covered on every KV layout; in a batch it is covered on the scatter layout (one batch row per
-request, :mod:`dspark_runtime.runners.scatter`). The packed growing layout (:class:`~dspark_runtime.runners.packed.PackedRunner`)
-also shifts where a request's keys sit in the attention reduction; it is not covered by this guarantee.
+ONNX Runtime's CPU kernels may compute a row differently depending on how many rows its call has, so target-only
+decoding (one row per call) and a verify block (1 + ℓ rows) can disagree. Padding every target call to a multiple of
+``row_multiple`` rows, the extra rows repeating the last token *after* the real ones (causal masking hides them;
+their logits and K/V are dropped), gives every real row the same kernel path; the probe checks calls of 1-17 rows
+(:data:`PROBE_BLOCKS`). The multiple belongs to the deployment machine's kernels: ``dspark-export profile`` probes it
+and stores it in the manifest (``speculation.row_invariance``), and every runner pads by it. Covered: a request alone
+on every KV layout, and in a batch on the scatter layout (not the packed one). Figures: docs/precision.md.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from dspark_runtime.backends.ort import session_options
 
 #: multiples tried by :func:`probe_row_multiple`, smallest first
 CANDIDATES = (1, 2, 4, 8)
@@ -103,8 +83,6 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
          helper.make_tensor_value_info("o", f, [1, heads, "m", head_dim])],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(k, "k"), numpy_helper.from_array(v, "v")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    from dspark_runtime.backends.ort import session_options
-
     return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
 
 

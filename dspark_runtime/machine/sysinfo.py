@@ -1,15 +1,12 @@
-"""The machine, as recorded with every measurement: a one-line description (benchmarks, cost tables) and
-the CPU's model and ISA features (:func:`cpu_features`; the manifest's ``build_machine``, the ``cpu`` of
-``speculation.row_invariance`` and ``speculation.cost_table``).
-
-ONNX Runtime's CPU kernels (MLAS) pick their code path by ISA at run time: the u8·s8 integer GEMM of
-INT8 graphs runs VPMADDUBSW on AVX2 (whose int16 pair sums saturate), VPDPBUSD on AVX-VNNI /
-AVX-512 VNNI (exact) or AMX tiles; fp32 GEMMs have AVX2/FMA and AVX-512 variants with different
-blockings. Row-count invariance and round costs measured on one CPU therefore do not transfer to another;
+"""The machine, as recorded with every measurement: a one-line description (:func:`machine_description`) and the
+CPU's model and ISA features (:func:`cpu_features`: the manifest's ``build_machine``, the ``cpu`` of
+``speculation.row_invariance`` and ``speculation.cost_table``). ONNX Runtime's CPU kernels pick their code path by
+ISA at run time (the INT8 u8·s8 GEMM saturates on AVX2 and is exact on VNNI; fp32 GEMMs block differently on AVX2
+and AVX-512), so row-count invariance and round costs measured on one CPU do not transfer to another:
 :func:`cpu_difference` says whether two records describe the same CPU.
 
-:func:`usable_cpus` is how many CPUs this process may really use (affinity mask and cgroup CPU quota), the
-basis of the default thread counts.
+Thread defaults: :func:`usable_cpus` (affinity mask and cgroup CPU quota), :data:`DEFAULT_THREADS` per ONNX Runtime
+session, and :func:`shared_pool_default` (whether the CLI and the server share ONNX Runtime's process-wide pool).
 """
 from __future__ import annotations
 
@@ -192,6 +189,18 @@ def _v1_limit(
         return _ceil_ratio(int(q[0]), int(p[0]))
     except ValueError:
         return None
+
+
+#: intra-op threads per ONNX Runtime session unless told: the CPUs this process may use (affinity, cgroup quota),
+#: at most 8
+DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
+
+
+def shared_pool_default() -> bool:
+    """Whether the CLI, the server and the benchmarks run every session on ONNX Runtime's process-wide thread pool
+    (:func:`dspark_runtime.backends.ort.enable_shared_thread_pool`): yes unless ``DSPARK_SHARED_THREAD_POOL=0``
+    (the test suite sets it, since its process also makes plain ONNX Runtime sessions)."""
+    return os.environ.get("DSPARK_SHARED_THREAD_POOL", "1") != "0"
 
 
 def cpu_features(text: str | None = None) -> dict:

@@ -1,38 +1,18 @@
-"""``dspark serve``: an OpenAI-compatible HTTP server over the batched runtime (continuous batching).
+"""The OpenAI-compatible FastAPI app of ``dspark serve`` over the batched runtime: :func:`create_app`.
 
-Layout::
-
-    HTTP handlers (asyncio, FastAPI)  --submit/cancel-->  EngineWorker thread  --owns-->  DecodingLoop
-           ^                                                   |
-           +------ tokens / done / error events  <-------------+   (loop.call_soon_threadsafe)
-
-The :class:`~dspark_runtime.decoding.loop.DecodingLoop` is not thread-safe, so exactly one thread (the
-:class:`EngineWorker`) owns it: it takes submissions and cancellations from a command queue *between*
-rounds, runs ``step()`` (one packed verifier pass for every active request) while any request is
-active, and hands each request's newly committed tokens back to the event loop. Requests therefore
-join and leave between rounds; a client that disconnects is cancelled and its KV slots are freed
-before the next round. At most ``max_batch + max_queue`` requests are accepted at once; beyond that
-the server answers 429 with an OpenAI-style error body.
-
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, streamed as
-server-sent events ending with ``data: [DONE]`` or not), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text format). Responses carry a ``dspark`` extension object with the
-request's τ (tokens committed per verify round, bonus included) and draft acceptance rate.
-
-Every user error (malformed JSON, unknown field, out-of-range value, unsupported ``n``, a prompt the
-engine's context cannot hold) is a 4xx with ``{"error": {"message", "type", "param", "code"}}``.
-
-Modules: this one holds the FastAPI app (:func:`create_app`) and the running of it (:func:`serve`,
-:class:`ServerThread`); :mod:`dspark_runtime.serving.worker` the engine thread and the metrics;
-:mod:`dspark_runtime.serving.wire` the error bodies and request models.
+One :class:`~dspark_runtime.serving.worker.EngineWorker` thread owns the decoding loop (not thread-safe); handlers
+submit and cancel jobs through it, between rounds, and receive each request's committed tokens as events. At most
+``max_batch + max_queue`` requests are accepted at once; more get 429. Endpoints: ``POST /v1/completions`` and
+``/v1/chat/completions`` (OpenAI wire format; streamed as server-sent events ending with ``data: [DONE]``), ``GET
+/v1/models``, ``/health``, ``/metrics`` (Prometheus). Responses carry a ``dspark`` object (τ, acceptance, timings).
+Every user error is a 4xx with ``{"error": {"message", "type", "param", "code"}}``. :mod:`~dspark_runtime.serving.wire`
+holds the request models and error bodies; :mod:`~dspark_runtime.serving.server` runs the app with uvicorn.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import socket
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -46,8 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark_runtime.decoding.request import streamable_length
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.decoding.sampling import SamplingParams
-from dspark_runtime.serving.wire import (_ERRORS, APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                       SafeJSONResponse, error_body)
+from dspark_runtime.serving.wire import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
+                                       ErrorResponse, SafeJSONResponse, error_body)
 from dspark_runtime.serving.worker import EngineWorker, Job, Outcome, ServerMetrics
 
 log = logging.getLogger("dspark.server")
@@ -56,9 +36,6 @@ DEFAULT_MAX_CONTEXT = 4096  # when neither the manifest nor the caller gives one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM): logits / 1e-300 would overflow
 SHUTDOWN_GRACE_S = 5.0  # after the drain deadline, how long handlers get to send their "cancelled" answers
 API_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
-# ---------------------------------------------------------------------------------------- the app
 
 
 def engine_max_context(engine) -> int | None:
@@ -135,7 +112,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     async def lifespan(app):
         worker.start()
         log.info("engine thread started: %s, max_batch %d, capacity %d, max context %d",
-                 getattr(gen.drafter, "name", "target-only"), gen.max_batch, worker.capacity, ctx)
+                 "target-only" if gen.drafter is None else gen.drafter.name, gen.max_batch, worker.capacity, ctx)
         try:
             yield
         finally:
@@ -206,7 +183,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
             raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
                                 f"{n_prompt} tokens, which leaves no room to generate. Shorten the prompt.",
                            param=prompt_param, code="context_length_exceeded")
-        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        asked = body.requested_max_tokens
         if asked is None:
             return min(default_max_tokens, room)
         if n_prompt + asked > ctx:
@@ -237,7 +214,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     def _usage(n_prompt: int, n_gen: int, stats) -> dict:
         """OpenAI usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-                "prompt_tokens_details": {"cached_tokens": int(getattr(stats, "cached_tokens", 0))}}
+                "prompt_tokens_details": {"cached_tokens": int(stats.cached_tokens)}}
 
     def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None) -> None:
         metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
@@ -385,7 +362,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
 
     # -- routes
 
-    @app.post("/v1/completions", responses=_ERRORS)
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         """Text completion of a raw prompt (OpenAI ``/v1/completions``)."""
         if isinstance(body.prompt, str):
@@ -398,7 +375,7 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
             ids = list(body.prompt)
         return await _run(request, body, ids, chat=False, prompt_param="prompt")
 
-    @app.post("/v1/chat/completions", responses=_ERRORS)
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Chat completion (OpenAI ``/v1/chat/completions``), rendered with the engine's chat template."""
         msgs = []
@@ -429,119 +406,3 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-# ---------------------------------------------------------------------------------------- running
-
-
-def _draining_server(config, app, drain_s: float | None = None):
-    """A ``uvicorn.Server`` whose shutdown first tells the app's engine thread to stop taking work and to
-    cancel, ``drain_s`` seconds later (default: the app's ``shutdown_drain_s``), whatever is still running.
-
-    uvicorn itself would wait ``timeout_graceful_shutdown`` seconds and then cancel the handlers of open
-    requests, which answers a non-streamed request with a bare 500 and cuts a stream mid-body; the engine
-    thread's own drain only started after that (at the lifespan's end), when nothing was left to drain.
-    Draining from the start of the shutdown instead ends each open request with its own clean answer before
-    uvicorn's timeout: it finishes, or gets a 503 ``cancelled`` body or an SSE error event then ``[DONE]``.
-    ``timeout_graceful_shutdown`` must leave handlers time after the drain deadline (see
-    :data:`SHUTDOWN_GRACE_S`)."""
-    import uvicorn
-
-    worker = getattr(getattr(app, "state", None), "worker", None)
-    if drain_s is None:
-        drain_s = getattr(app.state, "shutdown_drain_s", 0.0) if worker is not None else 0.0
-
-    class DrainingServer(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            if isinstance(worker, EngineWorker):
-                worker.begin_stop(drain_s)
-            await super().shutdown(sockets=sockets)
-
-    return DrainingServer(config)
-
-
-class ServerThread:
-    """Run an app with uvicorn in a background thread on an already-bound loopback socket (tests,
-    embedding). Use as a context manager; ``url`` is ``http://host:port``.
-
-    Args:
-        app: the ASGI app (``create_app(...)``).
-        host: address to bind; port 0 picks a free port.
-        timeout_graceful_shutdown: seconds uvicorn waits for open connections at shutdown (None: no limit).
-            Open requests get the app's ``shutdown_drain_s`` to finish, at most this less a grace (the
-            smaller of :data:`SHUTDOWN_GRACE_S` and half of it) in which their handlers answer the
-            cancellation cleanly.
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float | None = 10,
-                 log_level: str = "warning"):
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=timeout_graceful_shutdown)
-        drain = getattr(getattr(app, "state", None), "shutdown_drain_s", 0.0)
-        if timeout_graceful_shutdown is not None:
-            t = float(timeout_graceful_shutdown)
-            drain = max(0.0, min(drain, t - min(SHUTDOWN_GRACE_S, t / 2)))
-        self.server = _draining_server(config, app, drain)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="dspark-uvicorn", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "ServerThread":
-        """Start serving; returns once uvicorn is up. Raises RuntimeError if it does not start in time."""
-        self.thread.start()
-        t_end = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Graceful shutdown (uvicorn closes the listener, the engine thread drains open requests, uvicorn
-        waits for them, runs the lifespan exit)."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.sock.close()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-def serve(engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-          log_level: str = "info", **app_kwargs) -> None:
-    """Serve ``engine`` with uvicorn until interrupted (``dspark serve``). ``app_kwargs`` go to :func:`create_app`.
-
-    On SIGINT/SIGTERM uvicorn stops accepting and the engine thread stops taking work; open requests may
-    finish for up to ``shutdown_timeout`` s, then the rest are cancelled and each gets a clean answer (a 503
-    ``cancelled`` body, or an SSE error event then ``[DONE]``) within :data:`SHUTDOWN_GRACE_S` more; then
-    the process exits (uvicorn re-raises the signal it handled: a SIGTERM'd server ends by that signal)."""
-    import sys
-
-    import uvicorn
-
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
-    shutdown_timeout = max(0.0, float(shutdown_timeout))
-    app_kwargs.setdefault("shutdown_drain_s", shutdown_timeout)
-    app = create_app(engine, **app_kwargs)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=app.state.shutdown_drain_s + SHUTDOWN_GRACE_S)
-    server = _draining_server(config, app)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # the SIGINT uvicorn handled, re-raised after the graceful shutdown
-        pass
-    if not server.started:
-        sys.exit(3)  # as uvicorn.run: the server did not start (e.g. the port is taken)

@@ -49,7 +49,8 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 404, 429, 503)}
+#: the error statuses of the generation routes, as FastAPI's ``responses=`` documents them in the OpenAPI schema
+ERROR_RESPONSES = {s: {"model": ErrorResponse} for s in (400, 404, 429, 503)}
 
 
 class SafeJSONResponse(JSONResponse):
@@ -79,6 +80,8 @@ class StreamOptions(_Strict):
 
 
 class _GenerationFields(_Strict):
+    """The sampling and streaming fields both generation routes take."""
+
     model: str | None = Field(None, description="The served model's id (see /v1/models); optional.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy.")
@@ -90,6 +93,11 @@ class _GenerationFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The most tokens the client asked to generate, or None for the server's default."""
+        return self.max_tokens
 
 
 class CompletionRequest(_GenerationFields):
@@ -119,3 +127,8 @@ class ChatCompletionRequest(_GenerationFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else None (the server's default)."""
+        return self.max_completion_tokens or self.max_tokens

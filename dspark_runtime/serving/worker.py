@@ -67,7 +67,8 @@ class EngineWorker:
     or active it runs ``step()``. ``submit`` / ``cancel`` / ``stop`` may be called from any thread.
 
     Args:
-        gen: the generator (``Engine.batch(...)``); it gets ``default_gamma`` from there.
+        gen: the :class:`~dspark_runtime.decoding.loop.DecodingLoop` (``Engine.batch(...)``); its ``default_gamma``
+            caps each request's draft length.
         max_queue: requests accepted beyond ``gen.max_batch`` (they wait for a slot); more → 429.
     """
 
@@ -75,7 +76,7 @@ class EngineWorker:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.gen = gen
-        self.gamma = int(getattr(gen, "default_gamma", 4))
+        self.gamma = int(gen.default_gamma)
         self.capacity = gen.max_batch + max_queue
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -194,7 +195,7 @@ class EngineWorker:
 
     def _snapshot(self) -> None:
         g = self.gen
-        cache = getattr(g, "prefix_cache", None)
+        cache = g.prefix_cache
         self.snapshot = {"stats": g.stats.to_json(), "waiting": len(g.waiting), "prefilling": len(g.prefilling),
                          "active": len(g.active), "inflight": self._inflight,
                          "prefix": None if cache is None else cache.stats.to_json()}

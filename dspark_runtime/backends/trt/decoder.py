@@ -1,16 +1,12 @@
-"""Native TensorRT backend for ``causal_lm`` engines with the *capacity* KV layout (docs/design.md section 2):
-:class:`TrtDecoder`, a :class:`~dspark_runtime.backends.device_decoder.CapacityDecoder` (device buffers, buckets, rows, cache
-writes, the ``step`` and ``run_rows`` interfaces) whose calls run a TensorRT engine; plus the TensorRT helpers the
-DSpark drafter's engine shares (:mod:`dspark_runtime.backends.trt.dspark_graph`). No torch: cuda-python for memory, the stream and
-CUDA graphs; TensorRT or TensorRT-RTX through the import shim.
+"""Native TensorRT backend for ``causal_lm`` engines in the capacity KV layout: :class:`TrtDecoder`, a
+:class:`~dspark_runtime.backends.device_decoder.CapacityDecoder` whose calls run a TensorRT engine, and the TensorRT
+helpers the DSpark drafter's engine shares (:mod:`dspark_runtime.backends.trt.dspark_graph`). No torch: cuda-python
+for memory, the stream and CUDA graphs; TensorRT or TensorRT-RTX through :mod:`dspark_runtime.backends.trt.loader`.
 
 Tensor addresses and input shapes are set when the call shape (rows, q, bucket) changes. Decode/verify calls
-(``q <= decode_q``, the decode profile) are captured as a CUDA graph per call shape after ``warmup`` uncaptured runs
-of it (TensorRT-RTX specialises kernels on first runs) and replayed from then on; prefill chunks run uncaptured.
-
-Not verified on a GPU yet (the lent H200 has no TensorRT: docs/tensorrt.md); ``scripts/gpu_check.sh trt`` is the
-prepared check. The CPU-testable parts are tested in tests/test_trt_backend.py and, through the ONNX Runtime
-decoder on the same base class, tests/test_ort_device.py.
+(``q <= decode_q``, the decode profile) are captured as one CUDA graph per call shape after ``warmup`` uncaptured runs
+(TensorRT-RTX specialises kernels on first runs) and replayed from then on; prefill chunks run uncaptured. Not yet
+verified on a GPU (docs/tensorrt.md).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The DSpark drafter graph (``dspark_draft``) on its TensorRT engine: :class:`TrtDSparkGraph`, the interface of
-:class:`dspark_runtime.drafting.dspark.OrtDSparkGraph`, plus the pure planning of long first calls (:func:`plan_dspark_chunks`,
-:func:`dspark_chunk_mask`). Engine loading, device/pinned buffers and profile selection are the decoder backend's
-(:mod:`dspark_runtime.backends.trt.decoder`). Not verified on a GPU yet; ``scripts/gpu_check.sh trt`` check 4 is the prepared
-check, the CPU-testable parts are in tests/test_trt_backend.py.
+:class:`dspark_runtime.drafting.dspark.OrtDSparkGraph`, plus the pure planning of long first calls
+(:func:`plan_dspark_chunks`, :func:`dspark_chunk_mask`). Engine loading, device/pinned buffers and profile selection
+are the decoder backend's (:mod:`dspark_runtime.backends.trt.decoder`). Not yet verified on a GPU (docs/tensorrt.md).
 """
 from __future__ import annotations
 
@@ -71,7 +70,7 @@ class TrtDSparkGraph:
         batch: most rows per call (<= the engine's max_batch); capacity: most context positions (default: the
             engine's).
     Raises DSparkError for an entry of another kind or layout, or settings beyond the engine's profiles.
-    Not verified on a GPU yet (none where it was written); ``scripts/gpu_check.sh trt`` is the prepared check.
+    Not yet verified on a GPU (docs/tensorrt.md).
     """
 
     def __init__(self, engine_dir: str | Path, entry: TrtEngineEntry, embedding=None, batch: int = 1,

@@ -1,22 +1,13 @@
-"""TensorRT optimisation profiles, capacity buckets and KV buffer sizes, derived from the one
-declaration of graph axes (:mod:`dspark_runtime.engine_dir.graphspec`). Pure Python: no TensorRT, no GPU;
-the builder (``dspark_export.engine_dir.trt_build``) and the runtime backend (``dspark_runtime.backends.trt.decoder``) both
-use it, and its tests run anywhere.
+"""TensorRT optimisation profiles, capacity buckets and KV buffer sizes, derived from the one declaration of graph
+axes (:mod:`dspark_runtime.engine_dir.graphspec`). Pure Python (no TensorRT, no GPU): ``dspark-export build-trt``
+and the runtime's device backends share it.
 
-Two profiles per graph (one profile spanning prefill chunks and 1-token decode picks kernels that
-are poor for both):
-
-* ``prefill``: ``q_len`` 1 .. ``prefill_chunk`` (opt = the chunk), batch 1 .. ``max_batch`` (opt 1);
-* ``decode``: ``q_len`` 1 .. ``decode_q`` = γ + 1 (anchor + verify tokens; opt = ``decode_q``),
-  batch 1 .. ``max_batch`` (opt ``max_batch``).
-
-The DSpark drafter's ``new_len`` (target features committed since its last call) follows the same rules as
-``q_len``: a prompt's features arrive in prefill-sized chunks, then at most γ + 1 per round.
-
-The cache axis spans 0 .. ``capacity`` (growing layout: ``past_len``; capacity layout: the buckets
-``min_bucket .. capacity``), optimised for half the capacity (growing) or the largest bucket
-(capacity). Derived axes (``total_len = past_len + q_len`` ...) follow from their parts as
-:data:`dspark_runtime.engine_dir.graphspec.DERIVED_AXES` declares them.
+Two profiles per graph (one spanning prefill chunks and 1-token decode picks kernels poor for both): ``prefill``,
+``q_len`` 1 .. ``prefill_chunk`` (opt the chunk), batch 1 .. ``max_batch`` (opt 1); ``decode``, ``q_len`` 1 ..
+``decode_q`` = γ + 1 (opt ``decode_q``), batch 1 .. ``max_batch`` (opt ``max_batch``). The DSpark drafter's
+``new_len`` follows ``q_len``'s rules. The cache axis spans 0 .. ``capacity`` (growing layout: ``past_len``, opt half
+the capacity; capacity layout: the buckets ``min_bucket .. capacity``, opt the largest); derived axes follow their
+parts as :data:`~dspark_runtime.engine_dir.graphspec.DERIVED_AXES` declares.
 """
 from __future__ import annotations
 
