@@ -19,9 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.evalsets import ROOT
-QWEN15 = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-              num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-              rms_norm_eps=1e-6, tie_word_embeddings=True)
+from benchmarks.peers.gpu_peers_model import QWEN25_1P5B  # the peers' model has the same architecture
+
 BIG_PROFILE = dict(max_batch=32, decode_q=8, prefill_chunk=64, capacity=1024, min_bucket=256)
 TINY_PROFILE = dict(max_batch=4, decode_q=5, prefill_chunk=16, capacity=128, min_bucket=32)
 SMALL_BYTES = 1 << 16  # external tensors up to this size are kept as they are (norm weights, biases)
@@ -58,7 +57,7 @@ def big_graph(out: Path) -> None:
     try:
         torch.manual_seed(0)
         hf = work / "hf"
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN15)).eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_1P5B)).eval()
         model.save_pretrained(hf)
         _tokenizer(hf)
         del model
