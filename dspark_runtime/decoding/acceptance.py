@@ -1,17 +1,11 @@
-"""Verification of a draft block: how many draft tokens the target accepts, and the token the
-target contributes after them.
+"""Verification of a draft block: how many draft tokens the target accepts, and the token it contributes after them.
+One request at a time, pure numpy; randomness from an explicit ``numpy.random.Generator``. Modelled on vLLM's
+rejection sampler (``vllm/v1/sample/rejection_sampler.py``).
 
-One request at a time, pure numpy, no torch; randomness comes from an explicit
-``numpy.random.Generator``. Modelled on vLLM's rejection sampler
-(``vllm/v1/sample/rejection_sampler.py``).
-
-Positions. For a block of ``l`` draft tokens ``x_1 .. x_l`` proposed after the last committed
-token (the *anchor*), the verifier runs ``[anchor, x_1, .., x_l]`` and gets ``l + 1`` rows:
-row ``k`` (0-based) is the target's distribution for the token *after* position ``k``, so row
-``k`` judges draft token ``draft_tokens[k]`` for ``k < l``, and row ``l`` gives the bonus token
-when every draft is accepted. Both functions return ``(num_accepted, next_token)``: the caller
-commits ``draft_tokens[:num_accepted]`` followed by ``next_token`` (always at least one new
-token per verify step, ``num_accepted + 1`` in all).
+For ``l`` draft tokens after the anchor the verifier runs ``[anchor, x_1, .., x_l]`` and gets ``l + 1`` rows: row
+``k`` judges ``draft_tokens[k]`` for ``k < l`` and row ``l`` gives the bonus token when every draft is accepted. Both
+functions return ``(num_accepted, next_token)``: the caller commits ``draft_tokens[:num_accepted]`` then
+``next_token`` (at least one new token per verify step).
 """
 from __future__ import annotations
 

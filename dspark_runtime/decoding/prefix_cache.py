@@ -1,25 +1,12 @@
-"""Prefix KV cache across requests: block-hashed reuse of cached prompt positions with LRU eviction under a memory
-bound (pure bookkeeping: the cached arrays are opaque payloads that the runners export and import).
-
-Requests that share a prefix — a system prompt, the earlier turns of a chat, a few-shot template — compute the same
-keys and values for it. The decoding loop (:class:`dspark_runtime.decoding.loop.DecodingLoop`) stores a finished
-request's cached positions here in blocks of :data:`BLOCK_TOKENS` tokens, and a joining request starts from the
-longest run of leading blocks of its prompt found here instead of prefilling them.
-
-* **Keys.** Block ``i`` of a token sequence is keyed by a chained hash (:func:`block_hashes`): the BLAKE2b digest of
-  block ``i - 1``'s key and block ``i``'s token ids, so a key names the whole prefix up to the end of its block
-  (equal keys = equal prefixes, up to a 128-bit hash collision) and only full blocks are stored.
-* **Parts.** A block holds one payload per *part*: ``"target"`` (the verifier's K/V of those positions and its
-  target features, which the DSpark drafter reads its context from) and ``"draft"`` (a draft LM's K/V). A part is
-  looked up and evicted on its own; a request reuses the run of leading blocks that hold the part it asks for.
-* **Eviction.** Least recently used first, whenever the payloads' bytes exceed ``max_bytes``. A lookup or an
-  insert touches a chain's blocks from its last block to its first, so a block is always at least as recent as the
-  blocks after it in any chain through it: eviction removes a chain's tail before its head and never leaves a block
-  that cannot be reached.
-
-Exactness: reused positions hold the bytes the runner computed for them, and a position's keys and values do not
-depend on how its prompt was chunked or what shared the call on the scatter KV layout, so greedy output is the same
-with and without the cache (``tests/test_prefix_cache.py``).
+"""Prefix KV cache across requests: block-hashed reuse of cached prompt positions, LRU-evicted under a memory bound
+(pure bookkeeping: the cached arrays are opaque payloads the runners export and import). The decoding loop stores a
+finished request's positions in blocks of :data:`BLOCK_TOKENS` tokens, and a joining request starts from the longest
+run of its prompt's leading blocks found here. Block ``i`` is keyed by a chained hash of block ``i - 1``'s key and its
+own token ids (:func:`block_hashes`: a key names the whole prefix). A block holds one payload per part, ``"target"``
+(the verifier's K/V and features) and ``"draft"`` (a draft LM's K/V), looked up and evicted on its own; a lookup or
+insert touches a chain from its last block to its first, so eviction removes a chain's tail before its head.
+Exactness: reused positions hold the bytes the runner computed, which on the scatter layout do not depend on chunking
+or batch, so greedy output is the same with and without the cache.
 """
 from __future__ import annotations
 

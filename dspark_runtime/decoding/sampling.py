@@ -1,21 +1,10 @@
-"""Token selection: turn target/draft logits into the distribution a token is drawn from, and
-draw from it.
-
-Everything here is a pure function of its arguments (numpy only, no torch). Randomness comes
-from an explicit ``numpy.random.Generator`` passed by the caller, never from numpy's global
-state, so a run is reproducible from its seed and the functions are unit-testable without a
-model. The layout follows vLLM's sampler (``vllm/v1/sample/sampler.py`` and
-``vllm/v1/sample/rejection_sampler.py``): every array argument carries a shape/dtype comment.
-
-The order of the transforms is the usual one (HF ``generate`` and vLLM agree):
-temperature, then top-k, then top-p, each on the result of the previous one.
-
-Speculative decoding (``dspark_runtime.decoding.acceptance``) needs the *same* processed distribution
-for the draft (q) and the target (p) that plain sampling would use, so both go through
-:func:`process_logits`; speculative sampling is then lossless with respect to the processed
-target distribution (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", Theorem 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with
-Speculative Sampling", Theorem 1).
+"""Token selection: turn target/draft logits into the distribution a token is drawn from, and draw from it. Pure
+functions (numpy only); randomness from an explicit ``numpy.random.Generator``, so a run is reproducible from its
+seed. Layout after vLLM's sampler (``vllm/v1/sample/sampler.py``). The transforms run in the usual order (HF
+``generate`` and vLLM agree): temperature, then top-k, then top-p. Speculative decoding needs the *same* processed
+distribution for the draft (q) and the target (p), so both go through :func:`process_logits`; speculative sampling is
+then lossless with respect to the processed target distribution (Leviathan et al. 2023, Theorem 1; Chen et al. 2023,
+Theorem 1).
 """
 from __future__ import annotations
 
@@ -87,7 +76,7 @@ def process_logits(
       computed here (no tolerance).
 
     The result is the one a full stable sort of the vocabulary gives (the reference kept in
-    ``scripts/sampling_bench.py``), bit for bit on the kept tokens' float64 values, but the
+    ``benchmarks/sampling_bench.py``), bit for bit on the kept tokens' float64 values, but the
     cuts use partial selection: ``np.argpartition`` for the k largest (on the float32 logits
     themselves where ``logits / temperature`` cannot merge two of them, see
     :func:`_rank_keys`), and for top-p a candidate set of the ``m`` most probable tokens with
@@ -95,7 +84,7 @@ def process_logits(
     above the m-th value reach ``top_p`` (a sort of whole rows, by value only, when ``m`` would
     exceed half the row; see :func:`_nucleus`). The normalising sums still run over the whole
     row in numpy's pairwise order, as the full-sort version does, so the probabilities are the
-    same float64 numbers. Cost at a 151,936-token vocabulary: ``scripts/sampling_bench.py``.
+    same float64 numbers. Cost at a 151,936-token vocabulary: ``benchmarks/sampling_bench.py``.
 
     Greedy (``temperature == 0``): a one-hot row (point mass, 1.0 at ``np.argmax`` of the raw
     logits, ties to the lowest id, 0.0 elsewhere); top-k/top-p are ignored. A point mass
@@ -340,3 +329,11 @@ def _nucleus(
         pending = pending[~done]
         m *= 2
     return np.concatenate(kept_rows), np.concatenate(kept_cols)
+
+
+def select_token(logits: np.ndarray, params: SamplingParams, rng) -> int:
+    """The next token from ``logits`` float [vocab]: the argmax when greedy, else a sample of the processed
+    distribution (temperature, top-k, top-p) drawn with ``rng``."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(process_logits(logits, params), rng)

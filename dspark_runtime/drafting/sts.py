@@ -1,27 +1,12 @@
-"""Sequential Temperature Scaling (STS) of the confidence head, and calibration error.
+"""Sequential Temperature Scaling (STS) of the confidence head, and calibration error. Pure numpy. Source: the DSpark
+paper (arXiv 2607.05147), Sequential Temperature Scaling; docs/design.md section 1 step 3; ECE binning as the public
+DeepSpec evaluator (``deepspec/eval/dspark/confidence_head.py``: equal-width bins, count-weighted).
 
-Pure numpy, no torch, no model I/O. Source: the DSpark paper ("DSpark: Confidence-Scheduled
-Speculative Decoding with Semi-Autoregressive Generation", DeepSeek-AI and Peking University,
-2026, arXiv 2607.05147), section on Sequential Temperature Scaling; ``docs/design.md`` section 1,
-step 3. The ECE binning follows the public DeepSpec evaluator
-(``deepspec/eval/dspark/confidence_head.py``): equal-width bins, count-weighted.
-
-Data layout (0-based positions in arrays; the paper's position ``j`` is column ``j - 1``):
-
-- ``logits``: float ``[N, gamma]``, the confidence head's pre-sigmoid scores for ``N`` held-out
-  draft blocks; ``sigmoid(logits[n, k])`` estimates P(draft token ``k`` accepted | tokens
-  ``0..k-1`` accepted).
-- ``accepted``: bool / int / float 0-1 ``[N, gamma]``, ``accepted[n, k] = 1`` when draft token
-  ``k`` was accepted given all earlier ones were. Entries after the first rejection are
-  ignored: they are only meaningful where ``valid[n, k] = all(accepted[n, :k])``.
-- Survival label: ``survival[n, k] = prod_{i <= k} accepted[n, i]`` = 1 iff tokens ``0..k`` were
-  all accepted. It is defined for every row (0 after the first rejection), so calibration of
-  the prefix survival uses all ``N`` rows at every position.
-
-STS: the scheduler consumes prefix survival ``a_k = prod_{i <= k} sigmoid(logit_i / T_i)``, so
-the temperatures are fitted for the cumulative product rather than per position: for
-``k = 0 .. gamma - 1`` in turn, with ``T_0 .. T_{k-1}`` fixed, grid-search the ``T_k`` that
-minimises the ECE of ``a_k`` against ``survival[:, k]``.
+Layout: ``logits`` float ``[N, gamma]`` (pre-sigmoid confidence scores of ``N`` held-out blocks), ``accepted`` 0/1
+``[N, gamma]`` (token ``k`` accepted given all earlier ones; meaningful only before the first rejection), survival
+label ``prod_{i <= k} accepted[n, i]``. The scheduler consumes ``a_k = prod_{i <= k} sigmoid(logit_i / T_i)``, so the
+temperatures are fitted for the cumulative product: for ``k = 0 .. gamma - 1`` in turn, with earlier ones fixed,
+grid-search the ``T_k`` that minimises the ECE of ``a_k`` against the survival label.
 """
 from __future__ import annotations
 

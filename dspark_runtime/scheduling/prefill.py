@@ -1,23 +1,10 @@
-"""Chunked prefill: which prompt tokens of joining requests ride in a decoding round (pure logic, no models).
-
-A request that joins the decoding loop (:class:`dspark_runtime.decoding.loop.DecodingLoop`) has its prompt fed to the
-verifier in chunks, one round at a time, beside the verify blocks of the requests already decoding, so that no
-round stalls for a whole prompt (a 300-token prompt costs about 4 s on the 2-core CPU of docs/serving.md, against
-0.1-0.4 s for a decoding round). Two quantities decide a round:
-
-* the **prefill budget** (:func:`prefill_budget`): prompt tokens per round while other requests decode. From the
-  engine's profiled cost table (``speculation.cost_table``: verify seconds by tokens in the pass) it is the
-  largest pass whose cost is at most :data:`PREFILL_STALL` times a one-token pass, so a round that carries prompt
-  tokens is at most about that many one-token passes dearer; :data:`DEFAULT_PREFILL_BUDGET` without a table. When
-  no request decodes there is nothing to stall and a round feeds up to the runner's ``max_chunk``.
-* **merged or separate** (:func:`plan_prefill`): the prompt chunks ride in the verify pass itself when that
-  computes no more rows than two calls would, which holds in the packed layout (a pass computes the sum of its
-  segments) and fails in the scatter layout when a chunk is longer than the verify blocks (a pass computes
-  ``rows x longest segment``: a 64-token chunk beside seven 4-token blocks would compute 512 rows instead of 92).
-  Then the chunks go in a second call of the same round.
-
-Rows are what a runner's graph call computes, padding included (``BatchRunner.pass_rows``); prompts are served
-first come, first served.
+"""Chunked prefill: which prompt tokens of joining requests ride in a decoding round (pure logic, no models). A
+joining request's prompt is fed a chunk per round beside the verify blocks of the requests already decoding, so no
+round stalls for a whole prompt. :func:`prefill_budget`: prompt tokens per round while others decode, from the
+profiled cost table (the largest pass costing at most :data:`PREFILL_STALL` one-token passes); with no request
+decoding a round feeds up to the runner's ``max_chunk``. :func:`plan_prefill`: each prompt's chunk (first come,
+first served) and whether the chunks ride in the verify pass or in a second call, whichever computes fewer rows
+(the runner's ``pass_rows``: on the scatter layout a long chunk beside short verify blocks pads every row).
 """
 from __future__ import annotations
 
@@ -29,8 +16,6 @@ from dspark_runtime.errors import InputError
 
 DEFAULT_PREFILL_BUDGET = 64  # prompt tokens per round while others decode, when the engine has no cost table
 PREFILL_STALL = 16.0  # auto budget: a pass carrying prompt tokens may cost this many one-token passes
-# (4 until 2026-12-02: on the 2-core CPU its 25-token chunks made a burst of 8 requests slower on every figure,
-# TTFT, per-token latency and tokens/s, than 96-token or whole-prompt chunks; docs/serving.md "Chunked prefill")
 MIN_PREFILL_BUDGET = 8  # the auto budget never goes below this (a prompt must progress every round)
 
 
