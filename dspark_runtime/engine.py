@@ -1,36 +1,44 @@
-"""The library entry point: ``Engine.load(dir).generate(prompt, ...)``."""
+"""The library entry point: ``Engine.load(dir).generate(prompt, ...)``: an engine directory's graphs on their
+backends, the drafter choice (:class:`~dspark_runtime.drafting.factory.DrafterFactory`) and the decoding loops over
+them (:class:`~dspark_runtime.decoding.loop.DecodingLoop`)."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
+from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 from dspark_runtime.backends.placement import PROVIDERS, format_placement, parse_placement
-from dspark_runtime.drafting.dspark import DSparkDrafter, EmbeddingRows, OrtDSparkGraph
-from dspark_runtime.errors import InputError
+from dspark_runtime.backends.trt.decoder import TrtDecoder
+from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 from dspark_runtime.decoding.loop import DecodingLoop
-from dspark_runtime.drafting.choice import EngineDrafters, manifest_drafters, manifest_schedulable
-from dspark_runtime.decoding.request import GenerationResult, cut_at_stop, streamable_length
+from dspark_runtime.decoding.prefix_cache import PrefixCache
+from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
+from dspark_runtime.decoding.settings import LoopSettings
+from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+from dspark_runtime.drafting.factory import DrafterFactory
+from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
+from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
+from dspark_runtime.engine_dir.speculation import manifest_schedulable
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
+from dspark_runtime.errors import InputError
+from dspark_runtime.machine.cost_profile import profile_runtime
 from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, target_sha256
 from dspark_runtime.machine.load_checks import row_multiple as load_row_multiple
-from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
-from dspark_runtime.drafting.router import Router, router_priors
-from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner, batch_runner, decoder_runner
-from dspark_runtime.decoding.sampling import SamplingParams
-from dspark_runtime.machine.sysinfo import usable_cpus
-from dspark_runtime.engine_dir.tokenizer import Tokenizer
-
-#: intra-op threads per session unless told: the CPUs this process may use (affinity, cgroup quota), at most 8
-DEFAULT_THREADS = max(1, min(usable_cpus(), 8))
+from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_row_multiple
+from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
+from dspark_runtime.runners.factory import batch_runner, decoder_runner
+from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner
 
 
-class Engine(EngineDrafters):
-    """A loaded engine directory: tokenizer, target (verifier) graph and optional draft graph.
+class Engine:
+    """A loaded engine directory: tokenizer, target (verifier) graph and optional draft graphs.
 
     Construct with :meth:`load`. Sessions are created on first use (``activate``), so loading
-    is cheap until the first generation.
+    is cheap until the first generation. ``drafters``: its :class:`~dspark_runtime.drafting.factory.DrafterFactory`.
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
@@ -65,12 +73,11 @@ class Engine(EngineDrafters):
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
         check_int8_weights(manifest, self.dir, self.backend)
         self.default_draft_length = manifest.speculation.draft_length or 5
-        self._warned_packed = False  # batch() warns once that packed batches are not batch-invariant
+        self._warned_packed = False  # batch() warns once that a batch-dependent runner is in use
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present
-        self.lm_graph, self.dspark_graph = manifest_drafters(manifest)
-        self.draft_graph = self.dspark_graph or self.lm_graph
-        self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
-        self._heads = None
+        self.drafters = d = DrafterFactory(self.dir, manifest, self._backends, self.loop_runner)
+        self.lm_graph, self.dspark_graph, self.draft_graph, self.draft_kind = (d.lm_graph, d.dspark_graph,
+                                                                               d.draft_graph, d.draft_kind)
         self.prefix_cache = None  # a PrefixCache shared by this engine's decoding loops (enable_prefix_cache)
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
@@ -110,9 +117,6 @@ class Engine(EngineDrafters):
         trt = [k for k, p in self.placement.items() if p == "trt"]
         if not trt:
             return
-        from dspark_runtime.backends.trt.decoder import TrtDecoder
-        from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
-
         engines = self._trt_engines()
         for key in trt:
             e = engines[key]
@@ -130,8 +134,6 @@ class Engine(EngineDrafters):
         cuda = [k for k, p in self.placement.items() if p == "cuda" and k in self.manifest.device_graphs]
         if not cuda:
             return
-        from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
-
         for key in cuda:
             e = self.manifest.device_graphs[key]
             self._backends[key] = OrtDeviceDecoder(self.dir, e, threads=threads)
@@ -157,10 +159,9 @@ class Engine(EngineDrafters):
         the manifest, else 1 (no padding). Warns (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when that
         probe or the stored cost table was measured on another CPU (model or ISA flags; re-run
         ``dspark-export profile`` here). ``shared_thread_pool``: run every session on one process-wide ONNX
-        Runtime thread pool whose threads spin (~15% faster speculative rounds on 2 cores; process-wide and
-        irreversible: other ONNX Runtime sessions made later in the process must set
-        ``use_per_session_threads = False``, see :func:`dspark_runtime.backends.ort.enable_shared_thread_pool`). The
-        ``dspark`` CLI, the server and the benchmarks turn it on. ``placement``: where each graph runs,
+        Runtime thread pool whose threads spin (process-wide and irreversible:
+        :func:`dspark_runtime.backends.ort.enable_shared_thread_pool`; the CLI, the server and the benchmarks turn it
+        on). ``placement``: where each graph runs,
         ``"target=trt,draft=cuda,dspark=cpu"`` or one place for all (:mod:`dspark_runtime.backends.placement`: cpu, cuda,
         trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
         for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
@@ -169,16 +170,10 @@ class Engine(EngineDrafters):
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
         if shared_thread_pool and backend == "ort" and placement in (None, "", "cpu"):
-            from dspark_runtime.backends.ort import enable_shared_thread_pool
-
             size = enable_shared_thread_pool(threads)
             if size != threads:
-                import warnings
-
                 warnings.warn(f"this process's shared ONNX Runtime thread pool has {size} threads; {engine_dir} "
                               f"runs on it, not on {threads}", stacklevel=2)
-        from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
-
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         eng = cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
@@ -194,8 +189,6 @@ class Engine(EngineDrafters):
         cached, least recently used blocks evicted beyond ``max_mb`` MiB. 0 turns it off and drops what it held.
         Raises InputError for a negative bound, or (when turning it on) a target graph outside the scatter KV layout
         or placed on TensorRT."""
-        from dspark_runtime.decoding.prefix_cache import PrefixCache
-
         if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or max_mb < 0:
             raise InputError(f"prefix_cache_mb must be a number of MiB >= 0 (0 = off), got {max_mb!r}")
         self.prefix_cache = None
@@ -206,6 +199,37 @@ class Engine(EngineDrafters):
                              "engine's target graph is not in it (or runs on TensorRT); rebuild it with `dspark-export "
                              "build --kv-layout scatter` (the int4 default) or leave the prefix cache off")
         self.prefix_cache = PrefixCache(max(1, int(max_mb * 2 ** 20)))
+
+    # -- the drafter choice (DrafterFactory)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.drafters.has_draft
+
+    def auto_draft(self) -> str:
+        """What ``draft="auto"`` means for this engine (:meth:`DrafterFactory.auto_draft`)."""
+        return self.drafters.auto_draft()
+
+    def resolve_draft(self, draft) -> str | None:
+        """The drafter kind a ``draft`` choice names (:meth:`DrafterFactory.resolve`); InputError as it."""
+        return self.drafters.resolve(draft)
+
+    def graphs_used(self, draft) -> list:
+        """The graph keys a ``draft`` choice runs (:meth:`DrafterFactory.graphs_used`)."""
+        return self.drafters.graphs_used(draft)
+
+    def drafter(self, draft, target, confidence_threshold=None, confidence_rule: str = "survival",
+                max_batch: int = 8):
+        """The drafter for a ``draft`` choice over the verifier runner ``target``, with this engine's prefix cache
+        (:meth:`DrafterFactory.drafter`); None for target-only."""
+        return self.drafters.drafter(draft, target, confidence_threshold, confidence_rule, max_batch,
+                                     prefix_cache=self.prefix_cache)
+
+    def dspark_heads(self) -> DSparkHeads:
+        """The DSpark Markov/confidence heads, loaded once (:meth:`DrafterFactory.dspark_heads`)."""
+        return self.drafters.dspark_heads()
+
+    # -- runners
 
     def runner(self, key: str) -> DecoderRunner:
         """The one-sequence runner of graph ``key`` ("target" or "draft"; a DecoderRunner, or its scatter-layout twin
@@ -219,17 +243,15 @@ class Engine(EngineDrafters):
             self._runners[key] = decoder_runner(backend, row_multiple=self.row_multiple if key == "target" else 1)
         return self._runners[key]
 
-    def loop_runner(self, key: str, max_requests: int = 1):
-        """The runner the decoding loop drives for graph ``key``. For one request: the graph's one-sequence runner
-        (:meth:`runner`, kept across calls, with its row padding) behind a
-        :class:`~dspark_runtime.runners.sequence.SequenceRunner`, emptied first — ``generate`` decodes one request after
-        another and reuses its buffers; for a batch a new :func:`~dspark_runtime.runners.sequence.batch_runner`. A graph on
-        TensorRT always gets a new :class:`~dspark_runtime.runners.device.DeviceBatchRunner` of ``max_requests`` rows over
-        its decoder (one decoding core for one request and many). Raises InputError when ``max_requests`` exceeds
-        a TensorRT engine's ``--max-batch``."""
+    def loop_runner(self, key: str, max_requests: int = 1, keep_features: bool = True):
+        """The runner the decoding loop drives for graph ``key``: for one request the graph's one-sequence runner
+        (:meth:`runner`, kept, emptied first) behind a :class:`~dspark_runtime.runners.sequence.SequenceRunner`, for a
+        batch a new :func:`~dspark_runtime.runners.factory.batch_runner`; on a device always a new
+        :class:`~dspark_runtime.runners.device.DeviceBatchRunner` of ``max_requests`` rows, copying target features
+        back only with ``keep_features``. Raises InputError when ``max_requests`` exceeds its ``--max-batch``."""
         if key in self._device_entries:  # DeviceBatchRunner for one request too; it activates the decoder on use
             self._check_trt_rows(max_requests)
-            return batch_runner(self._backends[key], max_requests=max_requests)
+            return batch_runner(self._backends[key], max_requests=max_requests, keep_features=keep_features)
         if max_requests > 1:
             return batch_runner(self._backends[key].activate(), row_multiple=self.row_multiple if key == "target" else 1,
                                 max_requests=max_requests)
@@ -277,26 +299,14 @@ class Engine(EngineDrafters):
             raise InputError("the prompt encodes to zero tokens; pass some text")
         return ids
 
-    def _cost_table(self) -> dict:
-        """The manifest's (or the re-profiled) cost table; InputError naming the fix when there is none."""
-        table = self.manifest.speculation.cost_table
-        if not table:
-            raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
-                             f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
-        return table
-
     def probe_row_invariance(self, *, prompt_tokens: int = 48, tokens: int = 24, seed: int = 0,
                              kernels: bool = True) -> dict:
         """Measure the smallest row multiple that makes the target graph row-count invariant here
-        (:func:`dspark_runtime.machine.row_invariance.probe_row_multiple` on ``tokens`` random token ids after a random
-        ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe
-        :func:`~dspark_runtime.machine.row_invariance.kernel_row_difference`, which needs the ``onnx`` package and is
-        what catches the rare differences of quantized graphs) and use it from now on (``self.row_multiple``; ``dspark-export
-        profile`` also stores it in the manifest). When no candidate is invariant the padding is left at 1
-        and the result's ``row_multiple`` is None. Returns the probe's dict plus "backend" and "target_sha256".
-        Raises InputError on the TensorRT backend (padding is refused there, see :func:`dspark_runtime.machine.load_checks.row_multiple`)."""
-        from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_row_multiple
-
+        (:func:`~dspark_runtime.machine.row_invariance.probe_row_multiple` on ``tokens`` random ids after a random
+        ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe, which needs ``onnx`` and catches
+        the rare differences of quantized graphs) and use it from now on (``self.row_multiple``). When no candidate
+        is invariant the padding stays 1 and the result's ``row_multiple`` is None. Returns the probe's dict plus
+        "backend" and "target_sha256". Raises InputError on the TensorRT backend (padding is refused there)."""
         if self.backend != "ort":
             raise InputError("the row probe is for the ONNX Runtime backend (TensorRT runs unpadded); load with "
                              "backend='ort'")
@@ -329,8 +339,6 @@ class Engine(EngineDrafters):
         (one bucket, quick) or a sequence of context buckets. ``max_tokens`` defaults to
         8 x (block size + 1) so batched rounds of 8 requests are covered. Returns the table
         (see :func:`dspark_runtime.machine.cost_profile.profile_runtime`)."""
-        from dspark_runtime.machine.cost_profile import profile_runtime
-
         if max_tokens is None:
             ds = self.manifest.speculation.dspark
             max_tokens = 8 * ((ds.block_size if ds is not None else self.default_draft_length) + 1)
@@ -347,102 +355,65 @@ class Engine(EngineDrafters):
         Args:
             draft, draft_confidence, draft_confidence_rule: as :meth:`generate`.
             draft_length: γ (int), "auto" (the heuristic schedule per request), "scheduled" (DSpark or the router:
-                the paper's Algorithm 1 over all requests' calibrated prefix survivals and the manifest's cost
-                table), or None for the default (a DSpark block; the manifest's draft length otherwise).
+                the paper's Algorithm 1 with the manifest's cost table), or None for the default (a DSpark block;
+                the manifest's draft length otherwise).
             max_batch: most requests decoding at once (1: the single-request runner, bit-exact row padding; on
-                TensorRT a :class:`~dspark_runtime.runners.device.DeviceBatchRunner` of ``max_batch`` rows, at most the
-                engine's ``--max-batch``).
+                TensorRT at most the engine's ``--max-batch``).
             prefill_budget: prompt tokens fed per round while other requests decode (chunked prefill): an integer
-                >= 1, or "auto" (:func:`dspark_runtime.scheduling.prefill.prefill_budget` of the manifest's cost table at each
-                round's cached positions, 64 without one; a target on TensorRT: its prefill chunk, so a prompt is
-                chunked alike in any batch).
+                >= 1, or "auto" (from the cost table at each round's cached positions, 64 without one; a target on
+                TensorRT: its prefill chunk); :class:`~dspark_runtime.decoding.settings.LoopSettings`.
             draft_skip: whether rounds skip the drafting pass when drafts are not expected to pay
-                (:mod:`dspark_runtime.scheduling.draft_skip`: calibrated survivals in scheduled mode, the requests' observed
-                verdicts and the measured drafting time with fixed lengths; needs the manifest's profiled cost
-                table). None: in scheduled mode only (fixed lengths then draft every round, deterministically);
-                ``dspark serve`` passes True. The output is the same either way.
+                (:mod:`dspark_runtime.scheduling.draft_skip`; needs the profiled cost table). None: in scheduled mode
+                only; ``dspark serve`` passes True. The output is the same either way.
         Returns the loop; ``submit(prompt_ids, ...)`` then ``run()`` or ``step()``; its ``default_gamma`` /
         ``default_adaptive`` are what ``submit`` uses unless told.
         Raises InputError for bad arguments, a drafter the engine lacks, "scheduled" without a cost table, or a
         ``max_batch`` beyond a TensorRT engine's rows.
         """
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InputError(f"max_batch must be a positive integer, got {max_batch!r}")
-        self._check_trt_rows(max_batch)
-        if prefill_budget != "auto" and (isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int)
-                                         or prefill_budget < 1):
-            raise InputError(f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
-                             f"{prefill_budget!r}")
+        kind = self.resolve_draft(draft)
+        settings = self._loop_settings(kind, draft == "auto", draft_length, max_batch, prefill_budget, draft_skip)
+        self._check_trt_rows(settings.max_batch)
+        target = self.loop_runner("target", settings.max_batch, keep_features=self.drafters.reads_target_features(kind))
+        if settings.max_batch > 1 and not target.batch_invariant and not self._warned_packed:
+            self._warned_packed = True
+            warnings.warn(f"{self.dir}: the target graph has the growing KV layout, so batched requests are packed into "
+                          "one row and a request's greedy output can depend on which requests share its rounds (ONNX "
+                          "Runtime's CPU kernels round a packed row differently with its neighbours; "
+                          "benchmarks/batch_invariance.py); alone (max_batch=1) it is exact. Rebuild with "
+                          "`dspark-export build --kv-layout scatter` for batch-independent output", stacklevel=2)
+        drafter = self.drafters.drafter(kind, target, draft_confidence, draft_confidence_rule, settings.max_batch,
+                                        prefix_cache=self.prefix_cache,
+                                        cost_table=settings.cost_table if settings.mode == "scheduled" else None)
+        return DecodingLoop(target, drafter, settings, eos_ids=self.eos_ids, decode=self.tokenizer.decode,
+                            prefix_cache=self.prefix_cache)
+
+    def _loop_settings(self, kind: str | None, auto: bool, draft_length, max_batch, prefill_budget,
+                       draft_skip) -> LoopSettings:
+        """The loop's settings for drafter ``kind`` (``auto``: picked by ``draft="auto"``) and :meth:`batch`'s
+        arguments: scheduled verify lengths (with the manifest's cost table) where asked for, or where auto picked
+        the router over a DSpark drafter that can schedule; the drafter's default γ; the skip rule's fitted prior.
+        Raises InputError for a bad ``draft_length``, "scheduled" with a drafter that has no confidence head or
+        without a cost table, and what :class:`LoopSettings` refuses."""
         if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
                                                                 or not isinstance(draft_length, int)
                                                                 or draft_length < 1):
             raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
-        if draft_confidence is not None and not (isinstance(draft_confidence, (int, float))
-                                                 and 0.0 <= draft_confidence <= 1.0):
-            raise InputError(f"draft_confidence must be a probability in [0, 1], got {draft_confidence!r}")
-        if draft == "auto" and draft_length is None and self.auto_draft() == "router" \
-                and manifest_schedulable(self.manifest):
+        if auto and draft_length is None and kind == "router" and manifest_schedulable(self.manifest):
             draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
-        target = self.loop_runner("target", max_batch)
-        from dspark_runtime.runners.packed import PackedRunner
-
-        if max_batch > 1 and not self._warned_packed and isinstance(target, PackedRunner):
-            import warnings
-
-            self._warned_packed = True
-            warnings.warn(f"{self.dir}: the target graph has the growing KV layout, so batched requests are packed into "
-                          "one row and a request's greedy output can depend on which requests share its rounds (ONNX "
-                          "Runtime's CPU kernels round a packed row differently with its neighbours: up to 2.2 in the "
-                          "logits of the 1.5B int4 target, scripts/batch_invariance.py); alone (max_batch=1) it is "
-                          "exact. Rebuild with `dspark-export build --kv-layout scatter` for batch-independent output",
-                          stacklevel=2)
-        drafter = self.drafter(draft, target, draft_confidence, draft_confidence_rule, max_batch)
-        if hasattr(target, "keep_features"):  # TensorRT: copy the target features back only for a DSpark drafter
-            target.keep_features = isinstance(drafter, DSparkDrafter) or isinstance(getattr(drafter, "inner", None),
-                                                                                    DSparkDrafter)
-        mode, table = "fixed", None
-        if draft_length == "scheduled":
-            if not isinstance(drafter, (DSparkDrafter, Router)):
-                raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
-                                 "router; use draft='dspark'/'router' or an integer draft_length")
-            table = self._cost_table()
-            mode = "scheduled"
-            if isinstance(drafter, Router):
-                drafter.cost_table = table  # the router scores proposals by expected tokens/s
-                drafter.attended_positions = target.attended_positions  # ... at the positions the pass reads
-        if prefill_budget == "auto" and "target" in self._device_entries:
-            prefill_budget = target.max_chunk  # a call costs its fixed shape: whole chunks, the same in any batch
-        if table is None:  # the auto prefill budget reads it (at each round's cached positions)
-            table = self.manifest.speculation.cost_table
-        gen = DecodingLoop(target, drafter, eos_ids=self.eos_ids, decode=self.tokenizer.decode, mode=mode,
-                           cost_table=table, max_batch=max_batch, prefill_budget=prefill_budget,
-                           prefix_cache=self.prefix_cache, draft_skip=draft_skip)
-        block = getattr(drafter, "block_size", None)  # a DSpark block (also inside the router): one pass
-        if isinstance(drafter, Router) and draft_length == "scheduled":
-            gen.default_gamma = max(block or 0, drafter.ngram_max_length)  # n-gram continuations may run longer
-        elif block and draft_length in (None, "scheduled"):
-            gen.default_gamma = block
-        else:
-            gen.default_gamma = draft_length if isinstance(draft_length, int) else self.default_draft_length
-        gen.default_adaptive = draft_length == "auto"
-        if mode == "scheduled":  # what a request that has not drafted yet is assumed to survive (the skip rule)
-            try:
-                fitted = router_priors(self.manifest.speculation.router, self.draft_kind).get("inner_stats")
-            except ValueError:
-                fitted = None  # a malformed entry: the router refuses it by name; the skip rule just drafts first
-            if fitted is not None:
-                gen.skip.prior = np.asarray(fitted.survival(0, gen.default_gamma), dtype=np.float64)
-        return gen
-
-    def _check_request(self, max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:
-        """Validate what :meth:`generate` and :meth:`generate_batch` share; the sampling parameters."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
-            raise InputError("stop must be a list of non-empty strings")
-        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-        params.validate()
-        return params
+        scheduled = draft_length == "scheduled"
+        if scheduled and kind not in ("dspark", "router"):
+            raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
+                             "router; use draft='dspark'/'router' or an integer draft_length")
+        table = self.manifest.speculation.cost_table  # the manifest's, or the re-profiled one (profile)
+        if scheduled and not table:
+            raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
+                             f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
+        gamma = self.drafters.default_gamma(kind, draft_length, self.default_draft_length)
+        return LoopSettings(mode="scheduled" if scheduled else "fixed",
+                            cost_table=table,
+                            max_batch=max_batch, prefill_budget=prefill_budget, draft_skip=draft_skip,
+                            default_gamma=gamma, default_adaptive=draft_length == "auto",
+                            skip_prior=self.drafters.fitted_survival(gamma) if scheduled else None)
 
     def completion_text(self, token_ids: list, finish_reason: str | None, stop) -> str:
         """The text of generated ``token_ids``; for ``finish_reason == "stop"`` cut before the stop string that
@@ -470,7 +441,7 @@ class Engine(EngineDrafters):
         Raises InputError for bad arguments or an empty prompt list."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError("prompts must be a non-empty list of prompts")
-        params = self._check_request(max_new_tokens, temperature, top_k, top_p, stop)
+        params = check_request(max_new_tokens, temperature, top_k, top_p, stop)
         ids = [self.encode_prompt(p, raw=raw) for p in prompts]
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
                          draft_confidence_rule=draft_confidence_rule, max_batch=max_batch, prefill_budget=prefill_budget)
@@ -491,23 +462,19 @@ class Engine(EngineDrafters):
             prompt: text (wrapped in the chat template unless ``raw``) or chat messages.
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
-            draft: "auto" (:meth:`auto_draft`: the router over the engine's calibrated DSpark drafter with scheduled
-                verify lengths unless ``draft_length`` is given, else its draft LM, else the router over an
-                uncalibrated DSpark drafter, else n-gram lookup), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter, whichever is
-                expected to commit more; :mod:`dspark_runtime.drafting.router`), "dspark" (the DSpark drafter), "lm"
-                (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no
-                weights), or None/"none" for target-only decoding.
-            draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2
-                after a fully accepted block, -1 otherwise), or "scheduled" (DSpark or the router): per
-                round, the verify length that maximises expected tokens/s from the calibrated prefix survivals
-                (the router: those of the proposal it chose) and the engine's profiled cost table (paper
-                Algorithm 1). Default: the manifest's (DSpark, and the router over DSpark: its block size).
-            draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first
-                draft token whose draft probability is below it. DSpark: cut the block before the first
-                position whose calibrated prefix survival falls below it. None = the full block.
-            draft_confidence_rule: how the DSpark drafter applies ``draft_confidence``: "survival" (ours, above)
-                or "deepspec" (DeepSpec's rule: cut before the first position whose own confidence is below it,
-                uncalibrated). Other drafters: "survival" only.
+            draft: "auto" (:meth:`auto_draft`), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter,
+                whichever is expected to commit more; :mod:`dspark_runtime.drafting.router`), "dspark", "lm" (a
+                standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no weights), or
+                None/"none" for target-only decoding.
+            draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2 after a fully
+                accepted block, -1 otherwise), or "scheduled" (DSpark or the router): per round, the verify length
+                that maximises expected tokens/s (paper Algorithm 1 with the profiled cost table). Default: the
+                manifest's (DSpark, and the router over DSpark: its block size).
+            draft_confidence: static-threshold baseline (0..1). Draft LM: end a block after the first draft token
+                whose probability is below it. DSpark: cut before the first position whose calibrated prefix
+                survival falls below it. None = the full block.
+            draft_confidence_rule: how the DSpark drafter applies ``draft_confidence``: "survival" (ours, above) or
+                "deepspec" (each position's own uncalibrated confidence). Other drafters: "survival" only.
             seed: RNG seed for sampling (same seed, same output).
             stop: strings that end generation (excluded from the text).
             stream: called with each new piece of text as tokens are committed.
@@ -515,26 +482,15 @@ class Engine(EngineDrafters):
         Returns a GenerationResult (text, token_ids, finish_reason, stats).
         Raises InputError for out-of-range arguments or an empty prompt.
         """
-        params = self._check_request(max_new_tokens, temperature, top_k, top_p, stop)
+        params = check_request(max_new_tokens, temperature, top_k, top_p, stop)
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
                          draft_confidence_rule=draft_confidence_rule, max_batch=1)
         ids = self.encode_prompt(prompt, raw=raw)
-        on_tokens = None
-        if stream is not None:
-            state = {"ids": [], "text": ""}
-
-            def _on_tokens(new):
-                state["ids"] += new
-                text = self.tokenizer.decode(state["ids"])
-                text = text[:streamable_length(text, stop)]
-                if len(text) > len(state["text"]) and not text.endswith("\ufffd"):
-                    stream(text[len(state["text"]):])
-                    state["text"] = text
-
-            on_tokens = _on_tokens
-        req = gen.submit(ids, max_new_tokens=max_new_tokens, params=params, seed=seed, stop=stop, on_tokens=on_tokens)
+        text = None if stream is None else TextStream(self.tokenizer.decode, stream, stop)
+        req = gen.submit(ids, max_new_tokens=max_new_tokens, params=params, seed=seed, stop=stop,
+                         on_tokens=None if text is None else text.on_tokens)
         gen.run()
         res = self._result(req, stop)
-        if stream is not None and len(res.text) > len(state["text"]):
-            stream(res.text[len(state["text"]):])  # the tail held back while a character was incomplete
+        if text is not None:
+            text.flush(res.text)
         return res

@@ -8,12 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduling.cost_table import check_cost_table, cost_table_at, reference_bucket
+from dspark_runtime.scheduling.cost_table import check_cost_table, cost_table_at, reference_bucket, round_cost_table
 from dspark_runtime.decoding.loop import DecodingLoop
+from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.errors import InputError, ManifestError
 from dspark_runtime.scheduling.prefill import prefill_budget
 from dspark_runtime.machine.cost_profile import DEFAULT_CONTEXTS, profile_contexts
-from dspark_runtime.scheduling.verify_length import round_cost_table
 from toy import BigramBook
 
 # two buckets over the same pass sizes; the top level repeats the reference bucket (here the first)
@@ -135,7 +135,7 @@ def test_the_manifest_reader_and_the_loop_refuse_malformed_buckets():
     with pytest.raises(ManifestError, match=r"m.json: speculation.cost_table.buckets\[1\]\.t_verify must be a list"):
         Speculation.from_json({"cost_table": t}, "m.json")
     with pytest.raises(InputError, match=r"cost_table.buckets\[1\]\.t_verify"):
-        DecodingLoop(BigramBook(BIGRAM), None, cost_table=t, prefill_budget="auto")
+        DecodingLoop(BigramBook(BIGRAM), None, LoopSettings(cost_table=t, prefill_budget="auto"))
 
 
 # ------------------------------------------------------------------------------------------- the loop
@@ -148,7 +148,7 @@ def _join_beside(first_prompt):
     """A loop with the auto budget: ``first_prompt`` decodes, then a 40-token prompt joins; returns the joining
     prompt's first chunk and the loop's budget then."""
     book = BigramBook(BIGRAM)
-    loop = DecodingLoop(book, None, max_batch=4, prefill_budget="auto", cost_table=TABLE)
+    loop = DecodingLoop(book, None, LoopSettings(max_batch=4, prefill_budget="auto", cost_table=TABLE))
     assert loop.prefill_budget == 8  # the top level (context 0) until a round says otherwise
     a = loop.submit(first_prompt, max_new_tokens=30)
     loop.step()  # a's whole prompt (nothing decoding)
@@ -167,16 +167,17 @@ def test_the_auto_prefill_budget_follows_the_decoding_requests_context(monkeypat
     assert _join_beside(LONG + [1]) == (16, 16)
     # a fixed budget is left alone; a table without buckets gives the same budget at every context
     book = BigramBook(BIGRAM)
-    loop = DecodingLoop(book, None, max_batch=4, prefill_budget=5, cost_table=TABLE)
+    loop = DecodingLoop(book, None, LoopSettings(max_batch=4, prefill_budget=5, cost_table=TABLE))
     a = loop.submit(LONG + [1], max_new_tokens=30)
     loop.step()
     loop.step()
     loop.submit(LONG, max_new_tokens=4)
     loop.step()
     assert book.calls[-1][1][1] == 5 and loop.prefill_budget == 5
-    old = DecodingLoop(BigramBook(BIGRAM), None, prefill_budget="auto", cost_table=OLD)
+    old = DecodingLoop(BigramBook(BIGRAM), None, LoopSettings(prefill_budget="auto", cost_table=OLD))
     assert old.prefill_budget == 8
-    assert DecodingLoop(BigramBook(BIGRAM), None, prefill_budget="auto").prefill_budget == 64  # no table
+    no_table = DecodingLoop(BigramBook(BIGRAM), None, LoopSettings(prefill_budget="auto"))
+    assert no_table.prefill_budget == 64
     assert a.out
 
 
@@ -191,7 +192,7 @@ def test_the_loop_reads_the_table_at_the_runners_attended_positions(monkeypatch)
             return 42
 
     book = WideBook(BIGRAM)
-    loop = DecodingLoop(book, None, max_batch=4, prefill_budget="auto", cost_table=TABLE)
+    loop = DecodingLoop(book, None, LoopSettings(max_batch=4, prefill_budget="auto", cost_table=TABLE))
     a = loop.submit([2, 3], max_new_tokens=30)
     loop.step()
     loop.step()
@@ -201,10 +202,11 @@ def test_the_loop_reads_the_table_at_the_runners_attended_positions(monkeypatch)
 
 
 def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
-    """The router's round cost (scheduled mode) reads the table at its ``attended_positions`` (Engine.batch sets the
-    target runner's, as the loop's scheduler reads it), else at the longest request's cached positions."""
-    import dspark_runtime.scheduling.verify_length as sched
-    from dspark_runtime.drafting.router import AcceptanceStats, NgramConfidence, Router
+    """The router's round cost (scheduled mode) reads the table at its ``attended_positions`` (Engine.batch gives it
+    the target runner's, as the loop's scheduler reads it), else at the longest request's cached positions."""
+    import dspark_runtime.drafting.router as sched
+    from dspark_runtime.drafting.learned_acceptance import LearnedAcceptance, NgramConfidence
+    from dspark_runtime.drafting.router import Router
     from dspark_runtime.runners.sequence import SequenceRunner
     from test_router import FakeDSpark
     from toy import BigramTarget
@@ -213,8 +215,8 @@ def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
     monkeypatch.setattr(sched, "round_cost_table", lambda t, rows, context=None: seen.append(context)
                         or real(t, rows, context))
     router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
-                    confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=AcceptanceStats((0.8,)))
-    router.cost_table = TABLE
+                    confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=LearnedAcceptance((0.8,)),
+                    cost_table=TABLE)
     loop = DecodingLoop(SequenceRunner(BigramTarget(BIGRAM)), router)
     loop.submit([3, 0, 1, 2, 3, 0, 1, 2, 3], max_new_tokens=20, gamma=2)
     loop.step()  # the prompt

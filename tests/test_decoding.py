@@ -4,9 +4,11 @@ drafting pass when the cost table says drafts do not pay (issue 21, "never slowe
 import numpy as np
 import pytest
 
-from dspark_runtime.decoding.loop import SKIP_PROBE_EVERY, SKIP_PROBE_MAX, DecodingLoop
-from dspark_runtime.drafting.drafters import Proposal
+from dspark_runtime.decoding.loop import DecodingLoop
+from dspark_runtime.decoding.settings import LoopSettings
+from dspark_runtime.drafting.base import Proposal
 from dspark_runtime.runners.sequence import SequenceRunner
+from dspark_runtime.scheduling.draft_skip import SKIP_PROBE_EVERY, SKIP_PROBE_MAX
 from toy import BigramTarget, StatelessDrafter
 
 TABLE = np.array([[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.7, 0.1], [0.2, 0.1, 0.1, 0.6], [0.7, 0.1, 0.1, 0.1]])
@@ -39,12 +41,13 @@ def _run(t_draft: float, n: int = 60, trace: list | None = None):
     table = {"tokens": [1, 2, 3, 4, 5, 8], "t_verify": [1.0, 1.01, 1.02, 1.03, 1.04, 1.07], "t_draft": t_draft}
     table["seconds"] = [t_draft + t for t in table["t_verify"]]
     drafter = GreedyOracle()
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter,
+                        LoopSettings(mode="scheduled", cost_table=table, max_batch=1))
     loop.round_trace = trace
     drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=n, gamma=4)
     loop.run()
-    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
+    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, LoopSettings(max_batch=1))
     alone = ref.submit([0, 1], max_new_tokens=n)
     ref.run()
     return req, loop.stats, drafter, alone.token_ids
@@ -94,7 +97,7 @@ def test_the_round_trace_records_each_round_and_marks_the_probes():
 
 def test_fixed_mode_without_a_cost_table_always_drafts():
     drafter = GreedyOracle()
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", max_batch=1)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, LoopSettings(mode="fixed", max_batch=1))
     loop.submit([0, 1], max_new_tokens=20, gamma=3)
     loop.run()
     assert loop.stats.draft_skipped == 0 and drafter.calls == loop.stats.rounds
@@ -106,8 +109,10 @@ def test_a_prior_lets_the_first_round_skip_too():
     table = {"tokens": [1, 2, 4, 8], "t_verify": [1.0, 1.01, 1.03, 1.07], "t_draft": 10.0}
     table["seconds"] = [10.0 + t for t in table["t_verify"]]
     drafter = GreedyOracle()
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="scheduled", cost_table=table, max_batch=1)
-    drafter.loop, loop.skip.prior = loop, np.array([0.5, 0.25, 0.125, 0.06])
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter,
+                        LoopSettings(mode="scheduled", cost_table=table, max_batch=1,
+                                     skip_prior=np.array([0.5, 0.25, 0.125, 0.06])))
+    drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=20, gamma=4)
     loop.run()
     assert drafter.at and drafter.at[0] == SKIP_PROBE_EVERY
@@ -135,8 +140,8 @@ class SlowOracle(GreedyOracle):
 def _fixed(drafter, t_verify, n=40):
     table = {"tokens": [1, 2, 4, 8], "t_verify": list(t_verify), "t_draft": 0.0}
     table["seconds"] = list(t_verify)
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter, mode="fixed", cost_table=table, max_batch=1,
-                        draft_skip=True)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), drafter,
+                        LoopSettings(mode="fixed", cost_table=table, max_batch=1, draft_skip=True))
     drafter.loop = loop
     req = loop.submit([0, 1], max_new_tokens=n, gamma=3)
     loop.run()
@@ -147,7 +152,7 @@ def test_fixed_mode_skips_a_drafter_whose_measured_pass_does_not_pay():
     """Fixed verify lengths, any drafter: the loop times the drafting pass itself and judges by the requests'
     observed verdicts. A 30 ms pass against a 1 ms verifier does not pay even with every draft accepted: after the
     first round (no verdict yet) and the second (the first timing) the pass runs only as probes; output unchanged."""
-    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
+    ref = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, LoopSettings(max_batch=1))
     alone = ref.submit([0, 1], max_new_tokens=40)
     ref.run()
     req, loop = _fixed(SlowOracle(0.03), [0.001, 0.0011, 0.0012, 0.0014])
@@ -164,8 +169,9 @@ def test_fixed_mode_skips_a_drafter_whose_measured_pass_does_not_pay():
     assert req.token_ids == alone.token_ids and loop.stats.draft_skipped > 0
     assert np.allclose(req.last_survival, 0.0)
     # opt-in with fixed lengths: without draft_skip the loop drafts every round, whatever it costs
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), SlowOracle(0.03), mode="fixed", max_batch=1,
-                        cost_table={"tokens": [1, 2, 4, 8], "t_verify": [0.001, 0.0011, 0.0012, 0.0014]})
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), SlowOracle(0.03),
+                        LoopSettings(mode="fixed", max_batch=1,
+                                     cost_table={"tokens": [1, 2, 4, 8], "t_verify": [0.001, 0.0011, 0.0012, 0.0014]}))
     loop.drafter.loop = loop
     loop.submit([0, 1], max_new_tokens=12, gamma=3)
     loop.run()

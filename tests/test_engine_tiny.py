@@ -164,7 +164,7 @@ def test_lm_drafter_proposes_when_its_cache_already_holds_the_whole_context(engi
     from types import SimpleNamespace
 
     from dspark_runtime.drafting.drafters import LMDrafter
-    from dspark_runtime.runners.sequence import batch_runner
+    from dspark_runtime.runners.factory import batch_runner
     from dspark_runtime.decoding.sampling import SamplingParams
 
     def lm_over_its_own_runner():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dspark_runtime.decoding.loop import DecodingLoop
+from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.errors import InputError
 from dspark_runtime.scheduling.prefill import (DEFAULT_PREFILL_BUDGET, MIN_PREFILL_BUDGET, PrefillPlan, plan_prefill,
                                     prefill_budget)
@@ -93,7 +94,7 @@ LONG = [0, 1, 2, 3] * 10  # 40 prompt tokens
 
 
 def _alone(prompt, n):
-    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, max_batch=1)
+    loop = DecodingLoop(SequenceRunner(BigramTarget(TABLE)), None, LoopSettings(max_batch=1))
     req = loop.submit(prompt, max_new_tokens=n)
     loop.run()
     return req.token_ids
@@ -101,7 +102,7 @@ def _alone(prompt, n):
 
 def test_a_joining_prompt_is_fed_in_chunks_while_others_keep_decoding():
     book = BigramBook(TABLE)
-    loop = DecodingLoop(book, None, max_batch=4, prefill_budget=8)
+    loop = DecodingLoop(book, None, LoopSettings(max_batch=4, prefill_budget=8))
     a = loop.submit([2, 3], max_new_tokens=30)
     loop.step()  # a's prompt (2 tokens, nothing decoding: one chunk) -> its first token
     loop.step()
@@ -126,7 +127,7 @@ def test_a_joining_prompt_is_fed_in_chunks_while_others_keep_decoding():
 
 def test_a_request_cancelled_mid_prompt_frees_its_row():
     book = BigramBook(TABLE)
-    loop = DecodingLoop(book, None, max_batch=2, prefill_budget=8)
+    loop = DecodingLoop(book, None, LoopSettings(max_batch=2, prefill_budget=8))
     a = loop.submit([2, 3], max_new_tokens=30)
     loop.step()
     b = loop.submit(LONG, max_new_tokens=10)
@@ -140,4 +141,4 @@ def test_a_request_cancelled_mid_prompt_frees_its_row():
 
 def test_loop_refuses_a_bad_budget():
     with pytest.raises(InputError, match="prefill_budget must be a positive integer"):
-        DecodingLoop(BigramBook(TABLE), None, prefill_budget=0)
+        DecodingLoop(BigramBook(TABLE), None, LoopSettings(prefill_budget=0))

@@ -7,13 +7,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dspark_runtime.drafting import router as router_mod
 from dspark_runtime.decoding.loop import DecodingLoop
-from dspark_runtime.drafting.drafters import NgramMatch, Proposal, match_extent, ngram_lookup, ngram_match
-from dspark_runtime.drafting.router import (AcceptanceStats, NgramConfidence, Router, acceptance_counts, fit_ngram_counts,
-                                   route, router_priors)
-from dspark_runtime.runners.sequence import SequenceRunner
 from dspark_runtime.decoding.sampling import SamplingParams
+from dspark_runtime.decoding.settings import LoopSettings
+from dspark_runtime.drafting import router as router_mod
+from dspark_runtime.drafting.base import Proposal
+from dspark_runtime.drafting.drafters import NgramMatch, match_extent, ngram_lookup, ngram_match
+from dspark_runtime.drafting.learned_acceptance import (LearnedAcceptance, NgramConfidence, acceptance_counts,
+                                                        fit_ngram_counts)
+from dspark_runtime.drafting.router import Router, route, router_priors
+from dspark_runtime.runners.sequence import SequenceRunner
 from toy import BigramTarget, StatelessDrafter
 
 GREEDY = SamplingParams()
@@ -82,7 +85,7 @@ def test_prior_counts_scale_and_round_trip():
     acc = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
     c = acceptance_counts(acc)
     assert c == {"hits": [[3, 2, 1]], "tries": [[4, 3, 2]]}
-    stats = AcceptanceStats((0.5,))
+    stats = LearnedAcceptance((0.5,))
     stats.set_prior_counts(np.asarray(c["hits"]) * 100, np.asarray(c["tries"]) * 100, max_strength=8)
     np.testing.assert_allclose(stats.prior_tries, [[8, 6, 4]])  # scaled to 8 pseudo-rounds at position 1
     assert stats.prior_mean[0] == pytest.approx((12 + 1) / (18 + 2))
@@ -136,7 +139,7 @@ def test_acceptance_stats_hand_computed():
     with pytest.raises(ValueError):
         conf.update(0, proposed=2, accepted=3)
     with pytest.raises(ValueError):
-        AcceptanceStats(prior_mean=(1.0,))
+        LearnedAcceptance(prior_mean=(1.0,))
 
 
 # ------------------------------------------------------------------------- routing rule, fake drafters
@@ -315,7 +318,7 @@ def _second_token_tv(lossy: bool, monkeypatch, runs=2000):
         # sampled x_1 == 0, else 0.99: deciding on it (the lossy variant) sends the model block after a 1-gram
         # match only when x_1 == 0, i.e. tokens not distributed as its q.
         router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
-                        confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=AcceptanceStats((0.8,)))
+                        confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=LearnedAcceptance((0.8,)))
         sources, propose = [], router.propose_batch
         router.propose_batch = lambda *a: (propose(*a), sources.append(router.state(0).source))[0]
         loop = DecodingLoop(SequenceRunner(BigramTarget(table)), router)
@@ -367,15 +370,15 @@ def test_router_greedy_equals_target_only(dspark_engine, prompt, gamma):
 def _run(engine, make_router, prompt, params=GREEDY, max_new_tokens=48, gamma=4, seed=None, cost_table=None):
     """Decode ``prompt`` alone with the router ``make_router(inner DSpark drafter)`` on the engine's target;
     returns (token ids, stats, router)."""
-    from dspark_runtime.runners.sequence import batch_runner
+    from dspark_runtime.runners.factory import batch_runner
 
     target = batch_runner(engine.graph_backend("target"), row_multiple=engine.row_multiple, max_requests=1)
     router = make_router(engine.drafter("dspark", target))
     mode = "fixed"
     if cost_table is not None:
         router.cost_table, mode = cost_table, "scheduled"
-    loop = DecodingLoop(target, router, eos_ids=engine.eos_ids, decode=engine.tokenizer.decode, mode=mode,
-                        cost_table=cost_table, max_batch=1)
+    loop = DecodingLoop(target, router, LoopSettings(mode=mode, cost_table=cost_table, max_batch=1),
+                        eos_ids=engine.eos_ids, decode=engine.tokenizer.decode)
     req = loop.submit(engine.encode_prompt(prompt), max_new_tokens=max_new_tokens, params=params, gamma=gamma,
                       seed=seed)
     loop.run()

@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
+from dspark_runtime.scheduling.cost_table import CostTable
 from dspark_runtime.scheduling.verify_length import (
-    CostTable,
     expected_throughput,
     schedule_fixed,
     schedule_global,

@@ -1,6 +1,6 @@
 """The scatter KV layout (one batch row per request, slot = position): the graph computes what the growing graph
 computes, and a request's logits are bit-identical whatever other requests share the call (fp32 and int4) —
-the property the packed layout lacks (scripts/batch_invariance.py)."""
+the property the packed layout lacks (benchmarks/batch_invariance.py)."""
 import numpy as np
 import pytest
 
@@ -66,7 +66,7 @@ def test_a_requests_logits_do_not_depend_on_its_batch(graphs, key, row_multiple)
     """Request A teacher-forced alone, then with two neighbours of other lengths stepping other token counts,
     in several row orders and slot sizes: every logit bit-identical."""
     from dspark_runtime.machine.row_invariance import probe_row_multiple
-    from dspark_runtime.runners.sequence import decoder_runner
+    from dspark_runtime.runners.factory import decoder_runner
     from dspark_runtime.runners.scatter import ScatterRunner
 
     be = _backend(graphs, key)

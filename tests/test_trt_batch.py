@@ -161,8 +161,9 @@ PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 123))]  # 40 tokens: 3
 
 def _loop(runner, drafter=None, rows=3):
     from dspark_runtime.decoding.loop import DecodingLoop
+    from dspark_runtime.decoding.settings import LoopSettings
 
-    return DecodingLoop(runner, drafter, max_batch=rows, prefill_budget=runner.max_chunk)
+    return DecodingLoop(runner, drafter, LoopSettings(max_batch=rows, prefill_budget=runner.max_chunk))
 
 
 def _run(loop, prompts, n=24):

@@ -2,11 +2,12 @@
 and the no-op request hooks of a drafter."""
 import numpy as np
 
-from dspark_runtime.runners.sequence import BatchRunner
+from dspark_runtime.drafting.base import Drafter
+from dspark_runtime.runners.base import BatchRunner, SequenceDecoder
 
 
-class BigramTarget:
-    """A toy target (DecoderRunner interface): next-token logits = log T[last token]."""
+class BigramTarget(SequenceDecoder):
+    """A toy target (a one-sequence runner, :class:`SequenceDecoder`): next-token logits = log T[last token]."""
 
     row_multiple = 1
     features = None
@@ -33,7 +34,7 @@ class BigramTarget:
         self.tokens = self.tokens[:length]
 
 
-class StatelessDrafter:
+class StatelessDrafter(Drafter):
     """The request hooks of a drafter that keeps no per-request state (subclasses add ``propose_batch``)."""
 
     def begin(self, req):
@@ -45,7 +46,7 @@ class StatelessDrafter:
 
 
 class BigramBook(BatchRunner):
-    """A toy batched runner (the :class:`~dspark_runtime.runners.sequence.BatchRunner` interface) over the bigram table: any
+    """A toy batched runner (the :class:`~dspark_runtime.runners.base.BatchRunner` interface) over the bigram table: any
     number of requests, packed rows (``pass_rows`` = tokens in the call); ``calls`` records each ``step``'s
     segments as (rid, token count) pairs."""
 

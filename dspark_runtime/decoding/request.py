@@ -1,6 +1,7 @@
 """A request of the decoding loop (:mod:`dspark_runtime.decoding.loop`): its state (:class:`Request`), when it ends
-(:class:`Stopper`, stop strings in text and streams), and the metrics a run reports (:class:`GenerationStats` per
-request, :class:`GenerationResult`, :class:`BatchStats` per loop). Pure Python and numpy, no model I/O.
+(:class:`Stopper`, stop strings in text and streams, :class:`TextStream`), what it asks for
+(:func:`check_request`) and what it reports (:class:`GenerationStats`, :class:`GenerationResult`). Pure Python and
+numpy, no model I/O; the loop's counters are :mod:`dspark_runtime.decoding.stats`.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.decoding.sampling import SamplingParams
+from dspark_runtime.errors import InputError
 
 MAX_DRAFT_LENGTH = 16  # the heuristic schedule's longest block (draft_length="auto")
 
@@ -110,6 +112,42 @@ def streamable_length(text: str, stop) -> int:
     return len(text) - hold
 
 
+def check_request(max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:
+    """The sampling parameters of a request, after validating what every request shares. Raises InputError for
+    ``max_new_tokens`` < 1, ``stop`` not a list of non-empty strings, or bad sampling parameters."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+        raise InputError("stop must be a list of non-empty strings")
+    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    params.validate()
+    return params
+
+
+class TextStream:
+    """A request's text as it streams: ``on_tokens(new_ids)`` (the loop's callback) passes each new piece of text to
+    ``emit`` — never a tail that could still grow into a stop string (:func:`streamable_length`) or an incomplete
+    character — and :meth:`flush` passes what is left of the final text."""
+
+    def __init__(self, decode: Callable, emit: Callable[[str], None], stop):
+        self.decode, self.emit, self.stop = decode, emit, stop
+        self.ids: list = []
+        self.text = ""
+
+    def on_tokens(self, new: list) -> None:
+        self.ids += new
+        text = self.decode(self.ids)
+        text = text[:streamable_length(text, self.stop)]
+        if len(text) > len(self.text) and not text.endswith("\ufffd"):
+            self.emit(text[len(self.text):])
+            self.text = text
+
+    def flush(self, final: str) -> None:
+        """Emit the tail of ``final`` (the finished text) held back while a character was incomplete."""
+        if len(final) > len(self.text):
+            self.emit(final[len(self.text):])
+
+
 @dataclass
 class Request:
     """A request of the decoding loop. ``out`` holds its committed tokens (the last one is the anchor of the next
@@ -148,86 +186,8 @@ class Request:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass
-class RoundRecord:
-    """One round of :class:`~dspark_runtime.decoding.loop.DecodingLoop` (kept where the loop's ``round_trace`` is a list;
-    ``scripts/evalsets.py`` ``round_kinds`` summarises them by kind).
-
-    rows: decoding requests verified; prefilling: prompt chunks fed in the round; prompt_tokens: their tokens;
-    verify_tokens: anchors + drafts verified (sum of 1 + l_r); pass_tokens: what the target pass computes for the
-    decoding rows, padding included (the runner's ``pass_rows``); drafted: whether the drafting pass ran; probe:
-    whether it ran as a probe of the skip rule (drafting was not expected to pay, :mod:`dspark_runtime.scheduling.draft_skip`);
-    wall_s: seconds inside ``step``; draft_s: of them, the drafting pass's (0.0 where it did not draft); committed:
-    tokens the round's verification committed (bonus included; not a request's first token, which the last chunk of
-    its prompt gives); expected_drafted / expected_undrafted: the skip rule's expected tok/s for drafting and for
-    verifying anchors only this round (:meth:`~dspark_runtime.scheduling.draft_skip.DraftSkipRule.pays`, the verifier priced at
-    the measured round-time ratio),
-    None where the rule did not weigh them (no drafter, no skip rule, no profiled table, nothing known yet);
-    ratio: that measured round-time ratio ``k`` as the rule read it this round (None where it did not weigh).
-    """
-
-    rows: int
-    prefilling: int
-    prompt_tokens: int
-    verify_tokens: int
-    pass_tokens: int
-    drafted: bool
-    probe: bool
-    wall_s: float
-    committed: int
-    draft_s: float = 0.0
-    expected_drafted: float | None = None
-    expected_undrafted: float | None = None
-    ratio: float | None = None
-
-
-@dataclass
-class BatchStats:
-    """Aggregate metrics of a batched run.
-
-    rounds: verify rounds (rounds in which requests decoded); target_calls: verifier graph calls (one per round,
-    two where a round's prompt chunks went in a call of their own); prefill_tokens: prompt tokens fed;
-    prefill_chunks: prompt chunks fed (one per prefilling request and round); cached_prompt_tokens: prompt tokens
-    reused from the prefix cache instead (:mod:`dspark_runtime.decoding.prefix_cache`); mixed_rounds: verify rounds that also
-    fed prompt tokens (rounds a whole-prompt prefill would have stalled); prefill_s: seconds of verifier calls spent
-    on prompt tokens (a merged pass is shared by token count; inside wall_s); first_tokens / ttft_s: requests that
-    got their first token and the sum of their times to it (seconds from submission), prefix_hit_requests /
-    ttft_prefix_hit_s: the same for those that reused cached prefix positions (mean TTFT = ttft_s / first_tokens);
-    decode_tokens_per_second: committed tokens / (wall_s - prefill_s); verify_tokens: tokens verified in all rounds (anchors + drafts), i.e. sum of B;
-    proposed/accepted: draft tokens verified / accepted; wasted: verified draft tokens the target rejected;
-    committed: tokens committed by rounds (bonus included); batch_histogram: rounds by number of requests;
-    verify_length_histogram: request-rounds by verify length l_r; accepted_by_position[k]: fraction of
-    request-rounds verifying position k+1 that accepted it; wall_s: seconds inside ``step``;
-    tokens_per_second: committed tokens / wall_s (aggregate, prefill time included); draft_skipped: rounds that ran
-    no drafting pass because drafts were not expected to pay (:meth:`DecodingLoop._drafting_pays`, any mode with a
-    profiled cost table).
-    """
-
-    rounds: int = 0
-    verify_tokens: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    wasted: int = 0
-    committed: int = 0
-    target_calls: int = 0
-    prefill_tokens: int = 0
-    prefill_chunks: int = 0
-    cached_prompt_tokens: int = 0
-    mixed_rounds: int = 0
-    prefill_s: float = 0.0
-    first_tokens: int = 0
-    ttft_s: float = 0.0
-    prefix_hit_requests: int = 0
-    ttft_prefix_hit_s: float = 0.0
-    wall_s: float = 0.0
-    batch_histogram: dict = field(default_factory=dict)
-    verify_length_histogram: dict = field(default_factory=dict)
-    accepted_by_position: list = field(default_factory=list)
-    tokens_per_second: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    accepted_length_mean: float = 0.0
-    draft_skipped: int = 0
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
+    def adapt_gamma(self, drafted: int, accepted: int) -> None:
+        """The heuristic schedule (``adaptive``) after a round that verified ``drafted`` tokens and accepted
+        ``accepted`` of them; no-op when not adaptive or nothing was drafted."""
+        if self.adaptive and drafted:
+            self.gamma = min(self.gamma + 2, MAX_DRAFT_LENGTH) if accepted == drafted else max(1, self.gamma - 1)

@@ -1,22 +1,7 @@
-"""Drafters of the decoding loop (:mod:`dspark_runtime.decoding.loop`): one interface for one request or many.
-
-A drafter proposes a block for every request of a round in one pass:
-
-* ``begin(req)`` when a request joins (after its prefill), ``remove(rid)`` when it leaves;
-* ``propose_batch(reqs, gammas, only=None)`` -> list[:class:`Proposal`] in the order of ``reqs``: request ``r``
-  gets at most ``gammas[i]`` tokens after its anchor ``r.out[-1]`` (context = ``r.prompt + r.out``); requests
-  outside ``only`` (a set of request ids; None = all) get an empty proposal and their random generators are not
-  touched (the router decides some rows without the model drafter);
-* optionally ``observe(rid, sent, accepted)`` after verification: the target accepted ``accepted`` of the
-  ``sent`` tokens verified for ``rid``.
-
-A request (:class:`dspark_runtime.decoding.request.Request`) carries ``rid``, ``prompt``, ``out`` (committed tokens, the
-last one the anchor), ``params`` (:class:`~dspark_runtime.decoding.sampling.SamplingParams`) and ``rng`` (its own
-generator, so a sampled request draws the same numbers whatever shares its batch).
-
-Here: :class:`NgramDrafter` (prompt lookup, no weights) and :class:`LMDrafter` (a standalone draft LM). The
-DSpark drafter is :class:`dspark_runtime.drafting.dspark.DSparkDrafter`; the router over n-gram lookup and a model drafter
-is :class:`dspark_runtime.drafting.router.Router`.
+"""N-gram prompt lookup (:func:`ngram_match`, pure) and two drafters of the
+:class:`~dspark_runtime.drafting.base.Drafter` interface: :class:`NgramDrafter` (prompt lookup, no weights) and
+:class:`LMDrafter` (a standalone draft LM over its own runner). The DSpark drafter is
+:class:`dspark_runtime.drafting.dspark.DSparkDrafter`; the router is :class:`dspark_runtime.drafting.router.Router`.
 """
 from __future__ import annotations
 
@@ -26,6 +11,7 @@ import numpy as np
 
 from dspark_runtime.decoding.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.decoding.sampling import process_logits, sample
+from dspark_runtime.drafting.base import Drafter, Proposal
 
 
 # ------------------------------------------------------------------------------------------- n-gram match
@@ -110,18 +96,7 @@ def ngram_lookup(context: np.ndarray, gamma: int, max_ngram: int = 3, min_ngram:
 # ------------------------------------------------------------------------------------------- drafters
 
 
-@dataclass
-class Proposal:
-    """One request's draft for a round: tokens (list[int], l <= γ), q (float [l, vocab] processed draft
-    distributions, or None for greedy / point-mass proposals), survival (float64 [l] calibrated prefix
-    survivals a_1..a_l of the drafted positions, or None when the drafter has no confidence head)."""
-
-    tokens: list
-    q: np.ndarray | None = None
-    survival: np.ndarray | None = None
-
-
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafting (no weights): the continuation of the most recent earlier occurrence of the last
     ``n`` committed tokens (n = max_ngram .. min_ngram). Proposals are point masses, which keeps rejection
     sampling exact; a miss proposes nothing and the round is a plain target step.
@@ -148,7 +123,7 @@ class NgramDrafter:
                 for r, g in zip(reqs, gammas)]
 
 
-class LMDrafter:
+class LMDrafter(Drafter):
     """A standalone draft LM of the same tokenizer, run autoregressively over its own runner (a
     :class:`~dspark_runtime.runners.sequence.BatchRunner`: one request, or several packed/slotted like the verifier): each
     of the γ draft steps is one graph call over every request still drafting.

@@ -1,28 +1,12 @@
-"""The DSpark drafter at run time: the ``dspark_draft`` graph (ONNX Runtime) plus numpy Markov and
-confidence heads, driven by the target's own features (no second target pass).
+"""The DSpark drafter at run time: the ``dspark_draft`` graph plus numpy Markov and confidence heads, driven by the
+target's own features (no second target pass). DSpark paper section 3; docs/design.md section 1 steps 1-3.
 
-One round (docs/design.md section 1 steps 1-3; DSpark paper section 3):
-1. Append the target features of the positions committed since the last round (the verify pass
-   produced them; :attr:`DecoderRunner.features`) to the drafter's context K/V cache, and run the block
-   [anchor, mask, ..., mask] at positions anchor_pos..anchor_pos+γ-1: one graph call gives the normed
-   hidden states h_1..h_γ and base logits U_k. The context cache only ever holds committed positions,
-   so it is never rolled back.
-2. Left to right, logits_k = U_k + W2·latent(W1[x_{k-1}], h_k) (x_0 = anchor) and x_k is the argmax
-   (greedy) or a sample from the processed distribution (its probabilities are kept for rejection
-   sampling).
-3. Confidence c_k = σ((wᵀ[h_k; W1[x_{k-1}]] + b) / T_k) with the STS temperatures T_k from the manifest;
-   prefix survival a_j = Π_{k≤j} c_k. A static threshold P cuts the block by one of two named rules
-   (:data:`THRESHOLD_RULES`); both decide on the draft's own quantities only, so sampling stays lossless:
-
-   - ``"survival"`` (ours, the default): cut before the first position j whose *calibrated running
-     product* a_j = Π_{k≤j} σ(z_k / T_k) falls below P (a_j estimates the probability that drafts 1..j
-     are all accepted, so P is a floor on that estimate).
-   - ``"deepspec"`` (DeepSpec's rule, ``deepspec/eval/dspark/draft_ops.py`` ``_confident_prefix_length``):
-     cut before the first position k whose *own* raw confidence σ(z_k) (no STS temperature, no product)
-     falls below P; P <= 0 keeps the whole block.
-
-   The same P gives different block lengths under the two rules (the product only falls, so ``survival``
-   cuts no later than ``deepspec`` when T_k = 1).
+One round: the target features committed since the last round extend the drafter's context K/V (committed positions
+only, never rolled back); one graph call over the block [anchor, mask, ...] gives hidden states h_k and base logits
+U_k; left to right, logits_k = U_k + Markov bias(x_{k-1}, h_k) picks x_k (argmax, or a sample kept for rejection
+sampling); the confidence head gives c_k, calibrated by the STS temperatures T_k, and the prefix survival
+a_j = Π_{k≤j} σ(z_k / T_k). A static threshold cuts the block by one of :data:`THRESHOLD_RULES`
+(:meth:`DSparkHeads.draft`); both read the draft's own quantities only, so sampling stays lossless.
 """
 from __future__ import annotations
 
@@ -31,16 +15,18 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
 
-# Static-threshold rules (module docstring, step 3): "survival" = ours, on the calibrated running product a_j;
-# "deepspec" = DeepSpec's, on each position's own raw confidence σ(z_k).
+# Static-threshold rules: "survival" (ours) cuts before the first position whose calibrated running product a_j falls
+# below P; "deepspec" (DeepSpec's, deepspec/eval/dspark/draft_ops.py _confident_prefix_length) before the first
+# position whose own raw confidence σ(z_k) does (P <= 0 keeps the block). The product only falls, so "survival" cuts
+# no later than "deepspec" when T_k = 1.
 THRESHOLD_RULES = ("survival", "deepspec")
 # A drafter graph call's fixed cost, in context positions (session dispatch, feeds, K/V copies): the price of
-# splitting one padded call into several (:func:`context_groups`): a call's fixed part is ~10 context positions on
-# the int4 Qwen engine's drafter; 16 leaves a margin (measured in docs/serving.md "The drafter's catch-up").
+# splitting one padded call into several (:func:`context_groups`; docs/serving.md, "The drafter's catch-up").
 DRAFT_CALL_OVERHEAD = 16
 
 
@@ -262,7 +248,7 @@ class DSparkHeads:
             threshold: static threshold P; None = no cut.
             threshold_rule: ``"survival"`` (ours): cut before the first position whose calibrated prefix
                 survival a_j falls below P; ``"deepspec"`` (DeepSpec's): cut before the first position whose
-                own raw confidence σ(z_k) falls below P (P <= 0: no cut). See the module docstring.
+                own raw confidence σ(z_k) falls below P (P <= 0: no cut). See :data:`THRESHOLD_RULES`.
         Returns:
             (tokens list[int] target ids, qs list of float [V] processed draft distributions (sampling only),
             survival list[float] a_1.. (one per position scored, possibly one past the last token when the
@@ -302,8 +288,8 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-class DSparkDrafter:
-    """The DSpark drafter (:mod:`dspark_runtime.drafting.drafters` interface) for one request or many: one ``dspark_draft``
+class DSparkDrafter(Drafter):
+    """The DSpark drafter (a :class:`~dspark_runtime.drafting.base.Drafter`) for one request or many: one ``dspark_draft``
     graph call per round with one row per request (block = anchor + γ-1 mask tokens; rows padded to the longest
     new context, padding masked), split into several calls when one row's new context is much longer than the
     others' (a request that has just joined brings its whole prompt; :func:`context_groups`), then the numpy
@@ -321,7 +307,7 @@ class DSparkDrafter:
         target: the verifier's runner (a :class:`~dspark_runtime.runners.sequence.BatchRunner`: its ``features(rid)`` feed
             the context).
         confidence_threshold: static threshold P; None = always the full length asked for.
-        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`, module docstring step 3).
+        threshold_rule: how P cuts a block (:data:`THRESHOLD_RULES`).
 
     ``confident``: the heads have a confidence head (proposals carry calibrated survivals). ``record``: set to a
     list to collect (confidence logits float [l], accepted n) per verified round (``dspark-export calibrate``).
@@ -329,6 +315,7 @@ class DSparkDrafter:
     """
 
     name = "dspark"
+    reads_target_features = True
 
     def __init__(self, graph, heads: DSparkHeads, target, confidence_threshold: float | None = None,
                  threshold_rule: str = "survival"):
@@ -336,7 +323,7 @@ class DSparkDrafter:
         self.block_size = graph.block_size
         self.confidence_threshold = confidence_threshold
         self.threshold_rule = check_threshold_rule(threshold_rule)
-        self.confident = getattr(heads, "conf_w", None) is not None
+        self.confident = heads.conf_w is not None
         self.record: list | None = None
         self.rows: list = []
         self._kv = graph.empty_kv(0)
@@ -443,8 +430,6 @@ class DSparkDrafter:
         only for the requests in ``only`` (None = all). Returns list[Proposal] in the order of ``reqs`` (q None
         when greedy; survival float64 [l] when ``confident``). Raises DSparkError when a request is missing or
         out of sync with the target."""
-        from dspark_runtime.drafting.drafters import Proposal
-
         if sorted(r.rid for r in reqs) != sorted(self.rows):
             raise DSparkError("DSpark drafter: every active request must propose each round")
         order = {rid: i for i, rid in enumerate(self.rows)}

@@ -1,39 +1,10 @@
-"""Batched decoding on TensorRT: :class:`DeviceBatchRunner`, the decoding loop's runner
-(:class:`~dspark_runtime.runners.sequence.BatchRunner`) over one capacity-layout :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder`,
-plus the pure planning it runs on (call shapes, bucket choice, capture keys, the engine's inputs) — tested without
-a GPU in tests/test_trt_batch.py.
-
-Layout. The decoder holds ``rows`` rows of device KV buffers ([rows, kv_heads, bucket, head_dim] per layer); a
-request owns one row while it is in the loop (its position p in slot p, as the scatter layout on ONNX Runtime).
-
-Fixed call shapes: what keeps a request's greedy output independent of its batch. Every engine call runs **all
-``rows`` rows** (rows without a segment this call are fed a dummy token that sees only itself and is never
-written) at one of **two query lengths**: ``decode_q`` (γ + 1, the decode profile) for segments of at most that
-many tokens, the engine's ``prefill_chunk`` for longer ones (a round with both runs two calls; each segment padded
-to the call's length with its last token, the padded positions masked from the real ones and never written). So
-the shape of the call that computes a request's tokens — (rows, q) — does not depend on what else shares the
-batch, nor on its own verify length, and a row's inputs (ids, positions, mask) are a function of that request
-alone (:func:`call_inputs`): no row attends to another. What remains batch-dependent is the **capacity bucket**:
-the smallest bucket that holds every row's cached positions (:func:`call_bucket`), so a short request beside a
-long one is computed over more masked cache slots than alone, and they sit between its cached keys and its new ones
-(a gap inside the key block, which ONNX Runtime's CPU kernels do not promise to sum bit-exactly:
-:mod:`dspark_runtime.engine_dir.graphspec`). The result is unchanged only where the attention kernels treat masked slots as exact
-zeros wherever they sit (**not yet measured on TensorRT**); ``pin_bucket=True`` removes it by construction
-(every call at the largest bucket, at the cost of attention over the whole capacity). The prompt is chunked the
-same way whatever shares the batch when the prefill budget is the runner's ``max_chunk`` (``Engine.batch``'s
-"auto" on TensorRT): each round feeds a prompt its next ``prefill_chunk`` tokens. A request's output is then
-independent of its batch at a given ``rows``; equality with a runner of another ``rows`` (``generate``: 1) needs the
-GEMM results of a row not to depend on the call's row count, which ``scripts/gpu_check.sh trt`` measures.
-
-CUDA graphs: keyed (rows, q, bucket) (:func:`capture_key`); with fixed shapes a decode-profile call has one key per
-bucket, so a runner captures at most ``len(buckets)`` graphs. Prefill-profile calls run uncaptured.
-
-Copies back: only each segment's real positions (not the padded ones, not the idle rows), for greedy requests on
-an engine with an ``argmax`` output only the argmax (8 bytes a position instead of ``vocab`` floats), and for a
-prompt chunk only its last position's logits (the only ones the loop reads); the loop says which
-(``step(segments, argmax_for=..., last_only=...)``). Without that output the real positions' logits come back.
-
-Not verified on a GPU yet (none where it was written); ``scripts/gpu_check.sh trt`` check 5 is the prepared check.
+"""Batched decoding on a capacity-layout decoder on a GPU: :class:`DeviceBatchRunner` and the pure planning it runs on
+(call shapes, bucket choice, capture keys, the engine's inputs). A request owns one row of the decoder's device KV
+buffers while it is in the loop (position p in slot p). Every call runs all ``rows`` rows (idle rows get a dummy token
+that sees only itself) at one of two query lengths, ``decode_q`` (γ + 1) or the prefill chunk, so the call that
+computes a request's tokens has a shape independent of its batch and its verify length, and a row's inputs depend on
+its own request alone (:func:`call_inputs`). The capacity bucket (:func:`call_bucket`) still depends on the longest
+row in use; ``pin_bucket`` removes that. CUDA graphs are keyed (rows, q, bucket) (:func:`capture_key`).
 """
 from __future__ import annotations
 
@@ -42,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.runners.sequence import BatchRunner
+from dspark_runtime.runners.base import BatchRunner
 from dspark_runtime.backends.trt.profiles import choose_bucket
 
 
@@ -133,32 +104,35 @@ def call_inputs(rows: int, q: int, bucket: int, segments: list) -> tuple:
 
 
 class DeviceBatchRunner(BatchRunner):
-    """The decoding loop's runner on a capacity-layout TensorRT engine: several requests, one row each, every call
-    at a fixed shape (see the module docstring). Interface of :class:`~dspark_runtime.runners.sequence.BatchRunner`
-    (``add``, ``remove``, ``step(segments)``, ``rollback``, ``length``, ``features``, ``prefill``, ``pass_rows``,
-    ``max_chunk``); ``step`` also takes ``argmax_for`` / ``last_only`` (``step_hints``: the requests whose logits the
-    host needs only the argmax of / only the last position of).
+    """The decoding loop's runner on a capacity-layout decoder (a TensorRT engine, or a device graph on ONNX Runtime's
+    CUDA provider): several requests, one row each, every call at a fixed shape (see the module docstring). A
+    :class:`~dspark_runtime.runners.base.BatchRunner`; ``step`` also takes ``argmax_for`` / ``last_only``
+    (``step_hints``: the requests whose logits the host needs only the argmax of / only the last position of).
+    Copies back: only each segment's real positions, for a greedy request only the argmax where the engine outputs
+    it, for a prompt chunk only its last position's logits, and target features only with ``keep_features``.
 
     Args:
-        decoder: a :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder` (set to ``rows`` rows here, activated on first use;
-            it serves one runner at a time).
+        decoder: a capacity-layout decoder (:class:`~dspark_runtime.backends.device_decoder.CapacityDecoder`: a
+            TensorRT engine or a device graph), set to ``rows`` rows here, activated on first use; it serves one runner
+            at a time.
         rows: requests at once (<= the engine's max_batch): every call runs this many rows.
         pin_bucket: run every call at the largest capacity bucket (see :func:`call_bucket`).
+        keep_features: copy the target features back (a drafter reads them: the DSpark drafter).
     Raises DSparkError for rows beyond the engine's max_batch.
     """
 
     row_multiple = 1  # padding is the fixed call shape's, not a probed multiple
     step_hints = True  # step() takes argmax_for / last_only (the decoding loop passes them)
-    keep_features = True  # copy the target features back (Engine.batch: False unless a DSpark drafter reads them)
-    can_import_kv = False  # the prefix cache needs the scatter layout on ONNX Runtime
+    fixed_call_shapes = True  # a prompt is fed whole prefill chunks: chunked alike in any batch
 
-    def __init__(self, decoder, rows: int = 1, pin_bucket: bool = False):
+    def __init__(self, decoder, rows: int = 1, pin_bucket: bool = False, keep_features: bool = True):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise DSparkError(f"rows must be a positive integer, got {rows!r}")
         super().__init__()
         self.decoder = decoder.set_rows(rows)
         self.rows = rows
         self.pin_bucket = pin_bucket
+        self.keep_features = keep_features
         self.decode_q = decoder.decode_q
         self.max_chunk = decoder.max_q  # a prompt chunk: the engine's prefill chunk
         self.device_argmax = any(t.name == "argmax" for t in decoder.spec.outputs)

@@ -1,21 +1,10 @@
-"""Packed KV cache for several requests in one decoder graph: the verifier (and a draft LM) of the
-batched runtime run all requests' tokens as **one packed row** with a block-diagonal causal mask.
-
-Why packed rather than padded: a round verifies ``1 + l_r`` tokens for request ``r`` with ragged
-``l_r`` (the scheduler picks them); packing them end to end costs ``B = sum_r (1 + l_r)`` token
-positions — exactly the verify batch size of the cost table and of the paper's Algorithm 1 — where
-padding would cost ``R * (1 + max_r l_r)``. The graph interface is unchanged (docs/design.md section 2,
-growing layout): ``input_ids``/``position_ids`` [1, B], a boolean mask [1, 1, B, S + B], and the
-past K/V [1, kv_heads, S, head_dim], where the S cached *slots* belong to different requests.
-
-Slots. Every cached slot records its owner (request id, or -1 when free) and its position in that
-request's sequence. Query ``i`` (request ``r_i`` at position ``p_i``) may attend to key slot ``j``
-iff ``owner[j] == r_i and pos[j] <= p_i`` — the usual causal mask inside each request and nothing
-across requests. Keys are stored after RoPE, so a slot's place in the array is irrelevant; only the
-mask and the position ids matter. Rolling a request back frees its slots past the new length
-(O(slots), no copy); a request that leaves frees all of its slots; :meth:`PackedCache.compact`
-gathers the live slots to the front when free slots exceed a quarter of the array (amortised: the
-growing graph copies the past on every step anyway).
+"""Packed KV cache for several requests in one growing-layout decoder graph: all requests' tokens run as **one packed
+row** with a block-diagonal causal mask, so a round verifying ``1 + l_r`` tokens per request costs
+``B = sum_r (1 + l_r)`` positions (the cost table's and the paper's Algorithm 1's verify batch size), not
+``R * (1 + max_r l_r)``. Every cached slot records its owner (request id, -1 when free) and its position in that
+request; query i sees key j iff they share an owner and ``pos[j] <= pos[i]``. Keys are stored after RoPE, so a slot's
+place in the array is irrelevant. Rolling back frees slots (no copy); :meth:`PackedRunner.compact` gathers the live
+slots to the front when free ones exceed a quarter of the array.
 """
 from __future__ import annotations
 
@@ -23,15 +12,15 @@ import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.runners.sequence import BatchRunner
-
+from dspark_runtime.runners.base import BatchRunner
 
 
 class PackedRunner(BatchRunner):
     """Several requests' views of one ``causal_lm`` graph, packed into a single row.
 
     Requests are identified by any hashable id. ``add(rid)`` registers one (length 0), ``step(segments)``
-    feeds each listed request's new tokens in one graph call, ``rollback``/``remove`` free slots.
+    feeds each listed request's new tokens in one graph call, ``rollback``/``remove`` free slots. Not
+    ``batch_invariant``: ONNX Runtime's CPU kernels round a request's packed keys differently with its neighbours.
 
     Args:
         backend: an activated (or lazily activating) :class:`OrtDecoder` of a ``causal_lm`` graph.
@@ -43,6 +32,8 @@ class PackedRunner(BatchRunner):
             dropped after the call (the backend copies the trimmed arrays on the next call, as it does for the
             single runner); it never reaches a request's logits, features or length.
     """
+
+    batch_invariant = False
 
     def __init__(self, backend: OrtDecoder, compact_ratio: float = 0.25, row_multiple: int = 1):
         if int(row_multiple) < 1:

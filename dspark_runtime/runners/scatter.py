@@ -1,36 +1,19 @@
-"""Slot KV cache for the *scatter* layout: one batch row per request, one slot per position, the same graph
-call for one request or many — and a request's logits bit-identical whatever else shares the call.
-
-Why (the one-core issue; ``scripts/batch_invariance.py``): in the packed layout (:mod:`dspark_runtime.runners.packed`)
-a request's cached keys are slots of one row shared with other requests, so its key block has masked gaps and an
-offset that depend on its neighbours, and ONNX Runtime's CPU Softmax/MatMul round differently for each (up to 2.2 in
-the logits of the 1.5B int4 target). In the scatter layout row r holds exactly [its n_r cached keys][its new keys]
-[masked slots], a contiguous block at offset 0 whatever the other rows hold, which those kernels compute bit for bit
-as a call of request r alone does (trailing masked slots do not change the result; measured, see the probe).
-
-Buffers: per layer (key, value) float32 ``[rows, kv_heads, slots, head_dim]``; a request owns one row; a position p
-of it lives in slot p. A call passes the buffers of the requests it steps — a contiguous range of rows as a view
-(no copy), otherwise a gathered copy — the graph writes the new entries at the rows' positions internally and
-returns them, and this class writes them into its buffers at the same slots. Rolling back only moves a length
-(stale slots stay masked until overwritten). ``slots`` grows in steps of :data:`SLOT_STEP` as requests lengthen
-(one copy each time), rows double when requests join.
-
-Row padding: a call has ``Q`` query rows per request (the longest segment, rows of shorter segments padded with
-their last token one position on, masked from every real query; their new entries are never written). The call's
-``batch * Q`` query rows must be a multiple of ``row_multiple`` (:mod:`dspark_runtime.machine.row_invariance`: the probed row
-count under which the weight kernels' results do not depend on the call's size), and of the two ways to get there —
-raise ``Q`` (every request gets more padded positions) or add dummy batch rows (each reads some buffer row, its
-results are dropped) — each call takes the one that computes fewer rows (:func:`padded_shape`): 7 requests of one
-token each at a multiple of 2 compute 8 rows, not 14. A request's logits are the same either way (its own row is
-computed alone in attention, and the weight kernels give every call of a multiple of ``row_multiple`` rows the same
-per-row results).
+"""The *scatter* KV layout's runners: one batch row per request, one slot per position (slot p holds position p), the
+same graph call for one request or many, and a request's logits bit-identical whatever else shares the call (its keys
+are one contiguous block at offset 0 followed by masked slots, exactly what a call of it alone sees; docs/design.md
+section 2). Buffers: per layer (key, value) float32 ``[rows, kv_heads, slots, head_dim]``; a call passes the rows it
+steps (a view of a contiguous range, else a gathered copy) and writes the returned new entries back at their slots;
+rolling back only moves a length. Slots grow in steps of :data:`SLOT_STEP`, rows double when requests join. Row
+padding: a call's ``batch x Q`` query rows are padded to a multiple of ``row_multiple``
+(:mod:`dspark_runtime.machine.row_invariance`) by the cheaper of a longer ``Q`` or dummy batch rows
+(:func:`padded_shape`); a request's logits are the same either way.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.runners.sequence import PREFILL_CHUNK, BatchRunner
+from dspark_runtime.runners.base import PREFILL_CHUNK, BatchRunner, SequenceDecoder
 
 SLOT_STEP = 128  # slots are added in multiples of this many positions
 
@@ -52,9 +35,7 @@ def padded_shape(batch: int, q: int, row_multiple: int) -> tuple:
 class ScatterRunner(BatchRunner):
     """Requests' views of one scatter-layout ``causal_lm`` graph (``spec.kv_layout == "scatter"``).
 
-    Same interface as :class:`~dspark_runtime.runners.packed.PackedRunner` (``add``, ``remove``, ``step(segments)``,
-    ``rollback``; ``length``, ``features``, ``prefill`` from their common :class:`~dspark_runtime.runners.sequence.BatchRunner`):
-    a single request is a set of one.
+    A :class:`~dspark_runtime.runners.base.BatchRunner`; a single request is a set of one.
 
     Args:
         backend: an :class:`~dspark_runtime.backends.ort.OrtDecoder` of a scatter-layout graph.
@@ -221,7 +202,7 @@ class ScatterRunner(BatchRunner):
         slot = np.arange(self.slots)
         mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
         start = 0  # the first query position whose logits are computed
-        if last_only and getattr(self.backend, "takes_logits_from", False) and all(r in last_only for r, _ in segs):
+        if last_only and self.backend.takes_logits_from and all(r in last_only for r, _ in segs):
             start = min(len(t) for _, t in segs) - 1
         out = self.backend.step(ids, pos, mask, kv, logits_from=start) if start else self.backend.step(ids, pos, mask, kv)
         results = [None] * b
@@ -256,14 +237,14 @@ class _ScatterCacheView:
         return [(k[r:r + 1, :, :n], v[r:r + 1, :, :n]) for k, v in self._runner._kv]
 
 
-class ScatterSequence:
-    """One sequence's view of a scatter-layout graph, with the interface of
-    :class:`~dspark_runtime.runners.sequence.DecoderRunner` (``step``, ``prefill``, ``rollback``, ``reset``, ``length``,
-    ``features``, ``cache``, a settable ``row_multiple``): a :class:`ScatterRunner` holding one request, so a request
-    decoded alone runs exactly the calls it would run as one row of a batch.
+class ScatterSequence(SequenceDecoder):
+    """One sequence's view of a scatter-layout graph (a :class:`~dspark_runtime.runners.base.SequenceDecoder`, plus
+    ``cache`` and a settable ``row_multiple``): a :class:`ScatterRunner` holding one request, so a request decoded alone
+    runs exactly the calls it would run as one row of a batch.
     """
 
     _RID = 0
+    can_import_kv = True
 
     def __init__(self, backend, row_multiple: int = 1):
         self.backend = backend

@@ -1,49 +1,19 @@
-"""Whether a round's drafting pass pays: the "never slower than no speculation" rule of the decoding loop.
-
-DSpark paper, section 4 (asynchronous scheduling): the scheduler decides from the survivals of *earlier* rounds, so
-the decision itself costs no drafting pass. With R decoding requests, each with prefix survivals ``a_r`` (the
-probability that its first j drafted tokens are all accepted) and verify length ``l_r``, a round that drafts is
-expected to commit
-
-    Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + k t_verify(B)),   B = sum_r (1 + l_r)
-
-tokens per second (``B``, here and in ``t_verify(R)``: the tokens the verifier's pass computes, the runner's
-``pass_rows``: the scatter layout pads every request's row to the longest, so ``R x max_r(1 + l_r)`` there, up to the
-row multiple by :func:`dspark_runtime.runners.scatter.padded_shape`), and a
-round that verifies the anchors only ``Theta_0 = R / (k t_verify(R))`` (``k``: the measured round-time ratio below).
-When
-``Theta_0 >= Theta_d`` (many requests sharing a batched verifier, a weak or dear drafter) the round skips the
-drafting pass; the output is the same either way (speculation is exact), only the speed differs.
-
-Two sources of ``a_r`` and ``t_draft``:
-
-- **scheduled** (the DSpark drafter or the router over it): ``a_r`` = the calibrated survivals of the request's
-  last drafted block, ``l_r`` from Algorithm 1, ``t_draft(R)`` the drafting pass as the loop measures it at R
-  requests (:meth:`DraftSkipRule.record_draft_time`; the router's pass includes its n-gram lookup) where R lies
-  within the measured row counts, else the profiled cost table's times ``k`` (a table profiled at one row only
-  would price an 8-row pass as a 1-row one: 13 against 63 ms on the int4 Qwen drafter).
-- **observed** (fixed verify lengths, any drafter: the draft LM, n-gram lookup, DSpark at a fixed γ): ``a_r`` =
-  an exponential moving average of the request's own verdicts (position j survived when at least j drafted tokens
-  were accepted; :func:`observed_survival`), ``l_r`` = its draft length, and ``t_draft(R)`` the drafting pass's
-  wall time measured by the loop itself at R requests (:meth:`DraftSkipRule.record_draft_time`), since the
-  profiled table times the engine's DSpark drafter only. ``t_verify`` comes from the profiled table in both.
-
-The cost table times the engine's passes, not the loop's rounds: a round also pays per-request work (acceptance,
-rollback, bookkeeping, a server's streaming beside it) that the table does not see. So the loop reports the wall
-time of every steady round (no prompt chunk, no admission, no catch-up) and of its drafting pass
-(:meth:`DraftSkipRule.record_round`), and the rule keeps one ratio ``k`` = (round - drafting pass) / ``t_verify``
-(moving average, :data:`ROUND_RATIO_EMA`, clamped to :data:`ROUND_RATIO_BOUNDS`) over rounds of both kinds: what is
-not the drafting pass is a verifier round either way. One ratio, refreshed by every steady round, cannot go stale
-on one side, as a ratio per kind (drafted, undrafted) did (docs/serving.md).
-
-Skipped rounds leave the estimates stale, so after :data:`SKIP_PROBE_EVERY` undrafted rounds one probing round
-drafts; the interval doubles up to :data:`SKIP_PROBE_MAX` while probes confirm the skip, and a round that pays
-resets it. Pure logic (numpy only): :class:`DraftSkipRule` holds the state, the loop
-(:class:`dspark_runtime.decoding.loop.DecodingLoop`) calls it.
+"""Whether a round's drafting pass pays: our rule that keeps speculation from being slower than none. With R decoding
+requests, prefix survivals ``a_r`` and verify lengths ``l_r``, a round that drafts is expected to commit
+``Theta_d = sum_r (1 + sum_{j<=l_r} a_{r,j}) / (t_draft(R) + k t_verify(B))`` tokens per second and one that
+verifies anchors only ``Theta_0 = R / (k t_verify(R))`` (``B``: the tokens the runner's pass computes, its
+``pass_rows``; ``k``: the measured / profiled verifier-round ratio); when ``Theta_0 >= Theta_d`` the round skips the
+drafting pass. The output is the same either way. Survivals are calibrated ones (scheduled mode) or the requests'
+observed verdicts (fixed lengths, :func:`observed_survival`); ``t_draft`` is measured by the loop (else the
+profiled table's, scheduled mode); skipped rounds are probed (drafted) at doubling intervals to refresh the estimates.
+Pure logic: :class:`DraftSkipRule` holds the state, the decoding loop reports to it and asks it.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from dspark_runtime.scheduling.cost_table import CostTable, table_draft_seconds
+from dspark_runtime.scheduling.verify_length import expected_throughput, schedule_greedy
 
 SKIP_PROBE_EVERY = 8  # after this many rounds without drafting, draft once to refresh the estimates
 SKIP_PROBE_MAX = 64  # ... and the interval doubles, up to this, while each probe confirms that drafting does not pay
@@ -79,10 +49,8 @@ def observed_survival(prev: np.ndarray | None, drafted: int, accepted: int, alph
 
 def verify_table(table: dict, scale: float = 1.0, extra: float = 0.0):
     """The verify-only round costs of a cost table at one context (``tokens``, ``t_verify`` seconds) as a
-    :class:`~dspark_runtime.scheduling.verify_length.CostTable` of ``scale * (extra + t_verify(B))`` seconds per round (``extra``: a
-    measured drafting pass, seconds; ``scale``: a measured / predicted round-time ratio)."""
-    from dspark_runtime.scheduling.verify_length import CostTable
-
+    :class:`~dspark_runtime.scheduling.cost_table.CostTable` of ``scale * (extra + t_verify(B))`` seconds per round
+    (``extra``: a measured drafting pass, seconds; ``scale``: a measured / predicted round-time ratio)."""
     return CostTable(tuple(table["tokens"]), tuple(scale * (extra + t) for t in table["t_verify"]))
 
 
@@ -90,16 +58,16 @@ class DraftSkipRule:
     """The loop's drafting decision and what it learns from (see the module docstring for the rule and source).
 
     ``prior``: float64 [γ] survivals assumed for a request that has not drafted yet (the drafter's acceptance fitted
-    on the calibration split, set by the engine); in observed mode the loop-wide average of every verdict so far
-    stands in when there is none. ``draft_seconds``: {R: seconds} measured drafting-pass times (observed mode).
+    on the calibration split, the loop's ``skip_prior``); in observed mode the loop-wide average of every verdict so
+    far stands in when there is none. ``draft_seconds``: {R: seconds} measured drafting-pass times (observed mode).
     """
 
-    def __init__(self, observed: bool):
+    def __init__(self, observed: bool, prior: np.ndarray | None = None):
         self.observed = observed
         self.undrafted = 0  # consecutive rounds without a drafting pass
         self.probe_every = SKIP_PROBE_EVERY  # undrafted rounds before the next probing pass
         self.probing = False  # this round's pass is a probe (drafting was not expected to pay)
-        self.prior: np.ndarray | None = None
+        self.prior = None if prior is None else np.asarray(prior, dtype=np.float64)
         self.loop_survival: np.ndarray | None = None  # observed mode: every request's verdicts together
         self.draft_seconds: dict = {}
         self.verify_ratio: float | None = None  # k: measured (round - drafting pass) / t_verify, None: not measured
@@ -158,9 +126,7 @@ class DraftSkipRule:
         (:meth:`draft_time`) where ``rows`` lies within the measured row counts; outside them observed mode
         interpolates the measured ones too (clamped; None before any measurement: the table times the DSpark
         drafter only), scheduled mode takes the profiled table's pass times ``k``
-        (:func:`dspark_runtime.scheduling.verify_length.table_draft_seconds`)."""
-        from dspark_runtime.scheduling.verify_length import table_draft_seconds
-
+        (:func:`dspark_runtime.scheduling.cost_table.table_draft_seconds`)."""
         if self.observed or (self.draft_seconds and min(self.draft_seconds) <= rows <= max(self.draft_seconds)):
             return self.draft_time(rows)
         return self.ratio() * table_draft_seconds(table, rows)
@@ -182,7 +148,7 @@ class DraftSkipRule:
                 ``prior``, else in observed mode the loop-wide estimate, else it counts as gaining nothing).
             caps: per request its draft-length cap this round (the estimates are cut to it).
             table: the cost table at this round's context (``t_verify`` at ``tokens``; scheduled mode also its
-                ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduling.verify_length.round_cost_table`).
+                ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduling.cost_table.round_cost_table`).
             pass_tokens: the target runner's ``pass_rows`` (verify tokens per request -> tokens the pass computes,
                 padding included), or None for their sum; both sides are costed there
                 (:func:`dspark_runtime.scheduling.verify_length.schedule_greedy`).
@@ -193,8 +159,6 @@ class DraftSkipRule:
         expected throughputs it compared in ``last_expected`` ((Theta_d, Theta_0) tok/s), None where it did not
         weigh them.
         """
-        from dspark_runtime.scheduling.verify_length import expected_throughput, schedule_greedy
-
         self.probing = False
         self.last_expected = None
         if "t_verify" not in table:
