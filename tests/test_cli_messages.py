@@ -143,7 +143,7 @@ def test_info_says_what_auto_runs_dspark_engine(tiny_engine_dir, tmp_path, capsy
 def test_auto_prefers_the_router_over_a_calibrated_dspark_drafter():
     """auto_draft_choice: the router over a DSpark drafter that can schedule (calibrated, profiled) comes before a
     draft LM; an uncalibrated DSpark drafter does not (the LM, else the router's fixed blocks); else n-gram."""
-    from dspark_runtime.drafting.choice import auto_draft_choice
+    from dspark_runtime.engine_dir.speculation import auto_draft_choice
 
     assert auto_draft_choice("draft", "dspark", True) == "router"
     assert auto_draft_choice("draft", "dspark", False) == "lm"
