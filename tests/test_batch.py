@@ -255,7 +255,7 @@ def test_batch_bad_arguments(lm_engine, ds_engine):
 
 
 def test_round_cost_table_adds_the_batched_draft_time():
-    from dspark_runtime.scheduling.cost_table import round_cost_table
+    from dspark_runtime.scheduling.round_cost import round_cost_table
 
     table = {"tokens": [1, 8, 16], "seconds": [1.1, 1.5, 2.1], "t_draft": 0.1, "t_verify": [1.0, 1.4, 2.0],
              "draft_rows": [1, 2, 4], "t_draft_rows": [0.1, 0.2, 0.4]}

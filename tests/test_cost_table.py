@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduling.cost_table import check_cost_table, cost_table_at, reference_bucket, round_cost_table
+from dspark_runtime.scheduling.cost_table import check_cost_table, cost_table_at, reference_bucket
+from dspark_runtime.scheduling.round_cost import round_cost_table
 from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.errors import InputError, ManifestError

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark_runtime.scheduling.cost_table import CostTable
+from dspark_runtime.scheduling.round_cost import CostTable
 from dspark_runtime.scheduling.verify_length import (
     expected_throughput,
     schedule_fixed,

@@ -24,7 +24,8 @@ from dspark_runtime.decoding.stats import BatchStats, RoundMeter, count_verdict,
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.runners.base import BatchRunner
-from dspark_runtime.scheduling.cost_table import cost_table_at, round_cost_table
+from dspark_runtime.scheduling.cost_table import cost_table_at
+from dspark_runtime.scheduling.round_cost import round_cost_table
 from dspark_runtime.scheduling.draft_skip import DraftSkipRule
 from dspark_runtime.scheduling.prefill import plan_prefill
 from dspark_runtime.scheduling.prefill import prefill_budget as auto_prefill_budget

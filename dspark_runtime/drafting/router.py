@@ -20,7 +20,7 @@ import numpy as np
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.drafting.drafters import NgramMatch, ngram_match
 from dspark_runtime.drafting.learned_acceptance import LearnedAcceptance, NgramConfidence
-from dspark_runtime.scheduling.cost_table import round_cost_table
+from dspark_runtime.scheduling.round_cost import round_cost_table
 from dspark_runtime.scheduling.verify_length import schedule_greedy
 
 NGRAM = "ngram"
@@ -60,7 +60,7 @@ class RouteDecision:
 
 def expected_score(surv: np.ndarray, cost=None) -> float:
     """A proposal's score: its expected accepted length ``sum_j a_j``, or, with a per-round
-    :class:`~dspark_runtime.scheduling.cost_table.CostTable`, the expected tokens/s
+    :class:`~dspark_runtime.scheduling.round_cost.CostTable`, the expected tokens/s
     ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` at the verify length ``l`` the scheduler would pick (paper Algorithm 1 on
     ``surv`` alone). Pure function."""
     if cost is None:

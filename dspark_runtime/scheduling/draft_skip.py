@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_runtime.scheduling.cost_table import CostTable, table_draft_seconds
+from dspark_runtime.scheduling.round_cost import CostTable, table_draft_seconds
 from dspark_runtime.scheduling.verify_length import expected_throughput, schedule_greedy
 
 SKIP_PROBE_EVERY = 8  # after this many rounds without drafting, draft once to refresh the estimates
@@ -49,7 +49,7 @@ def observed_survival(prev: np.ndarray | None, drafted: int, accepted: int, alph
 
 def verify_table(table: dict, scale: float = 1.0, extra: float = 0.0):
     """The verify-only round costs of a cost table at one context (``tokens``, ``t_verify`` seconds) as a
-    :class:`~dspark_runtime.scheduling.cost_table.CostTable` of ``scale * (extra + t_verify(B))`` seconds per round
+    :class:`~dspark_runtime.scheduling.round_cost.CostTable` of ``scale * (extra + t_verify(B))`` seconds per round
     (``extra``: a measured drafting pass, seconds; ``scale``: a measured / predicted round-time ratio)."""
     return CostTable(tuple(table["tokens"]), tuple(scale * (extra + t) for t in table["t_verify"]))
 
@@ -148,7 +148,7 @@ class DraftSkipRule:
                 ``prior``, else in observed mode the loop-wide estimate, else it counts as gaining nothing).
             caps: per request its draft-length cap this round (the estimates are cut to it).
             table: the cost table at this round's context (``t_verify`` at ``tokens``; scheduled mode also its
-                ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduling.cost_table.round_cost_table`).
+                ``t_draft``/``t_draft_rows``, :func:`dspark_runtime.scheduling.round_cost.round_cost_table`).
             pass_tokens: the target runner's ``pass_rows`` (verify tokens per request -> tokens the pass computes,
                 padding included), or None for their sum; both sides are costed there
                 (:func:`dspark_runtime.scheduling.verify_length.schedule_greedy`).

@@ -6,7 +6,7 @@ Notation (1-based, as in the paper): request ``r`` of ``R`` has prefix survivals
 ``survival[r]`` whose entry ``[j - 1]`` is ``a_{r,j}``. Verify lengths ``l_r`` give a pass of ``B = sum_r (1 + l_r)``
 tokens and ``tau_hat = sum_r (1 + sum_{j <= l_r} a_{r,j})`` expected committed tokens; the objective is the expected
 throughput ``Theta = tau_hat * SPS(B)``, ``SPS(B) = 1 / (t_draft + t_verify(B))`` from the profiled
-:class:`~dspark_runtime.scheduling.cost_table.CostTable`.
+:class:`~dspark_runtime.scheduling.round_cost.CostTable`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dspark_runtime.scheduling.cost_table import CostTable
+from dspark_runtime.scheduling.round_cost import CostTable
 
 __all__ = [
     "expected_throughput",
