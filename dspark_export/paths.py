@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.manifest import cache_root  # noqa: F401  (the one cache root; re-exported here)
+from dspark_runtime.engine_dir.integrity import cache_root  # noqa: F401  (the one cache root; re-exported here)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -168,7 +168,7 @@ def test_manifest_round_trip_with_and_without_build_machine(tiny_engine_dir, tmp
     m2.write(old)
     assert "build_machine" not in json.loads((old / "manifest.json").read_text())
     # _write_manifest (build, add-dspark, quantize) records this machine when the manifest has none
-    from dspark_export.engine_dir.build import _write_manifest
+    from dspark_export.engine_dir.commit import write_manifest as _write_manifest
 
     _write_manifest(m2, old)
     assert json.loads((old / "manifest.json").read_text())["build_machine"] == cpu_features()

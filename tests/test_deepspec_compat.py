@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from dspark_export.drafter.config import DraftConfigError, DSparkConfig
-from dspark_export.drafter.model import load_checkpoint
+from dspark_export.drafter.checkpoint import load_checkpoint
 from dspark_runtime.errors import DSparkError
 
 QWEN = {
@@ -402,8 +402,8 @@ def test_unknown_tensors_are_refused_not_filtered(tmp_path):
 
 
 def test_field_tables_cover_a_deepspec_config_and_are_disjoint():
-    from dspark_export.drafter.config import (CONDITIONAL_FIELDS, GEMMA4, IGNORED_BY_LAYER, IGNORED_FIELDS, QWEN3,
-                                             USED_FIELDS)
+    from dspark_export.drafter.families import (CONDITIONAL_FIELDS, GEMMA4, IGNORED_BY_LAYER, IGNORED_FIELDS, QWEN3,
+                                                USED_FIELDS)
     for fam, cfg in ((QWEN3, QWEN), (GEMMA4, GEMMA)):
         used, cond = set(USED_FIELDS[fam]), set(CONDITIONAL_FIELDS[fam])
         ign = set(IGNORED_FIELDS) | set(IGNORED_BY_LAYER[fam])
@@ -523,7 +523,7 @@ def test_the_shipped_drafter_checkpoint_loads():
     from pathlib import Path
 
     from dspark_export.drafter.config import load_config
-    from dspark_export.drafter.model import expected_shapes
+    from dspark_export.drafter.checkpoint import expected_shapes
     from safetensors import safe_open
 
     ckpt = Path(__file__).resolve().parents[1] / "engines" / "drafters" / "qwen2.5-coder-1.5b-dspark"

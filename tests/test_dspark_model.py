@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dspark_export.drafter.config import DraftConfigError, DSparkConfig
-from dspark_export.drafter.model import DSparkDraftModel, block_mask, expected_shapes, load_checkpoint, save_checkpoint
+from dspark_export.drafter.checkpoint import expected_shapes, load_checkpoint, save_checkpoint
+from dspark_export.drafter.model import DSparkDraftModel, block_mask
 
 # A hand-specified DeepSpec config: a (tiny) copy of a Qwen3 target config plus the DSpark fields.
 DEEPSPEC_CONFIG = {

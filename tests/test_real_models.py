@@ -22,7 +22,7 @@ def _humaneval(n):
 def smollm_engine(tmp_path_factory):
     pytest.importorskip("torch")
     from dspark_export.engine_dir.build import Recipe, build_engine
-    from dspark_export.models.fetch import model_path
+    from dspark_export.models.catalog import model_path
     from dspark_export.paths import resolve_recipe
 
     if not (model_path("smollm2-135m-instruct") / "config.json").is_file():

@@ -71,7 +71,8 @@ def add_tiny_dspark(engine_dir: Path, target_dir: Path, block_size: int = 4, pre
 
     from dspark_export.engine_dir.add_draft import add_dspark_draft
     from dspark_export.drafter.graph import target_frozen_weights
-    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config, save_checkpoint
+    from dspark_export.drafter.checkpoint import save_checkpoint
+    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
 
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,

@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+from dspark_runtime.engine import Engine
+
 from dspark_export.paths import prompt_file
 
 # dspark_export/data/prompts/README.md: the drafter-training split (0-based, end exclusive).
@@ -56,6 +58,19 @@ def sharegpt_prompts(limit: int, max_chars: int = 1500) -> list:
         turn = (conv[0].get("value") or "").strip()
         if 20 <= len(turn) <= max_chars and turn.isascii():
             out.append((f"sharegpt:{rec.get('id')}", turn))
+    return out
+
+
+def calibration_prompts(n: int) -> list:
+    """The first turns of ``n`` calibration-split prompts, code-weighted: mbpp, gsm8k, math500 in turn."""
+    groups = split_prompts(CALIB_SPLIT)
+    order, out = ["mbpp", "gsm8k", "mbpp", "math500"], []
+    idx = {k: 0 for k in groups}
+    while len(out) < n and any(idx[k] < len(groups[k]) for k in groups):
+        for k in order:
+            if len(out) < n and idx[k] < len(groups[k]):
+                out.append(groups[k][idx[k]][1])
+                idx[k] += 1
     return out
 
 
@@ -208,10 +223,9 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
     in the same JSONL format as :func:`generate_answers` (``key``, ``source``, ``ids`` = prompt + answer,
     the end-of-sequence token kept; ``prompt_len``).
 
-    On a 2-core CPU the batched ONNX Runtime target decodes about 16 tokens/s at 8 requests, against
-    5.8 tokens/s for transformers ``generate`` at batch 24 (stop 12 and 11 measurements), so this is the
-    path ``dspark-export train-draft --engine`` uses. The engine's chat template gives the same prompt
-    ids as transformers' (checked by ``scripts/compare.py``'s preflight).
+    This is the path ``dspark-export train-draft --engine`` uses (faster on a CPU than transformers
+    ``generate``). The engine's chat template gives the same prompt ids as transformers' (checked by
+    ``benchmarks/compare/run.py``'s preflight).
 
     Args:
         engine_dir: engine directory of the target (``dspark-export build``).
@@ -227,8 +241,6 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
     Raises:
         DSparkError (from ``Engine.load``) when ``engine_dir`` is not a valid engine.
     """
-    from dspark_runtime import Engine
-
     eng = Engine.load(engine_dir, threads=threads)
     todo = _todo(out, limit, n_sharegpt)
     t0, new_tokens, complete = time.perf_counter(), 0, True

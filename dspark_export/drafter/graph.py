@@ -17,10 +17,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.drafting.dspark import EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.engine_dir.graphspec import DecoderDims, GraphSpec, dspark_draft_spec
+from dspark_runtime.engine_dir.manifest import FileEntry
+from dspark_runtime.errors import DSparkError
 
-from dspark_export.drafter.model import DSparkDraftModel, load_checkpoint
+from dspark_export.drafter.checkpoint import load_checkpoint
+from dspark_export.drafter.model import DSparkDraftModel
 from dspark_export.graphs.decoder import OPSET, save_graph
 
 HEADS_NAME = "dspark_heads.npz"
@@ -154,9 +157,7 @@ def compare_draft_graphs(ref_path: Path, cand_path: Path, spec: GraphSpec, embed
     calls (12 context positions, then 3 more on the returned cache) with random target features and real anchor
     rows from ``embedding`` (:class:`dspark_runtime.drafting.dspark.EmbeddingRows`): {"max_abs_logit_diff",
     "argmax_agreement", "inputs": "random features"}. Random features make the logits a sanity check of the
-    quantized weights, not of acceptance (measure that with ``scripts/bench.py``)."""
-    from dspark_runtime.drafting.dspark import OrtDSparkGraph
-
+    quantized weights, not of acceptance (measure that with ``benchmarks/bench.py``)."""
     rng = np.random.default_rng(seed)
     ref = OrtDSparkGraph(ref_path, spec, embedding=embedding)
     cand = OrtDSparkGraph(cand_path, spec, embedding=embedding)
@@ -266,8 +267,6 @@ def embedding_entry(table: np.ndarray, out_dir: Path, target_entry: dict | None,
     """The drafter's ``speculation.dspark.embedding`` entry for its embedding table ``table`` float32 [V, d]: the
     target graph's table (``target_entry``, relative to ``target_root``) when it equals ``table`` bit for bit (our
     drafters hold frozen copies of it), else ``table`` written to ``out_dir/EMBED_FILE`` (raw float32)."""
-    from dspark_runtime.drafting.dspark import EmbeddingRows
-
     if target_entry is not None:
         t = EmbeddingRows.from_manifest(target_root, target_entry)
         if t.shape == table.shape and np.array_equal(np.asarray(t._table, dtype=np.float32), table):
@@ -280,9 +279,6 @@ def relocate_embedding(src_dir: Path, out_dir: Path, manifest, log=print):
     """After ``dspark-export quantize`` rewrote the target graph into ``out_dir``: point the DSpark drafter's
     embedding entry at the new target's table (where it is the same table) or at a copy of the old one, so no
     entry is left pointing at an offset of a file that changed. Adds the copy to the drafter graph's files."""
-    from dspark_runtime.drafting.dspark import EmbeddingRows
-    from dspark_runtime.engine_dir.manifest import FileEntry
-
     ds = manifest.speculation.dspark
     old = np.asarray(EmbeddingRows.from_manifest(src_dir, ds.embedding)._table, dtype=np.float32)
     new_entry = target_embedding_entry(out_dir, manifest.graphs["target"].model_file)

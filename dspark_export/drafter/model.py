@@ -1,71 +1,21 @@
-"""The DSpark drafter in torch: configuration, model, and DeepSpec-layout checkpoints.
+"""The DSpark drafter in torch (:class:`DSparkDraftModel`), for training and export; its configuration is
+:mod:`dspark_export.drafter.config`, its checkpoints :mod:`dspark_export.drafter.checkpoint`.
 
-Architecture (docs/design.md §1; DSpark paper §3; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py`` and
-``deepspec/modeling/dspark/gemma4/modeling.py``):
-
-- **Context (KV injection).** The target's hidden states at layers ``target_layer_ids`` (DeepSpec
-  indexing: -1 = embedding output, i = output of decoder layer i) are concatenated per committed
-  position, projected ``fc: m·d -> d`` and RMS-normalised (``hidden_norm``). Every draft layer applies
-  its own ``k_proj``/``v_proj`` to them; ``k_norm`` and RoPE (at the context positions) apply to the
-  context keys too. The context of a block is every committed position before its anchor.
-- **Block.** Input = the anchor token followed by γ−1 ``mask_token_id`` tokens at positions
-  anchor_pos .. anchor_pos+γ−1, embedded with the target's (frozen) embedding. Block positions attend to
-  all context positions and bidirectionally to each other. Block position k (0-based) predicts the token
-  at anchor_pos + k + 1, so a block of γ positions drafts γ tokens. Output hidden states are normed
-  (``norm``) and give base logits U_k = lm_head(h_k) with the target's (frozen) LM head.
-- **Markov head** (sequential stage): logits_k = U_k + W2·f(W1[x_{k−1}], h_k, ...) with x_{−1} = anchor;
-  ``vanilla`` f = identity, ``gated`` f = σ(W_g[h_k; W1[x]])⊙W1[x], ``rnn`` a GRU-like state over the block.
-  ``markov_rank`` 0 = no head (DFlash).
-- **Confidence head**: c_k = σ(wᵀ[h_k; W1[x_{k−1}]] + b) (or σ(wᵀh_k + b) without Markov features),
-  trained to the soft acceptance 1 − ½‖p_d − p_t‖₁.
-
-**Two layer families**, chosen by ``architectures`` (DeepSpec's model class names):
-
-- ``Qwen3DSparkModel`` (DeepSpec's Qwen3 layer; also what our own drafters for Qwen2/Llama/Mistral targets
-  use): pre-norm residual blocks, q/k RMSNorm (x·rsqrt(mean x²+ε)·w), q/k/v/o biases iff ``attention_bias``,
-  the MLP activation ``hidden_act`` (transformers' ``ACT2FN``), scores scaled by head_dim^-½, RoPE from
-  ``rope_parameters``/``rope_scaling``/``rope_theta`` through transformers' own ``Qwen3RotaryEmbedding``
-  (types ``default``, ``linear``, ``yarn``, ``llama3``; the YaRN attention factor multiplies cos/sin).
-- ``Gemma4DSparkModel`` (DeepSpec's Gemma-4 layer): head size ``global_head_dim``; keys double as values when
-  ``attention_k_eq_v`` (no ``v_proj``; then ``num_global_key_value_heads`` KV heads); q/k RMSNorm with weight
-  and a weightless v RMSNorm (Gemma-4 norms multiply by ``weight``, not 1 + weight, computed in float32);
-  scores unscaled (scaling 1.0); sandwich norms: x + post_attention_layernorm(attn(input_layernorm(x))),
-  then x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))), the layer output times
-  ``layer_scalar``; embeddings times sqrt(hidden_size) (in the weights' dtype, the mask token too);
-  MLP activation ``hidden_activation``; RoPE of ``rope_parameters["full_attention"]`` through transformers'
-  ``Gemma4TextRotaryEmbedding`` (``proportional`` or ``default``); base logits soft-capped,
-  tanh(U/cap)·cap with cap = ``final_logit_softcapping``, before the Markov bias.
-
-Configuration and strict loading of ``config.json``: :mod:`dspark_export.drafter.config`.
-
-Parameter names are DeepSpec's: ``fc``, ``hidden_norm``, ``layers.N.self_attn.{q,k,v,o}_proj`` (+ ``.bias``),
-``layers.N.self_attn.{q,k}_norm``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.{input,post_attention}_layernorm``
-(+ Gemma-4: ``layers.N.{pre,post}_feedforward_layernorm``, ``layers.N.layer_scalar``), ``norm``, ``embed_tokens``,
-``lm_head``, ``markov_head.markov_w1``/``markov_w2`` (+ ``gate_proj``/``joint_proj``), ``confidence_head.proj``.
-
-**Reduced draft vocabulary** (our extension, recorded, exact): with ``draft_vocab_size`` = V_d set, the
-drafter scores only the target ids ``draft_vocab_ids`` (int64 [V_d], stored in the checkpoint); draft
-token i means target id draft_vocab_ids[i]. ``lm_head`` then holds those V_d rows of the target's head,
-``markov_w2`` is [V_d, r] and ``markov_w1`` is [V_d + 1, r] where the last row embeds every previous token
-outside the draft vocabulary. Frozen copies of the target's embedding and LM head may be omitted from the
-checkpoint (``frozen_from_target``); they are then taken from the target at load time.
-
-**MoE FFN** (our extension, :class:`DraftMoE`): with ``draft_moe_experts`` = E > 0 every draft layer's MLP is a
-router ``layers.N.mlp.gate`` (d -> E) over E SwiGLU experts ``layers.N.mlp.experts.J.{gate,up,down}_proj`` of width
-``draft_moe_intermediate_size``, mixing the ``draft_moe_top_k`` most probable per token (Mixtral routing); all E are
-computed and weighted (0 outside the top-k), which exports as a fixed graph. ``DSparkDraftModel.moe_aux_loss()`` is
-the Switch-Transformer load-balancing loss of the last forward.
+Sources: DSpark paper §3 and DeepSpec ``deepspec/modeling/dspark/{qwen3,gemma4}/modeling.py`` (docs/design.md §1,
+docs/drafter.md). The target's features at ``target_layer_ids`` (-1 = embedding output) are projected (``fc``,
+``hidden_norm``) and injected as extra keys/values into every draft layer; a block is the anchor followed by γ−1
+``mask_token_id`` tokens, attending to the context before the anchor and bidirectionally within the block; block
+position k drafts the token at anchor + k + 1. Parameter names are DeepSpec's. Two extensions of ours: a reduced
+draft vocabulary (``draft_vocab_ids``: draft token i is target id ``draft_vocab_ids[i]``) and the MoE FFN
+(:class:`~dspark_export.drafter.ffn.DraftMoE`).
 """
 from __future__ import annotations
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from dspark_export.drafter.config import QWEN3, DSparkConfig, rotary_table
 from dspark_export.drafter.ffn import DraftMLP, DraftMoE
-from dspark_export.drafter.config import (GEMMA4, QWEN3, WEIGHTS_NAME, DraftConfigError, DSparkConfig, load_config,
-                                         rotary_table)
 
 
 class RMSNorm(nn.Module):
@@ -112,6 +62,14 @@ def rope(x, positions, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
 
 
 class DraftAttention(nn.Module):
+    """Attention of a block over the injected context keys/values and its own positions.
+
+    Both families: q/k RMSNorm per head, RoPE on queries and keys (context keys at their own positions), grouped
+    KV heads. Qwen3: q/k/v/o biases iff ``attention_bias``, scores scaled by head_dim^-½. Gemma-4: head size
+    ``global_head_dim``, keys double as values when ``attention_k_eq_v`` (no ``v_proj``), a weightless v RMSNorm,
+    scores unscaled.
+    """
+
     def __init__(self, c: DSparkConfig):
         super().__init__()
         self.c = c
@@ -161,6 +119,10 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """One draft layer. Qwen3: pre-norm residual blocks. Gemma-4: sandwich norms,
+    x + post_attention_layernorm(attn(input_layernorm(x))), then x + post_feedforward_layernorm(mlp(
+    pre_feedforward_layernorm(x))), the output times ``layer_scalar``."""
+
     def __init__(self, c: DSparkConfig):
         super().__init__()
         self.gemma = c.gemma
@@ -183,7 +145,10 @@ class DraftLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """W1 [V_in, r] embedding of the previous token, W2 [V_out, r] projection (+ gate / rnn parameters)."""
+    """The sequential Markov head: logits_k = U_k + W2·f(W1[x_{k−1}], h_k) with x_{−1} = the anchor. W1 [V_in, r]
+    embeds the previous token (V_in = V_d + 1 with a reduced vocabulary: the last row stands for every token outside
+    it), W2 [V_out, r] projects. ``vanilla``: f = identity; ``gated``: σ(W_g[h_k; W1[x]])⊙W1[x]; ``rnn``: a GRU-like
+    state over the block. ``markov_rank`` 0 builds no head (DFlash)."""
 
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -223,6 +188,9 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
+    """Pre-sigmoid confidence c_k = wᵀ[h_k; W1[x_{k−1}]] + b (wᵀh_k + b without the Markov features), trained to the
+    soft acceptance 1 − ½‖p_d − p_t‖₁."""
+
     def __init__(self, in_dim: int):
         super().__init__()
         self.proj = nn.Linear(in_dim, 1)
@@ -233,7 +201,9 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDraftModel(nn.Module):
     """The DSpark drafter's torch model, for training and export (see the module docstring for the architecture and
-    sources); at run time its compiled graph is driven by :class:`dspark_runtime.drafting.dspark.DSparkDrafter`."""
+    sources); at run time its compiled graph is driven by :class:`dspark_runtime.drafting.dspark.DSparkDrafter`.
+    Gemma-4 scales the embeddings by sqrt(hidden_size) and soft-caps the base logits (:meth:`embed`,
+    :meth:`base_logits`)."""
 
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -348,185 +318,6 @@ def block_mask(anchors, keep, seq_len: int, gamma: int):
     ctx = ctx & keep[:, qb][:, :, None]
     same = (kv[None, :] >= seq_len) & (((kv[None, :] - seq_len) // gamma) == qb[:, None])
     return (ctx | same[None]).unsqueeze(1)
-
-
-# --- checkpoints (DeepSpec layout) -------------------------------------------------------------
-
-def expected_shapes(c: DSparkConfig, include_frozen: bool = True) -> dict:
-    """Every tensor name of a DeepSpec-layout checkpoint for ``c`` -> its shape."""
-    d, hd = c.hidden_size, c.head_dim
-    s = {"fc.weight": (d, c.feature_size), "hidden_norm.weight": (d,), "norm.weight": (d,)}
-    if include_frozen:
-        s["embed_tokens.weight"] = (c.vocab_size, d)
-        s["lm_head.weight"] = (c.out_vocab, d)
-    projs = {"q_proj": c.num_attention_heads * hd, "k_proj": c.num_key_value_heads * hd}
-    if not c.attention_k_eq_v:
-        projs["v_proj"] = c.num_key_value_heads * hd
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        for name, rows in projs.items():
-            s[p + f"self_attn.{name}.weight"] = (rows, d)
-            if c.attention_bias:
-                s[p + f"self_attn.{name}.bias"] = (rows,)
-        s[p + "self_attn.o_proj.weight"] = (d, c.num_attention_heads * hd)
-        if c.attention_bias:
-            s[p + "self_attn.o_proj.bias"] = (d,)
-        s[p + "self_attn.q_norm.weight"] = (hd,)
-        s[p + "self_attn.k_norm.weight"] = (hd,)
-        if c.moe:  # our MoE FFN option (Mixtral-like names)
-            w = c.draft_moe_intermediate_size
-            s[p + "mlp.gate.weight"] = (c.draft_moe_experts, d)
-            for j in range(c.draft_moe_experts):
-                s[p + f"mlp.experts.{j}.gate_proj.weight"] = (w, d)
-                s[p + f"mlp.experts.{j}.up_proj.weight"] = (w, d)
-                s[p + f"mlp.experts.{j}.down_proj.weight"] = (d, w)
-        else:
-            s[p + "mlp.gate_proj.weight"] = (c.intermediate_size, d)
-            s[p + "mlp.up_proj.weight"] = (c.intermediate_size, d)
-            s[p + "mlp.down_proj.weight"] = (d, c.intermediate_size)
-        s[p + "input_layernorm.weight"] = (d,)
-        s[p + "post_attention_layernorm.weight"] = (d,)
-        if c.gemma:
-            s[p + "pre_feedforward_layernorm.weight"] = (d,)
-            s[p + "post_feedforward_layernorm.weight"] = (d,)
-            s[p + "layer_scalar"] = (1,)
-    r = c.markov_rank
-    if r > 0:
-        s["markov_head.markov_w1.weight"] = (c.draft_vocab_size + 1 if c.draft_vocab_size else c.vocab_size, r)
-        s["markov_head.markov_w2.weight"] = (c.out_vocab, r)
-        if c.markov_head_type == "gated":
-            s["markov_head.gate_proj.weight"] = (r, d + r)
-            s["markov_head.gate_proj.bias"] = (r,)
-        elif c.markov_head_type == "rnn":
-            s["markov_head.joint_proj.weight"] = (3 * r, 2 * r + d)
-            s["markov_head.joint_proj.bias"] = (3 * r,)
-    if c.enable_confidence_head:
-        s["confidence_head.proj.weight"] = (1, d + (r if c.confidence_head_with_markov else 0))
-        s["confidence_head.proj.bias"] = (1,)
-    if c.draft_vocab_size:
-        s["draft_vocab_ids"] = (c.draft_vocab_size,)
-    return s
-
-
-def _unexpected_hint(names: list, c: DSparkConfig) -> str:
-    """What would make the config describe the unexpected tensors ``names``."""
-    hints = []
-    if any(n.endswith("_proj.bias") and ".self_attn." in n for n in names) and not c.attention_bias:
-        hints.append("q/k/v/o biases need attention_bias: true")
-    if any(n.endswith("self_attn.v_proj.weight") for n in names) and c.attention_k_eq_v:
-        hints.append("a v_proj means attention_k_eq_v: false (with it true, keys double as values)")
-    gemma_only = ("pre_feedforward_layernorm", "post_feedforward_layernorm", "layer_scalar")
-    if any(g in n for n in names for g in gemma_only) and not c.gemma:
-        hints.append(f"{'/'.join(gemma_only)} belong to DeepSpec's Gemma-4 layer: its config says architectures "
-                     f"[{GEMMA4!r}] with model_type gemma4_text")
-    if any(".mlp." in n and n.endswith(".bias") for n in names):
-        hints.append("MLP biases are not implemented (DeepSpec's DSpark MLPs have none)")
-    if any(".mlp.experts." in n or n.endswith(".mlp.gate.weight") for n in names):
-        if not c.moe:
-            hints.append("mlp.gate / mlp.experts.N.* are the MoE FFN option: its config.json needs "
-                         "draft_moe_experts, draft_moe_top_k and draft_moe_intermediate_size (our extension)")
-        else:
-            hints.append(f"the config gives draft_moe_experts {c.draft_moe_experts}; does the checkpoint hold more "
-                         "experts?")
-    if c.moe and any(n.split(".mlp.")[-1] in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-                     for n in names):
-        hints.append("mlp.{gate,up,down}_proj are the dense MLP's: the checkpoint was saved dense, so remove "
-                     "draft_moe_experts / draft_moe_top_k / draft_moe_intermediate_size from config.json")
-    if not hints:
-        hints.append("no layer this loader implements has them; supporting them needs dspark_export/drafter/model.py "
-                     "to implement the module they belong to")
-    return "; ".join(hints)
-
-
-def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float16, include_frozen: bool = False) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the DeepSpec layout; returns the folder.
-
-    ``include_frozen=False`` omits the frozen copies of the target's embedding and LM head (recorded as
-    ``frozen_from_target``; loading then needs the target). Floating tensors are stored as ``dtype``.
-    """
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    c = model.config
-    c.frozen_from_target = not include_frozen
-    names = expected_shapes(c, include_frozen)
-    state = model.state_dict()
-    tensors = {}
-    for n in names:
-        t = state[n].detach().cpu().contiguous()
-        tensors[n] = t.to(dtype) if t.is_floating_point() else t
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
-    return out_dir
-
-
-def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype=torch.float32) -> DSparkDraftModel:
-    """Load a DeepSpec-layout drafter (``config.json`` + ``*.safetensors``), strictly: every checkpoint tensor
-    is consumed and every model tensor filled; floating tensors are cast to ``dtype`` (the model's parameters
-    and buffers are ``dtype``; RoPE frequencies stay float32, as transformers computes them).
-
-    Args:
-        target_embed, target_lm_head: the target's embedding / LM head weights [V, d]; required when the
-            checkpoint omits its frozen copies (``frozen_from_target``), ignored otherwise.
-    Raises:
-        DraftConfigError: a missing, unexpected or mis-shaped tensor, a bad or unsupported config, or missing
-            target weights.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    c = load_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftConfigError(f"{path}: no *.safetensors weights next to config.json")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    frozen = [n for n in ("embed_tokens.weight", "lm_head.weight") if n in tensors]
-    if len(frozen) == 1:
-        other = ({"embed_tokens.weight", "lm_head.weight"} - set(frozen)).pop()
-        raise DraftConfigError(f"{path}: the checkpoint holds {frozen[0]} but not {other}; DeepSpec checkpoints hold "
-                               "both frozen copies, ours (frozen_from_target) neither")
-    has_frozen = len(frozen) == 2
-    want = expected_shapes(c, include_frozen=has_frozen)
-    unexpected = sorted(n for n in tensors if n not in want)
-    if unexpected:
-        raise DraftConfigError(f"{path}: checkpoint tensor(s) {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} "
-                               f"are not part of the {c.layer} drafter its config.json describes, and loading would "
-                               f"drop them: {_unexpected_hint(unexpected, c)}")
-    missing = [n for n in want if n not in tensors]
-    if missing:
-        raise DraftConfigError(f"{path}: checkpoint lacks tensor(s) {missing[:6]}{' ...' if len(missing) > 6 else ''} "
-                               f"required by its config.json")
-    for n, shape in want.items():
-        if tuple(tensors[n].shape) != tuple(shape):
-            raise DraftConfigError(f"{path}: tensor {n!r} has shape {tuple(tensors[n].shape)}, the config implies "
-                                   f"{tuple(shape)}")
-    sd = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in tensors.items()}
-    if not has_frozen:
-        if target_embed is None or target_lm_head is None:
-            raise DraftConfigError(f"{path}: the checkpoint omits the frozen embedding/LM head "
-                                   "(frozen_from_target); pass the target's weights")
-        sd["embed_tokens.weight"] = target_embed.to(dtype)
-        lm = target_lm_head.to(dtype)
-        sd["lm_head.weight"] = lm if "draft_vocab_ids" not in sd else lm[sd["draft_vocab_ids"]]
-        for n in ("embed_tokens.weight", "lm_head.weight"):
-            want_shape = expected_shapes(c)[n]
-            if tuple(sd[n].shape) != want_shape:
-                raise DraftConfigError(f"{path}: the target's {n} has shape {tuple(sd[n].shape)}, the drafter's "
-                                       f"config implies {want_shape}")
-    with torch.device("meta"):  # no throw-away random init: the state dict's tensors become the parameters
-        model = DSparkDraftModel(c)
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise DraftConfigError(f"{path}: the checkpoint does not fill the drafter its config describes: {e}") from None
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
-    model.config.frozen_from_target = not has_frozen
-    return model
 
 
 def qwen2_draft_config(target_config: dict, *, mask_token_id: int, num_layers: int = 1,

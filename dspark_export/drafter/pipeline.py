@@ -4,20 +4,28 @@ state in its work directory (:class:`RunState`), the stages answers -> sequences
 """
 from __future__ import annotations
 
+import gzip
 import json
 import random
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.engine_dir.integrity import atomic_write_text
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.machine.sysinfo import cpu_features
 
+from dspark_export.drafter import data as answers_data  # by module: tests replace its answer generators
+from dspark_export.drafter.data import TRAIN_SPLIT, done_keys, split_prompts
 from dspark_export.drafter.features import (FeatureStore, answer_sequences, choose_draft_vocab, extract_features,
-                             extract_features_ort, pick_mask_token, sharegpt_sequences, stdlib_sequences)
+                                            extract_features_ort, pick_mask_token, sharegpt_sequences,
+                                            stdlib_sequences)
 from dspark_export.drafter.train import TRAIN_STATE, TrainSettings, train
-
+from dspark_export.engine_dir.add_draft import add_dspark_draft
+from dspark_export.fit.calibrate_drafter import calibrate_engine
 
 
 @dataclass
@@ -100,8 +108,6 @@ class RunState:
         return st["done"]
 
     def save(self) -> None:
-        from dspark_runtime.engine_dir.manifest import atomic_write_text
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path, json.dumps(self.data, indent=2) + "\n")
 
@@ -148,15 +154,12 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     import torch
     from transformers import AutoTokenizer
 
-    from dspark_export.drafter.data import generate_answers, generate_answers_engine
     from dspark_export.drafter.graph import target_frozen_weights
     from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
 
     work_dir = Path(work_dir)
     fresh = None
     if p is not None:
-        from dataclasses import asdict
-
         fresh = {"target": str(target_dir), "engine": None if engine_dir is None else str(engine_dir),
                  "out": str(out_dir), "pipeline": asdict(p), "train": asdict(s),
                  "compile": True if compile_into_engine is None else bool(compile_into_engine)}
@@ -206,12 +209,13 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
             f"{' (batched through the engine)' if engine_dir is not None else ' (transformers generate)'}")
         t = time.perf_counter()
         if engine_dir is not None:
-            r = generate_answers_engine(engine_dir, answers, max_new_tokens=p.answer_tokens, max_batch=p.answer_batch,
-                                        limit=p.answer_prompts, time_budget_s=left(),
-                                        n_sharegpt=p.sharegpt_prompts, log=log)
+            r = answers_data.generate_answers_engine(engine_dir, answers, max_new_tokens=p.answer_tokens,
+                                                     max_batch=p.answer_batch, limit=p.answer_prompts,
+                                                     time_budget_s=left(), n_sharegpt=p.sharegpt_prompts, log=log)
         else:
-            r = generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens, batch_size=p.answer_batch,
-                                 limit=p.answer_prompts, time_budget_s=left(), n_sharegpt=p.sharegpt_prompts)
+            r = answers_data.generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens,
+                                              batch_size=p.answer_batch, limit=p.answer_prompts,
+                                              time_budget_s=left(), n_sharegpt=p.sharegpt_prompts)
         st["prompts"] = r["prompts"]
         if not state.progress(st, time.perf_counter() - t, r["new_tokens"], r.get("complete", True)):
             return stopped("answers")
@@ -306,9 +310,6 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     # 5. calibrate (compile into the engine, fit STS and the router priors on the calibration split)
     st = state.stage("calibrate")
     if not st["done"] and engine_dir is not None and compile_into_engine:
-        from dspark_export.engine_dir.add_draft import add_dspark_draft
-        from dspark_export.fit.calibrate_drafter import calibrate_engine
-
         t = time.perf_counter()
         log(f"[5/5] compiling {out_dir} into {engine_dir} and calibrating it")
         add_dspark_draft(engine_dir, out_dir, str(target_dir), log=log)
@@ -316,8 +317,6 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         st.update(done=True, seconds=time.perf_counter() - t, rounds=cal["rounds"],
                   temperatures=cal["temperatures"])
         state.save()
-    from dspark_runtime.machine.sysinfo import cpu_features
-
     report = {"stages": d["stages"], "settings": {"pipeline": d["pipeline"], "train": d["train"]},
               "machine": cpu_features(),
               "checkpoint_bytes": sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))}
@@ -350,8 +349,6 @@ def _reuse_source(src_dir: Path, fresh: dict) -> dict:
 def _reuse_data(src: dict, src_dir: Path, state: RunState, work_dir: Path, log) -> None:
     """Bring ``src_dir``'s answers and sequences (copied) and features (a symbolic link) into ``work_dir`` and mark
     those stages done with the source run's records (``reused_from``); nothing is done twice on a re-run."""
-    import shutil
-
     work_dir.mkdir(parents=True, exist_ok=True)
     for name in ("answers.jsonl", "sequences.npz"):
         if (src_dir / name).exists() and not (work_dir / name).exists():
@@ -373,10 +370,6 @@ def import_answers(src: Path, answers: Path) -> int:
     :func:`dspark_export.drafter.data.generate_answers_engine`) whose key it lacks; returns how many. Records whose
     key is not a training prompt are refused, so a file can never bring a calibration or evaluation prompt in.
     Raises DSparkError naming the file and line of a malformed record."""
-    import gzip
-
-    from dspark_export.drafter.data import TRAIN_SPLIT, done_keys, split_prompts
-
     split = {k for group in split_prompts(TRAIN_SPLIT).values() for k, _ in group}
     allowed = lambda k: k in split or str(k).startswith("sharegpt:")  # noqa: E731
     have = done_keys(answers)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.machine.sysinfo import cpu_features
 
 from dspark_export.drafter.features import FeatureStore
 
@@ -73,13 +74,10 @@ class TrainSettings:
 
 def bf16_native(flags=None) -> bool:
     """Whether this CPU multiplies bf16 matrices natively with AMX (``amx_bf16``): where a bf16-autocast training
-    step pays. Measured on a 2-core Intel Xeon with AMX (2026-12-02, the drafter's real sizes: 1 layer, draft
-    vocabulary 16,384, 4 windows of 256 tokens x 32 anchors): 1.8-2.0 s a step against 3.6-3.8 s in fp32 (one
-    thread). CPUs without it (AVX-512 BF16 only, or none) keep fp32 unless asked (``--bf16``).
+    step pays (about twice as fast a step as fp32 there; docs/drafter.md). CPUs without it (AVX-512 BF16 only, or
+    none) keep fp32 unless asked (``--bf16``).
     ``flags``: the ISA flags to read (default: this machine's, :func:`dspark_runtime.machine.sysinfo.cpu_features`)."""
     if flags is None:
-        from dspark_runtime.machine.sysinfo import cpu_features
-
         flags = cpu_features()["flags"]
     return "amx_bf16" in flags
 
@@ -282,7 +280,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     import torch
     from tqdm import tqdm
 
-    from dspark_export.drafter.model import save_checkpoint
+    from dspark_export.drafter.checkpoint import save_checkpoint
 
     n = len(store)
     held = list(range(max(0, n - s.eval_seqs), n))

@@ -13,9 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark_runtime.drafting.dspark import EmbeddingRows
+from dspark_runtime.engine_dir.graphspec import GraphSpec
+from dspark_runtime.engine_dir.manifest import FileEntry, GraphEntry, Manifest, load_manifest
+from dspark_runtime.engine_dir.speculation import DSparkSection
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.manifest import FileEntry, GraphEntry, Manifest
 
+from dspark_export.engine_dir.commit import commit_manifest
+from dspark_export.engine_dir.transaction import engine_transaction
+from dspark_export.models.catalog import resolve_model
+from dspark_export.paths import repo_root
+from dspark_export.precision.quantizers import quantize_graph
 
 DSPARK_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # the drafter graph's weights (weight-only: no calibration)
 
@@ -29,8 +37,6 @@ def dspark_checkpoint(draft: str | None) -> Path | None:
         return None
     p = Path(str(draft)[len("dspark:"):]).expanduser()
     if not p.is_absolute() and not p.exists():
-        from dspark_export.paths import repo_root
-
         p = repo_root() / p
     if not (p / "config.json").is_file():
         raise DSparkError(f"DSpark checkpoint {p} not found (no config.json); train one with "
@@ -39,8 +45,8 @@ def dspark_checkpoint(draft: str | None) -> Path | None:
 
 
 def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: Path, model_id: str,
-                isolate: bool, log, role: str = "draft", target_root: Path | None = None,
-                precision: str = "fp32") -> None:
+                    isolate: bool, log, role: str = "draft", target_root: Path | None = None,
+                    precision: str = "fp32") -> None:
     """Export the DSpark drafter ``ckpt`` into ``out_dir`` and record it in ``manifest`` as graph ``role``
     ("draft" when it is the engine's only drafter, "dspark" when added beside a draft LM). ``target_root``: the
     directory holding the manifest's target graph (default ``out_dir``); the drafter reads the anchor's embedding
@@ -48,22 +54,20 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     ``precision``: the drafter graph's weights, "fp32" or weight-only "int4" (ONNX Runtime's MatMulNBits RTN, as
     the draft LM's) / "int8-dynamic"; a quantized graph is compared with the fp32 one (``validation[precision]``).
     Raises DSparkError for another precision."""
+    from dspark_export.drafter.config import load_config  # torch
+    from dspark_export.drafter.graph import (EMBED_FILE, HEADS_NAME, compare_draft_graphs, export_dspark,
+                                             target_embedding_entry)
+
     if precision not in DSPARK_PRECISIONS:
         raise DSparkError(f"the DSpark drafter graph can be {', '.join(DSPARK_PRECISIONS)} (weight-only, no "
                           f"calibration), not {precision!r}")
     export_role = role if precision == "fp32" else f"{role}.fp32"
-    from dspark_runtime.engine_dir.graphspec import GraphSpec as _GS
-
     feats = manifest.graphs["target"].spec.dims.feature_layers
-    from dspark_export.drafter.config import load_config
-
     cfg = load_config(ckpt)
     if list(feats) != list(cfg.target_layer_ids):
         raise DSparkError(f"the target graph outputs features of layers {list(feats)} but the drafter needs "
                           f"{cfg.target_layer_ids}; rebuild the target with those feature layers")
     log(f"[{role}] exporting DSpark drafter {ckpt} -> {role}.onnx")
-    from dspark_export.drafter.graph import EMBED_FILE, HEADS_NAME, target_embedding_entry
-
     target_root = Path(target_root or out_dir)
     target_emb = target_embedding_entry(target_root, manifest.graphs["target"].model_file)
     if isolate:
@@ -77,23 +81,17 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
         res = json.loads(result.read_text())
         result.unlink()
     else:
-        from dspark_export.drafter.graph import export_dspark
-
         res = export_dspark(ckpt, target_dir, out_dir, export_role, target_emb, target_root)
     v = res["validation"]["fp32"]
     log(f"[{role}] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
         f"{v['argmax_agreement']:.0%}")
     quant = None
     if precision != "fp32":
-        from dspark_export.engine_dir.build import quantize_graph
-        from dspark_export.drafter.graph import compare_draft_graphs
-        from dspark_runtime.drafting.dspark import EmbeddingRows
-
         src, dst = out_dir / f"{export_role}.onnx", out_dir / f"{role}.onnx"
         log(f"[{role}] fp32 -> {precision}")
         quant = quantize_graph(src, dst, precision, int4_source="rtn", log=log)
         emb_root = out_dir if res["embedding"]["file"] == EMBED_FILE else target_root
-        agree = compare_draft_graphs(src, dst, _GS.from_json(res["spec"]),
+        agree = compare_draft_graphs(src, dst, GraphSpec.from_json(res["spec"]),
                                      EmbeddingRows.from_manifest(emb_root, res["embedding"]))
         res["validation"][precision] = {"reference": "fp32 graph", **agree}
         log(f"[{role}] {precision} vs fp32 on random features: argmax agreement {agree['argmax_agreement']:.0%}, "
@@ -110,7 +108,7 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     if emb["file"] == EMBED_FILE:
         files.append(FileEntry.of(out_dir, EMBED_FILE))
     manifest.graphs[role] = GraphEntry(role=role, model_id=str(model_id), format="onnx", precision=precision,
-                                       files=files, spec=_GS.from_json(res["spec"]),
+                                       files=files, spec=GraphSpec.from_json(res["spec"]),
                                        validation=res["validation"], model_config=res["config"])
     if quant is not None:
         manifest.graphs[role].quantization = quant
@@ -119,8 +117,6 @@ def add_dspark_into(manifest: Manifest, out_dir: Path, ckpt: Path, target_dir: P
     if sts_file.is_file():
         saved = json.loads(sts_file.read_text())
         sts, router = saved.get("temperatures"), saved.get("router")
-    from dspark_runtime.engine_dir.speculation import DSparkSection
-
     sp = manifest.speculation
     if router:
         sp.router = router
@@ -143,10 +139,6 @@ def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = 
     engine, DSparkError when the target's feature layers differ from the drafter's or the export fails; the
     engine directory is then unchanged.
     """
-    from dspark_export.engine_dir.build import _commit, resolve_model
-    from dspark_export.engine_dir.transaction import engine_transaction
-    from dspark_runtime.engine_dir.manifest import load_manifest
-
     engine_dir = Path(engine_dir)
     load_manifest(engine_dir, verify=False)  # a clear error for a directory that is not an engine
     with engine_transaction(engine_dir) as txn:
@@ -158,5 +150,5 @@ def add_dspark_draft(engine_dir: Path, ckpt: Path, target: str, isolate: bool = 
             precision = "int4" if manifest.graphs["target"].precision == "int4" else "fp32"
         add_dspark_into(manifest, txn.stage, ckpt, resolve_model(target), f"dspark:{ckpt}", isolate, log, role=role,
                         target_root=engine_dir, precision=precision)
-        _commit(txn, manifest)
+        commit_manifest(txn, manifest)
     return manifest

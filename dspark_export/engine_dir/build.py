@@ -18,7 +18,6 @@ exported in its own subprocess by default, so only one model is in memory at a t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,31 +26,24 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, GraphSpec
-from dspark_runtime.engine_dir.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, record_verified
+from dspark_runtime.engine_dir.manifest import SCHEMA_VERSION, FileEntry, GraphEntry, Manifest
+from dspark_runtime.engine_dir.speculation import Speculation
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
+from dspark_runtime.errors import DSparkError
 
-from dspark_export.engine_dir.add_draft import add_dspark_into, dspark_checkpoint
+from dspark_export.engine_dir.add_draft import DSPARK_PRECISIONS, add_dspark_into, dspark_checkpoint
+from dspark_export.engine_dir.commit import build_machine, commit_manifest, tool_versions
+from dspark_export.engine_dir.transaction import engine_transaction
+from dspark_export.models.catalog import resolve_model
+from dspark_export.precision.activation_ranges import calibration_token_ids
+from dspark_export.precision.fp8 import check_fp8_writer
+from dspark_export.precision.nbits import INT4_SOURCES
+from dspark_export.precision.quantizers import CALIBRATED, PRECISIONS, quantize_graph, resolve_int4_source
 
-# fp32: the exported graph as is.
-# int8: static QDQ for ONNX Runtime CPU (U8 activations / S8 per-channel weights, calibrated on the
-#   calibration split; dspark_export.precision.quantize). int8-trt: the same with symmetric S8/S8 for TensorRT.
-# int8-dynamic: ONNX Runtime dynamic quantization of the MatMul weights (S8, per tensor; activations
-#   quantized at run time, no calibration data). Per-channel weights were worse on the Qwen2.5-0.5B
-#   graph (argmax agreement with fp32 3% at prefill, against 56% per tensor), so per tensor it is.
-# fp8: FP8 (E4M3) QDQ for TensorRT on GPUs of compute capability >= 8.9, by NVIDIA ModelOpt in its own
-#   environment (dspark_export.precision.fp8) or by the streaming QDQ writer (dspark_export.precision.qdq; fp8_writer picks);
-#   the runtime refuses it on the CPU provider unless asked.
-# int4: weight-only com.microsoft.MatMulNBits for ONNX Runtime CPU (dspark_export.precision.nbits), from the GGUF's own
-#   blocks (int4_source "gguf", faithful to llama.cpp's weights) or from float weights by ONNX Runtime's quantizer
-#   ("rtn" / "hqq"). The CPU default (the packaged recipes, dspark_export/recipes/*.json).
-PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
 AUTO_SCATTER_PRECISIONS = ("int4", "int8-dynamic")  # kv_layout "auto" picks scatter when every graph is one of these
-CALIBRATED = ("int8", "int8-trt", "fp8")
 ROLES = ("target", "draft")
-CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, math500 351-400; "
-                    "mbpp, gsm8k, mbpp, math500 in turn)")
 VALIDATION_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -99,8 +91,6 @@ class Recipe:
 
     def int4_source_for(self, role: str) -> str:
         """The int4 weight source of graph ``role``: auto | gguf | rtn | hqq (see :func:`resolve_int4_source`)."""
-        from dspark_export.precision.nbits import INT4_SOURCES
-
         choice = per_role(self.int4_source, role, "auto", "int4_source", "target=gguf,draft=rtn")
         if choice not in INT4_SOURCES:
             raise DSparkError(f"int4 source {choice!r} is not supported; choose one of {', '.join(INT4_SOURCES)}")
@@ -139,46 +129,6 @@ def per_role(spec, role: str, default: str, what: str, example: str) -> str:
             raise DSparkError(f"{what} {spec!r}: write one value, or role=value pairs such as {example!r}")
         per[k.strip()] = v.strip()
     return per.get(role, default)
-
-
-def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
-    """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
-
-    ``auto``: the target re-packs the GGUF it was converted from when that file is present (faithful: the
-    weights llama.cpp runs), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
-    output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` requires the file;
-    ``rtn``/``hqq`` use the float weights. Raises DSparkError when ``gguf`` is asked for and no GGUF is known.
-    """
-    from dspark_export.models.fetch import source_gguf
-
-    gguf = source_gguf(model_dir) if model_dir is not None else None
-    if requested == "auto":
-        if role == "target" and gguf is not None:
-            return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
-        return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
-                             else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
-    if requested == "gguf":
-        if gguf is None:
-            raise DSparkError(f"--int4-source gguf: {model_dir} records no GGUF it was converted from (or the file "
-                              "is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
-        return "gguf", gguf, "asked for"
-    return requested, None, "asked for"
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """A fetched model name -> its cache folder; an existing folder -> itself. Raises DSparkError."""
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        return p
-    from dspark_export.models import fetch
-
-    if name_or_path in fetch.MODELS:
-        mp = fetch.model_path(name_or_path)
-        if (mp / "config.json").is_file():
-            return mp
-        raise DSparkError(f"model {name_or_path!r} is not fetched yet; run `dspark-export fetch {name_or_path}`")
-    raise DSparkError(f"{name_or_path!r} is neither a model folder nor a known model "
-                      f"({', '.join(sorted(fetch.MODELS))})")
 
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
@@ -239,100 +189,6 @@ def _move_graph(src: Path, dst: Path) -> None:
     src.unlink()
 
 
-def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
-                   exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, log=print) -> dict:
-    """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
-    ``quantization`` record.
-
-    ``int8`` / ``int8-trt``: static QDQ (:func:`dspark_export.precision.qdq.quantize_qdq`), memory-bounded
-    (peak ≈ the largest weight plus the graph structure), with activation ranges from ``table`` (a
-    :class:`~dspark_export.precision.activation_ranges.CalibrationTable`) or measured here on ``calibration_ids`` (token-id
-    lists; needs ``spec``, the graph's GraphSpec; peak ≈ the fp32 weights once, in ONNX Runtime).
-    ``exclude``: module-name patterns kept fp32 (default :data:`dspark_export.precision.qdq.DEFAULT_EXCLUDE`;
-    for fp8 none: every weight MatMul).
-    ``fp8``: FP8 E4M3 QDQ by the writer ``fp8_writer`` names (:func:`dspark_export.precision.fp8.choose_fp8_writer`):
-    ``"modelopt"`` — NVIDIA ModelOpt in its own environment (:func:`dspark_export.precision.fp8.quantize_fp8`; needs
-    ``calibration_ids``; peak ~7.5x the fp32 weights); ``"stream"`` — the memory-bounded QDQ writer as for
-    int8 (``table`` or ``calibration_ids``; FP8 weights stored quantized); ``"auto"`` (default) — ModelOpt
-    when installed and ~8x the fp32 weights fits in the available memory, else ``"stream"``. The record
-    says which (``"writer"``) and why (``"writer_reason"``).
-    ``int4``: MatMulNBits weight-only (:mod:`dspark_export.precision.nbits`): ``int4_source`` ``"gguf"`` re-packs the blocks
-    of ``gguf`` (the GGUF the model was converted from; streamed, peak ≈ one weight), ``"rtn"`` / ``"hqq"`` run ONNX
-    Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration data.
-    ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
-    Its peak memory is about three times the fp32 weights (measured on the 0.5B draft); raises
-    DSparkError when that cannot fit in this machine's RAM.
-    Raises DSparkError for an unknown precision or fp8 writer, missing calibration data, a calibration
-    table measured on another graph, or a failing quantizer.
-    """
-    if precision == "int4":
-        from dspark_export.precision import nbits
-
-        if int4_source == "gguf":
-            if gguf is None:
-                raise DSparkError("int4 from the GGUF needs the GGUF path")
-            return nbits.quantize_nbits_gguf(src, dst, gguf, log=log)
-        return nbits.quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
-    writer = reason = None
-    if precision == "fp8":
-        from dspark_export.precision.fp8 import choose_fp8_writer
-
-        writer, reason = choose_fp8_writer(src, fp8_writer, log=log)
-        exclude = () if exclude is None else tuple(exclude)
-    if writer == "modelopt":
-        from dspark_export.precision.fp8 import quantize_fp8
-
-        if not calibration_ids or spec is None:
-            raise DSparkError("fp8 needs calibration prompts (token ids) and the graph spec")
-        rep = quantize_fp8(src, dst, spec, calibration_ids, exclude=exclude, log=log)
-        rep["calibration"]["prompts"] = CALIBRATION_NOTE + f"; first {len(calibration_ids)}"
-        return {**rep, "writer_reason": reason}
-    if precision in CALIBRATED:
-        from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
-        from dspark_export.precision.activation_ranges import calibrate_graph
-        from dspark_runtime.engine_dir.manifest import sha256_file
-
-        exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
-        if table is None:
-            if not calibration_ids or spec is None:
-                raise DSparkError(f"{precision} needs calibration data: token ids of calibration prompts and the "
-                                  "graph spec (or a table from `dspark-export calibrate-quant`)")
-            table = calibrate_graph(src, spec, calibration_ids, log=log,  # every weight MatMul: reusable table
-                                    prompts_note=CALIBRATION_NOTE + f"; first {len(calibration_ids)}")
-        elif table.graph_sha256 and table.graph_sha256 != sha256_file(src):
-            raise DSparkError(f"the calibration table was measured on another graph than {src} (sha256 "
-                              f"{table.graph_sha256[:12]}...); run `dspark-export calibrate-quant` on this engine")
-        rep = quantize_qdq(src, dst, table, precision, exclude=exclude, log=log)
-        rep = {**rep, "calibration": table.summary(),
-               "calibration_run": {"seconds": table.seconds, "peak_rss_gb": table.peak_rss_gb}}
-        if writer is not None:
-            rep.update(writer=writer, writer_reason=reason)
-        return rep
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    if precision != "int8-dynamic":
-        raise DSparkError(f"no quantizer for {precision!r}")
-    weights = src.with_name(src.name + ".data").stat().st_size
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 3 * weights > 0.9 * total:
-        raise DSparkError(f"quantizing {src.name} needs ~{3 * weights / 2**30:.0f} GiB RAM (3x its weights) but this "
-                          f"machine has {total / 2**30:.0f} GiB; use the memory-bounded static 'int8' instead, or "
-                          "build on a larger machine")
-    t0 = time.perf_counter()
-    quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=False,
-                     weight_type=QuantType.QInt8, use_external_data_format=True)
-    data = dst.with_name(dst.name + ".data")
-    if not data.is_file():  # small graphs may be saved inline: normalise to one external file
-        import onnx
-
-        m = onnx.load(str(dst))
-        onnx.save_model(m, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=0)
-    log(f"  quantized {dst.name} ({precision}) in {time.perf_counter() - t0:.1f}s")
-    return {"precision": precision, "method": "ONNX Runtime quantize_dynamic (MatMul weights S8 per tensor, "
-            "activations quantized at run time; no calibration data)"}
-
-
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
                            precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto",
                            int4_source: str = "rtn", gguf=None, kv_layout: str = KV_LAYOUT_GROWING) -> dict:
@@ -362,9 +218,9 @@ def _copy_tokenizer(model_dir: Path, out_dir: Path) -> dict:
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text()) if (tok_dir / "tokenizer_config.json").is_file() else {}
     if not (tok_dir / "chat_template.jinja").is_file() and isinstance(cfg.get("chat_template"), str):
         (tok_dir / "chat_template.jinja").write_text(cfg["chat_template"])
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
 
-    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
     eos = []
     gen = model_dir / "generation_config.json"
     if gen.is_file():
@@ -382,33 +238,13 @@ def _copy_tokenizer(model_dir: Path, out_dir: Path) -> dict:
 
 
 def _check_same_vocab(target_dir: Path, draft_dir: Path) -> None:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
 
-    a = Tokenizer.from_file(str(target_dir / "tokenizer.json")).get_vocab()
-    b = Tokenizer.from_file(str(draft_dir / "tokenizer.json")).get_vocab()
+    a = HFTokenizer.from_file(str(target_dir / "tokenizer.json")).get_vocab()
+    b = HFTokenizer.from_file(str(draft_dir / "tokenizer.json")).get_vocab()
     if a != b:
         raise DSparkError(f"the draft {draft_dir} and the target {target_dir} have different vocabularies; "
                           "a draft LM must share the target's tokenizer")
-
-
-def _tool_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("dspark", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def _build_machine() -> dict:
-    """The manifest's ``build_machine``: the CPU of this machine (:func:`dspark_runtime.machine.sysinfo.cpu_features`),
-    on which the graphs are written and their validation figures measured."""
-    from dspark_runtime.machine.sysinfo import cpu_features
-
-    return cpu_features()
 
 
 def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
@@ -424,8 +260,6 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
     Raises DSparkError on any failure (missing model, unknown fp8 writer, export or validation failure, a full
     disk); the directory is then as it was.
     """
-    from dspark_export.precision.fp8 import check_fp8_writer
-
     recipe.validate()
     check_fp8_writer(fp8_writer)
     out_dir = Path(out_dir)
@@ -435,20 +269,18 @@ def build_engine(recipe: Recipe, out_dir: Path, isolate: bool = True, log=print,
     if draft_dir is not None:
         _check_same_vocab(target_dir, draft_dir)
     if dspark_ckpt is not None:
-        from dspark_export.drafter.config import load_config
+        from dspark_export.drafter.config import load_config  # torch: only for a DSpark drafter
 
         ids = load_config(dspark_ckpt).target_layer_ids
         if recipe.target_feature_layers and list(recipe.target_feature_layers) != list(ids):
             raise DSparkError(f"target_feature_layers {recipe.target_feature_layers} differ from the DSpark "
                               f"drafter's target_layer_ids {ids}; drop the field or make them equal")
         recipe.target_feature_layers = list(ids)
-    from dspark_export.engine_dir.transaction import engine_transaction
-
     t0 = time.perf_counter()
     with engine_transaction(out_dir) as txn:  # an existing engine stays as it was unless this succeeds
         manifest = _build_into(txn.stage, out_dir, recipe, target_dir, draft_dir, dspark_ckpt, isolate, log,
                                fp8_writer)
-        _commit(txn, manifest)
+        commit_manifest(txn, manifest)
     log(f"built {out_dir} in {time.perf_counter() - t0:.0f}s")
     return manifest
 
@@ -458,15 +290,11 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
     """Write every file of the engine ``recipe`` describes into ``stage`` (an empty folder; the files move to
     ``out_dir`` at commit) and return its Manifest."""
     tokenizer = _copy_tokenizer(target_dir, stage)
-    from dspark_runtime.engine_dir.tokenizer import Tokenizer
-
     tok = Tokenizer(stage / "tokenizer")
     val_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": VALIDATION_TEXT}])
                          if tok.chat_template else VALIDATION_TEXT)
     calib_ids = None
     if any(recipe.precision_for(r) in CALIBRATED for r in ROLES):
-        from dspark_export.precision.activation_ranges import calibration_token_ids
-
         calib_ids = calibration_token_ids(tok, recipe.calibration_prompts)
     graphs = {}
     jobs = [("target", target_dir, recipe.target_feature_layers)]
@@ -492,16 +320,12 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
                                   format="onnx", precision=precision, files=files,
                                   spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
                                   model_config=res["config"], quantization=res.get("quantization", {}))
-    from dspark_runtime.engine_dir.speculation import Speculation
-
     manifest = Manifest(
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,
         speculation=Speculation(draft_graph="draft" if draft_dir else None, draft_length=recipe.draft_length),
-        tool_versions=_tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        schema_version=SCHEMA_VERSION, build_machine=_build_machine())
+        tool_versions=tool_versions(), created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        schema_version=SCHEMA_VERSION, build_machine=build_machine())
     if dspark_ckpt is not None:
-        from dspark_export.engine_dir.add_draft import DSPARK_PRECISIONS
-
         prec = recipe.precision_for("draft")
         if prec not in DSPARK_PRECISIONS:
             log(f"[draft] a DSpark drafter graph is weight-only quantized ({', '.join(DSPARK_PRECISIONS)}); "
@@ -509,25 +333,6 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
             prec = "fp32"
         add_dspark_into(manifest, stage, dspark_ckpt, target_dir, recipe.draft, isolate, log, precision=prec)
     return manifest
-
-
-def _commit(txn, manifest: Manifest) -> None:
-    """Commit ``txn`` (:meth:`dspark_export.engine_dir.transaction.EngineTransaction.commit`) with ``manifest``, recording this
-    machine as ``build_machine`` when the manifest has none (one of an engine built before it was recorded)."""
-    if not manifest.build_machine:
-        manifest.build_machine = _build_machine()
-    txn.commit(manifest)
-
-
-def _write_manifest(manifest: Manifest, out_dir: Path) -> None:
-    """Write ``manifest`` into the new engine directory ``out_dir`` (``quantize``; atomically), recording this
-    machine as ``build_machine`` when the manifest has none, and record its files as hashed (the caller hashed
-    or verified them), so the first load need not hash 7 GB again. Commands that change an existing engine
-    directory use :func:`dspark_export.engine_dir.transaction.engine_transaction` instead. Raises OSError when it cannot write."""
-    if not manifest.build_machine:
-        manifest.build_machine = _build_machine()
-    manifest.write(out_dir)
-    record_verified(out_dir, manifest.all_files())
 
 
 if __name__ == "__main__":  # worker for _export_graph_isolated

@@ -44,9 +44,9 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from dspark_runtime.engine_dir.integrity import VERIFIED_NAME, fsync_dir, record_verified
+from dspark_runtime.engine_dir.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.manifest import (MANIFEST_NAME, VERIFIED_NAME, Manifest, fsync_dir, parse_manifest,
-                                     record_verified)
 
 STAGE_PREFIX = ".dspark-txn-"
 JOURNAL_NAME = ".journal.json"  # in the stage, from the start of a commit
@@ -103,6 +103,12 @@ class EngineTransaction:
     def commit(self, manifest: Manifest) -> None:
         """Move the new files into place and replace the manifest by ``manifest`` (the commit point); then
         delete replaced and superseded files. Call it once, last, inside the ``with`` block.
+
+        The new files are fsynced first; each file they replace is moved aside into the stage; a journal in the
+        stage records the moves, and a Ctrl-C during them is held until they are done or undone. The manifest is
+        then written atomically (:meth:`Manifest.write`). After that only deletions follow — the replaced versions,
+        the files the old manifest listed and the new one does not, a legacy hash sidecar, the stage — and the new
+        files are recorded as hashed (:func:`dspark_runtime.engine_dir.integrity.record_verified`).
 
         Raises DSparkError when ``manifest`` lists a file that is neither in the stage nor in the engine
         directory; OSError (or KeyboardInterrupt) when a move or the manifest write fails — in every such case

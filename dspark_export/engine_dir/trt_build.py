@@ -38,12 +38,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_LAYOUTS, GraphSpec
-from dspark_runtime.engine_dir.manifest import FileEntry, Manifest, TrtEngineEntry, load_manifest
 from dspark_runtime.backends.trt.loader import FLAVOUR_RTX, import_tensorrt
 from dspark_runtime.backends.trt.profiles import ProfileSettings, derive_profiles
-from dspark_export.graphs.capacity import HALF_TYPES, graph_precision, peak_rss_bytes, to_half
+from dspark_runtime.engine_dir.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, KV_LAYOUTS, GraphSpec
+from dspark_runtime.engine_dir.manifest import FileEntry, Manifest, TrtEngineEntry, load_manifest
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.engine_dir.commit import commit_manifest
+from dspark_export.engine_dir.transaction import engine_transaction
+from dspark_export.graphs.capacity import HALF_TYPES, graph_precision, peak_rss_bytes, run_rewrite, to_half
+from dspark_export.graphs.device import derive_capacity_graph
 
 # Graph kinds build_trt makes engines of: decoders (target, draft LM) and the DSpark drafter.
 TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft")
@@ -245,18 +249,6 @@ def build_engine_file_isolated(onnx_path: Path, spec: GraphSpec, out_path: Path,
     return res
 
 
-def _run(fn, isolate: bool, *args) -> None:
-    """``fn(*args)`` (Paths and strings), in a fresh process when ``isolate`` (its memory is returned afterwards)."""
-    if not isolate:
-        fn(*args)
-        return
-    code = (f"import json, sys; from pathlib import Path; from dspark_export.engine_dir.trt_build import {fn.__name__} as f; "
-            "f(*[Path(v) if p else v for p, v in json.loads(sys.argv[1])])")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps([[isinstance(a, Path), str(a)] for a in args])])
-    if proc.returncode != 0:
-        raise DSparkError(f"{fn.__name__}({', '.join(map(str, args))}) failed (exit {proc.returncode}); see above")
-
-
 def check_trt_parsable(onnx_path: Path, key: str, kind: str) -> None:
     """Raise DSparkError when the graph ``onnx_path`` (manifest graph ``key`` of ``kind``) holds ONNX Runtime
     contrib operators (domain ``com.microsoft``, e.g. the int4 ``MatMulNBits``): TensorRT-RTX 1.7.1 parses
@@ -296,10 +288,6 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
     Raises DSparkError for an unknown graph key, a graph kind without a TensorRT path, a graph with ONNX Runtime
     contrib operators (int4 MatMulNBits; :func:`check_trt_parsable`), or a failed build.
     """
-    from dspark_export.engine_dir.build import _commit
-    from dspark_export.graphs.device import derive_capacity_graph
-    from dspark_export.engine_dir.transaction import engine_transaction
-
     settings.validate()
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
@@ -331,14 +319,14 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
                 h = settings.half
                 if layout == KV_LAYOUT_CAPACITY:
                     onnx_rel, spec, extra = derive_capacity_graph(st, key, g.model_file, g.spec, h,
-                                                                  lambda fn, *a: _run(fn, isolate, *a), log)
+                                                                  lambda fn, *a: run_rewrite(fn, isolate, *a), log)
                     entry_key, eng_rel = f"{key}.capacity", f"{key}.capacity.engine"
                 else:
                     onnx_rel, spec, entry_key, eng_rel, extra = g.model_file, g.spec, key, f"{key}.engine", []
                     if h:
                         half_rel = onnx_rel.removesuffix(".onnx") + f".{h}.onnx"
                         log(f"[{entry_key}] converting {onnx_rel} to {h} -> {half_rel}")
-                        _run(to_half, isolate, st / onnx_rel, st / half_rel, h)
+                        run_rewrite(to_half, isolate, st / onnx_rel, st / half_rel, h)
                         onnx_rel = half_rel
                         extra = [FileEntry.of(st, half_rel), FileEntry.of(st, half_rel + ".data")]
                 if h:
@@ -355,7 +343,7 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
                     f"{', '.join(r['compute_capabilities'])}: {f.size / 1e6:.1f} MB in {r['build_seconds']:.1f} s, "
                     f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
         manifest.tool_versions[r["flavour"]] = r["version"]
-        _commit(txn, manifest)
+        commit_manifest(txn, manifest)
     return manifest
 
 

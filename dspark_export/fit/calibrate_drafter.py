@@ -17,23 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.drafting.learned_acceptance import acceptance_counts, fit_ngram_counts
+from dspark_runtime.drafting.router import NGRAM_MAX_LENGTH
 from dspark_runtime.drafting.sts import fit_sts, survival_ece_report
+from dspark_runtime.engine import Engine
+from dspark_runtime.engine_dir.integrity import atomic_write_text
+from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.drafter.data import CALIB_SPLIT, split_prompts
-
-
-def calibration_prompts(n: int) -> list:
-    """The first turns of ``n`` calibration-split prompts, code-weighted: mbpp, gsm8k, math500 in turn."""
-    groups = split_prompts(CALIB_SPLIT)
-    order, out = ["mbpp", "gsm8k", "mbpp", "math500"], []
-    idx = {k: 0 for k in groups}
-    while len(out) < n and any(idx[k] < len(groups[k]) for k in groups):
-        for k in order:
-            if len(out) < n and idx[k] < len(groups[k]):
-                out.append(groups[k][idx[k]][1])
-                idx[k] += 1
-    return out
+from dspark_export.drafter.data import CALIB_SPLIT, calibration_prompts
+from dspark_export.engine_dir.transaction import engine_transaction
 
 
 def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequences: list | None = None) -> tuple:
@@ -72,12 +65,10 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
 
 
 def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_on: str = "") -> dict:
-    """The router's priors (issue 9), for ``speculation.router`` in the manifest: n-gram lookup's
-    acceptance per match-extent bucket and position measured on the greedy outputs ``sequences`` (list of
-    (token ids, prompt length); :func:`dspark_runtime.drafting.router.fit_ngram_counts`), and the DSpark drafter's
-    per-position acceptance from its recorded rounds (``dspark_accepted`` [R, γ]). Pure function."""
-    from dspark_runtime.drafting.router import NGRAM_MAX_LENGTH, acceptance_counts, fit_ngram_counts
-
+    """The router's priors, for ``speculation.router`` in the manifest: n-gram lookup's acceptance per match-extent
+    bucket and position measured on the greedy outputs ``sequences`` (list of (token ids, prompt length);
+    :func:`dspark_runtime.drafting.learned_acceptance.fit_ngram_counts`), and the DSpark drafter's per-position
+    acceptance from its recorded rounds (``dspark_accepted`` [R, γ]). Pure function."""
     ngram = fit_ngram_counts([s for s, _ in sequences], [p for _, p in sequences], max(gamma, NGRAM_MAX_LENGTH))
     return {"ngram": ngram, "inner": {"dspark": acceptance_counts(dspark_accepted)}, "fitted_on": fitted_on,
             "sequences": len(sequences), "gamma": int(gamma)}
@@ -92,10 +83,6 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     no full draft round was recorded, or the engine directory cannot be written (read-only, full disk; it is
     then unchanged).
     """
-    from dspark_export.engine_dir.transaction import engine_transaction
-    from dspark_runtime.engine import Engine
-    from dspark_runtime.engine_dir.manifest import atomic_write_text, load_manifest
-
     engine_dir = Path(engine_dir)
     eng = Engine.load(engine_dir)
     if eng.dspark_graph is None:

@@ -30,7 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.engine import DEFAULT_THREADS, Engine
+from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import DSparkError
+
+from dspark_export.paths import prompt_file
 
 DEFAULT_SETS = {"humaneval": 4, "mbpp": 4, "gsm8k": 2, "mt-bench": 2}
 # Evaluation split (dspark_export/data/prompts/README.md), 0-based start and end of each file.
@@ -40,8 +45,6 @@ EVAL_SPLIT = {"humaneval": (0, None), "mt-bench": (0, None), "gsm8k": (1000, 131
 
 def eval_prompts(counts: dict) -> list:
     """[(dataset, 1-based line, first turn)] for the first ``counts[dataset]`` evaluation-split prompts."""
-    from dspark_export.paths import prompt_file
-
     out = []
     for ds, n in counts.items():
         if ds not in EVAL_SPLIT:
@@ -100,14 +103,17 @@ def compare_engines(ref_dir: Path, cand_dir: Path, *, counts: dict | None = None
     """Score engine ``cand_dir`` against ``ref_dir`` (see the module doc). Returns the report dict:
     {"reference", "candidate", "prompts": [per prompt], "summary": {...}, "settings"}.
 
+    Metrics: top-1 agreement (teacher-forced argmax equal), relative L2 (‖l_c − l_r‖₂ / ‖l_r‖₂ per position,
+    averaged), greedy token agreement of the target-only outputs (:func:`prefix_agreement`: the identical prefix as a
+    fraction of the reference's length, strict, and the position-wise match fraction), τ (tokens committed per verify
+    round, bonus included) and ms per token of each engine with their ratios. Without ``interleave`` the
+    reference's logits wait on disk (``max_new_tokens × vocab × 4`` bytes per prompt), so the peak memory is the
+    larger engine's.
+
     ``draft``: the drafter both engines speculate with ("lm", "dspark", "ngram"; None = no speculative runs).
     Raises DSparkError when the engines do not share a tokenizer vocabulary or lack the drafter.
     """
     import gc
-
-    from dspark_runtime.engine import DEFAULT_THREADS, Engine
-    from dspark_runtime.engine_dir.manifest import load_manifest
-    from dspark_runtime.engine_dir.tokenizer import Tokenizer
 
     counts = dict(DEFAULT_SETS if counts is None else counts)
     prompts = eval_prompts(counts)

@@ -17,7 +17,12 @@ import time
 import warnings
 from pathlib import Path
 
-from dspark_runtime.machine.cost_profile import PROFILE_POINTS, engine_contexts, profile_runtime  # noqa: F401  (re-exported)
+from dspark_runtime.engine import DEFAULT_THREADS, Engine
+from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.machine.cost_profile import engine_contexts, profile_runtime
+from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_features, machine_description
+
+from dspark_export.engine_dir.transaction import engine_transaction
 
 
 def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context=None, repeats: int = 5,
@@ -41,9 +46,6 @@ def profile_engine(engine_dir: Path, *, max_tokens: int = 8, context=None, repea
     not load, DSparkError when the manifest cannot be written (read-only directory, full disk; it is then
     unchanged).
     """
-    from dspark_runtime.engine import DEFAULT_THREADS, Engine
-    from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_features, machine_description
-
     if probe_only and not probe_rows:
         raise ValueError("probe_only needs probe_rows=True (nothing would be measured)")
 
@@ -79,9 +81,6 @@ def _store(engine_dir: Path, records: dict) -> None:
     """Set ``speculation.<k> = v`` for each of ``records`` (keys: fields of
     :class:`~dspark_runtime.engine_dir.manifest.Speculation`, e.g. cost_table, row_invariance) in the manifest of
     ``engine_dir``, in one transaction."""
-    from dspark_export.engine_dir.transaction import engine_transaction
-    from dspark_runtime.engine_dir.manifest import load_manifest
-
     with engine_transaction(engine_dir) as txn:
         m = load_manifest(engine_dir, verify=False)
         for k, v in records.items():

@@ -1,19 +1,37 @@
-"""ONNX graph rewrites for the TensorRT engines (:mod:`dspark_export.engine_dir.trt_build`), no torch: the capacity KV-layout variant
-of an exported ``causal_lm`` graph (:func:`to_capacity_layout`), its 16-bit copy (:func:`to_half`), and the precision
-a strongly typed TensorRT network takes from a graph (:func:`graph_precision`).
+"""ONNX graph rewrites for TensorRT engines and device graphs (:mod:`dspark_export.engine_dir.trt_build`,
+:mod:`dspark_export.graphs.device`), no torch: the capacity KV-layout variant of an exported ``causal_lm`` graph
+(:func:`to_capacity_layout`), its 16-bit copy (:func:`to_half`), the precision a strongly typed TensorRT network takes
+from a graph (:func:`graph_precision`), and running a rewrite in a fresh process (:func:`run_rewrite`).
 """
 from __future__ import annotations
 
+import json
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import (ARGMAX, KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, GraphSpec, causal_lm_spec,
                                       new_names, past_names, present_names)
+from dspark_runtime.errors import DSparkError
 
 ARGMAX_NODE = "capacity_argmax"  # the ArgMax node to_capacity_layout adds (to_half keeps it on the float32 logits)
+
+
+def run_rewrite(fn, isolate: bool, *args) -> None:
+    """``fn(*args)`` (a module-level function of this package; arguments Paths and strings), in a fresh Python
+    process when ``isolate``, so the memory the rewrite held is returned to the system afterwards. Raises
+    DSparkError when the process fails (its messages are on stderr)."""
+    if not isolate:
+        fn(*args)
+        return
+    code = (f"import json, sys; from pathlib import Path; from {fn.__module__} import {fn.__name__} as f; "
+            "f(*[Path(v) if p else v for p, v in json.loads(sys.argv[1])])")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([[isinstance(a, Path), str(a)] for a in args])])
+    if proc.returncode != 0:
+        raise DSparkError(f"{fn.__name__}({', '.join(map(str, args))}) failed (exit {proc.returncode}); see above")
 
 # -- capacity layout by graph surgery
 

@@ -24,9 +24,11 @@ import onnx
 import torch
 from torch import nn
 
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.engine_dir.graphspec import (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, LOGITS_FROM, DecoderDims, GraphSpec,
                                       causal_lm_spec, past_names)
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.runners.scatter import ScatterRunner
 
 OPSET = 18
 # torch.export specialises axes of size 0 or 1: trace with sizes that are neither.
@@ -413,16 +415,12 @@ def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, to
     logits differ by more than ``tolerance`` or any argmax disagrees; quantized graphs pass
     ``strict=False`` and only report their agreement.
     """
-    from dspark_runtime.backends.ort import OrtDecoder
-
     if len(ref.token_ids) < n_verify + 2:
         raise DSparkError("validation prompt too short")
     dec = OrtDecoder(onnx_path, causal_lm_spec(dims, kv_layout), threads=2).activate()
     ids = np.asarray(ref.token_ids, dtype=np.int64)[None]
     n = ids.shape[1] - n_verify
     if kv_layout == KV_LAYOUT_SCATTER:
-        from dspark_runtime.runners.scatter import ScatterRunner
-
         sr = ScatterRunner(dec)
         sr.add(0)
         logits = [sr.step([(0, list(ids[0, :n]))])[0], sr.step([(0, list(ids[0, n:]))])[0]]

@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.backends.trt.profiles import ProfileSettings
 from dspark_runtime.engine_dir.graphspec import KV_LAYOUT_CAPACITY, KV_LAYOUT_GROWING, GraphSpec
 from dspark_runtime.engine_dir.manifest import DeviceGraphEntry, FileEntry, Manifest, load_manifest
-from dspark_runtime.backends.trt.profiles import ProfileSettings
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.engine_dir.commit import commit_manifest
+from dspark_export.engine_dir.transaction import engine_transaction
+from dspark_export.graphs.capacity import HALF_TYPES, run_rewrite, to_capacity_layout, to_half
 from dspark_export.graphs.fusions import fuse_file
-from dspark_export.graphs.capacity import HALF_TYPES, to_capacity_layout, to_half
 
 
 def derive_capacity_graph(stage: Path, key: str, source_file: str, spec: GraphSpec, half: str | None, run,
@@ -62,10 +65,6 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
     as it was. Raises DSparkError for an unknown key, a graph that is not a growing-layout causal_lm graph (int4
     and scatter-layout CPU engines included: build a growing fp32 engine for the GPU), or bad settings.
     """
-    from dspark_export.engine_dir.build import _commit
-    from dspark_export.engine_dir.trt_build import _run
-    from dspark_export.engine_dir.transaction import engine_transaction
-
     profile.validate()
     if half is not None and half not in HALF_TYPES:
         raise DSparkError(f"--half {half!r}: choose one of {', '.join(HALF_TYPES)} or none")
@@ -89,7 +88,7 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
             log(f"[{key}] capacity layout{f', {half}' if half else ''} for {profile.max_batch} rows, "
                 f"{profile.capacity} positions")
             rel, spec, files = derive_capacity_graph(txn.stage, key, g.model_file, g.spec, half,
-                                                     lambda fn, *a: _run(fn, isolate, *a), log, half_cache=True)
+                                                     lambda fn, *a: run_rewrite(fn, isolate, *a), log, half_cache=True)
             if fuse:  # the projections are merged only where the graph owns its weight file (a 16-bit copy)
                 rot, mm = fuse_file(txn.stage / rel, profile.capacity, merge=bool(half))
                 log(f"[{key}] {rot} rotary embeddings fused into RotaryEmbedding, {mm} projection groups merged")
@@ -97,5 +96,5 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
             manifest.device_graphs[key] = DeviceGraphEntry(
                 graph=key, kv_layout=KV_LAYOUT_CAPACITY, onnx=rel, files=files, precision=half or "fp32",
                 profile_settings=profile.to_json(), spec=spec)
-        _commit(txn, manifest)
+        commit_manifest(txn, manifest)
     return manifest

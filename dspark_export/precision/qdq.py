@@ -15,15 +15,8 @@ INT8_PRECISIONS = ("int8", "int8-trt")
 QDQ_PRECISIONS = INT8_PRECISIONS + ("fp8",)  # what the streaming writer makes
 FP8_MAX = 448.0  # largest finite FLOAT8E4M3FN value (E4M3, "fn": no infinities, one NaN pattern)
 FP8_MIN_OPSET = 19  # first default-domain opset whose QuantizeLinear/DequantizeLinear take FLOAT8E4M3FN
-# Modules kept in fp32 by default (module-name regular expressions). Measured on the Qwen2.5-Coder-0.5B
-# graph (8 calibration-split prompts; 8 held-out prompts, teacher-forced top-1 agreement with fp32 at
-# prefill / verify, relative L2 of the prefill logits):
-#   everything quantized            75.1% / 98.4%, rel L2 0.27  (down_proj inputs reach -565..+484)
-#   LM head kept fp32               75.4% / 96.9%, rel L2 0.26  (the LM head is not the problem)
-#   down_proj of 5 outlier layers   87.2% / 98.4%, rel L2 0.14
-#   every mlp.down_proj kept fp32   92.5% / 98.4%, rel L2 0.074 (weights 0.97 -> 1.26 GiB)
-#   ... and o_proj / q,k,v / gate,up too: 93.0 / 92.1 / 93.7% at prefill, 1.31-1.84 GiB
-#   8-bit instead of 7-bit weights   1.1% /  0.0% (U8S8 saturation on AVX2)
+# Modules kept in fp32 by default (module-name regular expressions): the inputs of mlp.down_proj carry Qwen2's
+# massive activations, which a per-tensor U8 scale cannot resolve (docs/precision.md, "Which MatMuls stay fp32").
 DEFAULT_EXCLUDE: tuple = (r"mlp\.down_proj",)
 
 

@@ -46,12 +46,23 @@ fake-quantization with ``ml_dtypes`` (``tests/test_fp8.py``).
 from __future__ import annotations
 
 import os
+import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from dspark_export.precision.activation_ranges import calibration_token_ids
+from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.engine_dir.manifest import FileEntry, load_manifest
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import DSparkError
+
+from dspark_export.engine_dir.build import VALIDATION_TEXT, Recipe
+from dspark_export.engine_dir.commit import build_machine, tool_versions, write_manifest
+from dspark_export.models.catalog import resolve_model
+from dspark_export.precision.activation_ranges import calibration_token_ids
+from dspark_export.precision.fp8 import check_fp8_writer
+from dspark_export.precision.quantizers import CALIBRATED, PRECISIONS, quantize_graph, resolve_int4_source
 
 # ------------------------------------------------------------------------------------------ agreement
 def logit_agreement(ref, cand, token_lists: list, verify_len: int = 8) -> dict:
@@ -105,8 +116,6 @@ def logit_agreement(ref, cand, token_lists: list, verify_len: int = 8) -> dict:
 # ------------------------------------------------------------------------------------------- engines
 def _link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link ``src`` to ``dst`` (same file system; no extra disk), else copy it."""
-    import shutil
-
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists():
         dst.unlink()
@@ -128,21 +137,14 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     one weight at a time, and checked against its fp32 graph on the validation prompt
     (``validation[precision]``: top-1 agreement, max |Δlogits|, relative L2 at prefill and verify).
     ``fp8_writer``: ``"auto"`` | ``"modelopt"`` | ``"stream"`` for fp8 graphs (see
-    :func:`dspark_export.engine_dir.build.quantize_graph`; the record's ``"writer"`` says which one ran).
+    :func:`dspark_export.precision.quantizers.quantize_graph`; the record's ``"writer"`` says which one ran).
     ``int4_source``: ``"auto"`` | ``"gguf"`` | ``"rtn"`` | ``"hqq"`` for int4 graphs, one for all or per graph
-    (``"target=gguf,draft=rtn"``; see :func:`dspark_export.engine_dir.build.resolve_int4_source`: the GGUF is found from the
-    graph's fetched model).
+    (``"target=gguf,draft=rtn"``; see :func:`dspark_export.precision.quantizers.resolve_int4_source`: the GGUF is
+    found from the graph's fetched model).
     Returns the new Manifest. Raises DSparkError when ``out_dir`` is ``src_dir`` or a non-empty
     directory, when a graph to quantize is not fp32 or not a decoder (``causal_lm``), for a bad spec
     or an unknown fp8 writer.
     """
-    from dspark_export.engine_dir.build import CALIBRATED, PRECISIONS, VALIDATION_TEXT, Recipe, \
-        _build_machine, _tool_versions, _write_manifest, quantize_graph
-    from dspark_runtime.backends.ort import OrtDecoder
-    from dspark_runtime.engine_dir.manifest import FileEntry, load_manifest
-    from dspark_export.precision.fp8 import check_fp8_writer
-    from dspark_runtime.engine_dir.tokenizer import Tokenizer
-
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     recipe = Recipe(name="-", target="-", precision=precision, calibration_prompts=calibration_prompts,
                     int4_source=int4_source)
@@ -198,8 +200,6 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
         log(f"[{role}] {g.precision} -> {prec}: {src} -> {dst}")
         source, gguf = "rtn", None
         if prec == "int4":
-            from dspark_export.engine_dir.build import resolve_int4_source, resolve_model
-
             try:
                 mdir = resolve_model(g.model_id)
             except DSparkError:
@@ -226,11 +226,9 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
 
         relocate_embedding(src_dir, out_dir, m, log)
     m.name = out_dir.name  # a new engine: named after its directory, as `build` names it
-    m.tool_versions = _tool_versions()
-    m.build_machine = _build_machine()  # the graphs and their validation figures are this machine's
-    from datetime import datetime, timezone
-
+    m.tool_versions = tool_versions()
+    m.build_machine = build_machine()  # the graphs and their validation figures are this machine's
     m.created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    _write_manifest(m, out_dir)
+    write_manifest(m, out_dir)
     log(f"wrote {out_dir}")
     return m

@@ -1,0 +1,18 @@
+"""Options shared by several ``dspark-export`` commands (``build`` and ``quantize``)."""
+from __future__ import annotations
+
+import click
+
+# `build` and `quantize`: who writes fp8 graphs (dspark_export.precision.fp8.choose_fp8_writer)
+FP8_WRITER_OPTION = click.option(
+    "--fp8-writer", type=click.Choice(["auto", "modelopt", "stream"]), default="auto", show_default=True,
+    help="Who writes fp8 graphs: modelopt (NVIDIA ModelOpt, own venv; peaks at ~7.5x the fp32 weights), stream "
+         "(memory-bounded QDQ writer; FP8 weights stored quantized, peak ~ the graph structure plus one weight), or "
+         "auto (ModelOpt when installed and 8x the fp32 weights fit in the available memory, else stream).")
+
+# `build` and `quantize`: where int4 weights come from (dspark_export.precision.quantizers.resolve_int4_source)
+INT4_SOURCE_OPTION = click.option(
+    "--int4-source", default=None, metavar="auto|gguf|rtn|hqq",
+    help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
+         "fetched from: the weights llama.cpp runs), rtn / hqq (ONNX Runtime's quantizer on the float weights), auto "
+         "(default: gguf for a target fetched from a GGUF, rtn otherwise).")

@@ -1,0 +1,288 @@
+"""int4 graphs faithful to the GGUF a model was converted from: the GGUF's own quantized blocks re-packed into
+``com.microsoft.MatMulNBits`` blocks (:mod:`dspark_export.precision.nbits`), so the graph computes with exactly the
+weights llama.cpp runs (``int4_source`` ``gguf``).
+
+Encodings (:data:`ENCODINGS`, exact to float rounding): Q4_K -> 4-bit blocks of 32 with the sub-block scale, Q5_K ->
+8-bit blocks of 32, Q6_K -> 8-bit blocks of 16 (zero point 32), Q8_0 / Q5_0 / Q4_0 -> blocks of 32 with zero point
+128 / 16 / 8, Q4_1 / Q5_1 -> blocks of 32. Affine types (the K-quants' sub-block minimum, Q4_1/Q5_1's ``m``) carry
+a float offset per block, applied outside the kernel as ``x·W = MatMulNBits(x; q, s, zp=0) − blocksum(x)·C``.
+Every re-packed tensor must equal the graph's own fp32 weight or the build is refused, naming the tensor; block
+types without an exact encoding become 8-bit RTN from the float weight; F32/F16/BF16 weights stay fp32 MatMuls.
+The writer streams one tensor at a time (peak: the graph structure plus one dequantized weight in row chunks).
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
+from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
+                                           check_nbits_graph, nbits_nodes, pack_codes, rtn8_rows)
+from dspark_export.precision.nbits_fuse import fuse_shared_inputs
+
+_ROW_CHUNK = 4096  # output channels re-packed per step (LM head: 4096 × 1536 floats = 24 MB)
+
+# GGUF type -> (bits, MatMulNBits block, zero point, affine: has a per-block float offset)
+ENCODINGS = {"Q4_K": (4, 32, 0, True), "Q5_K": (8, 32, 0, True), "Q6_K": (8, 16, 32, False),
+              "Q8_0": (8, 32, 128, False), "Q5_0": (8, 32, 16, False), "Q4_0": (4, 32, 8, False),
+              "Q5_1": (8, 32, 0, True), "Q4_1": (4, 32, 0, True)}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def gguf_block_params(blocks: np.ndarray, qtype: str) -> tuple:
+    """Per sub-block scale and offset of GGUF blocks, as ggml computes them (float32).
+
+    blocks: uint8 ``[n_blocks, type_size]``, one GGUF block per row. Returns ``(scale, offset)``, each float32
+    ``[n_blocks, sub-blocks per block]``, such that each value is ``scale · q_signed − offset`` with the type's
+    own integer ``q_signed`` (Q4_K: ``d·sc`` and ``dmin·m``; Q6_K: ``d·sc`` (sc signed), offset 0; Q8_0/Q5_0/Q4_0:
+    ``d``, 0; Q4_1/Q5_1: ``d`` and ``−m``). Raises DSparkError for a type without an encoding here.
+    """
+    from gguf import quants
+
+    f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
+    if qtype in ("Q4_K", "Q5_K"):
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, m = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        sc, m = sc.reshape(len(blocks), -1), m.reshape(len(blocks), -1)
+        return d * sc.astype(np.float32), dmin * m.astype(np.float32)
+    if qtype == "Q6_K":
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        return f16(blocks[:, 208:210]) * sc, np.zeros_like(sc)
+    if qtype in ("Q8_0", "Q5_0", "Q4_0"):
+        d = f16(blocks[:, 0:2])
+        return d, np.zeros_like(d)
+    if qtype in ("Q4_1", "Q5_1"):
+        return f16(blocks[:, 0:2]), -f16(blocks[:, 2:4])
+    raise DSparkError(f"GGUF block type {qtype} has no MatMulNBits encoding here")
+
+
+def encode_gguf_rows(rows: np.ndarray, qtype: str, k: int) -> tuple:
+    """Re-pack GGUF rows (output channels) into MatMulNBits blocks, exactly.
+
+    rows: uint8 ``[N, bytes per row]`` as ``gguf.GGUFReader`` gives a quantized tensor of ``k`` input features.
+    The integer codes are recovered from gguf-py's own dequantization (``gguf.quants.dequantize``, the values the
+    Hugging Face conversion stored) and the block parameters (:func:`gguf_block_params`):
+    ``q = rint((w + offset) / scale) + zero point`` (a zero scale gives the zero point).
+    Returns ``(NBitsWeight, w)`` with ``w`` the GGUF's dequantized weight float32 ``[N, k]``. Raises DSparkError
+    when a value is not reproduced to float rounding (a corrupt block or a layout this code does not know).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    if qtype not in ENCODINGS:
+        raise DSparkError(f"GGUF block type {qtype} has no MatMulNBits encoding here")
+    bits, block, zp, affine = ENCODINGS[qtype]
+    gtype = GGMLQuantizationType[qtype]
+    qk, tsize = GGML_QUANT_SIZES[gtype]
+    n = rows.shape[0]
+    w = quants.dequantize(np.ascontiguousarray(rows), gtype).reshape(n, k).astype(np.float32, copy=False)
+    scale, offset = gguf_block_params(rows.reshape(n * (k // qk), tsize), qtype)
+    scale, offset = scale.reshape(n, k // block), offset.reshape(n, k // block)
+    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
+        raise DSparkError(f"GGUF {qtype} blocks hold non-finite scales (a corrupt file); fetch the model again")
+    wb = w.reshape(n, k // block, block)
+    safe = np.where(scale != 0, scale, 1.0).astype(np.float32)
+    q = np.rint((wb + offset[..., None]) / safe[..., None])
+    q = np.where(scale[..., None] != 0, q, 0) + zp
+    hi = (1 << bits) - 1
+    if q.min() < 0 or q.max() > hi:
+        raise DSparkError(f"GGUF {qtype} codes out of range ({q.min():.0f}..{q.max():.0f}); unknown block layout")
+    codes = q.astype(np.uint8).reshape(n, k)
+    enc = NBitsWeight(bits, block, pack_codes(codes, bits, block), scale.astype(np.float32),
+                      np.full((n, k // block), zp, np.uint8), offset.T.copy() if affine else None)
+    back = (codes.reshape(n, k // block, block).astype(np.float32) - zp) * scale[..., None] - offset[..., None]
+    err = float(np.abs(back - wb).max()) if n else 0.0
+    tol = 1e-6 * max(1.0, float(np.abs(wb).max()) if n else 1.0)
+    if err > tol:
+        raise DSparkError(f"re-packing GGUF {qtype} blocks does not reproduce the weights (max |Δ| {err:.3g}); "
+                          "use --int4-source rtn for this model")
+    return enc, w
+
+
+_GGUF_NAMES = [
+    (r"layers\.(\d+)\.self_attn\.q_proj", "blk.{}.attn_q.weight"),
+    (r"layers\.(\d+)\.self_attn\.k_proj", "blk.{}.attn_k.weight"),
+    (r"layers\.(\d+)\.self_attn\.v_proj", "blk.{}.attn_v.weight"),
+    (r"layers\.(\d+)\.self_attn\.o_proj", "blk.{}.attn_output.weight"),
+    (r"layers\.(\d+)\.mlp\.gate_proj", "blk.{}.ffn_gate.weight"),
+    (r"layers\.(\d+)\.mlp\.up_proj", "blk.{}.ffn_up.weight"),
+    (r"layers\.(\d+)\.mlp\.down_proj", "blk.{}.ffn_down.weight"),
+]
+
+
+def gguf_tensor_name(module: str, gguf_names) -> str | None:
+    """The GGUF tensor holding the weight of graph module ``module`` (``layers.3.mlp.down_proj`` ->
+    ``blk.3.ffn_down.weight``; ``lm_head`` -> ``output.weight``, or ``token_embd.weight`` when the file ties the
+    LM head to the embedding). ``gguf_names``: the names in the file. None when there is no such tensor."""
+    if re.search(r"(^|\.)lm_head$", module):
+        for cand in ("output.weight", "token_embd.weight"):
+            if cand in gguf_names:
+                return cand
+        return None
+    for pat, fmt in _GGUF_NAMES:
+        m = re.search(r"(^|\.)" + pat + "$", module)
+        if m:
+            name = fmt.format(m.group(2))
+            return name if name in gguf_names else None
+    return None
+
+
+def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                        log=print) -> dict:
+    """Write ``dst`` (+ ``dst.data``): graph ``src`` with every weight MatMul that has a GGUF tensor as
+    MatMulNBits over the GGUF's own blocks (see the module docstring for the encodings). Streams one tensor at a time.
+
+    Args:
+        src: fp32 ``.onnx`` graph exported from the Hugging Face folder converted from ``gguf_path`` (never
+            modified; its external weights are read to check each re-packed tensor).
+        gguf_path: the GGUF file.
+        accuracy_level: MatMulNBits ``accuracy_level`` (4: int8 activations, as llama.cpp's CPU kernels).
+    Returns the manifest's quantization record: precision, source, accuracy level, per-GGUF-type counts and
+    encodings, the fallback and fp32 tensors by name, max |Δ| of the encoded weights against the fp32 graph,
+    weight bytes before and after, seconds, peak RSS (GiB). Raises DSparkError when the GGUF is missing, a graph
+    weight's GGUF tensor has another shape, or the re-packed weight differs from the graph's fp32 weight.
+    """
+    import gguf
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    src, dst, gguf_path = Path(src), Path(dst), Path(gguf_path)
+    if not gguf_path.is_file():
+        raise DSparkError(f"GGUF {gguf_path} not found; fetch the model again (`dspark-export fetch`) or use "
+                          "--int4-source rtn")
+    t0 = time.perf_counter()
+    reader_g = gguf.GGUFReader(str(gguf_path))
+    gtensors = {t.name: t for t in reader_g.tensors}
+    proto = onnx.load(str(src), load_external_data=False)
+    targets, _ = quant_targets(proto, ())
+    plan = {}  # weight initializer -> (gguf tensor name, [targets])
+    unmatched = []
+    for q in targets:
+        gname = gguf_tensor_name(q.module, gtensors)
+        if gname is None:
+            unmatched.append(q.module)
+            continue
+        plan.setdefault(q.weight, (gname, []))[1].append(q)
+    if not plan:
+        raise DSparkError(f"no MatMul of {src.name} maps to a tensor of {gguf_path.name}; is this the GGUF the "
+                          "model was converted from? Use --int4-source rtn otherwise")
+    target_nodes = {q.node for _, qs in plan.values() for q in qs}
+    shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
+    reader = ExternalData(src.parent)
+    counts, fallback, kept_fp32, max_err = {}, {}, [], 0.0
+    encoded = {}  # weight -> NBitsMeta
+    bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
+    writer = ExternalWriter(dst)
+    new_inits = []
+    with writer:
+        for t in proto.graph.initializer:
+            if t.name not in plan:
+                new_inits.append(writer.copy(t, reader))
+                continue
+            gname, qs = plan[t.name]
+            gt = gtensors[gname]
+            k, n = (int(d) for d in t.dims)
+            qtype = gt.tensor_type.name
+            if tuple(int(d) for d in gt.shape) != (k, n):
+                raise DSparkError(f"GGUF tensor {gname} has shape {list(gt.shape)} but {qs[0].module} in {src.name} "
+                                  f"is [{k}, {n}]; the GGUF is not the one the model was converted from")
+            counts[qtype] = counts.get(qtype, 0) + 1
+            if qtype in FLOAT_TYPES:
+                kept_fp32.append(qs[0].module)
+                new_inits.append(writer.copy(t, reader))
+                continue
+            full = np.frombuffer(reader.read(t), np.float32).reshape(k, n)  # the graph's fp32 W [K, N]
+            parts, d_max = [], 0.0
+            for a in range(0, n, _ROW_CHUNK):  # output channels a:b = GGUF rows a:b
+                b = min(n, a + _ROW_CHUNK)
+                ref = np.ascontiguousarray(full[:, a:b].T)
+                rows = np.asarray(gt.data[a:b])
+                if qtype in ENCODINGS:  # the encoding reproduces the GGUF's values (checked inside)
+                    enc, w = encode_gguf_rows(rows, qtype, k)
+                    d = float(np.abs(w - ref).max())
+                else:
+                    from gguf import GGMLQuantizationType, quants
+
+                    w = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(b - a, k)
+                    enc = rtn8_rows(w.astype(np.float32))
+                    d = float(np.abs(enc.dequantize().T - ref).max())
+                if qtype in ENCODINGS and d > 1e-5 * max(1.0, float(np.abs(ref).max())):
+                    raise DSparkError(f"the re-packed {gname} ({qtype}) differs from the graph's weight of "
+                                      f"{qs[0].module} by {d:.3g}; the GGUF is not the one the model was "
+                                      "converted from (use --int4-source rtn)")
+                d_max = max(d_max, d)
+                parts.append(enc)
+            del full
+            if qtype not in ENCODINGS:
+                fallback.setdefault(qtype, []).append({"module": qs[0].module, "max_abs_weight_diff": d_max})
+            max_err = max(max_err, d_max)
+            e0 = parts[0]
+            new_inits.append(writer.put((p.packed for p in parts), t.name + "_Q", TensorProto.UINT8,
+                                        (n, k // e0.block_size, e0.packed.shape[2])))
+            new_inits.append(writer.put((p.scales for p in parts), t.name + "_scales", TensorProto.FLOAT,
+                                        (n * (k // e0.block_size),)))
+            zps = [p.packed_zero_points() for p in parts]
+            new_inits.append(writer.put(zps, t.name + "_zp", TensorProto.UINT8, (sum(z.size for z in zps),)))
+            if e0.correction is not None:
+                corr = np.concatenate([p.correction for p in parts], axis=1)
+                new_inits.append(writer.put([corr], t.name + "_corr", TensorProto.FLOAT, corr.shape))
+            if t.name in shared:
+                new_inits.append(writer.copy(t, reader))
+            encoded[t.name] = NBitsMeta(e0.bits, e0.block_size, k, n, e0.correction is not None)
+            log(f"  {qs[0].module:28s} <- {gname:26s} {qtype:5s} -> {e0.bits}-bit block {e0.block_size}"
+                + (" + min correction" if e0.correction is not None else "") + f"  (max |dW| {d_max:.1e})")
+    reader.close()
+    nodes, blocksums = [], {}
+    by_node = {q.node: (w, q) for w, (_, qs) in plan.items() for q in qs}
+    fp32_weights = {w for w, (g, _) in plan.items() if gtensors[g].tensor_type.name in FLOAT_TYPES}
+    need_shapes = set()
+    for node in proto.graph.node:
+        hit = by_node.get(node.name)
+        if hit is None or hit[0] in fp32_weights:
+            nodes.append(node)
+            continue
+        wname, q = hit
+        meta = encoded[wname]
+        nbits_nodes(helper, node.name, q.activation, node.output[0], wname, meta, accuracy_level, blocksums, nodes,
+                     node.metadata_props)
+        if meta.correction:
+            need_shapes.add((meta.k, meta.block_size))
+    for k, blk in sorted(need_shapes):
+        new_inits.append(numpy_helper.from_array(np.array([0, 0, k // blk, blk], np.int64),
+                                                 f"__nbits_shape_{k}_{blk}"))
+    if need_shapes:
+        new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last"))
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(new_inits)
+    add_ms_opset(proto, helper)
+    onnx.save_model(proto, str(dst))
+    merged = fuse_shared_inputs(dst, log=log)
+    check_nbits_graph(dst)
+    by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
+    rep = {"precision": "int4", "int4_source": "gguf", "gguf": gguf_path.name, "accuracy_level": accuracy_level,
+           "method": "GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a "
+                     "block-sum correction)",
+           "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
+           "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
+           "merged_shared_inputs": merged,
+           "weight_bytes_in": bytes_in, "weight_bytes_out": writer.bytes_out,
+           "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
+    log(f"  {rep['matmul_nbits']} MatMulNBits from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"
+        f"; weights {bytes_in / 2**30:.2f} -> {writer.bytes_out / 2**30:.2f} GiB in {rep['seconds']:.0f} s, "
+        f"peak RSS {rep['peak_rss_gb']:.2f} GiB")
+    return rep
+
+
+def _describe(qtype: str) -> str:
+    if qtype in FLOAT_TYPES:
+        return "kept fp32 MatMul"
+    if qtype not in ENCODINGS:
+        return "no exact encoding: 8-bit symmetric RTN per 32 from the float weight"
+    bits, block, zp, affine = ENCODINGS[qtype]
+    return f"bits {bits}, block {block}, zero point {zp}" + (", block-min correction" if affine else "")
