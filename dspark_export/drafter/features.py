@@ -1,13 +1,12 @@
-"""The DSpark drafter's training data: token sequences with a loss mask, and the target-feature cache.
+"""The DSpark drafter's training sequences and the target-feature cache (stages 2-3 of ``dspark-export
+train-draft``, run by :mod:`dspark_export.drafter.pipeline`).
 
-Stages 1-2 of ``dspark-export train-draft`` (:mod:`dspark_export.drafter.train` runs the pipeline):
-1. sequences — the target's own answers to training prompts (``draft_data.generate_answers``; loss on the answer
-   tokens), the Python standard library's source and ShareGPT chat turns teacher-forced through the target
-   (loss on all / on the assistant tokens);
-2. features — one teacher-forced target pass per sequence storing the concatenated ``target_layer_ids`` features
-   and the final normed hidden state (or, from an engine's ONNX graph, its logits over the draft vocabulary) in
-   fp16 shards (memory-mapped .npy, resumable per shard), read back by :class:`FeatureStore`; plus the draft
-   vocabulary and mask-token choices made from the sequences' token counts.
+Sequences: the target's own answers (:mod:`dspark_export.drafter.data`; loss on the answer tokens), the Python
+standard library's source and ShareGPT chat turns teacher-forced through the target (loss on all / on the assistant
+tokens). Features: one teacher-forced target pass per sequence stores the concatenated ``target_layer_ids`` features
+and the final normed hidden state (or, from an engine's ONNX graph, its logits over the draft vocabulary) in fp16
+shards (memory-mapped .npy, resumable per shard), read back by :class:`FeatureStore`. Also the draft vocabulary and
+mask-token choices made from the sequences' token counts.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The DSpark drafter's feed-forward blocks: the dense SwiGLU MLP (DeepSpec's) and the MoE option (our extension;
-config fields in :mod:`dspark_export.drafter.config`), used by :class:`dspark_export.drafter.model.DraftLayer`.
+config fields :data:`dspark_export.drafter.families.MOE_FIELDS`), used by
+:class:`dspark_export.drafter.model.DraftLayer`.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""Train a DSpark drafter on this CPU or an NVIDIA GPU (``TrainSettings.device``; ``scripts/gpu_train_draft.py``):
-anchor sampling, the DeepSpec loss, AdamW with resumable state; the
-stages around it are :mod:`dspark_export.drafter.pipeline` (sequences and the feature cache
-:mod:`dspark_export.drafter.features`, answers :mod:`dspark_export.drafter.data`).
+"""Train a DSpark drafter on the CPU or an NVIDIA GPU (``TrainSettings.device``): anchor sampling, γ-blocks, the
+DeepSpec loss and AdamW with resumable state (stage 4 of ``dspark-export train-draft``; the stages around it are
+:mod:`dspark_export.drafter.pipeline`).
 
-Pipeline (``dspark-export train-draft``, :func:`dspark_export.drafter.pipeline.train_draft_pipeline`): 1. answers — the target's own greedy answers to training prompts; 2. sequences — those plus
-the Python standard library's source and ShareGPT chat turns teacher-forced through the target (loss on the
-answer / all / the assistant tokens); 3. features — one teacher-forced target pass per sequence storing the
-``target_layer_ids`` features and the target's logits over the draft vocabulary (or its final hidden state) in
-fp16 shards; 4. train (:func:`train`) — sample anchors, build γ-blocks, loss 0.1·CE + 0.9·‖p_d − p_t‖₁ +
-1.0·BCE(c, c*) with c* = 1 − ½‖p_d − p_t‖₁ and position weights exp(−k/loss_decay_gamma) (DeepSpec
-``deepspec/modeling/dspark/loss.py``; DSpark paper §3.3), plus the MoE balancing loss for an MoE drafter;
-5. calibrate — compile into the engine, STS temperatures and router priors on the calibration split.
+Loss (DeepSpec ``deepspec/modeling/dspark/loss.py``; DSpark paper §3.3): 0.1·CE + 0.9·‖p_d − p_t‖₁ + 1.0·BCE(c, c*)
+with c* = 1 − ½‖p_d − p_t‖₁, position weights exp(−k/loss_decay_gamma), plus the MoE balancing loss for an MoE
+drafter. Training reads the feature cache (:class:`dspark_export.drafter.features.FeatureStore`) and the target's
+frozen LM head rows, never the target model itself.
 """
 from __future__ import annotations
 

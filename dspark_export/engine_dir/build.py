@@ -1,19 +1,11 @@
-"""``dspark-export build``: export the target (verifier) and draft graphs, validate them against
-torch, copy the tokenizer, and write ``<engine_dir>/manifest.json``.
+"""``dspark-export build``: export the target (verifier) and draft graphs, validate them against torch, quantize
+them to the recipe's precisions, copy the tokenizer and write ``<engine_dir>/manifest.json``.
 
-``build`` over an existing engine directory and ``add-draft`` are transactions
-(:func:`dspark_export.engine_dir.transaction.engine_transaction`): the new files are written beside the old ones and replace
-them only when everything succeeded; on any error, Ctrl-C included, the directory is left as it was.
-
-A *recipe* (``engines/<name>.json``, tracked in git) names the models and settings::
-
-    {"name": "qwen2.5-coder-1.5b", "target": "qwen2.5-coder-1.5b-instruct",
-     "draft": "qwen2.5-coder-0.5b-instruct", "precision": "fp32",
-     "target_feature_layers": [1, 13, 25], "draft_length": 5}
-
-Models are fetched names (see ``dspark-export fetch``) or Hugging Face folders. Each graph is
-exported in its own subprocess by default, so only one model is in memory at a time (an fp32
-1.5B takes ~7 GB wherever it lives).
+A :class:`Recipe` (a packaged ``dspark_export/recipes/*.json`` or a file of one's own) names the models (fetched
+names or Hugging Face folders) and settings. Each graph is exported in its own subprocess by default, so only one
+model is in memory at a time. Over an existing engine directory the build is a transaction
+(:func:`dspark_export.engine_dir.transaction.engine_transaction`): the old engine is replaced only when everything
+succeeded; on any error, Ctrl-C included, the directory is left as it was.
 """
 from __future__ import annotations
 

@@ -1,33 +1,17 @@
 """Transactional changes to an engine directory: all of a command's changes, or none of them.
 
-Every command that changes a built engine directory in place (``dspark-export build`` over an existing
-directory, ``add-draft``, ``profile``, ``calibrate``, ``build-trt``) runs inside :func:`engine_transaction`::
+Every command that changes a built engine directory in place (``build`` over an existing directory, ``add-draft``,
+``profile``, ``calibrate``, ``build-trt``, ``build-cuda``) writes its new files into a stage (``.dspark-txn-*``
+inside the directory, under their final relative names) and calls :meth:`EngineTransaction.commit`, whose commit
+point is the atomic replacement of ``manifest.json``. Invariants: any error before it (an exception, Ctrl-C, a full
+disk) leaves the directory exactly as it was; only deletions follow it; a command killed during a commit leaves a
+journal from which the next transaction rolls back or finishes; one transaction at a time per directory (``flock``).
+``quantize`` writes a new directory and needs none of this. Usage::
 
     with engine_transaction(engine_dir) as txn:
-        export_something(txn.stage / "draft.onnx")        # new files go to the stage, under their final names
+        export_something(txn.stage / "draft.onnx")
         manifest.graphs["draft"] = GraphEntry(..., files=[FileEntry.of(txn.stage, "draft.onnx"), ...])
         txn.commit(manifest)
-
-* New files are written to a *stage*, a hidden folder ``.dspark-txn-*`` inside the engine directory (so on
-  the same filesystem: moving a file out of it is a rename), under their final relative names, which keeps
-  the references between files valid (an ONNX graph names its external weight file). :meth:`link` shows an
-  existing file in the stage too (a hard link) for new files that must lie beside it.
-* :meth:`commit` fsyncs the new files, moves each into place (a file it replaces is first moved aside into
-  the stage), then replaces ``manifest.json`` atomically (:meth:`Manifest.write`: temporary file, fsync,
-  rename, fsync of the directory) — the commit point. Only after that are the replaced versions, the files the
-  old manifest listed and the new one does not ("superseded"), a stale legacy hash sidecar and the stage
-  deleted, and the new files recorded as trusted (:func:`dspark_runtime.engine_dir.manifest.record_verified`).
-* Any error before the commit point — an exception, KeyboardInterrupt (Ctrl-C) included, a full disk —
-  undoes the moves done so far, removes the stage and any directory the transaction created, and re-raises:
-  the directory is left exactly as it was. A Ctrl-C that arrives while files are being moved is held until the
-  moves are done or undone. ENOSPC becomes a DSparkError that says so and names the fix.
-* The stage holds a journal while committing. A command killed during a commit (power loss, SIGKILL)
-  leaves it behind; the next transaction on the directory finishes the job: it rolls the moves back when the
-  manifest was not replaced yet, else it deletes what is left.
-* One transaction at a time per directory (an advisory ``flock`` on the directory): a second command
-  fails at once with a DSparkError instead of interleaving its files with the first one's.
-
-``quantize`` writes a new directory and needs none of this.
 """
 from __future__ import annotations
 

@@ -1,33 +1,14 @@
 """TensorRT engines from the exported ONNX graphs (``dspark-export build-trt``, ``build --engine-format``).
 
-For every ``causal_lm`` graph of an engine directory this writes
-
-* ``<key>.capacity.onnx``: the *capacity* KV-layout variant (docs/design.md section 2), made by graph
-  surgery on the exported graph (no re-export, no torch): the growing graph's
-  ``present.i = Concat(past.i, new_i)`` stays inside the graph for attention, and ``new_i`` becomes the
-  output ``new.i.key/value``. It shares the growing graph's weight file.
-* ``<key>.capacity.engine`` (and, with ``kv_layouts`` including "growing", ``<key>.engine``): serialized
-  TensorRT engines with two optimisation profiles each (prefill chunks; decode/verify of 1..γ+1 tokens)
-  derived from the graph's declared axes (:mod:`dspark_runtime.backends.trt.profiles`).
-* with ``half`` ("bf16"/"fp16"): ``<key>.capacity.<half>.onnx`` (+ ``.data``), a 16-bit copy (:func:`to_half`),
-  and its engine ``<key>.capacity.<half>.engine``.
-
-and for the ``dspark_draft`` graph (the DSpark drafter) ``<key>.engine`` (``<key>.<half>.engine``): the growing
-graph as exported (context K/V in, past + new context K/V out), with the same two profiles over ``new_len``
-(committed positions per call) and ``past_len`` (its context so far). Graphs with ONNX Runtime contrib operators
-(the int4 ``MatMulNBits`` of CPU engines) are refused with the fp32 graph to use instead (:func:`check_trt_parsable`).
-
-TensorRT for RTX (``tensorrt_rtx_bindings``) builds ahead of time on a machine with no GPU for a list of
-target compute capabilities; the engine is specialised on the GPU at load. Enterprise ``tensorrt`` (needed
-on Hopper / datacenter Blackwell) is driven by the same code but builds for the GPU it runs on. The network
-is strongly typed: precision comes from the graph (fp32, bf16/fp16, QDQ INT8 or FP8). Every parser and
-builder result is checked; a failure raises DSparkError with TensorRT's own messages, naming the tensor
-and shape where there is one.
-
-Measured facts of TensorRT-RTX 1.7.1 on a CPU-only machine: FP32 GEMMs cannot target Turing (SM 7.5: build an
-fp16 graph for it, in its own engine; tested); FP8 graphs cannot target 8.0/8.6 (tested); weight-stripped plans
-(``STRIP_PLAN`` + ``REFIT_IDENTICAL``) fail to build without a GPU (CUDA error in Myelin's JIT), so CPU builds
-embed the weights and 16-bit graphs are the way to halve build memory.
+For every ``causal_lm`` graph: its capacity KV-layout variant
+(:func:`dspark_export.graphs.device.derive_capacity_graph`) and, with ``half``, a 16-bit copy, each built into an
+engine with two optimisation profiles (prefill chunks; decode/verify of 1..γ+1 tokens,
+:mod:`dspark_runtime.backends.trt.profiles`); with ``kv_layouts`` including "growing" also the growing graph's
+engine. The ``dspark_draft`` graph gets the growing graph's engine. Graphs with ONNX Runtime contrib operators (the
+int4 ``MatMulNBits``) are refused, naming the fp32 graph to use instead. TensorRT for RTX builds ahead of time
+without a GPU for a list of compute capabilities; enterprise ``tensorrt`` builds for the GPU it runs on. Every parser
+and builder result is checked (DSparkError with TensorRT's own messages); all files are recorded in one transaction.
+Limits of the builders: docs/tensorrt.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""``dspark-export calibrate``: fit the DSpark confidence head's STS temperatures on the calibration split.
+"""``dspark-export calibrate``: fit the DSpark confidence head's STS temperatures and the router's priors on the
+calibration split.
 
-The engine decodes calibration prompts (``dspark_export/data/prompts/README.md``: gsm8k 901–1000, math500 351–400,
-mbpp 181–200 — never evaluation prompts) greedily with its DSpark drafter at the full block size,
-recording every round's confidence logits and how many drafts the target accepted. Sequential
-Temperature Scaling (docs/design.md §1 step 3; :func:`dspark_runtime.drafting.sts.fit_sts`) then picks one
-temperature per position so the cumulative survival product matches the measured prefix survival.
-The temperatures go into the engine's manifest (and ``sts.json`` beside the checkpoint when known).
-The manifest and ``calibration.json`` are replaced in one transaction
-(:func:`dspark_export.engine_dir.transaction.engine_transaction`): an error or Ctrl-C leaves the engine directory as it was.
+The engine decodes calibration-split prompts (:func:`dspark_export.drafter.data.calibration_prompts`; never
+evaluation prompts) greedily with its DSpark drafter at the full block size, recording each round's confidence
+logits and accepted drafts. Sequential Temperature Scaling (docs/design.md §1 step 3;
+:func:`dspark_runtime.drafting.sts.fit_sts`) picks one temperature per position so the cumulative survival product
+matches the measured prefix survival; the same greedy outputs give the router's priors (:func:`fit_router`). The
+manifest and ``calibration.json`` are replaced in one transaction (and ``sts.json`` is written beside the checkpoint
+when known): an error or Ctrl-C leaves the engine directory as it was.
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
-"""``dspark-export compare``: how far a quantized engine is from its fp32 reference, on held-out prompts.
+"""``dspark-export compare``: how far a candidate engine (e.g. int8) is from its reference (e.g. fp32) on held-out
+prompts.
 
-For each evaluation-split prompt (``dspark_export/data/prompts/README.md``; never calibration or training prompts) and
-each engine (the reference, e.g. fp32, then the candidate, e.g. ``target=int8,draft=int8``):
-
-* target-only greedy decoding of ``max_new_tokens`` tokens (tokens/s, ms per token);
-* speculative greedy decoding with the engine's own drafter (the same drafter kind in both engines):
-  τ (tokens committed per verify round, bonus included), tokens/s, and whether the output equals the
-  engine's own target-only output (losslessness holds relative to the deployed target precision);
-* the target's logits teacher-forced on the *reference's* greedy continuation, so both engines are scored
-  at the same positions.
-
-Reported per prompt and overall: **top-1 agreement** (teacher-forced argmax equal), **relative L2** of the
-logits (‖l_c − l_r‖₂ / ‖l_r‖₂ per position, averaged), **greedy token agreement** (the candidate's
-target-only greedy tokens against the reference's: the identical prefix as a fraction of the reference's
-length — strict, one early divergence costs the rest — and the position-wise match fraction), τ of each,
-and the per-token latency of each (target-only and speculative) with their ratios.
-
-Memory: by default one engine is loaded at a time (the reference's teacher-forced logits are kept on disk,
-``max_new_tokens × vocab × 4`` bytes per prompt), so the peak is that of the larger engine; timings of the
-two engines are then taken one after the other in the same process. ``interleave=True`` loads both and
-alternates them per prompt (fairer timing under machine drift, the sum of both engines' memory).
+For each evaluation-split prompt (:data:`EVAL_SPLIT`; never calibration or training prompts) and each engine:
+target-only greedy decoding, speculative greedy decoding with the same drafter kind (τ, and whether the output
+equals the engine's own target-only output), and the target's logits teacher-forced on the reference's greedy
+continuation, so both are scored at the same positions. Reported per prompt and overall: top-1 agreement, relative
+L2 of the logits, greedy token agreement (identical prefix and position-wise), τ and per-token latency of each.
+By default one engine is loaded at a time (the reference's logits wait on disk); ``interleave`` loads both and
+alternates them per prompt (fairer timing, both engines' memory).
 """
 from __future__ import annotations
 

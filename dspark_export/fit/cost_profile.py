@@ -1,15 +1,12 @@
-"""``dspark-export profile``: the cost table of a round on this machine, for the verify-length scheduler.
+"""``dspark-export profile``: the cost table of a speculative round on this machine, for the verify-length
+scheduler, and the row padding that makes speculative output bit-exact here.
 
-A speculative round costs the drafting pass (fixed: the DSpark block is drafted in full) plus one
-verifier step over B = 1 + ℓ tokens, so SPS(B) = 1 / (t_draft + t_verify(B)) rounds per second
-(docs/design.md §1 step 4). ``profile_engine`` measures both on the engine at hand, after a warm-up, as
-the median of ``repeats`` runs, at several context lengths (the passes' cost grows with the KV cache they
-attend over: one bucket per context, :mod:`dspark_runtime.scheduling.cost_table`; the runtime reads the table at each
-round's cached positions), and stores the table in the manifest (``speculation.cost_table``). The table belongs to the
-deployment machine: re-profile there (``dspark generate --profile-on-load`` does it at load).
-Both stored records carry ``cpu`` (:func:`dspark_runtime.machine.sysinfo.cpu_features`): ``Engine.load`` warns
-when this machine's CPU differs from it. The manifest is replaced in one transaction
-(:func:`dspark_export.engine_dir.transaction.engine_transaction`) after the measurements: an error or Ctrl-C leaves it as it was.
+A round costs the drafting pass plus one verifier step over B = 1 + ℓ tokens, so SPS(B) = 1 / (t_draft +
+t_verify(B)) (docs/design.md §1 step 4). :func:`profile_engine` measures both after a warm-up, as the median of
+``repeats`` runs, at several context buckets (:mod:`dspark_runtime.scheduling.cost_table`), and stores the table in
+the manifest (``speculation.cost_table``) with the CPU it was measured on (``Engine.load`` warns on another one). The
+table belongs to the deployment machine: re-profile there. The manifest is replaced in one transaction after the
+measurements: an error or Ctrl-C leaves it as it was.
 """
 from __future__ import annotations
 

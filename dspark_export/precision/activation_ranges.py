@@ -1,5 +1,13 @@
-"""Calibration for static QDQ quantization: activation ranges of an fp32 decoder graph over calibration-split
-prompts, in the shapes the runtime runs (see :mod:`dspark_export.precision.quantize` for the whole method)."""
+"""Activation ranges for static QDQ quantization (:func:`calibrate_graph`, ``dspark-export calibrate-quant``): an fp32
+decoder graph run over calibration-split prompts in the shapes the runtime runs.
+
+Per prompt: a prefill (past 0), greedy decode steps (q = 1 on the cache) and the same tokens as one verify chunk on
+the prompt's cache (a table of verify steps alone misses the prefill's larger activations). For the input of every
+weight MatMul the running min and max over all steps are kept (MinMax: ReduceMin/ReduceMax added to a weightless copy
+of the graph, which ONNX Runtime runs over the original external weights, so the weights are held once). The result
+is a :class:`CalibrationTable` whose ``data_id`` is the sha256 of every token id fed and ``graph_sha256`` the graph it
+was measured on. Calibration prompts only (:func:`calibration_token_ids`), never evaluation prompts.
+"""
 from __future__ import annotations
 
 import hashlib

@@ -1,29 +1,13 @@
-"""FP8 (E4M3) QDQ graphs for TensorRT, made by NVIDIA ModelOpt's ONNX quantizer in its own environment.
+"""FP8 (E4M3) QDQ graphs for TensorRT by NVIDIA ModelOpt's ONNX quantizer, and the choice between it and the
+streaming QDQ writer (:func:`choose_fp8_writer`; ``fp8_writer`` ``auto`` | ``modelopt`` | ``stream``).
 
-ModelOpt's ``onnx`` extra pins older onnx / onnxruntime-gpu than DSpark uses and needs torch >= 2.8, so it
-lives in a separate virtual environment and runs as a subprocess (:mod:`dspark_export.precision.fp8_worker`)::
-
-    python3 -m venv ~/.cache/dspark/venvs/modelopt
-    ~/.cache/dspark/venvs/modelopt/bin/pip install "torch==2.13.0" "nvidia-modelopt[onnx]==0.47.0"
-
-(pinning ``torch==2.13.0`` keeps pip from pulling a multi-GB CUDA build of torch). The environment's
-Python is found through ``$DSPARK_MODELOPT_PYTHON``, else ``$DSPARK_CACHE/venvs/modelopt`` (default
-``~/.cache/dspark``), else ``/work/venvs/modelopt``.
-
-Calibration: DSpark runs the calibration-split prompts through the fp32 graph in prefill, decode and
-verify shapes (:func:`dspark_export.precision.activation_ranges.calibrate_graph`), records every step's inputs, and ModelOpt
-replays them on ONNX Runtime's CPU provider (``calibration_eps=["cpu"]``, ``calibration_method="max"``).
-Only the MatMuls with a weight initializer (the linear layers and the LM head) are quantized
-(``op_types_to_quantize=["MatMul"]`` restricted to those nodes; attention MatMuls stay in fp32,
-``disable_mha_qdq``); everything else stays fp32 (``high_precision_dtype="fp32"``). FP8 engines need a GPU
-of compute capability >= 8.9; the runtime refuses to run an fp8 graph on ONNX Runtime's CPU provider unless
-asked (``allow_slow_precision``), because it executes it correctly but 6-10x slower than fp32.
-
-Memory: ModelOpt loads the whole graph with its weights (and writes intermediate copies next to the
-output), so its peak is a small multiple of the fp32 weights (measured: 17.75 GB for the 2.35 GiB 0.5B
-graph, ~7.5x) — unlike the streaming QDQ writer (:func:`dspark_export.precision.qdq.quantize_qdq`), which also
-writes fp8 with a peak of the graph structure plus one weight. :func:`choose_fp8_writer` picks between the
-two (``fp8_writer="auto"|"modelopt"|"stream"``, ``--fp8-writer``).
+ModelOpt pins older onnx / onnxruntime-gpu than DSpark, so it lives in its own virtual environment
+(:data:`SETUP_HINT`; found by :func:`modelopt_python`) and runs as a subprocess
+(:mod:`dspark_export.precision.fp8_worker`), replaying the calibration steps DSpark records
+(:func:`dspark_export.precision.activation_ranges.calibrate_graph`) on ONNX Runtime's CPU provider. Only weight
+MatMuls are quantized; everything else stays fp32. ModelOpt holds the whole graph (a peak of several times the fp32
+weights), unlike the streaming writer (:func:`dspark_export.precision.qdq.quantize_qdq`, peak ≈ one weight); ``auto``
+takes ModelOpt only when it is installed and fits in the available memory. Measurements: docs/precision.md.
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
-"""Fewer, larger MatMulNBits: the weight MatMuls of an int4 graph that read the same activation (a layer's
-q/k/v projections, its gate/up projections) become one ``com.microsoft.MatMulNBits`` over the weights
-concatenated along the output channels, followed by one ``Split``.
+"""Fewer, larger MatMulNBits (:func:`fuse_shared_inputs`): the weight MatMuls of an int4 graph that read the same
+activation (a layer's q/k/v, its gate/up) become one ``com.microsoft.MatMulNBits`` over the weights concatenated
+along the output channels, then one ``Split``; a decoding step then pays the per-node cost once per group.
 
-Why: at decode time (1–8 rows) an int4 step is memory-bound and ONNX Runtime pays a fixed cost per node (thread
-pool dispatch, output allocation); the Qwen2.5 1.5B graph has 7 weight MatMuls per layer, each with a block-min
-correction (``Reshape``/``ReduceSum``/``MatMul``/``Sub``, see :mod:`dspark_export.precision.nbits`) and a bias ``Add`` on
-q/k/v. Merged, a layer has 4 weight MatMuls (3 where v has the same block type as q and k), one correction
-``MatMul``/``Sub`` per merged node, and the q/k/v biases ride in MatMulNBits' own ``bias`` input.
-
-What is merged: MatMulNBits nodes with the same activation input and the same ``K``, ``bits``, ``block_size``,
-``accuracy_level``, zero-point presence and type, correction input (the shared block sums) and bias presence;
-nodes with ``g_idx`` or ``bias`` inputs already are left alone. The graph computes bit for bit what it computed
-before (measured on ONNX Runtime 1.32's CPU kernels, 1–16 rows: each output column is the same dot product over
-the same blocks, the activation is quantized per block of K, not per node; the bias goes into the kernel only where
-there is no correction, otherwise one ``Add`` after the ``Sub`` keeps the rounding order) — ``tests/test_nbits.py``
-checks the merged graph against the unmerged one for equality.
-
-The rewrite streams: the graph structure is loaded without its weights, each merged group's tensors are read,
-concatenated (one layer's gate+up: ~14 MB) and written, everything else is copied in chunks into a new
-``.data`` file, and both files replace the originals at the end.
+Merged: nodes with the same activation input, ``K``, ``bits``, ``block_size``, ``accuracy_level``, zero-point presence
+and type, correction input (the shared block sums, :mod:`dspark_export.precision.nbits`) and bias presence; nodes
+with ``g_idx`` or ``bias`` inputs already are left alone. Invariant: the merged graph computes bit for bit what the
+unmerged one did (each output column is the same dot product over the same blocks; a bias goes into the kernel only
+where there is no correction, else one ``Add`` after the ``Sub`` keeps the rounding order; tests/test_nbits.py checks
+it). The rewrite streams: weights are read per group and copied in chunks into a new ``.data`` file.
 """
 from __future__ import annotations
 

@@ -1,5 +1,18 @@
-"""The streaming QDQ writer: INT8 (ONNX Runtime, TensorRT) and FP8 (TensorRT) weights and Q/DQ nodes written one
-initializer at a time from a calibration table (see :mod:`dspark_export.precision.quantize` for the whole method)."""
+"""The streaming QDQ writer (:func:`quantize_qdq`): every MatMul whose second input is a 2-D float weight
+initializer (the linear layers and the LM head; never the attention MatMuls or the mask arithmetic) becomes
+``DQ(Q(x)) @ DQ(W_q)`` with per-output-channel symmetric weights stored already quantized, from the activation
+ranges of a :class:`~dspark_export.precision.activation_ranges.CalibrationTable`.
+
+* ``int8`` (ONNX Runtime CPU): U8 activations (asymmetric, per tensor) × S8 weights, 7-bit (±64, ``reduce_range``:
+  without AVX-VNNI ONNX Runtime's U8S8 kernels add pairs of products in saturating int16) unless
+  ``reduce_range=False``.
+* ``int8-trt`` (TensorRT): symmetric S8 activations and S8 weights, the only INT8 Q/DQ TensorRT accepts.
+* ``fp8`` (TensorRT, compute capability >= 8.9): FLOAT8E4M3FN weights and activations (scale = max |·| / 448), opset 19.
+
+The graph is rewritten one initializer at a time while the external data streams from file to file: peak memory is
+the graph structure plus the largest weight. tests/test_quantize.py checks it against ONNX Runtime's
+``quantize_static``, tests/test_fp8.py against a numpy fake-quantization.
+"""
 from __future__ import annotations
 
 import time

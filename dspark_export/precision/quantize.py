@@ -1,47 +1,11 @@
-"""Static INT8 / FP8 post-training quantization of decoder graphs to QDQ, memory-bounded: the method, and the
-engine-level command (:func:`quantize_engine`, ``dspark-export quantize``) with its agreement check
-(:func:`logit_agreement`). The pieces live in their own modules: :mod:`dspark_export.precision.activation_ranges` (step 1),
-:mod:`dspark_export.precision.qdq` (step 2, the streaming writer), :mod:`dspark_export.graphs.onnx_io` (weight MatMuls, external-data
-reading and writing, shared with the int4 and FP8 writers).
+"""``dspark-export quantize``: a quantized copy of a built fp32 engine without re-exporting (:func:`quantize_engine`),
+and the teacher-forced agreement of two decoders that checks it (:func:`logit_agreement`).
 
-Two steps, each usable on its own:
-
-1. **Calibration** (:func:`calibrate_graph`, ``dspark-export calibrate-quant``): real calibration-split
-   prompts (``dspark_export/data/prompts/README.md``: gsm8k 901–1000, math500 351–400, mbpp 181–200 — never evaluation
-   prompts) run through the fp32 graph in the shapes the runtime uses: a *prefill* of the prompt (past 0,
-   q = prompt length), greedy *decode* steps (q = 1 on the cache) and a *verify* step (the greedy
-   continuation fed as one q = ``verify_len`` chunk on the prompt's cache). A calibration set of verify
-   steps alone misses the prefill's larger activations. For every activation that feeds a quantized
-   MatMul the running min and max over all steps are kept (the MinMax method: ReduceMin/ReduceMax nodes
-   added to a weightless copy of the graph, which ONNX Runtime runs over the original external weights,
-   so calibration holds one copy of the weights). The result is a :class:`CalibrationTable` (JSON) whose
-   ``data_id`` is the sha256 of every token id fed.
-
-2. **Quantization** (:func:`quantize_qdq`): every MatMul whose second input is
-   a 2-D float weight initializer (the linear layers and the LM head; never the attention score/value
-   MatMuls, whose both inputs are activations, and never the mask arithmetic, which is not a MatMul)
-   becomes ``DQ(Q(x)) @ DQ(W_q)`` with per-output-channel symmetric weights (axis 1 of ``W[K, N]``) stored
-   already quantized:
-
-   * ``int8``      — for ONNX Runtime on x86: U8 activations (asymmetric, per tensor) with S8 weights,
-     which ONNX Runtime fuses into integer MatMuls. Without AVX-VNNI (AVX2 only, as on this machine) the
-     U8S8 kernels add pairs of u8·s8 products in saturating int16, so weights use 7 bits (±64,
-     ``reduce_range``; ONNX Runtime's documented remedy) unless ``reduce_range=False``.
-   * ``int8-trt``  — for TensorRT: symmetric S8 activations and S8 weights (zero points 0), the only
-     INT8 Q/DQ TensorRT accepts (as NVIDIA ModelOpt's int8 mode writes).
-   * ``fp8``       — for TensorRT on compute capability >= 8.9: FLOAT8E4M3FN weights (scale = column
-     max |W| / 448) and FLOAT8E4M3FN activations (symmetric per tensor, scale = max(|lo|, |hi|) / 448, zero
-     point 0), the opset raised to 19 (the first with FP8 Q/DQ). The memory-bounded alternative to NVIDIA
-     ModelOpt (:mod:`dspark_export.precision.fp8`), which peaks at ~7.5x the fp32 weights.
-
-   The graph is rewritten one initializer at a time while the external data is streamed from the source
-   file to the destination file, so peak memory is the graph's structure plus the largest single weight
-   (the LM head: 0.54 GB fp32 on Qwen2.5-0.5B, 0.93 GB on the 1.5B), not a multiple of the model.
-
-ONNX Runtime's ``quantize_static`` writes the same QDQ pattern but loads the whole model (and the
-calibrator a second augmented copy), ~2–3× the fp32 weights; it is the reference our writer is tested
-against on tiny graphs (``tests/test_quantize.py``). The FP8 output is tested against a numpy
-fake-quantization with ``ml_dtypes`` (``tests/test_fp8.py``).
+Each quantized graph is made by :func:`dspark_export.precision.quantizers.quantize_graph` (static QDQ calibrated by
+:mod:`dspark_export.precision.activation_ranges` and written by :mod:`dspark_export.precision.qdq`, int4, fp8 or
+int8-dynamic). Invariants: the source engine is never modified (unchanged files are hard-linked into the new
+directory); only fp32 growing-layout decoder graphs are quantized; measurements tied to the source's graphs (row
+padding, cost table) are dropped, to be profiled again on the new engine.
 """
 from __future__ import annotations
 
