@@ -1,41 +1,68 @@
-"""The package layout (the one-core issue): no import cycles among the modules of ``dspark_runtime`` and
-``dspark_export`` (module-level imports; imports inside functions are deliberate late bindings), and the runtime never
-imports the export toolchain or torch at module level."""
+"""The package layout's import rules, over every import of ``dspark_runtime`` and ``dspark_export`` (module level and
+inside functions): no cycle; the runtime imports neither the toolchain nor torch; and a module imports the project's
+own modules at module level, except where the imported module loads a heavy dependency (``HEAVY``) that the importer
+keeps lazy, or a package keeps its attributes lazy (``LAZY_ATTRIBUTES``). ``python tests/test_import_graph.py``
+prints the lazy edges."""
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dspark_runtime", "dspark_export")
+# third-party packages slow or optional enough that importing them only where they are used is right
+HEAVY = {"torch", "transformers", "tensorrt", "tensorrt_rtx", "fastapi", "uvicorn", "ray", "onnx", "onnxscript",
+         "cuda", "gguf", "prometheus_client", "matplotlib"}
+# PEP 562: `from dspark_runtime import Engine` stays cheap until Engine is used
+LAZY_ATTRIBUTES = {("dspark_runtime", "dspark_runtime.engine")}
 
 
-def _module_imports(path: Path, package: str) -> set:
-    """Modules of our two packages that ``path`` imports at module level (not inside functions or classes)."""
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list:
+    """``(imported module, at module level?)`` for every import statement in ``path``; ``from a import b`` names
+    both ``a`` and ``a.b`` (the graph keeps whichever is a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    out = set()
-    for node in tree.body:
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
+            out += [(a.name, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from .x import y / from . import x
-                base = package if node.level == 1 else ""
-                mod = f"{base}.{node.module}" if node.module else base
-                out.add(mod)
-                if not node.module:
-                    out |= {f"{base}.{a.name}" for a in node.names}
-            elif node.module:
-                out.add(node.module)
-                out |= {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] in PACKAGES or m.split(".")[0] == "torch"}
+            assert not node.level, f"{path}: relative import (the project imports absolutely)"
+            out.append((node.module, id(node) in top))
+            out += [(f"{node.module}.{a.name}", id(node) in top) for a in node.names]
+    return out
 
 
-def _graph() -> dict:
-    graph = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = f.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            graph[name] = _module_imports(f, pkg)
-    return {m: {d for d in deps if d in graph or d.split(".")[0] == "torch"} for m, deps in graph.items()}
+def _graph():
+    """``{module: {imported own module: at module level?}}`` and ``{module: third-party roots at module level}``."""
+    files = {_module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))}
+    graph, third = {}, {}
+    for name, f in files.items():
+        edges, roots = {}, set()
+        for mod, top in _imports(f):
+            if mod in files:
+                edges[mod] = edges.get(mod, False) or top
+            elif mod.split(".")[0] not in PACKAGES and top:
+                roots.add(mod.split(".")[0])
+        graph[name], third[name] = edges, roots
+    return graph, third
+
+
+def _heavy_modules(graph: dict, third: dict) -> set:
+    """Own modules that load a ``HEAVY`` package when imported (directly or through module-level imports)."""
+    heavy = {m for m, roots in third.items() if roots & HEAVY}
+    changed = True
+    while changed:
+        changed = False
+        for m, edges in graph.items():
+            if m not in heavy and any(top and d in heavy for d, top in edges.items()):
+                heavy.add(m)
+                changed = True
+    return heavy
 
 
 def _cycle(graph: dict):
@@ -66,16 +93,44 @@ def _cycle(graph: dict):
     return None
 
 
-def test_no_import_cycles_and_the_runtime_stays_torch_free():
-    graph = _graph()
-    assert len(graph) > 50  # both packages were read
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
-    for m, deps in graph.items():
+def lazy_edges():
+    """Function-level imports of own modules: ``[(importer, imported, allowed?)]``."""
+    graph, third = _graph()
+    heavy = _heavy_modules(graph, third)
+    return [(m, d, d in heavy or (m, d) in LAZY_ATTRIBUTES)
+            for m, edges in sorted(graph.items()) for d, top in sorted(edges.items()) if not top]
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph, _ = _graph()
+    assert len(graph) > 80  # both packages and their subpackages were read
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_runtime_never_imports_the_toolchain_or_torch():
+    graph, third = _graph()
+    for m, edges in graph.items():
         if m.startswith("dspark_runtime"):
-            bad = sorted(d for d in deps if d.startswith("dspark_export") or d.split(".")[0] == "torch")
-            assert not bad, f"{m} imports {bad} at module level"
+            assert not [d for d in edges if d.startswith("dspark_export")], m
+            assert "torch" not in third[m], m
 
 
-def test_the_cycle_check_finds_a_cycle():
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set()}) is None
+def test_own_modules_are_imported_at_module_level_unless_heavy():
+    bad = [f"{m} imports {d} inside a function" for m, d, allowed in lazy_edges() if not allowed]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_find_a_cycle_and_a_heavy_module():
+    assert _cycle({"a": {"b": True}, "b": {"c": False}, "c": {"a": True}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": True}, "b": {}}) is None
+    graph = {"a": {"b": True}, "b": {}, "c": {"a": False}}
+    assert _heavy_modules(graph, {"a": set(), "b": {"torch"}, "c": set()}) == {"a", "b"}
+
+
+if __name__ == "__main__":
+    edges = lazy_edges()
+    for m, d, allowed in edges:
+        print(f"{'lazy ' if allowed else 'BAD  '} {m} -> {d}")
+    print(f"{len(edges)} function-level imports of own modules, {sum(not a for *_, a in edges)} not allowed",
+          file=sys.stderr)

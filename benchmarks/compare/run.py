@@ -44,7 +44,7 @@ def resolve_model(arg: str) -> Path:
     p = Path(arg)
     if p.is_dir():
         return p.resolve()
-    from dspark_export.models.fetch import model_path
+    from dspark_export.models.catalog import model_path
 
     try:
         q = model_path(arg)

@@ -168,7 +168,7 @@ def gguf_for(model_dir: Path, override: str | None = None) -> Path:
     if override:
         return Path(override).expanduser().resolve()
     try:
-        from dspark_export.models.fetch import gguf_path
+        from dspark_export.models.catalog import gguf_path
 
         return gguf_path(model_dir.name)
     except Exception:  # not a known model name: the cache layout by folder name
