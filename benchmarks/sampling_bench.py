@@ -2,7 +2,7 @@
 against the full-sort reference it replaced, side by side in one run.
 
 The reference (a stable ``argsort`` of the whole vocabulary per row, float64, for top-k and again for top-p) lives
-here only, as this benchmark's baseline and ``tests/test_sampling.py``'s reference. Each case checks both give the
+here only, as this benchmark's baseline and ``tests/runtime/decoding/test_sampling.py``'s reference. Each case checks both give the
 same distribution, then times each (best of ``--repeat``, interleaved). Prints a table.
 
     python -m benchmarks.sampling_bench                  # 8 rows x 151,936 tokens (Qwen2 vocabulary)

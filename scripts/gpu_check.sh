@@ -112,7 +112,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
       || echo "note: enterprise tensorrt wheels not downloaded; Hopper/datacenter Blackwell cannot be checked"
   fi
   # the tiny engine: random tiny Qwen2 target (features of layers -1, 0) + draft LM + an untrained DSpark drafter
-  # (tests/tiny_models.py), ONNX, then TensorRT-RTX AOT engines of all three graphs
+  # (tests/fixtures/tiny_models.py), ONNX, then TensorRT-RTX AOT engines of all three graphs
   rm -rf "$ENGINE"
   nice -n 19 "$PY" - "$ENGINE" <<'PYEOF'
 import sys, tempfile

@@ -1,23 +1,19 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 # The CLI and the scripts run every ONNX Runtime session on one process-wide thread pool
 # (dspark_runtime.backends.ort.enable_shared_thread_pool), after which plain sessions in the same process are refused;
-# the tests make such sessions in-process, so the suite keeps per-session pools (tests/test_shared_pool.py runs
+# the tests make such sessions in-process, so the suite keeps per-session pools (tests/runtime/test_thread_pool.py runs
 # the shared pool in a subprocess).
 os.environ.setdefault("DSPARK_SHARED_THREAD_POOL", "0")
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir): tiny random Qwen2 models sharing a byte-level BPE tokenizer."""
     pytest.importorskip("torch")
-    from tiny_models import make_pair
+    from tests.fixtures.tiny_models import make_pair
 
     return make_pair(tmp_path_factory.mktemp("models"))
 
@@ -25,7 +21,7 @@ def tiny_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_graph(tiny_pair, tmp_path_factory):
     """(graph path, GraphSpec, calibration token lists) of the tiny target exported with features
-    (tests/test_quantize.py, tests/test_fp8.py; read only)."""
+    (tests/export/precision/test_quantize.py, tests/export/precision/test_fp8.py; read only)."""
     import numpy as np
 
     from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
@@ -55,7 +51,7 @@ def tiny_engine_with_dspark(tiny_engine_dir, tiny_pair, tmp_path_factory):
     its draft LM: target, draft and DSpark drafter graphs in one engine (read only; copy it to change it)."""
     import shutil
 
-    from tiny_models import add_tiny_dspark
+    from tests.fixtures.tiny_models import add_tiny_dspark
 
     out = tmp_path_factory.mktemp("engines-dspark") / "tiny"
     shutil.copytree(tiny_engine_dir, out)

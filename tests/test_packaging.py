@@ -103,7 +103,7 @@ def test_wheel_outside_the_checkout(tiny_pair, tmp_path):
     for r in RECIPES:
         assert f"dspark_export/recipes/{r}.json" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
-    assert not any(n.startswith(("tests/", "scripts/", "engines/")) for n in names)
+    assert not any(n.startswith(("tests/", "scripts/", "engines/", "benchmarks/", "results/")) for n in names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, _clean_env())

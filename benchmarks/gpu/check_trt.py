@@ -2,10 +2,10 @@
 logits parity with ONNX Runtime CPU, exactness of speculative decoding, CUDA graphs, the DSpark drafter on TensorRT
 and batched decoding (``DeviceBatchRunner``); each check printed PASS/FAIL with its numbers (:func:`main` lists
 them), exit status 0 only if every check passed. ``--cpu-stand-in``: check 5 alone on any machine, ONNX Runtime
-CPU standing in for the TensorRT engines (:func:`use_cpu_stand_ins`; needs ``PYTHONPATH=tests``).
+CPU standing in for the TensorRT engines (:func:`use_cpu_stand_ins`; run from the repository root: it uses the tests).
 
     PYTHONPATH=. .venv-gpu/bin/python -m benchmarks.gpu.check_trt ENGINE_DIR [--flavour auto|rtx|enterprise] [--rebuild]
-    PYTHONPATH=tests python -m benchmarks.gpu.check_trt ENGINE_DIR --cpu-stand-in
+    python -m benchmarks.gpu.check_trt ENGINE_DIR --cpu-stand-in
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def use_cpu_stand_ins() -> None:
     """Make the Engine run its trt-placed graphs on ONNX Runtime CPU.
 
     ``--cpu-stand-in`` runs check 5 alone on any machine, with ONNX Runtime CPU standing in for the TensorRT engines (the
-    capacity graph behind ``TrtDecoder``'s row interface, ``tests/test_trt_batch.py``'s ``OrtDevice``; the drafter's ONNX
+    capacity graph behind ``TrtDecoder``'s row interface, ``tests/runtime/runners/test_device_runner.py``'s ``OrtDevice``; the drafter's ONNX
     graph for ``TrtDSparkGraph``): it checks this script's own code and the batched runner's bookkeeping before a GPU run,
     not TensorRT (the engine directory needs its TensorRT engines in the manifest: ``--prepare`` builds them on a CPU).
     """
@@ -223,10 +223,10 @@ def use_cpu_stand_ins() -> None:
     from dspark_runtime.backends.trt.profiles import capacity_buckets
 
     try:
-        from test_trt_batch import OrtDevice  # tests/test_trt_batch.py
+        from tests.runtime.runners.test_device_runner import OrtDevice
     except ImportError as e:
-        raise SystemExit(f"--cpu-stand-in needs the tests folder on the path: PYTHONPATH=tests python -m "
-                         f"benchmarks.gpu.check_trt ... ({e})")
+        raise SystemExit(f"--cpu-stand-in uses the repository's tests package: run it from the repository root "
+                         f"(python -m benchmarks.gpu.check_trt ...) ({e})")
 
     def decoder(engine_dir, entry, **_):
         ps = entry.profile_settings

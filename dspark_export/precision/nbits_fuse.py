@@ -6,7 +6,7 @@ Merged: nodes with the same activation input, ``K``, ``bits``, ``block_size``, `
 and type, correction input (the shared block sums, :mod:`dspark_export.precision.nbits`) and bias presence; nodes
 with ``g_idx`` or ``bias`` inputs already are left alone. Invariant: the merged graph computes bit for bit what the
 unmerged one did (each output column is the same dot product over the same blocks; a bias goes into the kernel only
-where there is no correction, else one ``Add`` after the ``Sub`` keeps the rounding order; tests/test_nbits.py checks
+where there is no correction, else one ``Add`` after the ``Sub`` keeps the rounding order; tests/export/precision/test_nbits.py checks
 it). The rewrite streams: weights are read per group and copied in chunks into a new ``.data`` file.
 """
 from __future__ import annotations

@@ -10,8 +10,8 @@ ranges of a :class:`~dspark_export.precision.activation_ranges.CalibrationTable`
 * ``fp8`` (TensorRT, compute capability >= 8.9): FLOAT8E4M3FN weights and activations (scale = max |·| / 448), opset 19.
 
 The graph is rewritten one initializer at a time while the external data streams from file to file: peak memory is
-the graph structure plus the largest weight. tests/test_quantize.py checks it against ONNX Runtime's
-``quantize_static``, tests/test_fp8.py against a numpy fake-quantization.
+the graph structure plus the largest weight. tests/export/precision/test_quantize.py checks it against ONNX Runtime's
+``quantize_static``, tests/export/precision/test_fp8.py against a numpy fake-quantization.
 """
 from __future__ import annotations
 

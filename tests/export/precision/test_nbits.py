@@ -1,0 +1,306 @@
+"""int4 (MatMulNBits) graphs: the GGUF re-pack is exact, the kernel computes x @ W with it, engines built
+with it decode speculatively exactly as target-only, and the float-weight path uses ONNX Runtime's quantizer."""
+import json
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
+
+from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, nbits_nodes  # noqa: E402
+from dspark_export.precision.nbits_gguf import ENCODINGS, encode_gguf_rows, gguf_tensor_name  # noqa: E402
+from dspark_runtime.errors import DSparkError  # noqa: E402
+
+ALL_TYPES = sorted(ENCODINGS)
+
+
+def random_rows(qtype: str, n: int, k: int, rng, lo: float = 0.001, hi: float = 0.01) -> np.ndarray:
+    """Random but valid GGUF rows of ``qtype`` (uint8 [n, bytes per row]): random bytes with f16 scales in
+    [lo, hi]."""
+    qk, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    b = rng.integers(0, 256, (n * (k // qk), size), dtype=np.uint8)
+
+    def f16(off):
+        b[:, off:off + 2] = (rng.random(len(b)) * (hi - lo) + lo).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    f16(208 if qtype == "Q6_K" else 0)
+    if qtype in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):
+        f16(2)
+    return b.reshape(n, -1)
+
+
+def nbits_session(enc: NBitsWeight, accuracy_level: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = enc.k, enc.n
+    inits = [numpy_helper.from_array(enc.packed, "W_Q"), numpy_helper.from_array(enc.scales.reshape(-1), "W_scales"),
+             numpy_helper.from_array(enc.packed_zero_points(), "W_zp")]
+    if enc.correction is not None:
+        inits += [numpy_helper.from_array(enc.correction, "W_corr"),
+                  numpy_helper.from_array(np.array([0, 0, k // enc.block_size, enc.block_size], np.int64),
+                                          f"__nbits_shape_{k}_{enc.block_size}"),
+                  numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last")]
+    nodes = []
+    nbits_nodes(helper, "mm", "x", "y", "W", NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
+                 accuracy_level, {}, nodes)
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_gguf_blocks_repack_exactly_and_the_kernel_computes_x_at_w(qtype):
+    rng = np.random.default_rng(ALL_TYPES.index(qtype))
+    n, k = 40, 512
+    rows = random_rows(qtype, n, k, rng)
+    enc, w = encode_gguf_rows(rows, qtype, k)
+    ref = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(n, k)
+    np.testing.assert_array_equal(w, ref)
+    assert np.abs(enc.dequantize().T - ref).max() <= 1e-7 * np.abs(ref).max()  # exact to float rounding
+    bits, block, zp, affine = ENCODINGS[qtype]
+    assert (enc.bits, enc.block_size, enc.correction is not None) == (bits, block, affine)
+    assert enc.packed.shape == (n, k // block, block * bits // 8)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    y = nbits_session(enc, 0).run(None, {"x": x})[0]
+    r = x @ ref.T
+    assert np.abs(y - r).max() <= 2e-5 * np.abs(r).max()  # fp32 activations: float rounding only
+    y4 = nbits_session(enc, 4).run(None, {"x": x})[0]
+    err4 = np.abs(y4 - r).max() / np.abs(r).max()
+    assert 1e-5 < err4 < 0.03  # int8 activations per block: visibly rounded, still close
+
+
+def test_zero_points_pack_two_per_byte_with_odd_block_counts():
+    z = np.array([[1, 2, 3], [15, 0, 7]], np.uint8)
+    enc = NBitsWeight(4, 32, np.zeros((2, 3, 16), np.uint8), np.ones((2, 3), np.float32), z)
+    np.testing.assert_array_equal(enc.packed_zero_points(), [1 | 2 << 4, 3, 15, 7])
+    enc8 = NBitsWeight(8, 32, np.zeros((2, 3, 32), np.uint8), np.ones((2, 3), np.float32), z)
+    np.testing.assert_array_equal(enc8.packed_zero_points(), z.reshape(-1))
+
+
+def test_corrupt_blocks_and_unknown_types_are_refused():
+    rng = np.random.default_rng(0)
+    with pytest.raises(DSparkError, match="no MatMulNBits encoding"):
+        encode_gguf_rows(np.zeros((2, 110), np.uint8), "Q3_K", 256)
+    rows = random_rows("Q8_0", 4, 64, rng)
+    rows[:, 0:2] = np.array([np.inf], np.float16).view(np.uint8)  # an infinite block scale
+    with pytest.raises(DSparkError):
+        encode_gguf_rows(rows, "Q8_0", 64)
+
+
+def test_gguf_tensor_names():
+    names = {"blk.3.ffn_down.weight", "blk.0.attn_q.weight", "token_embd.weight"}
+    assert gguf_tensor_name("layers.3.mlp.down_proj", names) == "blk.3.ffn_down.weight"
+    assert gguf_tensor_name("model.layers.0.self_attn.q_proj", names) == "blk.0.attn_q.weight"
+    assert gguf_tensor_name("lm_head", names) == "token_embd.weight"  # tied in the file
+    assert gguf_tensor_name("lm_head", names | {"output.weight"}) == "output.weight"
+    assert gguf_tensor_name("layers.1.mlp.up_proj", names) is None
+
+
+# ------------------------------------------------------------------------------ a tiny model from a GGUF
+GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+              "ffn_up": "Q4_1", "ffn_down": "Q5_K", "output": "Q6_K"}
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory, monkeypatch_module):
+    """A tiny Qwen2 (hidden 256, MLP 512: K-quant blocks need K % 256 == 0) whose weights are the dequantized
+    blocks of a GGUF written beside it, as `dspark-export fetch` leaves a converted model: the folder's
+    dspark_source.json names the GGUF in $DSPARK_CACHE/gguf/."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.fixtures.tiny_models import make_tokenizer
+
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch_module.setenv("DSPARK_CACHE", str(cache))
+    root = cache / "models" / "tiny-gguf"
+    vocab = make_tokenizer(root)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2,
+                                         bos_token_id=None, tie_word_embeddings=False)).eval()
+    rng = np.random.default_rng(1)
+    (cache / "gguf").mkdir()
+    w = gguf.GGUFWriter(str(cache / "gguf" / "tiny-gguf.gguf"), "qwen2")
+    sd = model.state_dict()
+
+    def put(gname, hf_name, qtype):
+        t = sd[hf_name]
+        n, k = t.shape
+        # weights of a few 0.01 (K-quant sub-block scales multiply d by up to 63)
+        rows = random_rows(qtype, n, k, rng, 2e-5, 2e-4) if qtype.endswith("_K") else \
+            random_rows(qtype, n, k, rng, 1e-3, 4e-3)
+        deq = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(n, k)
+        with torch.no_grad():
+            t.copy_(torch.from_numpy(deq))
+        w.add_tensor(gname, rows, raw_shape=rows.shape, raw_dtype=GGMLQuantizationType[qtype])
+
+    for i in range(2):
+        for g, h in HF_NAMES.items():
+            put(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", GGUF_TYPES[g])
+    put("output.weight", "lm_head.weight", GGUF_TYPES["output"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.load_state_dict(sd)
+    model.save_pretrained(root)
+    size = (cache / "gguf" / "tiny-gguf.gguf").stat().st_size
+    (root / "dspark_source.json").write_text(json.dumps({"name": "tiny-gguf", "gguf_size": size}))
+    return root, cache / "gguf" / "tiny-gguf.gguf"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
+    from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
+    from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
+    from dspark_runtime.backends.ort import OrtDecoder
+
+    folder, gpath = gguf_model
+    model = load_hf_model(folder)
+    spec = export_decoder(model, decoder_dims(model.config, (-1, 0)), tmp_path / "g.onnx")
+    rep = quantize_nbits_gguf(tmp_path / "g.onnx", tmp_path / "q.onnx", gpath, accuracy_level=0, log=lambda *a: None)
+    assert rep["matmul_nbits"] == 15 and rep["unmatched"] == [] and rep["kept_fp32"] == []
+    assert rep["gguf_types"]["Q4_K"]["tensors"] == 4 and rep["gguf_types"]["Q6_K"]["tensors"] == 3
+    assert rep["max_abs_weight_diff_vs_fp32_graph"] < 1e-6
+    assert rep["weight_bytes_out"] < rep["weight_bytes_in"]
+    # gate (Q4_K) and up (Q4_1) are both 4-bit blocks of 32 with a correction: merged in each of the 2 layers
+    assert rep["merged_shared_inputs"]["groups"] == 2 and rep["merged_shared_inputs"]["matmul_nbits_nodes"] == [15, 13]
+    ids = np.array([[5, 17, 42, 99, 7, 3]], np.int64)
+    outs = []
+    for p in (tmp_path / "g.onnx", tmp_path / "q.onnx"):
+        dec = OrtDecoder(p, spec)
+        dec.activate()
+        n = ids.shape[1]
+        outs.append(dec.step(ids, np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
+                             dec.empty_kv(1)).logits)
+    ref, got = outs
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()  # same weights, fp32 activations
+    # a GGUF whose weights differ from the graph's is refused, naming the tensor
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "qwen2")
+    w.add_tensor("blk.0.attn_q.weight", random_rows("Q8_0", 256, 256, np.random.default_rng(9)),
+                 raw_shape=(256, 272), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(DSparkError, match="blk.0.attn_q.weight"):
+        quantize_nbits_gguf(tmp_path / "g.onnx", tmp_path / "bad.onnx", tmp_path / "other.gguf", log=lambda *a: None)
+
+
+def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, tmp_path):
+    """Must-show in small: an int4 engine (target re-packed from its GGUF, draft by ONNX Runtime's RTN quantizer)
+    records its sources, and speculative greedy output equals int4 target-only output."""
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_runtime import Engine
+
+    folder, _ = gguf_model
+    m = build_engine(Recipe(name="q4", target=str(folder), draft=str(folder), precision="int4", draft_length=4),
+                     tmp_path / "q4", isolate=False, log=lambda *a: None)
+    t, d = m.graphs["target"], m.graphs["draft"]
+    assert t.precision == d.precision == "int4"
+    assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
+    assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
+    assert set(t.validation) == {"fp32", "int4"}
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "q4" / "target.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops
+    eng = Engine.load(tmp_path / "q4", threads=1)
+    for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
+        ref = eng.generate(prompt, max_new_tokens=32, draft=None)
+        for draft, g in (("lm", 4), ("ngram", 3)):
+            out = eng.generate(prompt, max_new_tokens=32, draft=draft, draft_length=g)
+            assert out.token_ids == ref.token_ids
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import cli
+
+    info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
+    assert info.exit_code == 0, info.output
+    assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
+    assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
+    assert info.output.count("KV layout scatter") == 2  # target and draft
+    # gguf asked for where the model has no GGUF: a clear error
+    from dspark_export.precision.quantizers import resolve_int4_source
+
+    with pytest.raises(DSparkError, match="--int4-source rtn"):
+        resolve_int4_source("gguf", "target", tmp_path)
+    assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
+    assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
+
+
+# ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
+def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
+    """q/k/v-like projections (4-bit with the block-min correction, each + bias), one 8-bit projection of the
+    same input (another encoding: not merged), and gate/up-like projections without correction (bias into the
+    kernel): the merged graph computes exactly what the separate nodes did, with fewer nodes."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark_export.precision.nbits_fuse import fuse_shared_inputs
+
+    rng = np.random.default_rng(3)
+    k = 512
+    nodes, inits, outs, blocksums = [], [], [], {}
+
+    def proj(name, x, y, qtype, n, bias):
+        enc, _ = encode_gguf_rows(random_rows(qtype, n, k, rng), qtype, k)
+        inits.extend([numpy_helper.from_array(enc.packed, name + "_Q"),
+                      numpy_helper.from_array(enc.scales.reshape(-1), name + "_scales"),
+                      numpy_helper.from_array(enc.packed_zero_points(), name + "_zp")])
+        if enc.correction is not None:
+            inits.append(numpy_helper.from_array(enc.correction, name + "_corr"))
+        out = y + "_pre" if bias else y
+        nbits_nodes(helper, name, x, out, name, NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
+                     4, blocksums, nodes)
+        if bias:
+            inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name + "_b"))
+            nodes.append(helper.make_node("Add", [out, name + "_b"], [y]))
+        outs.append(y)
+
+    for name, n in (("q", 256), ("k", 64), ("v", 64)):
+        proj(name, "x", name + "_y", "Q4_K", n, True)
+    proj("v8", "x", "v8_y", "Q6_K", 64, False)
+    nodes.append(helper.make_node("Mul", ["q_y", "q_y"], ["h"]))
+    nodes.append(helper.make_node("Concat", ["h", "h"], ["h2"], axis=-1))
+    k = 512
+    for name in ("gate", "up"):
+        proj(name, "h2", name + "_y", "Q4_0", 128, True)
+    inits += [numpy_helper.from_array(np.array([0, 0, 512 // 32, 32], np.int64), "__nbits_shape_512_32"),
+              numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, 512])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "g.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="g.onnx.data", size_threshold=1024)
+
+    def run(x):
+        s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return s.run(outs, {"x": x})
+
+    xs = [rng.standard_normal((1, m, 512)).astype(np.float32) for m in (1, 2, 5)]
+    before = [run(x) for x in xs]
+    rep = fuse_shared_inputs(path, log=lambda *a: None)
+    assert rep["groups"] == 2 and rep["matmul_nbits_nodes"] == [6, 3]
+    after = [run(x) for x in xs]
+    for b, a in zip(before, after):
+        for yb, ya in zip(b, a):
+            np.testing.assert_array_equal(ya, yb)
+    ops = [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+    assert ops.count("Sub") == 1 and ops.count("Split") == 2 and ops.count("Add") == 1  # q/k/v's bias after the Sub
+    assert fuse_shared_inputs(path, log=lambda *a: None)["groups"] == 0  # nothing left to merge
