@@ -1,51 +1,35 @@
-"""Scale-out on Ray Serve: the OpenAI-compatible app of :func:`dspark_runtime.serving.app.create_app` in N replicas.
+"""Scale-out on Ray Serve: the app of :func:`~dspark_runtime.serving.app.create_app` in N replicas of one deployment.
 
-Layout::
-
-    client --HTTP--> Ray Serve proxy --routes--> replica 1 (Ray actor): Engine + EngineWorker + create_app's app
-                                        \\-----> replica 2 (Ray actor): its own Engine, worker, app, /metrics
-                                         \\----> ... (num_replicas, or autoscaled between min and max)
-
-Each replica is a Ray actor that loads its own :class:`~dspark_runtime.engine.Engine` from ``engine`` (a directory
-or ``dspark-export pack`` tarball that must exist on the node the replica runs on) and builds the app with
-:func:`~dspark_runtime.serving.app.create_app` *inside the replica*, through Serve's FastAPI ingress with a builder
-function (``serve.ingress(builder)``): the same routes, wire format, errors and metrics as ``dspark serve``, no
-second API. So every replica keeps its own continuous batching (one engine thread, at most ``max_batch`` decoding
-at once, ``max_queue`` waiting) and its own ``/metrics``. What the deployment adds to the app: the response header
-``X-DSpark-Replica`` (the Serve replica id that answered) on every response and, in that replica's ``/metrics``,
-``dspark_replica_info{replica, deployment, node, pid} 1``; Serve's ``check_health`` fails once the replica's
-engine thread has stopped, so Serve replaces the replica.
-
-Serve's router sends a request to a replica with fewer requests in flight (power of two choices) and never more
-than ``max_ongoing_requests`` (default ``max_batch + max_queue``, the app's own capacity) to one replica; requests
-beyond that wait in Serve's queue instead of getting the app's 429. Autoscaling (``min_replicas`` and
-``max_replicas``) adds replicas while the average in flight per replica exceeds ``target_ongoing_requests``
-(default ``max_batch``).
-
-Two ways to start it (docs/serving.md, "Scale-out on Ray Serve"):
-
-- ``dspark serve --ray --engine DIR --replicas 2`` (or ``--autoscale 1:4``, ``--ray-address auto`` to join a running
-  cluster): :func:`run`;
-- ``serve run docs/ray-serve.yaml`` (or ``serve deploy`` to a running cluster): the config names
-  :func:`app_builder` and passes the settings of :class:`RayServeSettings` as ``args``.
-
-Ray is imported only inside the functions of this module: ``import dspark_runtime.serving.ray_serve`` (and the rest of
-the runtime) works without the ``ray`` extra; a function that needs Ray raises InputError naming the extra.
+Owns :class:`RayServeSettings` (each replica's engine and app settings, the deployment's scaling), the deployment
+(:func:`build_app`; :func:`app_builder` for ``serve run`` configs) and ``dspark serve --ray`` (:func:`run`).
+Invariants: each replica loads its own Engine and builds the unchanged app inside itself (same routes, wire
+format, errors; its own batching and ``/metrics``), adding only the ``X-DSpark-Replica`` header,
+``dspark_replica_info`` and a 408 for a request body that stops arriving (:class:`ReplicaHeaderMiddleware`); Serve
+sends a replica at most ``max_ongoing_requests`` (default ``max_batch + max_queue``, the app's capacity);
+``check_health`` fails once the engine thread has stopped, so Serve replaces the replica.
+Ray and the app's FastAPI stack are imported only inside functions: this module, and the CLI importing it, work
+without the ``ray`` extra, and a function that needs Ray raises InputError naming the extra.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
 from dspark_runtime.errors import InputError
+from dspark_runtime.machine.sysinfo import shared_pool_default
 
 DEPLOYMENT_NAME = "DSparkServer"
 APP_NAME = "dspark"
 REPLICA_HEADER = "X-DSpark-Replica"
+BODY_TIMEOUT_S = 30.0  # a replica answers 408 when the next part of a request's body takes longer than this
 DRAFTS = ("auto", "router", "dspark", "lm", "ngram", "none")
 
 
@@ -62,8 +46,8 @@ def _need_ray():
 class RayServeSettings:
     """Everything a replica needs to build its engine and app, and the deployment's scaling settings.
 
-    App (as ``dspark serve``'s options; :func:`~dspark_runtime.serving.app.create_app`): ``draft`` (auto, router, dspark,
-    lm, ngram, none), ``draft_length`` (an integer or "scheduled"), ``draft_confidence``, ``max_batch``,
+    App (as ``dspark serve``'s options; :func:`~dspark_runtime.serving.app.create_app`): ``draft`` (auto, router,
+    dspark, lm, ngram, none), ``draft_length`` (an integer or "scheduled"), ``draft_confidence``, ``max_batch``,
     ``max_queue``, ``max_context``, ``default_max_tokens``, ``model_name``, ``shutdown_timeout`` (seconds open
     requests may finish when a replica stops), ``prefill_budget`` (prompt tokens fed per round while others decode,
     an integer >= 1 or "auto"), ``prefix_cache_mb`` (each replica's prefix KV cache bound in MiB, 0 = off).
@@ -188,9 +172,8 @@ class RayServeSettings:
     def engine_kwargs(self) -> dict:
         """Keyword arguments of :meth:`~dspark_runtime.engine.Engine.load` besides the path, as ``dspark serve``
         loads its engine: ``threads`` (:attr:`replica_threads`), ``placement``, ``prefix_cache_mb``, and
-        ``shared_thread_pool`` (:func:`~dspark_runtime.backends.ort.shared_pool_default`, read on the replica's node)."""
-        from dspark_runtime.backends.ort import shared_pool_default
-
+        ``shared_thread_pool`` (:func:`~dspark_runtime.machine.sysinfo.shared_pool_default`, read on the replica's
+        node)."""
         return dict(threads=self.replica_threads, shared_thread_pool=shared_pool_default(), placement=self.placement,
                     prefix_cache_mb=float(self.prefix_cache_mb))
 
@@ -213,12 +196,17 @@ class RayServeSettings:
 
 
 class ReplicaHeaderMiddleware:
-    """Pure ASGI middleware: adds ``X-DSpark-Replica: <replica id>`` to every HTTP response (streamed ones too;
-    it only touches the ``http.response.start`` message, so bodies pass through unbuffered)."""
+    """Pure ASGI middleware of each replica's app: adds ``X-DSpark-Replica: <replica id>`` to every HTTP response
+    (streamed ones too; it only touches ``http.response.start``, so response bodies pass through unbuffered), and
+    reads each request's body before the app does, answering 408 when the next part of it does not arrive within
+    ``body_timeout_s``. Serve's router retries a request on another replica when the one it chose died before
+    accepting it, but that one may already have pulled the body from the proxy: the second replica would then wait
+    for a body that never comes, until the client gives up."""
 
-    def __init__(self, app, replica: str):
+    def __init__(self, app, replica: str, body_timeout_s: float = BODY_TIMEOUT_S):
         self.app = app
         self.header = (REPLICA_HEADER.lower().encode(), replica.encode())
+        self.body_timeout_s = float(body_timeout_s)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -230,7 +218,24 @@ class ReplicaHeaderMiddleware:
                 message["headers"] = list(message.get("headers", [])) + [self.header]
             await send(message)
 
-        await self.app(scope, receive, send_with_header)
+        head = []  # the request's messages up to its last body part (or a disconnect), replayed to the app
+        while not head or (head[-1]["type"] == "http.request" and head[-1].get("more_body", False)):
+            try:
+                head.append(await asyncio.wait_for(receive(), self.body_timeout_s))
+            except asyncio.TimeoutError:
+                body = json.dumps({"error": {
+                    "message": f"the request body did not arrive within {self.body_timeout_s:g} s; retry the request",
+                    "type": "timeout_error", "param": None, "code": "request_timeout"}}).encode()
+                await send_with_header({"type": "http.response.start", "status": 408, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")]})
+                await send_with_header({"type": "http.response.body", "body": body})
+                return
+
+        async def replay():
+            return head.pop(0) if head else await receive()
+
+        await self.app(scope, replay, send_with_header)
 
 
 def replica_app(settings: RayServeSettings, replica: str | None = None, deployment: str = DEPLOYMENT_NAME):
@@ -239,17 +244,14 @@ def replica_app(settings: RayServeSettings, replica: str | None = None, deployme
     (Serve calls it through the ingress builder); ``replica`` defaults to Serve's replica id of the calling
     replica. Raises ManifestError for an engine directory that is missing or corrupted on this node, InputError
     for settings the engine refuses (a drafter it lacks, a placement it cannot run)."""
-    import socket
-
     from prometheus_client import Gauge
 
-    from dspark_runtime.engine import Engine
-    from dspark_runtime.serving.app import create_app
+    from dspark_runtime.serving.app import create_app  # FastAPI: loaded only where a replica builds its app
 
     if replica is None:
         ctx = _need_ray().get_replica_context()
         replica, deployment = ctx.replica_tag, ctx.deployment
-    engine = Engine.load(settings.engine, **settings.engine_kwargs())
+    engine = dspark_runtime.Engine.load(settings.engine, **settings.engine_kwargs())
     app = create_app(engine, **settings.app_kwargs())
     app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
     info = Gauge("dspark_replica_info", "The Ray Serve replica behind this /metrics (always 1).",
@@ -285,8 +287,8 @@ def build_app(settings: RayServeSettings):
 
 
 def app_builder(args: dict):
-    """Application builder for Serve config files (``import_path: dspark_runtime.serving.ray_serve:app_builder``): ``args``
-    are :class:`RayServeSettings` fields. Raises InputError for unknown or bad settings (see
+    """Application builder for Serve config files (``import_path: dspark_runtime.serving.ray_serve:app_builder``):
+    ``args`` are :class:`RayServeSettings` fields. Raises InputError for unknown or bad settings (see
     :meth:`RayServeSettings.from_args`) or when Ray Serve is not installed."""
     return build_app(RayServeSettings.from_args(dict(args or {})))
 
@@ -312,8 +314,9 @@ def run(settings: RayServeSettings, *, address: str | None = None, host: str = "
         else:
             ray.init(address=address, log_to_driver=True)
     except ConnectionError as e:
-        raise InputError(f"no Ray cluster answers at --ray-address {address}: {str(e).rstrip('.')}; start one with `ray start "
-                         f"--head` (then 'auto' joins it), or drop --ray-address to start a local one") from None
+        raise InputError(f"no Ray cluster answers at --ray-address {address}: {str(e).rstrip('.')}; start one "
+                         f"with `ray start --head` (then 'auto' joins it), or drop --ray-address to start a local "
+                         f"one") from None
     stop = {"now": False}
 
     def _stop(signum, frame):
