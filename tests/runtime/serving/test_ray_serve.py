@@ -216,7 +216,7 @@ def test_the_shipped_serve_config_is_valid_and_builds_the_deployment():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "ray-serve.yaml").read_text())
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[3] / "docs" / "ray-serve.yaml").read_text())
     app_cfg = ServeDeploySchema.model_validate(cfg).applications[0]
     module, _, fn = app_cfg.import_path.partition(":")
     app = getattr(importlib.import_module(module), fn)(app_cfg.args)
