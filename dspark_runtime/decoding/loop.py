@@ -151,10 +151,12 @@ class DecodingLoop:
             if self._commit(r, p.tokens[:n] + [nxt], ell, n):
                 finished.append(r)
         verify_lengths = [len(t) for _, t in segs]
+        learn = bool(reqs) and bool(table) and self.drafter is not None and self.draft_skip and not feeding \
+            and not admitted
+        recorded = segs and (learn or self.round_trace is not None)  # the pass size only where it is read
         meter.end(rows=len(reqs), prompt_chunks=[c for _, c in feeding], verify_lengths=verify_lengths,
-                  pass_tokens=int(self.target.pass_rows(verify_lengths)) if segs else 0, skip=self.skip,
-                  trace=self.round_trace, table=table, learn=bool(reqs) and bool(table) and self.drafter is not None
-                  and self.draft_skip and not feeding and not admitted)
+                  pass_tokens=int(self.target.pass_rows(verify_lengths)) if recorded else 0, skip=self.skip,
+                  trace=self.round_trace, table=table, learn=learn)
         return finished
 
     # -- joining and leaving
