@@ -231,8 +231,9 @@ def render_report(result: dict, plots: list | None = None) -> str:
                        f"{cell(r, 'vs_baseline')} | {r['new_tokens']} |")
         if any(SYSTEMS.get(r["system"]) and SYSTEMS[r["system"]].peer for r in divs):
             out += ["", "The peers run other weights (llama.cpp: the Q4_K_M GGUF itself; ort-genai: its builder's "
-                    "int4 quantization of the fp32 checkpoint), so their greedy outputs part from the fp32 systems "
-                    "at near-ties; a peer's speculative variant is expected to match its own baseline (same "
+                    "int4 quantization of the fp32 checkpoint; openvino-genai: optimum-intel's int4 export, run "
+                    "with OpenVINO's CPU defaults such as a u8 KV cache), so their greedy outputs part from the fp32 "
+                    "systems at near-ties; a peer's speculative variant is expected to match its own baseline (same "
                     "weights), up to the batch-size dependence of its kernels."]
     ws = [w for w in result.get("workers", []) if w.get("cpu_s") is not None and w.get("wall_s")]
     if ws:
@@ -280,6 +281,9 @@ def render_report(result: dict, plots: list | None = None) -> str:
             "llama-speculative reports its own encode (prefill, both models) and decode times: TTFT = encode time "
             "(its first token is sampled from the prompt's logits), decode tok/s = (tokens produced - 1) / decode "
             "time; it finishes its last round past the token limit, so its output is cut to the limit for the "
-            "identity check. ort-genai-ngram tau counts n-gram lookup misses as rounds that proposed nothing.",
+            "identity check. ort-genai-ngram tau counts n-gram lookup misses as rounds that proposed nothing. "
+            "openvino-genai-pld/-draft: a round is one streamer write after the first; proposed = the positions "
+            "OpenVINO verifies per round (num_assistant_tokens, capped near the token limit; a prompt-lookup miss is "
+            "padded to it and counts as proposed, not accepted); OpenVINO's own counters are in the rows' ov_stats.",
             f"- hf-assisted schedule as resolved: {json.dumps(st.get('hf_assisted_config', {}))}"]
     return "\n".join(out) + "\n"

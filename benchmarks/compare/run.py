@@ -193,10 +193,12 @@ def main(argv=None) -> int:
         if msgs:
             raise SystemExit("error: peer systems not installed (peer dir " + str(peer_dir) + "):\n  "
                              + "\n  ".join(msgs))
-        files = peer_files(peer_dir, target.name)
+        files = peer_files(peer_dir, target.name, draft_name)
         peer_models = {"peer_dir": str(peer_dir.resolve()), "target_gguf": str(target_gguf),
                        "draft_gguf": str(draft_gguf), "llama_speculative": str(files["llama_speculative"]),
                        "ort_model": str(files["ort_model"])}
+        if any(SYSTEMS[s].peer == "openvino" for s in uses_peers):  # only then: runs without it resume as before
+            peer_models.update(ov_model=str(files["ov_model"]), ov_draft_model=str(files["ov_draft_model"]))
     specs = {s: dict(SYSTEMS[s].options) for s in base_systems}
     if a.lm_draft_length and "dspark-lm" in specs:
         specs["dspark-lm"]["draft_length"] = a.lm_draft_length

@@ -1,9 +1,10 @@
 """The compared systems (the extension point) and the peers' venvs and files.
 
 A :class:`System` names a backend and its options; ``name@T<t>`` variants run it at temperature t. The peers
-(llama.cpp, ONNX Runtime GenAI) each live in their own venv under --peer-dir (``benchmarks/peers/install.sh``), never
-a project dependency; a selected peer that is not installed is refused before anything runs, with the command that
-installs it. A peer's speculative variant is compared with its own target-only system (``baseline``).
+(llama.cpp, ONNX Runtime GenAI, OpenVINO GenAI) each live in their own venv under --peer-dir
+(``benchmarks/peers/install.sh``), never a project dependency; a selected peer that is not installed is refused before
+anything runs, with the command that installs it. A peer's speculative variant is compared with its own target-only
+system (``baseline``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class System:
               generate_kwargs (dict, passed to ``generate`` as is).
       dspark: draft (None | "lm" | "ngram" | any name ``Engine.generate(draft=)`` accepts),
               draft_length (int | "auto" | "scheduled"), engine (a directory overriding --engine).
+      openvino-genai (peer openvino): prompt_lookup ({"num_assistant_tokens", "max_ngram_size"}), draft (true: the
+              --draft model's OpenVINO export as draft_model; {"num_assistant_tokens": N} to set its length).
     """
 
     name: str
@@ -83,9 +86,24 @@ SYSTEMS = {s.name: s for s in [
            "ONNX Runtime GenAI n-gram speculative decoding (set_speculative_options ngram_size 3, "
            "max_draft_tokens 4: its documented starting point), same int4 graph", peer="ort-genai",
            baseline="ort-genai"),
+    # OpenVINO GenAI's LLMPipeline on CPU runs its paged-attention (continuous batching) backend for all three;
+    # OpenVINO's CPU defaults stay as they are (the worker records the precisions they give)
+    System("openvino-genai", "openvino-genai", {},
+           "OpenVINO GenAI LLMPipeline (CPU, INFERENCE_NUM_THREADS = --threads), int4 model of `optimum-cli export "
+           "openvino --weight-format int4` (its default int4 config), greedy; OpenVINO's CPU defaults "
+           "(inference precision, u8 KV cache, dynamic activation quantization) as recorded", peer="openvino"),
+    System("openvino-genai-pld", "openvino-genai", {"prompt_lookup": {"num_assistant_tokens": 10,
+                                                                      "max_ngram_size": 2}},
+           "OpenVINO GenAI prompt lookup decoding (LLMPipeline prompt_lookup=True, num_assistant_tokens 10, "
+           "max_ngram_size 2: as llama-cpp-pld; it verifies all 10 positions every round, a lookup miss padded), "
+           "same int4 model", peer="openvino", baseline="openvino-genai"),
+    System("openvino-genai-draft", "openvino-genai", {"draft": True},
+           "OpenVINO GenAI speculative decoding: LLMPipeline with draft_model = the 0.5B draft exported the same way "
+           "(int4), its default num_assistant_tokens (5)", peer="openvino", baseline="openvino-genai"),
 ]}
 PEER_INSTALL = {"llama-cpp": "benchmarks/peers/install.sh llama-cpp",
-                "ort-genai": "benchmarks/peers/install.sh ort-genai"}
+                "ort-genai": "benchmarks/peers/install.sh ort-genai",
+                "openvino": "benchmarks/peers/install.sh openvino"}
 REFERENCES = ("hf", "dspark-target", "dspark-fp32")  # greedy outputs are compared with these
 
 
@@ -119,11 +137,15 @@ def peer_python(peer_dir, peer: str) -> Path:
     return Path(peer_dir) / peer / "venv" / "bin" / "python"
 
 
-def peer_files(peer_dir, target_name: str) -> dict:
-    """The files the peer systems load besides the GGUFs: the llama-speculative binary, the ort-genai model."""
+def peer_files(peer_dir, target_name: str, draft_name: str | None = None) -> dict:
+    """The files the peer systems load besides the GGUFs: the llama-speculative binary, the ort-genai model, the
+    OpenVINO models of the target and of the draft (``install.sh openvino-model``; the draft's only when named)."""
     d = Path(peer_dir)
+    ov = d / "openvino" / "models"
     return {"llama_speculative": d / "llama-cpp" / "bin" / "llama-speculative",
-            "ort_model": d / "ort-genai" / "models" / f"{target_name}-int4"}
+            "ort_model": d / "ort-genai" / "models" / f"{target_name}-int4",
+            "ov_model": ov / f"{target_name}-int4",
+            "ov_draft_model": ov / f"{draft_name}-int4" if draft_name else None}
 
 
 def install_command(cmd: str, peer_dir) -> str:
@@ -138,7 +160,7 @@ def peer_requirements(system: str, peer_dir, target_name: str, draft_name: str, 
     sd = SYSTEMS[split_variant(system)[0]]
     if sd.peer is None:
         return []
-    files = peer_files(peer_dir, target_name)
+    files = peer_files(peer_dir, target_name, draft_name)
     need = [(peer_python(peer_dir, sd.peer), install_command(PEER_INSTALL[sd.peer], peer_dir))]
     if sd.backend in ("llama-cpp", "llama-speculative"):
         need.append((Path(target_gguf), f"dspark-export fetch {target_name}"))
@@ -148,6 +170,11 @@ def peer_requirements(system: str, peer_dir, target_name: str, draft_name: str, 
     if sd.backend == "ort-genai":
         need.append((files["ort_model"] / "genai_config.json",
                      install_command(f"benchmarks/peers/install.sh ort-genai-model {target_name}", peer_dir)))
+    if sd.backend == "openvino-genai":
+        for key, name in [("ov_model", target_name)] + ([("ov_draft_model", draft_name)] if sd.options.get("draft")
+                                                         else []):
+            need.append((files[key] / "openvino_model.xml",
+                         install_command(f"benchmarks/peers/install.sh openvino-model {name}", peer_dir)))
     return need
 
 
@@ -190,4 +217,5 @@ def peer_job_fields(system: str, settings: dict, peer_dir: Path) -> dict:
     pm = settings["peer_models"]
     return {"python": str(peer_python(peer_dir, sd.peer)), "target_gguf": pm["target_gguf"],
             "draft_gguf": pm["draft_gguf"], "llama_speculative": pm["llama_speculative"],
-            "ort_model": pm["ort_model"], "n_ctx": settings["peer_n_ctx"]}
+            "ort_model": pm["ort_model"], "ov_model": pm.get("ov_model"), "ov_draft_model": pm.get("ov_draft_model"),
+            "n_ctx": settings["peer_n_ctx"]}

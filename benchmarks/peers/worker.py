@@ -5,8 +5,10 @@ never the project (the repository root on PYTHONPATH makes ``benchmarks`` import
 as the project's workers (:mod:`benchmarks.compare.workers`): fed the preflight's prompt token ids, one JSON line
 per finished prompt, a last ``{"meta": ...}`` line. Backends: ``llama-cpp`` (llama-cpp-python on the target GGUF,
 greedy; ``prompt_lookup``: its LlamaPromptLookupDecoding), ``llama-speculative`` (llama.cpp's binary, one process
-a prompt, given the chat-template text whose tokenization must equal the ids) and ``ort-genai`` (onnxruntime-genai
-on its builder's int4 graph; ``speculative``: its n-gram lookup).
+a prompt, given the chat-template text whose tokenization must equal the ids), ``ort-genai`` (onnxruntime-genai
+on its builder's int4 graph; ``speculative``: its n-gram lookup) and ``openvino-genai`` (OpenVINO GenAI's
+LLMPipeline on optimum-intel's int4 export; ``prompt_lookup``: its prompt lookup decoding, ``draft``: the draft
+model's export as ``draft_model``).
 """
 from __future__ import annotations
 
@@ -267,8 +269,212 @@ def _ort_genai_worker(job, emit) -> dict:
             "versions": {"onnxruntime_genai": og.__version__, "numpy": np.__version__}}
 
 
+# OpenVINO CPU properties that decide what the int4 model computes in; recorded as the device gives them
+OV_PRECISION_KEYS = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION",
+                     "DYNAMIC_QUANTIZATION_GROUP_SIZE", "EXECUTION_MODE_HINT")
+OV_OPTIONS = ("prompt_lookup", "draft")
+# the draft's num_assistant_tokens when none is set: openvino.genai's continuous-batching speculative pipeline
+# (speculative_decoding/continuous_batching/pipeline_impl.hpp, default_num_assistant_tokens) applies it per request
+OV_DEFAULT_NUM_ASSISTANT_TOKENS = 5
+
+
+def ov_property_str(value) -> str:
+    """An OpenVINO property value as text: an element type by its short name (f32, bf16, u8), an enum by its name."""
+    if hasattr(value, "to_string"):
+        return value.to_string()
+    return getattr(value, "name", None) or str(value)
+
+
+def ov_settings(job) -> dict:
+    """The OpenVINO GenAI worker's settings from its job, checked: {"model", "draft_model" (None without
+    ``draft``), "properties" (device properties for every model: INFERENCE_NUM_THREADS), "prompt_lookup" (None or
+    {"num_assistant_tokens", "max_ngram_size"}, both > 0), "num_assistant_tokens" (the draft's; None: the
+    library's default)}. Raises ValueError naming the fix for an unknown option, a bad prompt_lookup or a model
+    folder that install.sh did not export."""
+    opts = dict(job.get("options") or {})
+    bad = sorted(set(opts) - set(OV_OPTIONS))
+    if bad:
+        raise ValueError(f"openvino-genai: unknown option(s) {bad}; the options are {', '.join(OV_OPTIONS)}")
+    if opts.get("prompt_lookup") and opts.get("draft"):
+        raise ValueError("openvino-genai: prompt_lookup and draft are two systems; give one of them")
+    threads = int(job["threads"])
+    if threads < 1:
+        raise ValueError(f"openvino-genai: threads must be >= 1, got {threads}")
+    pld = opts.get("prompt_lookup")
+    if pld:
+        if not isinstance(pld, dict) or set(pld) != {"num_assistant_tokens", "max_ngram_size"} \
+                or not all(isinstance(v, int) and v > 0 for v in pld.values()):
+            raise ValueError(f"openvino-genai: prompt_lookup must be {{'num_assistant_tokens': N, 'max_ngram_size': "
+                             f"M}} with N, M > 0 (got {pld!r})")
+    draft = opts.get("draft")
+    if draft is not None and not isinstance(draft, (bool, dict)):
+        raise ValueError(f"openvino-genai: draft must be true or {{'num_assistant_tokens': N}} (got {draft!r})")
+    nat = draft.get("num_assistant_tokens") if isinstance(draft, dict) else None
+    models = [("ov_model", True), ("ov_draft_model", bool(draft))]
+    for key, needed in models:
+        if not needed:
+            continue
+        d = job.get(key)
+        if not d or not (Path(d) / "openvino_model.xml").is_file():
+            name = Path(d).name.removesuffix("-int4") if d else "MODEL"
+            raise ValueError(f"openvino-genai: no OpenVINO model at {d} ({key}); run `benchmarks/peers/install.sh "
+                             f"openvino-model {name}`")
+    return {"model": str(job["ov_model"]), "draft_model": str(job["ov_draft_model"]) if draft else None,
+            "properties": {"INFERENCE_NUM_THREADS": threads}, "prompt_lookup": dict(pld) if pld else None,
+            "num_assistant_tokens": nat}
+
+
+def commit_row(ids, new, t0, commits, t_end) -> dict:
+    """A result row from the commits of one request started at t0: [(perf_counter, tokens committed)], one per
+    pipeline step (a speculative round commits its accepted tokens + 1). TTFT = t0 -> first commit; decode =
+    the tokens after the first commit / the time after it."""
+    row = {"prompt_tokens": len(ids), "prompt_digest": ids_digest(ids), "token_ids": list(new),
+           "new_tokens": len(new)}
+    if commits:
+        t_first, n_first = commits[0]
+        row.update(ttft_ms=(t_first - t0) * 1e3, decode_tokens=max(0, len(new) - n_first), decode_s=t_end - t_first)
+    else:
+        row.update(ttft_ms=(t_end - t0) * 1e3, decode_tokens=0, decode_s=0.0)
+    ok = row["decode_tokens"] > 0 and row["decode_s"] > 0
+    row["tokens_per_second"] = row["decode_tokens"] / row["decode_s"] if ok else None
+    return row
+
+
+def ov_rounds(commits, width: int, max_new: int) -> list:
+    """(proposed, accepted) per verify round from the commits' token counts: every commit after the first (the
+    prefill's token) is a round that committed accepted + 1 tokens; proposed = the candidates OpenVINO verifies,
+    ``width`` (num_assistant_tokens; a prompt-lookup miss is padded to it) capped at the tokens left but one."""
+    out, done = [], commits[0][1] if commits else 0
+    for _, n in commits[1:]:
+        out.append((max(0, min(width, max_new - done - 1)), max(0, n - 1)))
+        done += n
+    return out
+
+
+def ov_model_rt_info(model_dir) -> dict:
+    """What an exported openvino_model.xml says in its rt_info, as strings: ``runtime_options`` (LLMPipeline applies
+    them over the device defaults) and ``weight_compression`` (NNCF's settings of the export: mode, group_size,
+    ratio, backup_mode, ...; values over 100 characters left out); {} for each it lacks."""
+    import xml.etree.ElementTree as ET
+
+    out, in_rt = {"runtime_options": {}, "weight_compression": {}}, False
+    for event, el in ET.iterparse(str(Path(model_dir) / "openvino_model.xml"), events=("start", "end")):
+        if el.tag == "rt_info" and event == "start":
+            in_rt = True
+        elif in_rt and event == "end" and el.tag in out:
+            out[el.tag] = {c.tag: c.get("value") for c in el if c.get("value") is not None
+                           and len(c.get("value")) <= 100}
+        elif el.tag == "layers" and event == "end":
+            el.clear()  # the graph: not needed, not kept
+    return out
+
+
+def _openvino_genai_worker(job, emit) -> dict:
+    """OpenVINO GenAI's LLMPipeline on CPU (its default paged-attention backend; prompt lookup and a draft model
+    need it) fed each prompt's ids as an int64 ov.Tensor, greedy from the model's own generation config, timed by a
+    streamer. Meta ``openvino``: the device defaults (precisions), the model's rt_info, what we set, and
+    ``effective`` = defaults < the model's runtime_options < ours, as LLMPipeline applies them."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    st = ov_settings(job)
+    core = ov.Core()
+    device_defaults = {}
+    for k in OV_PRECISION_KEYS:
+        try:
+            device_defaults[k] = ov_property_str(core.get_property("CPU", k))
+        except Exception:  # a property this OpenVINO does not have
+            pass
+    rt_info = ov_model_rt_info(st["model"])
+    runtime_options = rt_info["runtime_options"]
+    kw = dict(st["properties"])
+    if st["prompt_lookup"]:
+        kw["prompt_lookup"] = True
+    if st["draft_model"]:
+        kw["draft_model"] = ov_genai.draft_model(st["draft_model"], "CPU", **st["properties"])
+    t0 = time.perf_counter()
+    pipe = ov_genai.LLMPipeline(st["model"], "CPU", **kw)
+    load_s = time.perf_counter() - t0
+    config = pipe.get_generation_config()  # the model's own (EOS ids from its generation_config.json)
+    config.do_sample = False
+    if st["prompt_lookup"]:
+        config.num_assistant_tokens = st["prompt_lookup"]["num_assistant_tokens"]
+        config.max_ngram_size = st["prompt_lookup"]["max_ngram_size"]
+    elif st["draft_model"] and st["num_assistant_tokens"]:
+        config.num_assistant_tokens = st["num_assistant_tokens"]
+    speculative = bool(st["prompt_lookup"] or st["draft_model"])
+
+    class Commits(ov_genai.StreamerBase):
+        """Timestamps every write: one per pipeline step (called on OpenVINO's streamer thread)."""
+
+        def __init__(self):
+            super().__init__()
+            self.commits = []
+
+        def write(self, token):
+            n = len(token) if isinstance(token, (list, tuple)) else 1
+            self.commits.append((time.perf_counter(), n))
+            return ov_genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    def run(ids, max_new):
+        config.max_new_tokens = max_new
+        streamer = Commits()
+        x = ov.Tensor(np.array([ids], dtype=np.int64))
+        t = time.perf_counter()
+        res = pipe.generate(x, config, streamer)
+        t_end = time.perf_counter()
+        return [int(v) for v in res.tokens[0]][:max_new], t, streamer.commits, t_end, res
+
+    t1 = time.perf_counter()
+    run(job["prompts"][0]["ids"], 8)
+    warmup_s = time.perf_counter() - t1
+    width = (config.num_assistant_tokens or OV_DEFAULT_NUM_ASSISTANT_TOKENS) if speculative else 0
+    for p in job["prompts"]:
+        ids = p["ids"]
+        new, t, commits, t_end, res = run(ids, job["max_new_tokens"])
+        row = commit_row(ids, new, t, commits, t_end)
+        notes = []
+        streamed = sum(n for _, n in commits)
+        if streamed != len(new):
+            notes.append(f"the streamer saw {streamed} tokens, the result has {len(new)}")
+        pm = res.perf_metrics  # OpenVINO's own figures, beside ours
+        row["ov_metrics"] = {"ttft_ms": pm.get_ttft().mean, "tpot_ms": pm.get_tpot().mean,
+                             "throughput": pm.get_throughput().mean, "generate_ms": pm.get_generate_duration().mean}
+        if speculative:
+            row.update(round_stats(ov_rounds(commits, width, job["max_new_tokens"])))
+            if any(n > width + 1 for _, n in commits[1:]):
+                notes.append(f"a round committed more than num_assistant_tokens + 1 = {width + 1} tokens")
+            ext = getattr(res, "extended_perf_metrics", None)
+            if ext is not None and hasattr(ext, "get_num_accepted_tokens"):  # the draft model's pipeline only
+                rate = ext.get_draft_acceptance_rate()
+                row["ov_stats"] = {"num_accepted_tokens": int(ext.get_num_accepted_tokens()),
+                                   "num_draft_tokens": int(ext.get_num_draft_tokens()),
+                                   "draft_acceptance_rate": float(getattr(rate, "mean", rate))}
+        if notes:
+            row["note"] = "; ".join(notes)
+        emit(p, row)
+    model_dirs = [st["model"]] + ([st["draft_model"]] if st["draft_model"] else [])
+    return {"load_s": load_s, "warmup_s": warmup_s, "warmup": WARMUP_IDS_NOTE,
+            "model_bytes": file_bytes([f for d in model_dirs for f in Path(d).glob("openvino_model.*")]),
+            "model_files": [str(Path(d) / "openvino_model.xml") for d in model_dirs],
+            "versions": {"openvino_genai": ov_genai.get_version(), "openvino": ov.get_version(),
+                         "numpy": np.__version__},
+            "openvino": {"device_properties": st["properties"], "device_defaults": device_defaults,
+                         "model_runtime_options": runtime_options,
+                         "model_weight_compression": rt_info["weight_compression"],
+                         "effective": {**device_defaults, **runtime_options,
+                                       **{k: str(v) for k, v in st["properties"].items()}},
+                         "num_assistant_tokens": width or None,
+                         "num_assistant_tokens_set": config.num_assistant_tokens if speculative else None,
+                         "max_ngram_size": config.max_ngram_size if st["prompt_lookup"] else None}}
+
+
 BACKENDS = {"llama-cpp": _llama_cpp_worker, "llama-speculative": _llama_speculative_worker,
-            "ort-genai": _ort_genai_worker}
+            "ort-genai": _ort_genai_worker, "openvino-genai": _openvino_genai_worker}
 
 
 def main(job_path: str) -> int:

@@ -39,7 +39,7 @@ def test_peer_systems_in_table():
     assert s["llama-cpp-pld"].baseline == s["llama-speculative"].baseline == "llama-cpp"
     assert s["ort-genai-ngram"].baseline == "ort-genai"
     assert s["llama-cpp"].baseline is None and s["hf"].peer is None and s["dspark-lm"].peer is None
-    assert set(systems.PEER_INSTALL) == {"llama-cpp", "ort-genai"}
+    assert set(systems.PEER_INSTALL) == {"llama-cpp", "ort-genai", "openvino"}  # openvino: test_peers_openvino.py
 
 
 def _fake_peer_tree(root: Path, target="tgt"):
