@@ -1,8 +1,9 @@
 """Fidelity of our 4-bit graphs: teacher-forced logits against llama.cpp's own on the same GGUF, and against our
 fp32 graph.
 
-Sequences: the first --n evaluation prompts of each --datasets entry plus --continuation tokens of the first
-engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
+Sequences: the first --n evaluation prompts of each --datasets entry (``--split calibration``: the first --n
+calibration-split prompts, code-weighted, as the quantizers and the drafter calibrate on) plus --continuation tokens
+of the first engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
 under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). Per pair: top-1 agreement, mean relative
 L2 of the logits, max |Δlogit|. One graph in memory at a time (logits kept in --work). Writes --json.
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from benchmarks.compare.systems import default_peer_dir
 from benchmarks.evalsets import child_env, load_prompts, machine
+from dspark_export.drafter.data import calibration_prompts
 
 
 def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
@@ -82,12 +84,15 @@ def make_sequences(engine: Path, a) -> dict:
     from dspark_runtime import Engine
 
     eng = Engine.load(engine, threads=a.threads)
+    if a.split == "calibration":
+        prompts = {f"calibration-{i + 1}": p for i, p in enumerate(calibration_prompts(a.n))}
+    else:
+        prompts = {f"{ds}-{i + 1}": p for ds in a.datasets.split(",") for i, p in enumerate(load_prompts(ds, a.n))}
     seqs = {}
-    for ds in a.datasets.split(","):
-        for i, p in enumerate(load_prompts(ds, a.n)):
-            ids = eng.encode_prompt(p)
-            out = eng.generate(p, max_new_tokens=a.continuation, draft=None)
-            seqs[f"{ds}-{i + 1}"] = [int(t) for t in ids] + [int(t) for t in out.token_ids]
+    for name, p in prompts.items():
+        ids = eng.encode_prompt(p)
+        out = eng.generate(p, max_new_tokens=a.continuation, draft=None)
+        seqs[name] = [int(t) for t in ids] + [int(t) for t in out.token_ids]
     (a.work / "ids.json").write_text(json.dumps(seqs))
     return seqs
 
@@ -99,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", type=Path, help="the GGUF for llama.cpp (skip llama.cpp when not given)")
     ap.add_argument("--peer-python", type=Path,
                     default=default_peer_dir() / "llama-cpp" / "venv" / "bin" / "python")
+    ap.add_argument("--split", choices=("evaluation", "calibration"), default="evaluation",
+                    help="evaluation: --n prompts of each --datasets entry; calibration: the first --n "
+                         "calibration-split prompts")
     ap.add_argument("--datasets", default="humaneval,mbpp,gsm8k,mt-bench")
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--continuation", type=int, default=64)
@@ -141,7 +149,8 @@ def main(argv=None) -> int:
     for k, v in pairs.items():
         print(f"{k:55s} top-1 {v['top1_agreement']:.2%}  rel L2 {v['rel_l2']:.4f}  max |d| "
               f"{v['max_abs_logit_diff']:.2f}  ({v['positions']} positions)")
-    res = {"machine": machine(), "threads": a.threads, "datasets": a.datasets, "n": a.n,
+    res = {"machine": machine(), "threads": a.threads, "split": a.split,
+           "datasets": a.datasets if a.split == "evaluation" else "calibration split", "n": a.n,
            "continuation": a.continuation, "shared_prefix_counted_once": shared, "sequences": {k: len(v) for k, v in seqs.items()},
            "systems": systems, "pairs": pairs,
            "command": shlex.join(["python", "-m", "benchmarks.int4_fidelity", *sys.argv[1:]])}

@@ -197,3 +197,19 @@ def graph_weight_bytes(path: Path) -> int:
     proto = onnx.load(str(path), load_external_data=False)
     reader = ExternalData(path.parent)  # nbytes reads only the tensors' metadata, no file is opened
     return sum(reader.nbytes(t) for t in proto.graph.initializer)
+
+
+def step_weight_bytes(path: Path) -> int:
+    """Bytes of the initializers one decoding step reads whole: every initializer except tables read only by
+    ``Gather`` (the token embedding: a step reads one row per token), from the graph's structure only. Raises
+    DSparkError when the graph is missing."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise DSparkError(f"graph {path} not found")
+    proto = onnx.load(str(path), load_external_data=False)
+    gathered = {n.input[0] for n in proto.graph.node if n.op_type == "Gather"}
+    other = {i for n in proto.graph.node if n.op_type != "Gather" for i in n.input}
+    reader = ExternalData(path.parent)
+    return sum(reader.nbytes(t) for t in proto.graph.initializer if not (t.name in gathered and t.name not in other))

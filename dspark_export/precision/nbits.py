@@ -23,9 +23,10 @@ from dspark_runtime.errors import DSparkError
 from dspark_export.graphs.onnx_io import graph_weight_bytes, peak_rss_gb
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
-INT4_SOURCES = ("auto", "gguf", "rtn", "hqq")
+INT4_SOURCES = ("auto", "gguf", "gguf-4bit", "rtn", "hqq")
 DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
+CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (affine8_rows)
 
 
 @dataclass
@@ -102,16 +103,75 @@ def rtn8_rows(w: np.ndarray, block: int = 32) -> NBitsWeight:
     return NBitsWeight(8, block, pack_codes(q, 8, block), s, np.full((n, k // block), 128, np.uint8))
 
 
+def fit_uint4_rows(w: np.ndarray, block: int = 32, start_scales: np.ndarray | None = None,
+                   steps: int = 20) -> NBitsWeight:
+    """Asymmetric 4-bit blocks fitted to float32 rows ``w [N, K]``: per block a float scale and an integer zero
+    point (the form MatMulNBits runs in its integer path), chosen by least squares.
+
+    Candidates per block: the min/max grid stretched by ``steps`` factors around 15 levels (as llama.cpp's
+    ``make_qkx2_quants``), plus ``start_scales`` float32 ``[N, K/block]`` when given (a GGUF sub-block scale: its
+    grid then holds every value up to one constant offset); each with the zero point that puts the block's
+    minimum on the grid, codes by rounding, and the scale refitted by least squares for those codes. The
+    candidate with the least squared error wins. Blocks whose range excludes 0 are widened to include it (the
+    grid always holds 0). Returns an :class:`NBitsWeight` (4-bit, ``block``, no correction).
+    """
+    n, k = w.shape
+    wb = w.reshape(n, k // block, block).astype(np.float32, copy=False)
+    lo = np.minimum(wb.min(axis=-1), 0.0)
+    hi = np.maximum(wb.max(axis=-1), 0.0)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    cands = [span / (15.0 + 0.1 * (i - steps // 2)) for i in range(steps + 1)]
+    if start_scales is not None:
+        cands.append(np.where(start_scales > 0, start_scales, span / 15.0).astype(np.float32))
+    best_err = best_s = best_z = best_q = None
+    for s in cands:
+        s = s.astype(np.float32)
+        z = np.clip(np.rint(-lo / s), 0, 15)
+        q = np.clip(np.rint(wb / s[..., None]) + z[..., None], 0, 15)
+        c = q - z[..., None]
+        den = (c * c).sum(axis=-1)
+        s2 = np.where(den > 0, (wb * c).sum(axis=-1) / np.where(den > 0, den, 1.0), s).astype(np.float32)
+        s2 = np.where(s2 > 0, s2, s)
+        err = ((c * s2[..., None] - wb) ** 2).sum(axis=-1)
+        if best_err is None:
+            best_err, best_s, best_z, best_q = err, s2, z, q
+            continue
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, s2, best_s)
+        best_z = np.where(better, z, best_z)
+        best_q = np.where(better[..., None], q, best_q)
+    codes = best_q.astype(np.uint8).reshape(n, k)
+    return NBitsWeight(4, block, pack_codes(codes, 4, block), best_s.astype(np.float32), best_z.astype(np.uint8))
+
+
+def affine8_rows(c: np.ndarray, block: int = 16) -> NBitsWeight:
+    """8-bit affine round-to-nearest per ``block`` along K of float32 rows ``c [N, K]`` (a block-sum correction
+    stored for MatMulNBits): per block scale = range / 255 over [min(c, 0), max(c, 0)] and the integer zero point
+    that puts 0 on the grid; K is padded with zeros to whole blocks (MatMulNBits reads only its ``K``)."""
+    n, k = c.shape
+    kp = -(-k // block) * block
+    c = np.pad(c.astype(np.float32), ((0, 0), (0, kp - k)))
+    cb = c.reshape(n, kp // block, block)
+    lo, hi = np.minimum(cb.min(axis=-1), 0.0), np.maximum(cb.max(axis=-1), 0.0)
+    s = np.where(hi > lo, (hi - lo) / 255.0, 1.0).astype(np.float32)
+    z = np.clip(np.rint(-lo / s), 0, 255)
+    q = np.clip(np.rint(cb / s[..., None]) + z[..., None], 0, 255).astype(np.uint8).reshape(n, kp)
+    return NBitsWeight(8, block, pack_codes(q, 8, block), s, z.astype(np.uint8))
+
+
 @dataclass(frozen=True)
 class NBitsMeta:
-    """What :func:`nbits_nodes` needs of an encoded weight: bits, block size, ``K`` x ``N``, and whether it has a
-    block-sum correction."""
+    """What :func:`nbits_nodes` needs of an encoded weight: bits, block size, ``K`` x ``N``, whether it has a
+    block-sum correction, and how that is stored: ``correction_bits`` 32 (an fp32 ``MatMul`` weight ``_corr``) or 8
+    (an 8-bit MatMulNBits over the block sums, blocks of :data:`CORRECTION_BLOCK`: ``_corr_Q/_scales/_zp``)."""
 
     bits: int
     block_size: int
     k: int
     n: int
     correction: bool
+    correction_bits: int = 32
 
 
 def nbits_nodes(helper, node_name: str, x: str, y: str, wname: str, enc: NBitsMeta, accuracy_level: int,
@@ -136,7 +196,13 @@ def nbits_nodes(helper, node_name: str, x: str, y: str, wname: str, enc: NBitsMe
                                       name=base + "_ReduceSum"))
         blocksums[key] = base
     corr = node_name + "_correction"
-    nodes.append(helper.make_node("MatMul", [blocksums[key], wname + "_corr"], [corr], name=corr + "_MatMul"))
+    if enc.correction_bits == 8:
+        nodes.append(helper.make_node("MatMulNBits", [blocksums[key], wname + "_corr_Q", wname + "_corr_scales",
+                                                      wname + "_corr_zp"], [corr], name=corr + "_MatMulNBits",
+                                      domain="com.microsoft", K=enc.k // enc.block_size, N=enc.n, bits=8,
+                                      block_size=CORRECTION_BLOCK, accuracy_level=accuracy_level))
+    else:
+        nodes.append(helper.make_node("MatMul", [blocksums[key], wname + "_corr"], [corr], name=corr + "_MatMul"))
     nodes.append(helper.make_node("Sub", [out, corr], [y], name=node_name + "_Sub"))
 
 

@@ -22,7 +22,8 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
-                                           check_nbits_graph, nbits_nodes, pack_codes, rtn8_rows)
+                                           affine8_rows, check_nbits_graph, fit_uint4_rows,
+                                           nbits_nodes, pack_codes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
 _ROW_CHUNK = 4096  # output channels re-packed per step (LM head: 4096 × 1536 floats = 24 MB)
@@ -132,7 +133,7 @@ def gguf_tensor_name(module: str, gguf_names) -> str | None:
 
 
 def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                        log=print) -> dict:
+                        encoding: str = "exact", keep_exact=(), log=print) -> dict:
     """Write ``dst`` (+ ``dst.data``): graph ``src`` with every weight MatMul that has a GGUF tensor as
     MatMulNBits over the GGUF's own blocks (see the module docstring for the encodings). Streams one tensor at a time.
 
@@ -141,6 +142,10 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
             modified; its external weights are read to check each re-packed tensor).
         gguf_path: the GGUF file.
         accuracy_level: MatMulNBits ``accuracy_level`` (4: int8 activations, as llama.cpp's CPU kernels).
+        encoding: ``"exact"`` (:data:`ENCODINGS`) or ``"4bit"``: every tensor as 4-bit blocks of 32 with integer
+            zero points fitted to the GGUF's values (:func:`~dspark_export.precision.nbits.fit_uint4_rows`, seeded
+            with a Q4_K sub-block's own scale: its codes stay, its float minimum becomes the nearest integer zero
+            point), no correction MatMul; modules matching a ``keep_exact`` regular expression stay exact.
     Returns the manifest's quantization record: precision, source, accuracy level, per-GGUF-type counts and
     encodings, the fallback and fp32 tensors by name, max |Δ| of the encoded weights against the fp32 graph,
     weight bytes before and after, seconds, peak RSS (GiB). Raises DSparkError when the GGUF is missing, a graph
@@ -173,7 +178,9 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     target_nodes = {q.node for _, qs in plan.values() for q in qs}
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
     reader = ExternalData(src.parent)
-    counts, fallback, kept_fp32, max_err = {}, {}, [], 0.0
+    if encoding not in ("exact", "4bit"):
+        raise DSparkError(f"no GGUF int4 encoding {encoding!r}; choose exact or 4bit")
+    counts, fallback, kept_fp32, max_err, approximated = {}, {}, [], 0.0, {}
     encoded = {}  # weight -> NBitsMeta
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
     writer = ExternalWriter(dst)
@@ -196,7 +203,9 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                 new_inits.append(writer.copy(t, reader))
                 continue
             full = np.frombuffer(reader.read(t), np.float32).reshape(k, n)  # the graph's fp32 W [K, N]
-            parts, d_max = [], 0.0
+            parts, corr8, d_max, sq_err, sq_ref = [], [], 0.0, 0.0, 0.0
+            compact = encoding == "4bit" and not any(re.search(pat, qs[0].module) for pat in keep_exact)
+            how = None  # compact: "8-bit min correction" (4-bit codes kept) or "4-bit fit"
             for a in range(0, n, _ROW_CHUNK):  # output channels a:b = GGUF rows a:b
                 b = min(n, a + _ROW_CHUNK)
                 ref = np.ascontiguousarray(full[:, a:b].T)
@@ -204,22 +213,40 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                 if qtype in ENCODINGS:  # the encoding reproduces the GGUF's values (checked inside)
                     enc, w = encode_gguf_rows(rows, qtype, k)
                     d = float(np.abs(w - ref).max())
+                    if d > 1e-5 * max(1.0, float(np.abs(ref).max())):
+                        raise DSparkError(f"the re-packed {gname} ({qtype}) differs from the graph's weight of "
+                                          f"{qs[0].module} by {d:.3g}; the GGUF is not the one the model was "
+                                          "converted from (use --int4-source rtn)")
                 else:
                     from gguf import GGMLQuantizationType, quants
 
-                    w = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(b - a, k)
-                    enc = rtn8_rows(w.astype(np.float32))
-                    d = float(np.abs(enc.dequantize().T - ref).max())
-                if qtype in ENCODINGS and d > 1e-5 * max(1.0, float(np.abs(ref).max())):
-                    raise DSparkError(f"the re-packed {gname} ({qtype}) differs from the graph's weight of "
-                                      f"{qs[0].module} by {d:.3g}; the GGUF is not the one the model was "
-                                      "converted from (use --int4-source rtn)")
+                    w = quants.dequantize(rows, GGMLQuantizationType[qtype]).reshape(b - a, k).astype(np.float32)
+                    enc = rtn8_rows(w)
+                if compact and qtype in ENCODINGS and (enc.bits, enc.block_size) == (4, 32):
+                    if enc.correction is not None:  # codes and scales kept; the float block minimum in 8 bits
+                        how = "8-bit min correction"
+                        c8 = affine8_rows(enc.correction.T.copy())
+                        corr8.append(c8)
+                        enc = NBitsWeight(enc.bits, enc.block_size, enc.packed, enc.scales, enc.zero_points,
+                                          c8.dequantize()[:k // enc.block_size])
+                elif compact:  # 4-bit blocks of 32 fitted to the GGUF's values
+                    how = "4-bit fit"
+                    enc = fit_uint4_rows(w, 32)
+                if how is not None or qtype not in ENCODINGS:
+                    dq = enc.dequantize().T
+                    d = float(np.abs(dq - ref).max())
+                    sq_err += float(((dq - ref) ** 2).sum())
+                    sq_ref += float((ref ** 2).sum())
                 d_max = max(d_max, d)
                 parts.append(enc)
             del full
-            if qtype not in ENCODINGS:
+            if how is not None:
+                approximated[qs[0].module] = {"gguf_type": qtype, "encoding": how,
+                                              "rel_l2": round((sq_err / max(sq_ref, 1e-30)) ** 0.5, 6)}
+            elif qtype not in ENCODINGS:
                 fallback.setdefault(qtype, []).append({"module": qs[0].module, "max_abs_weight_diff": d_max})
-            max_err = max(max_err, d_max)
+            if how is None:
+                max_err = max(max_err, d_max)
             e0 = parts[0]
             new_inits.append(writer.put((p.packed for p in parts), t.name + "_Q", TensorProto.UINT8,
                                         (n, k // e0.block_size, e0.packed.shape[2])))
@@ -227,14 +254,24 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                                         (n * (k // e0.block_size),)))
             zps = [p.packed_zero_points() for p in parts]
             new_inits.append(writer.put(zps, t.name + "_zp", TensorProto.UINT8, (sum(z.size for z in zps),)))
-            if e0.correction is not None:
+            if corr8:
+                c0 = corr8[0]
+                new_inits.append(writer.put((c.packed for c in corr8), t.name + "_corr_Q", TensorProto.UINT8,
+                                            (n,) + c0.packed.shape[1:]))
+                new_inits.append(writer.put((c.scales for c in corr8), t.name + "_corr_scales", TensorProto.FLOAT,
+                                            (n * c0.scales.shape[1],)))
+                zc = [c.packed_zero_points() for c in corr8]
+                new_inits.append(writer.put(zc, t.name + "_corr_zp", TensorProto.UINT8, (sum(z.size for z in zc),)))
+            elif e0.correction is not None:
                 corr = np.concatenate([p.correction for p in parts], axis=1)
                 new_inits.append(writer.put([corr], t.name + "_corr", TensorProto.FLOAT, corr.shape))
             if t.name in shared:
                 new_inits.append(writer.copy(t, reader))
-            encoded[t.name] = NBitsMeta(e0.bits, e0.block_size, k, n, e0.correction is not None)
+            encoded[t.name] = NBitsMeta(e0.bits, e0.block_size, k, n, e0.correction is not None, 8 if corr8 else 32)
             log(f"  {qs[0].module:28s} <- {gname:26s} {qtype:5s} -> {e0.bits}-bit block {e0.block_size}"
-                + (" + min correction" if e0.correction is not None else "") + f"  (max |dW| {d_max:.1e})")
+                + (" + min correction" if e0.correction is not None else "") + (f" ({how})" if how else "")
+                + f"  (max |dW| {d_max:.1e}"
+                + (f", rel L2 {approximated[qs[0].module]['rel_l2']:.4f})" if how else ")"))
     reader.close()
     nodes, blocksums = [], {}
     by_node = {q.node: (w, q) for w, (_, qs) in plan.items() for q in qs}
@@ -265,9 +302,13 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     merged = fuse_shared_inputs(dst, log=log)
     check_nbits_graph(dst)
     by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
-    rep = {"precision": "int4", "int4_source": "gguf", "gguf": gguf_path.name, "accuracy_level": accuracy_level,
-           "method": "GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a "
-                     "block-sum correction)",
+    method = ("GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a block-sum "
+              "correction)" if encoding == "exact" else
+              "GGUF blocks in 4 bits: 4-bit blocks of 32 re-packed with their block minimum as an 8-bit block-sum "
+              "correction, other types fitted as 4-bit blocks of 32 with integer zero points"
+              + (f"; exact: {', '.join(keep_exact)}" if keep_exact else ""))
+    rep = {"precision": "int4", "int4_source": "gguf" if encoding == "exact" else "gguf-4bit", "gguf": gguf_path.name,
+           "accuracy_level": accuracy_level, "method": method, "approximated": approximated,
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
            "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
            "merged_shared_inputs": merged,

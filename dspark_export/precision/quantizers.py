@@ -27,6 +27,7 @@ from dspark_export.precision.nbits import quantize_nbits_rtn
 from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
 from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
 
+GGUF_SOURCES = ("gguf", "gguf-4bit")  # int4 sources read from the GGUF the model was converted from
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")  # the precisions whose activation ranges are measured on calibration prompts
 
@@ -45,11 +46,11 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
             return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
         return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
                              else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
-    if requested == "gguf":
+    if requested in GGUF_SOURCES:
         if gguf is None:
-            raise DSparkError(f"--int4-source gguf: {model_dir} records no GGUF it was converted from (or the file "
-                              "is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
-        return "gguf", gguf, "asked for"
+            raise DSparkError(f"--int4-source {requested}: {model_dir} records no GGUF it was converted from (or the "
+                              "file is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
+        return requested, gguf, "asked for"
     return requested, None, "asked for"
 
 
@@ -72,8 +73,9 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     says which (``"writer"``) and why (``"writer_reason"``).
     ``int4``: MatMulNBits weight-only (:mod:`dspark_export.precision.nbits`): ``int4_source`` ``"gguf"`` re-packs the
     blocks of ``gguf``, the GGUF the model was converted from (:mod:`dspark_export.precision.nbits_gguf`; streamed,
-    peak ≈ one weight); ``"rtn"`` / ``"hqq"`` run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak
-    ≈ 1.3x the fp32 weights). No calibration data.
+    peak ≈ one weight); ``"gguf-4bit"`` the same with 4 bits everywhere (its ``encoding="4bit"``: 4-bit codes kept, the
+    others fitted in 4 bits); ``"rtn"`` / ``"hqq"`` run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights
+    (peak ≈ 1.3x the fp32 weights). No calibration data.
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights; raises DSparkError when that cannot fit in this
     machine's RAM.
@@ -81,10 +83,10 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     table measured on another graph, or a failing quantizer.
     """
     if precision == "int4":
-        if int4_source == "gguf":
+        if int4_source in GGUF_SOURCES:
             if gguf is None:
                 raise DSparkError("int4 from the GGUF needs the GGUF path")
-            return quantize_nbits_gguf(src, dst, gguf, log=log)
+            return quantize_nbits_gguf(src, dst, gguf, encoding="exact" if int4_source == "gguf" else "4bit", log=log)
         return quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
     writer = reason = None
     if precision == "fp8":

@@ -8,7 +8,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
 
-from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, nbits_nodes  # noqa: E402
+from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, affine8_rows, nbits_nodes  # noqa: E402
 from dspark_export.precision.nbits_gguf import ENCODINGS, encode_gguf_rows, gguf_tensor_name  # noqa: E402
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
@@ -30,21 +30,27 @@ def random_rows(qtype: str, n: int, k: int, rng, lo: float = 0.001, hi: float = 
     return b.reshape(n, -1)
 
 
-def nbits_session(enc: NBitsWeight, accuracy_level: int):
+def nbits_session(enc: NBitsWeight, accuracy_level: int, correction_bits: int = 32):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     k, n = enc.k, enc.n
     inits = [numpy_helper.from_array(enc.packed, "W_Q"), numpy_helper.from_array(enc.scales.reshape(-1), "W_scales"),
              numpy_helper.from_array(enc.packed_zero_points(), "W_zp")]
+    if enc.correction is not None and correction_bits == 8:
+        c8 = affine8_rows(enc.correction.T.copy())
+        inits += [numpy_helper.from_array(c8.packed, "W_corr_Q"), numpy_helper.from_array(c8.scales.reshape(-1), "W_corr_scales"),
+                  numpy_helper.from_array(c8.packed_zero_points(), "W_corr_zp")]
+    elif enc.correction is not None:
+        inits += [numpy_helper.from_array(enc.correction, "W_corr")]
     if enc.correction is not None:
-        inits += [numpy_helper.from_array(enc.correction, "W_corr"),
+        inits += [
                   numpy_helper.from_array(np.array([0, 0, k // enc.block_size, enc.block_size], np.int64),
                                           f"__nbits_shape_{k}_{enc.block_size}"),
                   numpy_helper.from_array(np.array([-1], np.int64), "__nbits_axis_last")]
     nodes = []
-    nbits_nodes(helper, "mm", "x", "y", "W", NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
-                 accuracy_level, {}, nodes)
+    nbits_nodes(helper, "mm", "x", "y", "W", NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None,
+                                                      correction_bits), accuracy_level, {}, nodes)
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, k])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, n])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
@@ -70,6 +76,59 @@ def test_gguf_blocks_repack_exactly_and_the_kernel_computes_x_at_w(qtype):
     y4 = nbits_session(enc, 4).run(None, {"x": x})[0]
     err4 = np.abs(y4 - r).max() / np.abs(r).max()
     assert 1e-5 < err4 < 0.03  # int8 activations per block: visibly rounded, still close
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_0"])
+def test_4bit_fit_of_gguf_values_beats_min_max_rounding_and_the_kernel_computes_it(qtype):
+    from dspark_export.precision.nbits import fit_uint4_rows
+
+    rng = np.random.default_rng(7)
+    n, k = 24, 512
+    enc, w = encode_gguf_rows(random_rows(qtype, n, k, rng), qtype, k)
+    start = enc.scales if (enc.bits, enc.block_size) == (4, 32) else None
+    fit = fit_uint4_rows(w, 32, start_scales=start)
+    assert (fit.bits, fit.block_size, fit.correction) == (4, 32, None)
+    assert fit.zero_points.max() <= 15 and fit.codes().max() <= 15
+    err = ((fit.dequantize().T - w) ** 2).reshape(n, k // 32, 32).sum(-1)
+    wb = w.reshape(n, k // 32, 32)  # plain min/max rounding: scale = range / 15, nearest integer zero point
+    lo, hi = np.minimum(wb.min(-1), 0), np.maximum(wb.max(-1), 0)
+    s = (hi - lo) / 15
+    z = np.clip(np.rint(-lo / s), 0, 15)
+    mm = ((np.clip(np.rint(wb / s[..., None]) + z[..., None], 0, 15) - z[..., None]) * s[..., None] - wb) ** 2
+    assert (err <= mm.sum(-1) * (1 + 1e-5)).all() and err.sum() < 0.9 * mm.sum()
+    if qtype == "Q4_0":  # d·(q − 8) is already a 4-bit grid with an integer zero point: fitted exactly
+        assert np.abs(fit.dequantize().T - w).max() <= 1e-6 * np.abs(w).max()
+    if qtype == "Q4_K":  # seeded with the sub-block scale, no block is worse than keeping the codes and
+        # rounding the float minimum to an integer zero point (at most half a step per weight), where that
+        # zero point is in range
+        a, m = enc.scales, enc.correction.T
+        ok = (m >= 0) & (m <= 15 * a) & (a > 0)
+        assert ok.sum() > 20 and (err[ok] <= 32 * (a[ok] / 2) ** 2 * (1 + 1e-5)).all()
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    y = nbits_session(fit, 0).run(None, {"x": x})[0]
+    r = x @ fit.dequantize()
+    assert np.abs(y - r).max() <= 2e-5 * np.abs(r).max()
+
+
+def test_q4k_min_correction_in_8_bits_computes_x_at_w_within_its_rounding():
+    """gguf-4bit keeps Q4_K's codes and stores the float block minimum as an 8-bit MatMulNBits over the block sums
+    (K/32 inputs, not a multiple of its blocks of 16 here): the kernel computes x·W with that rounded minimum."""
+    rng = np.random.default_rng(3)
+    n, k = 40, 768  # 24 block sums: one full block of 16 and a partial one
+    enc, w = encode_gguf_rows(random_rows("Q4_K", n, k, rng), "Q4_K", k)
+    c8 = affine8_rows(enc.correction.T.copy())
+    assert c8.packed.shape == (n, 2, 16)
+    c_back = c8.dequantize()[:k // 32]
+    rel = np.abs(c_back - enc.correction).max() / np.abs(enc.correction).max()
+    assert 0 < rel <= 1 / 255
+    w8 = NBitsWeight(4, 32, enc.packed, enc.scales, enc.zero_points, c_back).dequantize()
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    y = nbits_session(enc, 4, correction_bits=8).run(None, {"x": x})[0]
+    r, r_exact = x @ w8, x @ w.T
+    y32 = nbits_session(enc, 4).run(None, {"x": x})[0]
+    # int8 activations for both parts: as close to x·W as the fp32 correction's graph is, within a small margin
+    assert np.abs(y - r_exact).max() <= 1.5 * np.abs(y32 - r_exact).max() + 1e-3 * np.abs(r_exact).max()
+    assert np.abs(y - r).max() < 0.03 * np.abs(r).max()
 
 
 def test_zero_points_pack_two_per_byte_with_odd_block_counts():
@@ -241,6 +300,42 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
     assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
+
+
+def test_gguf_4bit_engine_holds_every_weight_in_4_bits_and_stays_exact_to_itself(gguf_model, tmp_path):
+    """``--int4-source gguf-4bit``: 4-bit blocks of 32 keep their codes with the block minimum as an 8-bit block-sum
+    correction, every other block type is fitted in 4 bits (fewer bytes than the exact re-pack), and speculative
+    output equals its own target-only output."""
+    import onnx
+
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_runtime import Engine
+
+    folder, _ = gguf_model
+    built = {}
+    for src in ("gguf", "gguf-4bit"):
+        built[src] = build_engine(Recipe(name=src, target=str(folder), draft=str(folder), precision="int4",
+                                         int4_source=f"target={src},draft=rtn", draft_length=4),
+                                  tmp_path / src, isolate=False, log=lambda *a: None)
+    q = built["gguf-4bit"].graphs["target"].quantization
+    assert q["int4_source"] == "gguf-4bit"
+    how = {m.split(".")[-1] if "layers" in m else m: r["encoding"] for m, r in q["approximated"].items()}
+    assert how == {"q_proj": "8-bit min correction", "gate_proj": "8-bit min correction",
+                   "up_proj": "8-bit min correction", "k_proj": "4-bit fit", "v_proj": "4-bit fit",
+                   "o_proj": "4-bit fit", "down_proj": "4-bit fit", "lm_head": "4-bit fit"}
+    assert len(q["approximated"]) == 15 and all(0 < r["rel_l2"] < 0.2 for r in q["approximated"].values())
+    kept = [r["rel_l2"] for r in q["approximated"].values() if r["encoding"] == "8-bit min correction"]
+    assert max(kept) < 0.02  # the codes are the GGUF's: only the minimum is rounded, to 8 bits
+    assert q["weight_bytes_out"] < built["gguf"].graphs["target"].quantization["weight_bytes_out"]
+    nodes = onnx.load(str(tmp_path / "gguf-4bit" / "target.onnx"), load_external_data=False).graph.node
+    nb = [n for n in nodes if n.op_type == "MatMulNBits"]
+    shapes = {tuple(a.i for a in n.attribute if a.name in ("bits", "block_size")) for n in nb}
+    assert shapes == {(4, 32), (8, 16)}  # the weights, the min corrections
+    assert all(n.input[3] for n in nb) and not [n for n in nodes if n.op_type == "MatMul" and "_corr" in n.input[1]]
+    fitted = Engine.load(tmp_path / "gguf-4bit", threads=1)
+    for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
+        ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
+        assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
 
 
 # ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
