@@ -239,9 +239,12 @@ def info(engine_dir):
                            f"argmax agreement {v.get('argmax_agreement', float('nan')):.0%}")
         q = g.quantization or {}
         if g.precision == "int4" and q:
+            source = q.get("int4_source", q.get("source"))
             what = (f"GGUF blocks of {q.get('gguf')} re-packed ("
                     + ", ".join(f"{c['tensors']} {t}" for t, c in (q.get("gguf_types") or {}).items()) + ")"
-                    if q.get("int4_source", q.get("source")) == "gguf" else q.get("method", "?"))
+                    + (f", compact: {len(q.get('approximated') or {})} tensors in fewer bits" if source == "gguf-compact"
+                       else "")
+                    if source in ("gguf", "gguf-compact") else q.get("method", "?"))
             click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
                        f"{q.get('accuracy_level', '?')}")
     sp = m.speculation

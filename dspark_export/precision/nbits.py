@@ -23,7 +23,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_export.graphs.onnx_io import graph_weight_bytes, peak_rss_gb
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
-INT4_SOURCES = ("auto", "gguf", "gguf-4bit", "rtn", "hqq")
+INT4_SOURCES = ("auto", "gguf", "gguf-compact", "rtn", "hqq")
 DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
 CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (affine8_rows)

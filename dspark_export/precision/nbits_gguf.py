@@ -8,6 +8,8 @@ Encodings (:data:`ENCODINGS`, exact to float rounding): Q4_K -> 4-bit blocks of 
 a float offset per block, applied outside the kernel as ``x·W = MatMulNBits(x; q, s, zp=0) − blocksum(x)·C``.
 Every re-packed tensor must equal the graph's own fp32 weight or the build is refused, naming the tensor; block
 types without an exact encoding become 8-bit RTN from the float weight; F32/F16/BF16 weights stay fp32 MatMuls.
+The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: the block minimum in 8 bits
+and 6-bit (Q6_K) blocks re-fitted in 4 bits, the LM head exact.
 The writer streams one tensor at a time (peak: the graph structure plus one dequantized weight in row chunks).
 """
 from __future__ import annotations
@@ -26,6 +28,9 @@ from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NB
                                            nbits_nodes, pack_codes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
+# the compact encoding keeps these modules exact: the LM head's error goes straight into the logits (measured:
+# docs/precision.md)
+COMPACT_KEEP_EXACT = (r"(^|\.)lm_head$",)
 _ROW_CHUNK = 4096  # output channels re-packed per step (LM head: 4096 × 1536 floats = 24 MB)
 
 # GGUF type -> (bits, MatMulNBits block, zero point, affine: has a per-block float offset)
@@ -133,7 +138,7 @@ def gguf_tensor_name(module: str, gguf_names) -> str | None:
 
 
 def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                        encoding: str = "exact", keep_exact=(), log=print) -> dict:
+                        encoding: str = "exact", keep_exact=COMPACT_KEEP_EXACT, log=print) -> dict:
     """Write ``dst`` (+ ``dst.data``): graph ``src`` with every weight MatMul that has a GGUF tensor as
     MatMulNBits over the GGUF's own blocks (see the module docstring for the encodings). Streams one tensor at a time.
 
@@ -142,10 +147,11 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
             modified; its external weights are read to check each re-packed tensor).
         gguf_path: the GGUF file.
         accuracy_level: MatMulNBits ``accuracy_level`` (4: int8 activations, as llama.cpp's CPU kernels).
-        encoding: ``"exact"`` (:data:`ENCODINGS`) or ``"4bit"``: every tensor as 4-bit blocks of 32 with integer
-            zero points fitted to the GGUF's values (:func:`~dspark_export.precision.nbits.fit_uint4_rows`, seeded
-            with a Q4_K sub-block's own scale: its codes stay, its float minimum becomes the nearest integer zero
-            point), no correction MatMul; modules matching a ``keep_exact`` regular expression stay exact.
+        encoding: ``"exact"`` (:data:`ENCODINGS`) or ``"compact"``: 4-bit blocks of 32 keep their codes and
+            scales with the float block minimum as an 8-bit block-sum correction
+            (:func:`~dspark_export.precision.nbits.affine8_rows`); every other block type is fitted as 4-bit blocks
+            of 32 with integer zero points (:func:`~dspark_export.precision.nbits.fit_uint4_rows`); modules matching
+            a ``keep_exact`` regular expression (default: the LM head) stay exact.
     Returns the manifest's quantization record: precision, source, accuracy level, per-GGUF-type counts and
     encodings, the fallback and fp32 tensors by name, max |Δ| of the encoded weights against the fp32 graph,
     weight bytes before and after, seconds, peak RSS (GiB). Raises DSparkError when the GGUF is missing, a graph
@@ -178,8 +184,8 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     target_nodes = {q.node for _, qs in plan.values() for q in qs}
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
     reader = ExternalData(src.parent)
-    if encoding not in ("exact", "4bit"):
-        raise DSparkError(f"no GGUF int4 encoding {encoding!r}; choose exact or 4bit")
+    if encoding not in ("exact", "compact"):
+        raise DSparkError(f"no GGUF int4 encoding {encoding!r}; choose exact or compact")
     counts, fallback, kept_fp32, max_err, approximated = {}, {}, [], 0.0, {}
     encoded = {}  # weight -> NBitsMeta
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
@@ -204,7 +210,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                 continue
             full = np.frombuffer(reader.read(t), np.float32).reshape(k, n)  # the graph's fp32 W [K, N]
             parts, corr8, d_max, sq_err, sq_ref = [], [], 0.0, 0.0, 0.0
-            compact = encoding == "4bit" and not any(re.search(pat, qs[0].module) for pat in keep_exact)
+            compact = encoding == "compact" and not any(re.search(pat, qs[0].module) for pat in keep_exact)
             how = None  # compact: "8-bit min correction" (4-bit codes kept) or "4-bit fit"
             for a in range(0, n, _ROW_CHUNK):  # output channels a:b = GGUF rows a:b
                 b = min(n, a + _ROW_CHUNK)
@@ -307,7 +313,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
               "GGUF blocks in 4 bits: 4-bit blocks of 32 re-packed with their block minimum as an 8-bit block-sum "
               "correction, other types fitted as 4-bit blocks of 32 with integer zero points"
               + (f"; exact: {', '.join(keep_exact)}" if keep_exact else ""))
-    rep = {"precision": "int4", "int4_source": "gguf" if encoding == "exact" else "gguf-4bit", "gguf": gguf_path.name,
+    rep = {"precision": "int4", "int4_source": "gguf" if encoding == "exact" else "gguf-compact", "gguf": gguf_path.name,
            "accuracy_level": accuracy_level, "method": method, "approximated": approximated,
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
            "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),

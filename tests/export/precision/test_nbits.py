@@ -111,7 +111,7 @@ def test_4bit_fit_of_gguf_values_beats_min_max_rounding_and_the_kernel_computes_
 
 
 def test_q4k_min_correction_in_8_bits_computes_x_at_w_within_its_rounding():
-    """gguf-4bit keeps Q4_K's codes and stores the float block minimum as an 8-bit MatMulNBits over the block sums
+    """gguf-compact keeps Q4_K's codes and stores the float block minimum as an 8-bit MatMulNBits over the block sums
     (K/32 inputs, not a multiple of its blocks of 16 here): the kernel computes x·W with that rounded minimum."""
     rng = np.random.default_rng(3)
     n, k = 40, 768  # 24 block sums: one full block of 16 and a partial one
@@ -270,7 +270,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
                      tmp_path / "q4", isolate=False, log=lambda *a: None)
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
-    assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    assert t.quantization["int4_source"] == "gguf-compact" and t.quantization["accuracy_level"] == 4
     assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
     assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
@@ -291,6 +291,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
     assert info.exit_code == 0, info.output
     assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
+    assert "compact: 14 tensors in fewer bits" in info.output  # 7 per layer; the LM head stays exact
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("KV layout scatter") == 2  # target and draft
     # gguf asked for where the model has no GGUF: a clear error
@@ -299,13 +300,13 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
-    assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
+    assert resolve_int4_source("auto", "target", folder)[0] == "gguf-compact"
 
 
-def test_gguf_4bit_engine_holds_every_weight_in_4_bits_and_stays_exact_to_itself(gguf_model, tmp_path):
-    """``--int4-source gguf-4bit``: 4-bit blocks of 32 keep their codes with the block minimum as an 8-bit block-sum
-    correction, every other block type is fitted in 4 bits (fewer bytes than the exact re-pack), and speculative
-    output equals its own target-only output."""
+def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_model, tmp_path):
+    """``--int4-source gguf-compact``: 4-bit blocks of 32 keep their codes with the block minimum as an 8-bit block-sum
+    correction, every other block type but the LM head's is fitted in 4 bits (fewer bytes than the exact re-pack),
+    and speculative output equals its own target-only output."""
     import onnx
 
     from dspark_export.engine_dir.build import Recipe, build_engine
@@ -313,26 +314,26 @@ def test_gguf_4bit_engine_holds_every_weight_in_4_bits_and_stays_exact_to_itself
 
     folder, _ = gguf_model
     built = {}
-    for src in ("gguf", "gguf-4bit"):
+    for src in ("gguf", "gguf-compact"):
         built[src] = build_engine(Recipe(name=src, target=str(folder), draft=str(folder), precision="int4",
                                          int4_source=f"target={src},draft=rtn", draft_length=4),
                                   tmp_path / src, isolate=False, log=lambda *a: None)
-    q = built["gguf-4bit"].graphs["target"].quantization
-    assert q["int4_source"] == "gguf-4bit"
-    how = {m.split(".")[-1] if "layers" in m else m: r["encoding"] for m, r in q["approximated"].items()}
+    q = built["gguf-compact"].graphs["target"].quantization
+    assert q["int4_source"] == "gguf-compact"
+    how = {m.split(".")[-1]: r["encoding"] for m, r in q["approximated"].items()}
     assert how == {"q_proj": "8-bit min correction", "gate_proj": "8-bit min correction",
                    "up_proj": "8-bit min correction", "k_proj": "4-bit fit", "v_proj": "4-bit fit",
-                   "o_proj": "4-bit fit", "down_proj": "4-bit fit", "lm_head": "4-bit fit"}
-    assert len(q["approximated"]) == 15 and all(0 < r["rel_l2"] < 0.2 for r in q["approximated"].values())
+                   "o_proj": "4-bit fit", "down_proj": "4-bit fit"}  # the LM head (Q6_K) stays exact
+    assert len(q["approximated"]) == 14 and all(0 < r["rel_l2"] < 0.2 for r in q["approximated"].values())
     kept = [r["rel_l2"] for r in q["approximated"].values() if r["encoding"] == "8-bit min correction"]
     assert max(kept) < 0.02  # the codes are the GGUF's: only the minimum is rounded, to 8 bits
     assert q["weight_bytes_out"] < built["gguf"].graphs["target"].quantization["weight_bytes_out"]
-    nodes = onnx.load(str(tmp_path / "gguf-4bit" / "target.onnx"), load_external_data=False).graph.node
+    nodes = onnx.load(str(tmp_path / "gguf-compact" / "target.onnx"), load_external_data=False).graph.node
     nb = [n for n in nodes if n.op_type == "MatMulNBits"]
     shapes = {tuple(a.i for a in n.attribute if a.name in ("bits", "block_size")) for n in nb}
     assert shapes == {(4, 32), (8, 16)}  # the weights, the min corrections
     assert all(n.input[3] for n in nb) and not [n for n in nodes if n.op_type == "MatMul" and "_corr" in n.input[1]]
-    fitted = Engine.load(tmp_path / "gguf-4bit", threads=1)
+    fitted = Engine.load(tmp_path / "gguf-compact", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
         ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
         assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
