@@ -5,7 +5,8 @@ Sequences: the first --n evaluation prompts of each --datasets entry (``--split 
 calibration-split prompts, code-weighted, as the quantizers and the drafter calibrate on) plus --continuation tokens
 of the first engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
 under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). Per pair: top-1 agreement, mean relative
-L2 of the logits, max |Δlogit|. One graph in memory at a time (logits kept in --work). Writes --json.
+L2 of the logits, max |Δlogit|; per graph the weight bytes a step reads. One graph in memory at a time (logits
+kept in --work). Writes --json.
 
     python -m benchmarks.int4_fidelity --engines engines/qwen2.5-coder-1.5b-int4,engines/qwen2.5-coder-1.5b-int4rtn \\
         --fp32 engines/qwen2.5-coder-1.5b-fp32 --gguf ~/.cache/dspark/gguf/qwen2.5-coder-1.5b-instruct.gguf \\
@@ -25,6 +26,8 @@ import numpy as np
 
 from benchmarks.compare.systems import default_peer_dir
 from benchmarks.evalsets import child_env, load_prompts, machine
+from dspark_export.graphs.onnx_io import step_weight_bytes
+from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_export.drafter.data import calibration_prompts
 
 
@@ -35,7 +38,6 @@ def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
 
     from dspark_runtime.backends.ort import OrtDecoder
     from dspark_runtime.runners.factory import decoder_runner
-    from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(engine, verify=False)
     g = m.graphs["target"]
@@ -153,6 +155,8 @@ def main(argv=None) -> int:
            "datasets": a.datasets if a.split == "evaluation" else "calibration split", "n": a.n,
            "continuation": a.continuation, "shared_prefix_counted_once": shared, "sequences": {k: len(v) for k, v in seqs.items()},
            "systems": systems, "pairs": pairs,
+           "step_weight_bytes": {e.name: step_weight_bytes(e / load_manifest(e, verify=False).graphs["target"].model_file)
+                                 for e in engines + ([a.fp32] if a.fp32 else [])},
            "command": shlex.join(["python", "-m", "benchmarks.int4_fidelity", *sys.argv[1:]])}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
