@@ -77,6 +77,15 @@ timed() {
     rm -f "$tv"
 }
 
+installed() {  # installed DIR NAME: FORCE unset and DIR/installed.json present: says so and prints it
+    if [ "$FORCE" != 1 ] && [ -f "$1/installed.json" ]; then
+        log "$2: already installed in $1 (FORCE=1 to redo):"
+        cat "$1/installed.json"
+        return 0
+    fi
+    return 1
+}
+
 make_venv() {  # make_venv DIR
     if [ ! -x "$1/bin/python" ]; then
         log "creating venv $1"
@@ -118,12 +127,8 @@ amx_flags() {
 
 install_llama_cpp() {
     local P="$PEERS/llama-cpp"
-    if [ "$FORCE" != 1 ] && [ -f "$P/installed.json" ] && [ -x "$P/bin/llama-speculative" ] \
-        && "$P/venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-        log "llama-cpp: already installed in $P (FORCE=1 to redo):"
-        cat "$P/installed.json"
-        return 0
-    fi
+    if [ -x "$P/bin/llama-speculative" ] && "$P/venv/bin/python" -c "import llama_cpp" 2>/dev/null \
+        && installed "$P" llama-cpp; then return 0; fi
     need_tools
     mkdir -p "$P/src" "$P/bin"
     make_venv "$P/venv"
@@ -192,12 +197,7 @@ project_transformers() {
 
 install_ort_genai() {
     local P="$PEERS/ort-genai"
-    if [ "$FORCE" != 1 ] && [ -f "$P/installed.json" ] \
-        && "$P/venv/bin/python" -c "import onnxruntime_genai" 2>/dev/null; then
-        log "ort-genai: already installed in $P (FORCE=1 to redo):"
-        cat "$P/installed.json"
-        return 0
-    fi
+    if "$P/venv/bin/python" -c "import onnxruntime_genai" 2>/dev/null && installed "$P" ort-genai; then return 0; fi
     mkdir -p "$P"
     make_venv "$P/venv"
     local tv; tv="$(project_transformers)"
@@ -286,12 +286,7 @@ reachable() {  # reachable URL: the URL answers within 20 s (with $PYTHON: no cu
 
 install_openvino() {
     local P="$PEERS/openvino"
-    if [ "$FORCE" != 1 ] && [ -f "$P/installed.json" ] \
-        && "$P/venv/bin/python" -c "import openvino_genai" 2>/dev/null; then
-        log "openvino: already installed in $P (FORCE=1 to redo):"
-        cat "$P/installed.json"
-        return 0
-    fi
+    if "$P/venv/bin/python" -c "import openvino_genai" 2>/dev/null && installed "$P" openvino; then return 0; fi
     mkdir -p "$P"
     make_venv "$P/venv"
     local rec="$P/.times"; : >"$rec"
