@@ -16,5 +16,4 @@ INT4_SOURCE_OPTION = click.option(
     help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
          "fetched from exactly: the weights llama.cpp runs), gguf-compact (the same blocks in fewer bytes per step: "
          "the block minimum in 8 bits, 6-bit blocks re-fitted in 4 bits, the LM head exact), rtn / hqq (ONNX "
-         "Runtime's quantizer on the float weights), auto (default: gguf-compact for a target fetched from a GGUF, rtn "
-         "otherwise).")
+         "Runtime's quantizer on the float weights), auto (default: gguf for a target fetched from a GGUF, rtn otherwise).")

@@ -35,9 +35,9 @@ CALIBRATED = ("int8", "int8-trt", "fp8")  # the precisions whose activation rang
 def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
     """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
 
-    ``auto``: the target reads the GGUF it was converted from when that file is present, in the compact encoding
-    (``gguf-compact``: ~17% fewer bytes per step than the exact ``gguf``, ≥ 97% top-1 agreement with llama.cpp on
-    the 1.5B: docs/precision.md), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
+    ``auto``: the target re-packs the GGUF it was converted from when that file is present (``gguf``, exact: the
+    weights llama.cpp runs; ``gguf-compact`` reads 16% fewer bytes per step at 97.4% top-1 agreement with llama.cpp
+    instead of 98.5% on the 1.5B, docs/precision.md), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
     output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` / ``gguf-compact``
     require the file; ``rtn``/``hqq`` use the float weights. Raises DSparkError when a GGUF source is asked for and
     no GGUF is known.
@@ -45,7 +45,7 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
     gguf = source_gguf(model_dir) if model_dir is not None else None
     if requested == "auto":
         if role == "target" and gguf is not None:
-            return "gguf-compact", gguf, f"auto: the model was converted from {gguf.name}"
+            return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
         return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
                              else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
     if requested in GGUF_SOURCES:

@@ -270,7 +270,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
                      tmp_path / "q4", isolate=False, log=lambda *a: None)
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
-    assert t.quantization["int4_source"] == "gguf-compact" and t.quantization["accuracy_level"] == 4
+    assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
     assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
     assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
@@ -291,7 +291,6 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
     assert info.exit_code == 0, info.output
     assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
-    assert "compact: 14 tensors in fewer bits" in info.output  # 7 per layer; the LM head stays exact
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("KV layout scatter") == 2  # target and draft
     # gguf asked for where the model has no GGUF: a clear error
@@ -300,7 +299,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
-    assert resolve_int4_source("auto", "target", folder)[0] == "gguf-compact"
+    assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
 
 
 def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_model, tmp_path):
@@ -333,6 +332,12 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
     shapes = {tuple(a.i for a in n.attribute if a.name in ("bits", "block_size")) for n in nb}
     assert shapes == {(4, 32), (8, 16)}  # the weights, the min corrections
     assert all(n.input[3] for n in nb) and not [n for n in nodes if n.op_type == "MatMul" and "_corr" in n.input[1]]
+    from click.testing import CliRunner
+
+    from dspark_runtime.cli import cli
+
+    info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "gguf-compact")])
+    assert info.exit_code == 0 and "compact: 14 tensors in fewer bits" in info.output  # 7 per layer, the head exact
     fitted = Engine.load(tmp_path / "gguf-compact", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
         ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
