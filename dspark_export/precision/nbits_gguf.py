@@ -8,8 +8,9 @@ Encodings (:data:`ENCODINGS`, exact to float rounding): Q4_K -> 4-bit blocks of 
 a float offset per block, applied outside the kernel as ``x·W = MatMulNBits(x; q, s, zp=0) − blocksum(x)·C``.
 Every re-packed tensor must equal the graph's own fp32 weight or the build is refused, naming the tensor; block
 types without an exact encoding become 8-bit RTN from the float weight; F32/F16/BF16 weights stay fp32 MatMuls.
-The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: the block minimum in 8 bits
-and 6-bit (Q6_K) blocks re-fitted in 4 bits, the LM head exact.
+The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: 4-bit blocks keep their codes
+with the block minimum in 8 bits, every other block type (Q6_K, Q5_K, Q8_0, ...) is re-fitted in 4 bits, the LM head
+stays exact.
 The writer streams one tensor at a time (peak: the graph structure plus one dequantized weight in row chunks).
 """
 from __future__ import annotations
