@@ -196,8 +196,7 @@ def cmd_genai(a) -> int:
             variant = f"genai-{a.ep}" + ("-cudagraph" if cg else "")
             skip = deadline.reason_to_skip(variant)
             if skip:
-                d["skipped"].append({"variant": variant, "batch": b, "reason": skip})
-                report.write()
+                report.skip(variant, b, skip)
                 continue
             t_cfg = time.perf_counter()
             row = {"system": "onnxruntime-genai", "variant": variant, "batch": b, "prompt_len": a.prompt_len,

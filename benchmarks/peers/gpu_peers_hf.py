@@ -74,8 +74,7 @@ def cmd_hf(a) -> int:
             variant = f"hf-{cache}"
             skip = deadline.reason_to_skip(variant)
             if skip:
-                d["skipped"].append({"variant": variant, "batch": b, "reason": skip})
-                report.write()
+                report.skip(variant, b, skip)
                 continue
             t_cfg = time.perf_counter()
             row = {"system": "transformers", "variant": variant, "cache": cache, "batch": b,

@@ -90,6 +90,11 @@ class Report:
                      "elapsed_s": 0.0, "gpu": {}, "cuda": {}, "versions": {}, "settings": {}, "model": {},
                      **({"build": {}} if mode == "genai" else {}), "configs": [], "skipped": [], "notes": []}
 
+    def skip(self, variant: str, batch: int, reason: str):
+        """Record a configuration left out (``skipped``) and rewrite the file."""
+        self.data["skipped"].append({"variant": variant, "batch": batch, "reason": reason})
+        self.write()
+
     def write(self):
         self.data["elapsed_s"] = round(elapsed(), 2)
         if self.path is None:

@@ -185,31 +185,33 @@ class ExternalWriter:
                         t.name, t.data_type, t.dims)
 
 
-def graph_weight_bytes(path: Path) -> int:
-    """Bytes of all initializers of the ``.onnx`` graph ``path`` (external data lengths plus inline
-    tensors), read from the graph's structure only (the weights are not loaded). Raises DSparkError when
-    the graph is missing."""
+def _initializer_bytes(path: Path, counted) -> int:
+    """Bytes of the initializers of the ``.onnx`` graph ``path`` that ``counted(proto)`` names (a set of names, None:
+    all), from the graph's structure only (the weights are not loaded). Raises DSparkError when the graph is
+    missing."""
     import onnx
 
     path = Path(path)
     if not path.is_file():
         raise DSparkError(f"graph {path} not found")
     proto = onnx.load(str(path), load_external_data=False)
+    names = counted(proto)
     reader = ExternalData(path.parent)  # nbytes reads only the tensors' metadata, no file is opened
-    return sum(reader.nbytes(t) for t in proto.graph.initializer)
+    return sum(reader.nbytes(t) for t in proto.graph.initializer if names is None or t.name in names)
+
+
+def graph_weight_bytes(path: Path) -> int:
+    """Bytes of all initializers of the ``.onnx`` graph ``path`` (external data lengths plus inline tensors).
+    Raises DSparkError when the graph is missing."""
+    return _initializer_bytes(path, lambda proto: None)
 
 
 def step_weight_bytes(path: Path) -> int:
     """Bytes of the initializers one decoding step reads whole: every initializer except tables read only by
-    ``Gather`` (the token embedding: a step reads one row per token), from the graph's structure only. Raises
-    DSparkError when the graph is missing."""
-    import onnx
+    ``Gather`` (the token embedding: a step reads one row per token). Raises DSparkError when the graph is missing."""
+    def read_whole(proto) -> set:
+        gathered = {n.input[0] for n in proto.graph.node if n.op_type == "Gather"}
+        other = {i for n in proto.graph.node if n.op_type != "Gather" for i in n.input}
+        return {t.name for t in proto.graph.initializer if not (t.name in gathered and t.name not in other)}
 
-    path = Path(path)
-    if not path.is_file():
-        raise DSparkError(f"graph {path} not found")
-    proto = onnx.load(str(path), load_external_data=False)
-    gathered = {n.input[0] for n in proto.graph.node if n.op_type == "Gather"}
-    other = {i for n in proto.graph.node if n.op_type != "Gather" for i in n.input}
-    reader = ExternalData(path.parent)
-    return sum(reader.nbytes(t) for t in proto.graph.initializer if not (t.name in gathered and t.name not in other))
+    return _initializer_bytes(path, read_whole)
