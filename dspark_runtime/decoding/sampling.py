@@ -25,14 +25,27 @@ class SamplingParams:
     top_k:       0 disables; k >= 1 keeps the k most probable tokens (ties to the lowest ids).
     top_p:       1.0 disables; p in (0, 1) keeps the smallest set of most probable tokens whose
                  probability mass is >= p (nucleus sampling, Holtzman et al. 2020).
+    presence_penalty, frequency_penalty: in [-2, 2], 0 disables (OpenAI's): subtracted from the logit of
+                 every token generated so far, once / once per occurrence.
+    repetition_penalty: > 0, 1 disables (the CTRL paper's, as transformers and vLLM): the logit of every
+                 token of the prompt or generated so far is divided by it when positive, multiplied when not.
 
-    top_k and top_p are ignored when greedy. Call :meth:`validate` before use (the functions in
+    top_k and top_p are ignored when greedy; the penalties apply before the argmax too
+    (:mod:`dspark_runtime.decoding.penalties`). Call :meth:`validate` before use (the functions in
     this module do).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when any penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +57,8 @@ class SamplingParams:
 
         Raises:
             InputError: temperature not a finite number >= 0; top_k not an integer >= 0;
-                top_p not a number in (0, 1]. The message names the bad value and the range.
+                top_p not a number in (0, 1]; a penalty out of its range. The message names the bad
+                value and the range.
         """
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, Real) or not math.isfinite(t) or t < 0:
@@ -57,6 +71,13 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, Real) or not (0.0 < p <= 1.0):
             raise InputError(f"top_p must be a number in (0, 1] (1 = disabled), got {p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not (-2.0 <= v <= 2.0):
+                raise InputError(f"{name} must be a number in [-2, 2] (0 = disabled), got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r) or r <= 0:
+            raise InputError(f"repetition_penalty must be a finite number > 0 (1 = disabled), got {r!r}")
 
 
 def process_logits(
