@@ -49,6 +49,7 @@ class Engine:
         tok = manifest.tokenizer
         self.tokenizer = Tokenizer(self.dir / tok["dir"])
         self.eos_ids = list(tok.get("eos_token_ids", []))
+        self._grammars = None  # the GrammarCompiler, built on the first constrained request
         self.placement = self._placement(placement, backend, providers)
         self._backends = {
             key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
@@ -425,13 +426,30 @@ class Engine:
         """A finished request as a GenerationResult (its text cut before the stop string that ended it)."""
         text = self.completion_text(req.token_ids, req.finish_reason, stop)
         req.stats.placement = format_placement(self.placement)
-        return GenerationResult(text=text, token_ids=req.token_ids, finish_reason=req.finish_reason, stats=req.stats)
+        return GenerationResult(text=text, token_ids=req.token_ids, finish_reason=req.finish_reason, stats=req.stats,
+                                logprobs=req.kept_logprobs)
+
+    def compile_grammar(self, response_format: dict | None):
+        """A fresh :class:`~dspark_runtime.decoding.grammar.Grammar` for an OpenAI ``response_format``
+        (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...}}``), or None for
+        None / ``{"type": "text"}``. Raises InputError (GrammarError) for an invalid or unsupported format or
+        schema, or when the ``grammar`` extra (llguidance) is not installed."""
+        if response_format is None or (isinstance(response_format, dict) and response_format.get("type") == "text"):
+            return None
+        if self._grammars is None:
+            from dspark_runtime.decoding.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.dir / self.manifest.tokenizer["dir"] / "tokenizer.json",
+                                             self.manifest.graphs["target"].spec.dims.vocab_size, self.eos_ids)
+        return self._grammars.compile(response_format)
 
     def generate_batch(self, prompts: list, *, max_new_tokens: int = 128, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, draft: str | None = "auto",
                        draft_length: int | str | None = None, draft_confidence: float | None = None,
                        draft_confidence_rule: str = "survival", seed: int | None = None, stop: list | None = None,
-                       raw: bool = False, max_batch: int = 8, prefill_budget: int | str = "auto") -> list:
+                       raw: bool = False, max_batch: int = 8, prefill_budget: int | str = "auto",
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                       logprobs: int | None = None, response_format: dict | None = None) -> list:
         """Generate completions for several prompts together (continuous batching, one verifier pass per
         round for all active requests). Arguments as :meth:`generate` (``prefill_budget`` as :meth:`batch`); request i
         uses seed ``seed + i``
@@ -441,12 +459,14 @@ class Engine:
         Raises InputError for bad arguments or an empty prompt list."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError("prompts must be a non-empty list of prompts")
-        params = check_request(max_new_tokens, temperature, top_k, top_p, stop)
+        params = check_request(max_new_tokens, temperature, top_k, top_p, stop, presence_penalty, frequency_penalty,
+                               repetition_penalty)
         ids = [self.encode_prompt(p, raw=raw) for p in prompts]
+        grammars = [self.compile_grammar(response_format) for _ in ids]
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
                          draft_confidence_rule=draft_confidence_rule, max_batch=max_batch, prefill_budget=prefill_budget)
-        reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params,
-                           seed=None if seed is None else seed + i, stop=stop) for i, x in enumerate(ids)]
+        reqs = [gen.submit(x, max_new_tokens=max_new_tokens, params=params, logprobs=logprobs, grammar=g,
+                           seed=None if seed is None else seed + i, stop=stop) for i, (x, g) in enumerate(zip(ids, grammars))]
         gen.run()
         self.last_batch_stats = gen.stats
         return [self._result(r, stop) for r in reqs]
@@ -455,7 +475,9 @@ class Engine:
                  top_p: float = 1.0, draft: str | None = "auto", draft_length: int | str | None = None,
                  draft_confidence: float | None = None, draft_confidence_rule: str = "survival",
                  seed: int | None = None, stop: list | None = None, raw: bool = False,
-                 stream: Callable[[str], None] | None = None) -> GenerationResult:
+                 stream: Callable[[str], None] | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logprobs: int | None = None,
+                 response_format: dict | None = None) -> GenerationResult:
         """Generate a completion.
 
         Args:
@@ -478,17 +500,27 @@ class Engine:
             seed: RNG seed for sampling (same seed, same output).
             stop: strings that end generation (excluded from the text).
             stream: called with each new piece of text as tokens are committed.
+            presence_penalty, frequency_penalty (in [-2, 2]), repetition_penalty (> 0): applied to the target's
+                distribution in verification too, so speculative output stays the target's
+                (:mod:`dspark_runtime.decoding.penalties`).
+            logprobs: None, or how many alternatives (0..20) to list beside each generated token's log-probability
+                (the target's raw distribution: :mod:`dspark_runtime.decoding.logprobs`); in ``result.logprobs``.
+            response_format: an OpenAI ``response_format`` (``{"type": "json_object"}`` or ``{"type":
+                "json_schema", "json_schema": {"schema": {...}}}``): output constrained by a grammar
+                (:meth:`compile_grammar`; the ``grammar`` extra), identical with and without speculation.
 
-        Returns a GenerationResult (text, token_ids, finish_reason, stats).
-        Raises InputError for out-of-range arguments or an empty prompt.
+        Returns a GenerationResult (text, token_ids, finish_reason, stats, logprobs).
+        Raises InputError for out-of-range arguments, an empty prompt or an invalid ``response_format``.
         """
-        params = check_request(max_new_tokens, temperature, top_k, top_p, stop)
+        params = check_request(max_new_tokens, temperature, top_k, top_p, stop, presence_penalty, frequency_penalty,
+                               repetition_penalty)
+        grammar = self.compile_grammar(response_format)
         gen = self.batch(draft=draft, draft_length=draft_length, draft_confidence=draft_confidence,
                          draft_confidence_rule=draft_confidence_rule, max_batch=1)
         ids = self.encode_prompt(prompt, raw=raw)
         text = None if stream is None else TextStream(self.tokenizer.decode, stream, stop)
         req = gen.submit(ids, max_new_tokens=max_new_tokens, params=params, seed=seed, stop=stop,
-                         on_tokens=None if text is None else text.on_tokens)
+                         on_tokens=None if text is None else text.on_tokens, logprobs=logprobs, grammar=grammar)
         gen.run()
         res = self._result(req, stop)
         if text is not None:

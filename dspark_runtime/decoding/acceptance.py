@@ -57,6 +57,7 @@ def rejection_accept(
     draft_probs: np.ndarray,  # float [l, vocab]; processed draft distributions q (rows sum to 1)
     target_probs: np.ndarray,  # float [l + 1, vocab]; processed target distributions p
     rng: np.random.Generator,  # one rng.random() per draft examined, plus one for next_token
+    final_q: np.ndarray | None = None,  # float [vocab]; see below
 ) -> tuple[int, int]:  # (num_accepted in [0, l], next_token in [0, vocab))
     """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2).
 
@@ -67,6 +68,11 @@ def rejection_accept(
     (only possible when ``p == q`` up to rounding, or after the ``q(x) == 0`` case below) draw
     from ``p`` instead. If all ``l`` drafts are accepted, draw the bonus ``next_token`` from
     ``target_probs[l]``. ``l == 0`` just draws from ``target_probs[0]``.
+
+    ``final_q``: the distribution a draft token ``l`` was drawn from that was cut from the block unverified because
+    ``target_probs[l]`` gives it probability 0 (a grammar forbids it). That token is rejected with certainty, so when
+    all ``l`` drafts are accepted the next token comes from the residual ``norm(max(p_l - final_q, 0))``, exactly as
+    if it had been verified — drawing from ``p_l`` instead would not be lossless.
 
     When every ``draft_tokens[k]`` is really distributed as ``draft_probs[k]`` (given the
     prefix), the committed tokens are distributed exactly as sampling from ``target_probs``
@@ -112,6 +118,11 @@ def rejection_accept(
         if not residual.sum() > 0.0:
             residual = p[k]
         return k, int(sample(residual, rng))
+    if final_q is not None:
+        if np.shape(final_q) != (vocab,):
+            raise ValueError(f"final_q must have shape [vocab] = [{vocab}], got {np.shape(final_q)}")
+        residual = np.maximum(p[l].astype(np.float64) - np.asarray(final_q, dtype=np.float64), 0.0)
+        return l, int(sample(residual if residual.sum() > 0.0 else p[l], rng))
     return l, int(sample(p[l], rng))
 
 

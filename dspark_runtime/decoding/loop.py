@@ -11,13 +11,16 @@ Collaborators: the drafter (:class:`~dspark_runtime.drafting.base.Drafter`), the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from dspark_runtime.decoding.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.decoding.logprobs import MAX_TOP_LOGPROBS, token_logprob
+from dspark_runtime.decoding.penalties import penalize_rows
 from dspark_runtime.decoding.prefix_cache import concat_blocks, payload_bytes
-from dspark_runtime.decoding.request import GenerationStats, Request, Stopper
+from dspark_runtime.decoding.request import GenerationStats, PromptShare, Request, Stopper
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, select_token
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.decoding.stats import BatchStats, RoundMeter, count_verdict, finish_request_stats
@@ -30,6 +33,21 @@ from dspark_runtime.scheduling.draft_skip import DraftSkipRule
 from dspark_runtime.scheduling.prefill import plan_prefill
 from dspark_runtime.scheduling.prefill import prefill_budget as auto_prefill_budget
 from dspark_runtime.scheduling.verify_length import schedule_greedy
+
+
+@dataclass
+class Block:
+    """What one request verifies in a round, after the anchor: ``tokens`` (the drafter's first ``drafted`` ones,
+    then any its grammar forces); ``q`` float [len(tokens), vocab] the distributions they were drawn from, or None
+    for point masses; ``final_q`` the distribution of a draft the grammar forbade, cut from the block (the residual
+    it leaves is what row ``len(tokens)`` samples), or None; ``masks`` bool [vocab] per row (len(tokens) + 1) of
+    the grammar, or None."""
+
+    tokens: list
+    drafted: int
+    q: np.ndarray | None = None
+    final_q: np.ndarray | None = None
+    masks: list | None = None
 
 
 class DecodingLoop:
@@ -78,13 +96,17 @@ class DecodingLoop:
 
     def submit(self, prompt: list, *, max_new_tokens: int = 128, params: SamplingParams | None = None,
                gamma: int | None = None, adaptive: bool | None = None, seed: int | None = None,
-               stop: list | None = None, on_tokens: Callable | None = None) -> Request:
+               stop: list | None = None, on_tokens: Callable | None = None, logprobs: int | None = None,
+               grammar=None, share: PromptShare | None = None) -> Request:
         """Queue a request (prompt: token ids). It joins at the next round with a free slot.
 
         gamma: its draft-length cap (the first one with ``adaptive``; default ``default_gamma``); adaptive: the
         heuristic schedule (default ``default_adaptive``); seed: its sampling RNG; stop: strings that
-        end it; on_tokens(new_ids): called with every batch of committed tokens.
-        Raises InputError for an empty prompt, max_new_tokens < 1 or gamma < 1."""
+        end it; on_tokens(new_ids): called with every batch of committed tokens; logprobs: None, or how many
+        alternatives (0..20) each committed token's log-probability lists (``Request.token_logprobs``); grammar: a
+        :class:`~dspark_runtime.decoding.grammar.Grammar` at its start state (masks the target's distribution;
+        forced tokens are verified as free drafts); share: see :meth:`submit_choices`.
+        Raises InputError for an empty prompt, max_new_tokens < 1, gamma < 1 or logprobs outside 0..20."""
         if not prompt:
             raise InputError("the prompt has no tokens")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -93,22 +115,50 @@ class DecodingLoop:
         adaptive = self.default_adaptive if adaptive is None else adaptive
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise InputError(f"gamma must be a positive integer, got {gamma!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise InputError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                             f"listed per token), got {logprobs!r}")
         params = params or SamplingParams()
         params.validate()
         req = Request(rid=self._next_id, prompt=list(prompt), max_new_tokens=max_new_tokens, params=params,
                       gamma=gamma, rng=np.random.default_rng(seed),
                       stopper=Stopper(self.eos_ids, max_new_tokens, stop or [], self.decode),
-                      on_tokens=on_tokens, adaptive=bool(adaptive), t_submit=time.perf_counter())
+                      on_tokens=on_tokens, adaptive=bool(adaptive), t_submit=time.perf_counter(),
+                      logprobs=logprobs, grammar=grammar, share=share)
         req.stats = GenerationStats(prompt_tokens=len(prompt),
                                     drafter=self.drafter.name if self.drafter is not None else "none")
+        if grammar is not None:
+            self.stats.constrained_requests += 1
         self._next_id += 1
         self.waiting.append(req)
         return req
+
+    def submit_choices(self, prompt: list, n: int, *, seed: int | None = None, grammars: list | None = None,
+                       **kw) -> list:
+        """Queue ``n`` choices of one request (the OpenAI ``n``): the prompt is prefilled once, by the first choice,
+        and the others import its cached positions (:class:`~dspark_runtime.decoding.request.PromptShare`; on a
+        runner that cannot import positions each prefills its own). Choice i samples with seed
+        ``(seed + i) mod 2**64`` (random without a seed) and ``grammars[i]`` (each its own state). Other arguments
+        as :meth:`submit`. Returns the n requests in order; choices beyond the free batch slots wait in the queue.
+        Raises InputError for n < 1 and what :meth:`submit` raises."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"n must be a positive integer, got {n!r}")
+        grammars = grammars if grammars is not None else [None] * n
+        seeds = [None if seed is None else (seed + i) % 2 ** 64 for i in range(n)]
+        share = None
+        if n > 1 and self.target.can_import_kv:
+            share = PromptShare(leader=None)
+        reqs = [self.submit(prompt, seed=seeds[i], grammar=grammars[i], share=share, **kw) for i in range(n)]
+        if share is not None:
+            share.leader, share.followers = reqs[0], list(reqs[1:])
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """Stop a request (e.g. its client went away): it leaves at once, its slots are freed."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self._release_share(req)
         if req in self.active or req in self.prefilling:
             self._leave(req)
         if req.finish_reason is None:
@@ -135,8 +185,9 @@ class DecodingLoop:
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
         table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         props, lengths = self._draft(reqs, caps, table, meter)
+        blocks = [self._block(r, p, ell, cap) for r, p, ell, cap in zip(reqs, props, lengths, caps)]
         bases = [self.target.length(r.rid) for r in reqs]
-        segs = [(r.rid, [r.out[-1]] + p.tokens[:ell]) for r, p, ell in zip(reqs, props, lengths)]
+        segs = [(r.rid, [r.out[-1]] + b.tokens) for r, b in zip(reqs, blocks)]
         feeding, merged = self._plan_prompt_chunks(segs, table)
         logits, prompt_logits = self._verify(segs, [(r.rid, r.prompt[r.fed:r.fed + c]) for r, c in feeding], merged)
         self.stats.count_round(len(reqs), [c for _, c in feeding])
@@ -144,11 +195,11 @@ class DecodingLoop:
         for (r, c), lg in zip(feeding, prompt_logits):  # a prompt fed to its end gets its first token
             if self._feed_prompt(r, c, lg):
                 finished.append(r)
-        for r, p, ell, base, lg in zip(reqs, props, lengths, bases, logits):
-            n, nxt = self._accept(r, p, ell, lg)
+        for r, b, base, lg in zip(reqs, blocks, bases, logits):
+            n, nxt = self._accept(r, b, lg)
             self.target.rollback(r.rid, base + 1 + n)
-            self._observe(r, ell, n)
-            if self._commit(r, p.tokens[:n] + [nxt], ell, n):
+            self._observe(r, b.drafted, min(n, b.drafted))
+            if self._commit(r, b, n, nxt, lg):
                 finished.append(r)
         verify_lengths = [len(t) for _, t in segs]
         learn = bool(reqs) and bool(table) and self.drafter is not None and self.draft_skip and not feeding \
@@ -162,12 +213,56 @@ class DecodingLoop:
     # -- joining and leaving
 
     def _admit_waiting(self) -> bool:
-        """Admit waiting requests while there is room (``max_batch``); whether any joined."""
-        admitted = False
-        while self.waiting and len(self.active) + len(self.prefilling) < self.max_batch:
-            self._admit(self.waiting.pop(0))
+        """Admit waiting requests while there is room (``max_batch``), oldest first; a choice that shares its
+        prompt's prefill waits until that prompt is cached (:meth:`submit_choices`). Whether any joined."""
+        admitted, i = False, 0
+        while i < len(self.waiting) and len(self.active) + len(self.prefilling) < self.max_batch:
+            req = self.waiting[i]
+            share = req.share
+            if share is not None and req is not share.leader:
+                if share.payload is None:
+                    i += 1  # its prompt is not cached yet
+                    continue
+                self.waiting.pop(i)
+                self._admit_follower(req)
+            else:
+                self.waiting.pop(i)
+                self._admit(req)
             admitted = True
         return admitted
+
+    def _admit_follower(self, req: Request) -> None:
+        """Give a choice its verifier row filled with the shared prompt's positions and draw its first token from the
+        prompt's last logits (its own RNG and grammar); it decodes from this round on."""
+        share = req.share
+        self.target.add(req.rid)
+        kv, feats = share.payload
+        self.target.import_kv(req.rid, kv, feats)
+        req.fed = len(req.prompt)
+        share.followers.remove(req)
+        logits = share.logits
+        if not share.followers:
+            share.payload = share.logits = None
+        req.share = None
+        self.prefilling.append(req)
+        self._first_token(req, logits)
+
+    def _share_prompt(self, req: Request, logits: np.ndarray) -> None:
+        """``req`` leads choices that wait for its prompt: keep its cached prompt positions and last logits for them."""
+        share = req.share
+        req.share = None
+        if share is not None and share.followers:
+            share.payload = self.target.export_kv(req.rid, 0, len(req.prompt))
+            share.logits = np.array(logits, dtype=np.float32)
+
+    def _release_share(self, req: Request) -> None:
+        """A leader leaves before its prompt was cached: the choices waiting on it prefill their own prompts."""
+        share = req.share
+        if share is not None and share.leader is req and share.payload is None:
+            for f in share.followers:
+                f.share = None
+            share.followers = []
+        req.share = None
 
     def _admit(self, req: Request) -> None:
         """Give ``req`` its verifier cache row, filled with its prompt's longest cached prefix when there is a prefix
@@ -199,6 +294,7 @@ class DecodingLoop:
     def _leave(self, req: Request) -> None:
         if self.prefix_cache is not None:
             self._store_prefix(req)
+        self._release_share(req)
         if req in self.prefilling:  # cancelled mid-prompt: the drafter has not begun it
             self.prefilling.remove(req)
         else:
@@ -279,7 +375,7 @@ class DecodingLoop:
         ptoks, dtoks = sum(len(t) for _, t in psegs), sum(len(t) for _, t in segs)
         kw = {}
         if self.target.step_hints:  # compute / copy back only what this round reads
-            kw = {"argmax_for": {r.rid for r in self.active + self.prefilling if r.params.greedy},
+            kw = {"argmax_for": {r.rid for r in self.active + self.prefilling if r.argmax_only},
                   "last_only": {rid for rid, _ in psegs}}
         if merged or not segs or not psegs:
             t = time.perf_counter()
@@ -300,6 +396,8 @@ class DecodingLoop:
         req.fed += chunk
         if req.fed < len(req.prompt):
             return False
+        if req.share is not None:
+            self._share_prompt(req, logits[-1])
         self._first_token(req, logits[-1])
         return req.done
 
@@ -307,7 +405,15 @@ class DecodingLoop:
         """``req``'s prompt is in the cache: pick its first token x0 from the last prompt position's ``logits``
         (float32 [vocab]); it decodes from the next round (or finishes at once: EOS, a stop string, one token)."""
         self.prefilling.remove(req)
-        req.out = [int(logits) if np.ndim(logits) == 0 else select_token(logits, req.params, req.rng)]  # 0-d: argmax
+        if np.ndim(logits) == 0:  # the argmax, taken on the device (argmax_only)
+            req.out = [int(logits)]
+        else:
+            masks = None if req.grammar is None else [req.grammar.allowed()]
+            row = self._processed(req, logits[None], [], masks)[0]
+            req.out = [select_token(row, req.params, req.rng)]
+            if req.logprobs is not None:
+                req.token_logprobs.append(token_logprob(logits, req.out[0], req.logprobs))
+            self._grammar_commit(req, req.out)
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
         self.stats.count_first_token(req)
@@ -320,20 +426,80 @@ class DecodingLoop:
         elif self.drafter is not None:
             self.drafter.begin(req)
 
-    def _accept(self, req: Request, prop: Proposal, ell: int, logits: np.ndarray) -> tuple:
-        """(accepted drafts n, the correction or bonus token) for ``req``'s first ``ell`` drafted tokens against the
-        verifier's ``logits``: greedy match, or rejection sampling with its own RNG (point masses where the
-        proposal has no ``q``)."""
-        d = np.asarray(prop.tokens[:ell], dtype=np.int64)
-        if req.params.greedy:
-            return greedy_accept(d, logits)
-        pr = process_logits(logits, req.params)
-        if prop.q is None:
-            q = np.zeros((ell, pr.shape[-1]), dtype=pr.dtype)
-            q[np.arange(ell), d] = 1.0
+    def _block(self, req: Request, prop: Proposal, ell: int, cap: int) -> Block:
+        """What ``req`` verifies this round: its first ``ell`` drafted tokens; with a grammar, only up to the first
+        one it forbids (no target position spent on it), then the tokens it forces, up to ``cap`` in all. The grammar
+        is left advanced through the block (:meth:`_commit` rolls it back to what is accepted)."""
+        toks = list(prop.tokens[:ell])
+        g = req.grammar
+        if g is None:
+            return Block(toks, ell, None if prop.q is None else prop.q[:ell])
+        masks, block, final_q = [], [], None
+        for j, t in enumerate(toks):
+            masks.append(g.allowed())
+            if not masks[-1][t]:
+                final_q = None if prop.q is None else prop.q[j]
+                req.stats.masked_drafts += 1
+                self.stats.masked_drafts += 1
+                break
+            g.consume([t])
+            block.append(t)
         else:
-            q = prop.q[:ell]
-        return rejection_accept(d, q, pr, req.rng)
+            masks.append(g.allowed())
+        drafted = len(block)
+        for f in g.forced(max(0, cap - drafted)) if cap > drafted else []:
+            if f in self.eos_ids:
+                break
+            g.consume([f])
+            block.append(f)
+            masks.append(g.allowed())
+        if len(block) > drafted:
+            final_q = None  # the forced token took the forbidden draft's place
+        q = None
+        if prop.q is not None and not req.params.greedy:
+            q = np.zeros((len(block), prop.q.shape[-1]), dtype=prop.q.dtype)
+            q[:drafted] = prop.q[:drafted]
+            q[np.arange(drafted, len(block)), block[drafted:]] = 1.0
+        return Block(block, drafted, q, final_q, masks)
+
+    def _processed(self, req: Request, logits: np.ndarray, block: list, masks: list | None) -> np.ndarray:
+        """``req``'s raw ``logits`` rows (float32 [rows, vocab], row k after ``block[:k]``) with its penalties and
+        grammar masks applied: what its tokens are chosen from (a copy; the raw rows are left as they are for
+        logprobs)."""
+        if not req.params.penalized and masks is None:
+            return logits
+        x = penalize_rows(logits, req.params, req.prompt_set, req.out, block)
+        for k, m in enumerate(masks or ()):
+            x[k][~m] = -np.inf
+        return x
+
+    def _accept(self, req: Request, blk: Block, logits: np.ndarray) -> tuple:
+        """(accepted tokens n, the correction or bonus token) for ``req``'s verify block against the verifier's
+        ``logits`` after its penalties and grammar: greedy match, or rejection sampling with its own RNG (point
+        masses where the proposal has no ``q``; the residual of a forbidden draft's ``final_q``)."""
+        d = np.asarray(blk.tokens, dtype=np.int64)
+        if req.argmax_only:
+            return greedy_accept(d, logits)
+        x = self._processed(req, logits, blk.tokens, blk.masks)
+        if req.params.greedy:
+            return greedy_accept(d, x)
+        pr = process_logits(x, req.params)
+        q = blk.q
+        if q is None:
+            q = np.zeros((len(d), pr.shape[-1]), dtype=pr.dtype)
+            q[np.arange(len(d)), d] = 1.0
+        return rejection_accept(d, q, pr, req.rng, final_q=blk.final_q)
+
+    def _grammar_commit(self, req: Request, committed: list, verified: int = 0, accepted: int = 0) -> None:
+        """Move ``req``'s grammar to the committed text: undo the block's tokens past the ``accepted`` of
+        ``verified``, then consume the new token (an end-of-sequence id ends the request instead)."""
+        g = req.grammar
+        if g is None:
+            return
+        if verified > accepted:
+            g.rollback(verified - accepted)
+        if committed and committed[-1] not in self.eos_ids:
+            g.consume([committed[-1]])
 
     def _observe(self, req: Request, ell: int, n: int) -> None:
         """The drafter and, with observed survivals, the skip rule learn from the verdict (``n`` of ``ell``)."""
@@ -342,11 +508,21 @@ class DecodingLoop:
         if self.skip.observed and ell:
             req.last_survival = self.skip.record_verdict(req.last_survival, ell, n)
 
-    def _commit(self, req: Request, tokens: list, ell: int, n: int) -> bool:
-        """Append the round's committed ``tokens`` (accepted drafts and the correction or bonus), count the verdict,
-        move an adaptive γ, check the stop rule and stream. Returns whether ``req`` finished."""
+    def _commit(self, req: Request, blk: Block, n: int, nxt: int, logits: np.ndarray) -> bool:
+        """Append the round's committed tokens (the block's ``n`` accepted ones and ``nxt``, the correction or bonus),
+        with their logprobs from the raw ``logits`` rows when asked for; count the drafter's verdict and the forced
+        tokens, move an adaptive γ and the grammar, check the stop rule and stream. Returns whether ``req``
+        finished."""
+        tokens = blk.tokens[:n] + [nxt]
+        if req.logprobs is not None:
+            req.token_logprobs += [token_logprob(logits[j], t, req.logprobs) for j, t in enumerate(tokens)]
+        self._grammar_commit(req, tokens, len(blk.tokens), n)
+        forced = max(0, min(n, len(blk.tokens)) - blk.drafted)
+        req.stats.forced_tokens += forced
+        self.stats.forced_tokens += forced
         before = len(req.out)
         req.out += tokens
+        ell, n = blk.drafted, min(n, blk.drafted)
         count_verdict(self.stats, req, ell, n)
         req.adapt_gamma(ell, n)
         req.keep, reason = req.stopper.check(req.out, before)

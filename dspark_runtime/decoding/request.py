@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +29,8 @@ class GenerationStats:
     draft_sources: per proposal source, rounds / proposed / accepted (the router; empty otherwise).
     placement: where each graph of the engine ran (``Engine.placement`` as "key=place,..."; empty outside an Engine).
     cached_tokens: prompt tokens whose cached positions came from the prefix cache (not prefilled).
+    forced_tokens: tokens a grammar (``response_format``) forced, verified as free drafts.
+    masked_drafts: draft tokens a grammar forbade (each ended its block without costing a target position).
     """
 
     prompt_tokens: int = 0
@@ -48,6 +50,8 @@ class GenerationStats:
     drafter: str = "none"
     placement: str = ""  # where the engine's graphs ran ("target=cpu,draft=cuda"; dspark_runtime.backends.placement)
     draft_sources: dict = field(default_factory=dict)  # router: {source: {rounds, proposed, accepted}}
+    forced_tokens: int = 0
+    masked_drafts: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -56,16 +60,22 @@ class GenerationStats:
 @dataclass
 class GenerationResult:
     """text: decoded new text (stop string excluded); token_ids: generated ids (list[int]);
-    finish_reason: "eos" | "length" | "stop"."""
+    finish_reason: "eos" | "length" | "stop"; logprobs: one
+    :class:`~dspark_runtime.decoding.logprobs.TokenLogprob` per generated id when they were asked for, else None."""
 
     text: str
     token_ids: list
     finish_reason: str
     stats: GenerationStats
+    logprobs: list | None = None
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_json()}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "stats": self.stats.to_json()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                               for e in self.logprobs]
+        return out
 
 
 class Stopper:
@@ -112,14 +122,17 @@ def streamable_length(text: str, stop) -> int:
     return len(text) - hold
 
 
-def check_request(max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:
+def check_request(max_new_tokens, temperature, top_k, top_p, stop, presence_penalty=0.0, frequency_penalty=0.0,
+                  repetition_penalty=1.0) -> SamplingParams:
     """The sampling parameters of a request, after validating what every request shares. Raises InputError for
-    ``max_new_tokens`` < 1, ``stop`` not a list of non-empty strings, or bad sampling parameters."""
+    ``max_new_tokens`` < 1, ``stop`` not a list of non-empty strings, or bad sampling parameters or penalties."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
         raise InputError("stop must be a list of non-empty strings")
-    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty)
     params.validate()
     return params
 
@@ -155,7 +168,10 @@ class Request:
     ``adaptive``, the heuristic schedule moves it: +2 after a fully accepted block, -1 otherwise, within
     [1, :data:`MAX_DRAFT_LENGTH`], as transformers' assisted generation). ``stats`` is filled as it decodes (times
     in ms from its submission; ``tokens_per_second`` is its own decode rate: new tokens after the first / its
-    decode wall time, while sharing the batch)."""
+    decode wall time, while sharing the batch). ``logprobs``: None, or how many alternatives (0..20) each
+    committed token's :class:`~dspark_runtime.decoding.logprobs.TokenLogprob` lists (kept in ``token_logprobs``,
+    one per id of ``out``); ``grammar``: a :class:`~dspark_runtime.decoding.grammar.Grammar` that masks its target
+    distribution, or None; ``share``: the :class:`PromptShare` of a request whose choices share one prefill."""
 
     rid: int
     prompt: list
@@ -177,10 +193,35 @@ class Request:
     pos_hits: Counter = field(default_factory=Counter)
     pos_tries: Counter = field(default_factory=Counter)
     hist: Counter = field(default_factory=Counter)
+    logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
+    grammar: Any = None
+    share: "PromptShare | None" = None
+    _prompt_set: np.ndarray | None = None
 
     @property
     def token_ids(self) -> list:
         return self.out[: self.keep]
+
+    @property
+    def kept_logprobs(self) -> list | None:
+        """The committed tokens' log-probabilities (one per :attr:`token_ids` entry), or None when not asked for."""
+        return None if self.logprobs is None else self.token_logprobs[: self.keep]
+
+    @property
+    def prompt_set(self) -> np.ndarray:
+        """int64 [P]: the prompt's distinct token ids (what the repetition penalty reads)."""
+        if self._prompt_set is None:
+            self._prompt_set = np.unique(np.asarray(self.prompt, dtype=np.int64))
+        return self._prompt_set
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the argmax of the raw logits is all this request reads: greedy, no penalty, no grammar, no
+        logprobs, no other choice waiting for its prompt's logits (a runner may then take the argmax on the
+        device)."""
+        return (self.params.greedy and not self.params.penalized and self.grammar is None and self.logprobs is None
+                and self.share is None)
 
     @property
     def done(self) -> bool:
@@ -191,3 +232,16 @@ class Request:
         ``accepted`` of them; no-op when not adaptive or nothing was drafted."""
         if self.adaptive and drafted:
             self.gamma = min(self.gamma + 2, MAX_DRAFT_LENGTH) if accepted == drafted else max(1, self.gamma - 1)
+
+
+@dataclass
+class PromptShare:
+    """The choices of one request (``n`` > 1) that share a single prefill: the ``leader`` feeds the prompt; when its
+    last position is cached, its positions (``payload``: :meth:`~dspark_runtime.runners.base.BatchRunner.export_kv`
+    of the whole prompt) and that position's raw ``logits`` (float32 [vocab]) are kept until every one of the
+    ``followers`` has imported them and drawn its own first token."""
+
+    leader: Request
+    followers: list = field(default_factory=list)
+    payload: tuple | None = None
+    logits: np.ndarray | None = None

@@ -54,7 +54,8 @@ class BatchStats:
     that reused cached prefix positions; verify_tokens: tokens verified in all rounds (sum of B); proposed /
     accepted / wasted: draft tokens verified / accepted / rejected; committed: tokens committed by rounds (bonus
     included); wall_s: seconds inside ``step``; draft_skipped: rounds that ran no drafting pass because drafts were
-    not expected to pay. Read-only, computed when read: batch_histogram (rounds by requests),
+    not expected to pay; constrained_requests / forced_tokens / masked_drafts: requests with a grammar, tokens it
+    forced (verified as free drafts) and draft tokens it forbade. Read-only, computed when read: batch_histogram (rounds by requests),
     verify_length_histogram (request-rounds by verify length), accepted_by_position[k] (fraction of request-rounds
     verifying position k+1 that accepted it), tokens_per_second (committed / wall_s), decode_tokens_per_second
     (committed / (wall_s - prefill_s)), accepted_length_mean (committed per request-round).
@@ -78,6 +79,9 @@ class BatchStats:
     ttft_prefix_hit_s: float = 0.0
     wall_s: float = 0.0
     draft_skipped: int = 0
+    constrained_requests: int = 0
+    forced_tokens: int = 0
+    masked_drafts: int = 0
     _batch: Counter = field(default_factory=Counter, repr=False, compare=False)
     _vlen: Counter = field(default_factory=Counter, repr=False, compare=False)
     _pos_hits: Counter = field(default_factory=Counter, repr=False, compare=False)
