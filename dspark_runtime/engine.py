@@ -16,6 +16,7 @@ from dspark_runtime.backends.trt.decoder import TrtDecoder
 from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.decoding.prefix_cache import PrefixCache
+from dspark_runtime.decoding.grammar import GrammarCompiler
 from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
@@ -437,8 +438,6 @@ class Engine:
         if response_format is None or (isinstance(response_format, dict) and response_format.get("type") == "text"):
             return None
         if self._grammars is None:
-            from dspark_runtime.decoding.grammar import GrammarCompiler
-
             self._grammars = GrammarCompiler(self.dir / self.manifest.tokenizer["dir"] / "tokenizer.json",
                                              self.manifest.graphs["target"].spec.dims.vocab_size, self.eos_ids)
         return self._grammars.compile(response_format)

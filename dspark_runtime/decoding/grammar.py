@@ -34,6 +34,9 @@ is bool ``[vocab_size]`` (read only); :meth:`Grammar.mask_logits` works in place
 Errors: :class:`GrammarError` (an :class:`~dspark_runtime.errors.InputError`) for a bad or unsupported
 ``response_format`` (the message names the field); :class:`~dspark_runtime.errors.InputError` when llguidance is not
 installed; :class:`~dspark_runtime.errors.DSparkError` for a token the grammar forbids in :meth:`Grammar.consume`.
+Layout: :data:`JSON_LAYOUT` — one line, ``", "`` and ``": "`` between items and keys, no other whitespace (so a
+model cannot spend its tokens on whitespace, and every separator is a forced token); a schema's own
+``"x-guidance"`` object (llguidance's JSON options, e.g. ``{"whitespace_flexible": true}``) overrides it.
 ``json_schema.strict`` is accepted and changes nothing: the schema is always enforced as written (an object without
 ``additionalProperties: false`` may get other keys, as JSON Schema says).
 """
@@ -58,6 +61,9 @@ JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
 CACHE_SIZE = 64  # pristine matchers kept per compiler (one per distinct schema)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
+
+#: llguidance JSON options every schema compiles with unless its "x-guidance" says otherwise (module docstring)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 class GrammarError(InputError):
     """An invalid or unsupported ``response_format`` or JSON schema; the message names the field and the fix."""
@@ -162,7 +168,7 @@ class GrammarCompiler:
         field = "response_format.json_schema.schema" if response_format.get("type") == "json_schema" \
             else "response_format"
         try:
-            grm = self._llg.LLMatcher.grammar_from_json_schema(schema)
+            grm = self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"{field}: llguidance refuses the schema: {_short(str(e))}; fix the schema") from e
         m = self._llg.LLMatcher(self.ll_tokenizer, grm, log_level=0)

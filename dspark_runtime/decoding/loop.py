@@ -135,12 +135,12 @@ class DecodingLoop:
         return req
 
     def submit_choices(self, prompt: list, n: int, *, seed: int | None = None, grammars: list | None = None,
-                       **kw) -> list:
+                       on_choice_tokens: Callable | None = None, **kw) -> list:
         """Queue ``n`` choices of one request (the OpenAI ``n``): the prompt is prefilled once, by the first choice,
         and the others import its cached positions (:class:`~dspark_runtime.decoding.request.PromptShare`; on a
         runner that cannot import positions each prefills its own). Choice i samples with seed
-        ``(seed + i) mod 2**64`` (random without a seed) and ``grammars[i]`` (each its own state). Other arguments
-        as :meth:`submit`. Returns the n requests in order; choices beyond the free batch slots wait in the queue.
+        ``(seed + i) mod 2**64`` (random without a seed) and ``grammars[i]`` (each its own state);
+        ``on_choice_tokens(i, new_ids)`` streams choice i. Other arguments as :meth:`submit`. Returns the n requests in order; choices beyond the free batch slots wait in the queue.
         Raises InputError for n < 1 and what :meth:`submit` raises."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InputError(f"n must be a positive integer, got {n!r}")
@@ -149,7 +149,11 @@ class DecodingLoop:
         share = None
         if n > 1 and self.target.can_import_kv:
             share = PromptShare(leader=None)
-        reqs = [self.submit(prompt, seed=seeds[i], grammar=grammars[i], share=share, **kw) for i in range(n)]
+        def stream(i):
+            return None if on_choice_tokens is None else (lambda ids: on_choice_tokens(i, ids))
+
+        reqs = [self.submit(prompt, seed=seeds[i], grammar=grammars[i], share=share, on_tokens=stream(i), **kw)
+                for i in range(n)]
         if share is not None:
             share.leader, share.followers = reqs[0], list(reqs[1:])
         return reqs

@@ -27,7 +27,7 @@ class SamplingParams:
                  probability mass is >= p (nucleus sampling, Holtzman et al. 2020).
     presence_penalty, frequency_penalty: in [-2, 2], 0 disables (OpenAI's): subtracted from the logit of
                  every token generated so far, once / once per occurrence.
-    repetition_penalty: > 0, 1 disables (the CTRL paper's, as transformers and vLLM): the logit of every
+    repetition_penalty: in [0.01, 100], 1 disables (the CTRL paper's, as transformers and vLLM): the logit of every
                  token of the prompt or generated so far is divided by it when positive, multiplied when not.
 
     top_k and top_p are ignored when greedy; the penalties apply before the argmax too
@@ -76,8 +76,8 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, Real) or not (-2.0 <= v <= 2.0):
                 raise InputError(f"{name} must be a number in [-2, 2] (0 = disabled), got {v!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r) or r <= 0:
-            raise InputError(f"repetition_penalty must be a finite number > 0 (1 = disabled), got {r!r}")
+        if isinstance(r, bool) or not isinstance(r, Real) or not (0.01 <= r <= 100.0):
+            raise InputError(f"repetition_penalty must be a number in [0.01, 100] (1 = disabled), got {r!r}")
 
 
 def process_logits(

@@ -2,6 +2,7 @@
 transformers). Files come from the engine's ``tokenizer/`` folder."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,22 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character): its
+        vocabulary string mapped back through the GPT-2 byte alphabet where the tokenizer decodes byte-level, else
+        the UTF-8 of its decoded text. Special tokens give their own text. Raises InputError for an unknown id."""
+        from tokenizers import decoders
+
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise InputError(f"token id {token_id} is not in the tokenizer's vocabulary")
+        if isinstance(self._tok.decoder, decoders.ByteLevel):
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        return self._tok.decode([int(token_id)], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
 
@@ -75,3 +92,18 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      tools=None)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict:
+    """The GPT-2 byte-level alphabet, character -> byte (the inverse of its ``bytes_to_unicode``: printable bytes map
+    to themselves, the others to code points from 256 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table

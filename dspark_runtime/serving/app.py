@@ -137,9 +137,9 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
             msg = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
             return SafeJSONResponse(error_body(msg, code="json_invalid"), status_code=400)
         param = _loc_param(e.get("loc", ()))
-        msg = e.get("msg", "invalid value")
+        msg = e.get("msg", "invalid value").removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
-            msg = f"unrecognized request argument: {param}"
+            msg = f"unrecognized request argument: {param} (this server does not support it; remove it)"
         elif tuple(e.get("loc", ())) == ("body",):
             msg = "the request body must be a JSON object (Content-Type: application/json)"
         elif param:
@@ -193,15 +193,30 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
                            param="max_tokens", code="context_length_exceeded")
         return asked
 
+    def _grammars(body) -> list | None:
+        """One grammar per choice for the request's ``response_format`` (None: unconstrained); 400 naming the field
+        for an invalid schema or a server without the grammar extra."""
+        fmt = None if body.response_format is None else body.response_format.as_dict()
+        if fmt is None:
+            return None
+        try:
+            return [engine.compile_grammar(fmt) for _ in range(body.n)]
+        except InputError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
+
     def _job(request: Request, body, ids: list, prompt_param: str) -> Job:
         _check_model(body)
         max_tokens = _max_tokens(body, len(ids), prompt_param)
         temperature = 0.0 if body.temperature < GREEDY_BELOW else float(body.temperature)
-        params = SamplingParams(temperature=temperature, top_k=int(body.top_k), top_p=float(body.top_p))
+        params = SamplingParams(temperature=temperature, top_k=int(body.top_k), top_p=float(body.top_p),
+                                presence_penalty=float(body.presence_penalty),
+                                frequency_penalty=float(body.frequency_penalty),
+                                repetition_penalty=float(body.repetition_penalty))
         params.validate()
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = None if body.seed is None else body.seed % 2 ** 64
-        return Job(asyncio.get_running_loop(), ids, max_tokens, params, seed, stop)
+        return Job(asyncio.get_running_loop(), ids, max_tokens, params, seed, stop, n=body.n,
+                   logprobs=body.top_logprobs_asked, grammars=_grammars(body))
 
     def _encode(prompt, raw: bool, param: str) -> list:
         try:
@@ -212,16 +227,48 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
             raise APIError(400, f"the {param} could not be tokenized: {type(e).__name__}", param=param) from None
 
     def _usage(n_prompt: int, n_gen: int, stats) -> dict:
-        """OpenAI usage; ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
+        """OpenAI usage (``n_gen``: over all choices; the prompt counts once, as it is prefilled once);
+        ``prompt_tokens_details.cached_tokens``: prompt tokens reused from the prefix cache."""
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
                 "prompt_tokens_details": {"cached_tokens": int(stats.cached_tokens)}}
 
-    def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None) -> None:
-        metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
+    def _logprobs(entries: list | None, chat: bool, offset: int = 0) -> dict | None:
+        """The OpenAI ``logprobs`` object of a choice (or a streamed piece of one) from its
+        :class:`~dspark_runtime.decoding.logprobs.TokenLogprob` entries; ``offset``: the text offset of the first
+        token (completions' ``text_offset``)."""
+        if entries is None:
+            return None
+        tok = engine.tokenizer
+
+        def piece(t: int) -> tuple:
+            b = tok.token_bytes(t)
+            return b.decode("utf-8", errors="replace"), list(b)
+
+        if chat:
+            content = []
+            for e in entries:
+                text, b = piece(e.token)
+                content.append({"token": text, "logprob": e.logprob, "bytes": b,
+                                "top_logprobs": [{"token": piece(t)[0], "logprob": lp, "bytes": piece(t)[1]}
+                                                 for t, lp in e.top]})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            tokens.append(piece(e.token)[0])
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{piece(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _record(endpoint: str, job: Job, out: Outcome, t0: float, t_first: float | None, first: bool = True) -> None:
+        """Count a finished choice (``first``: the request's first choice to finish, which counts the request)."""
+        if first:
+            metrics.requests.labels(endpoint, out.finish_reason if out.finish_reason != "eos" else "stop").inc()
         if out.finish_reason == "cancelled":
             return
         now = time.perf_counter()
-        metrics.prompt_tokens.inc(len(job.prompt_ids))
+        if first:
+            metrics.prompt_tokens.inc(len(job.prompt_ids))
         metrics.generation_tokens.inc(len(out.token_ids))
         if t_first is not None:
             metrics.ttft.observe(t_first - t0)
@@ -260,99 +307,118 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
             return StreamingResponse(_stream(endpoint, job, rid, chat, include_usage, t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        ids_out: list = []
+        outs: dict = {}
         t_first = None
         try:
-            while True:
+            while len(outs) < job.n:
                 kind, payload = await _next_event(job, request)
                 if kind == "tokens":
                     t_first = t_first or time.perf_counter()
-                    ids_out += payload
                 elif kind == "error":
                     job.closed = True
                     metrics.requests.labels(endpoint, "error").inc()
                     return SafeJSONResponse(payload.body(), status_code=payload.status)
                 elif kind == "done":
-                    job.closed = True
-                    out: Outcome = payload
-                    _record(endpoint, job, out, t0, t_first)
+                    i, out = payload
+                    _record(endpoint, job, out, t0, t_first, first=not outs)
+                    outs[i] = out
                     if out.finish_reason == "cancelled":
+                        job.closed = True
                         return SafeJSONResponse(error_body("the request was cancelled (the server is shutting down)",
-                                                       "service_unavailable", code="cancelled"), status_code=503)
-                    break
+                                                           "service_unavailable", code="cancelled"), status_code=503)
                 elif kind == "disconnected":
                     return Response(status_code=499)
+            job.closed = True
         finally:  # the client went away (or the handler was cancelled at shutdown)
             if not job.closed:
                 job.closed = True
                 worker.cancel(job)
                 metrics.requests.labels(endpoint, "cancelled").inc()
-        text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
-        fr = _finish_reason(out.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": fr} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": fr})
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
-                "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats), "dspark": _dspark_ext(out.stats)}
+        choices = []
+        for i in range(job.n):
+            out = outs[i]
+            text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
+            fr = _finish_reason(out.finish_reason)
+            lps = _logprobs(out.logprobs, chat)
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                            "finish_reason": fr} if chat else
+                           {"index": i, "text": text, "logprobs": lps, "finish_reason": fr})
+        first = outs[0]
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices,
+                "usage": _usage(len(job.prompt_ids), sum(len(o.token_ids) for o in outs.values()), first.stats),
+                "dspark": _dspark_ext(first.stats)}
 
     async def _stream(endpoint: str, job: Job, rid: str, chat: bool, include_usage: bool, t0: float):
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
-        def chunk(delta: str | None, finish=None, role=False, extra=None) -> str:
+        def chunk(i: int, delta: str | None, finish=None, role=False, extra=None, lps=None) -> str:
             if chat:
                 d = {}
                 if role:
                     d["role"] = "assistant"
                 if delta is not None:
                     d["content"] = delta
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                c = {"index": i, "delta": d, "logprobs": lps, "finish_reason": finish}
             else:
-                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                c = {"index": i, "text": delta or "", "logprobs": lps, "finish_reason": finish}
             o = {"id": rid, "object": obj, "created": created, "model": name, "choices": [c]}
             if extra:
                 o.update(extra)
             return _sse(o)
 
-        ids: list = []
-        sent = ""
+        ids = [[] for _ in range(job.n)]
+        sent = [""] * job.n
+        offset = [0] * job.n  # completions' text_offset of the next token
+        outs: dict = {}
         t_first = None
         try:
             if chat:
-                yield chunk("", role=True)
-            while True:
+                for i in range(job.n):
+                    yield chunk(i, "", role=True)
+            while len(outs) < job.n:
                 kind, payload = await _next_event(job, None)
                 if kind == "tokens":
                     t_first = t_first or time.perf_counter()
-                    ids += payload
-                    text = engine.tokenizer.decode(ids)
+                    i, new, entries = payload
+                    ids[i] += new
+                    text = engine.tokenizer.decode(ids[i])
                     text = text[:streamable_length(text, job.stop)]
-                    if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
-                        yield chunk(text[len(sent):])
-                        sent = text
+                    delta = None
+                    if len(text) > len(sent[i]) and text.startswith(sent[i]) and not text.endswith("\ufffd"):
+                        delta = text[len(sent[i]):]
+                        sent[i] = text
+                    lps = _logprobs(entries, chat, offset[i])
+                    if lps is not None and not chat:
+                        offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                    if delta is not None or lps is not None:
+                        yield chunk(i, delta if delta is not None else ("" if lps is not None else None), lps=lps)
                 elif kind == "error":
                     job.closed = True
                     metrics.requests.labels(endpoint, "error").inc()
                     yield _sse(payload.body(), ascii=True)
                     break
                 elif kind == "done":
-                    job.closed = True
-                    out: Outcome = payload
-                    _record(endpoint, job, out, t0, t_first)
+                    i, out = payload
+                    _record(endpoint, job, out, t0, t_first, first=not outs)
+                    outs[i] = out
                     text = engine.completion_text(out.token_ids, out.finish_reason, job.stop)
-                    tail = text[len(sent):] if text.startswith(sent) else ""
+                    tail = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                     if tail:
-                        yield chunk(tail)
+                        yield chunk(i, tail)
                     if out.finish_reason == "cancelled":
+                        job.closed = True
                         yield _sse(error_body("the request was cancelled (the server is shutting down)",
                                               "service_unavailable", code="cancelled"))
                         break
-                    yield chunk(None if chat else "", finish=_finish_reason(out.finish_reason),
+                    yield chunk(i, None if chat else "", finish=_finish_reason(out.finish_reason),
                                 extra={"dspark": _dspark_ext(out.stats)})
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
-                                    "usage": _usage(len(job.prompt_ids), len(out.token_ids), out.stats)})
-                    break
+            else:
+                job.closed = True
+                if include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
+                                "usage": _usage(len(job.prompt_ids), sum(len(o.token_ids) for o in outs.values()),
+                                                outs[0].stats)})
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the task is cancelled) or the server is stopping
             if not job.closed:
@@ -378,6 +444,9 @@ def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Chat completion (OpenAI ``/v1/chat/completions``), rendered with the engine's chat template."""
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true (the alternatives are listed beside each token's "
+                                "log-probability); set logprobs to true or drop top_logprobs", param="top_logprobs")
         msgs = []
         for m in body.messages:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)

@@ -3,13 +3,15 @@ models of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic, unknown fi
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from dspark_runtime.decoding.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 8
+MAX_CHOICES = 16  # n: choices per request (each takes a batch slot while it decodes)
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -79,6 +81,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must satisfy (OpenAI's structured outputs)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text`` (unconstrained), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def as_dict(self) -> dict | None:
+        """The OpenAI object the grammar compiler takes, or None for ``text``."""
+        if self.type == "text":
+            return None
+        out = {"type": self.type}
+        if self.json_schema is not None:
+            out["json_schema"] = self.json_schema.model_dump(by_alias=True, exclude_none=True)
+        return out
+
+
 class _GenerationFields(_Strict):
     """The sampling and streaming fields both generation routes take."""
 
@@ -88,11 +117,23 @@ class _GenerationFields(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off (extension).")
     seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1, description="Sampling seed.")
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: Literal[1] = Field(1, description="Number of choices; only 1 is supported.")
+    stop: StopString | list[StopString] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate; the prompt is prefilled once for all. "
+                   "Choice i samples with seed + i.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, allow_inf_nan=False, description="1 = off (extension).")
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}; pass fewer")
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -105,6 +146,13 @@ class CompletionRequest(_GenerationFields):
 
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[
         list[Annotated[int, Field(ge=0, lt=2 ** 31)]], Field(min_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Log-probabilities of each token and of "
+                                 "this many alternatives (the target's raw distribution).")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -127,6 +175,14 @@ class ChatCompletionRequest(_GenerationFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer clients).")
+    logprobs: bool = Field(False, description="Return each token's log-probability (the target's raw distribution).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token; needs "
+                                     "logprobs: true.")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives per token to report, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

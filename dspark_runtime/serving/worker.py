@@ -26,20 +26,24 @@ log = logging.getLogger("dspark.server")
 
 @dataclass
 class Outcome:
-    """A finished request: generated ids (EOS included when it ended on EOS), finish reason
-    ("eos" | "length" | "stop" | "cancelled") and its :class:`GenerationStats`."""
+    """A finished choice: generated ids (EOS included when it ended on EOS), finish reason
+    ("eos" | "length" | "stop" | "cancelled"), its :class:`GenerationStats` and its
+    :class:`~dspark_runtime.decoding.logprobs.TokenLogprob` per id (None when not asked for)."""
 
     token_ids: list
     finish_reason: str
     stats: Any
+    logprobs: list | None = None
 
 
 @dataclass
 class Job:
     """One HTTP request's work for the engine thread, and the channel its results come back on.
 
-    The engine thread calls :meth:`push`; the event loop reads ``events`` (tuples ``("tokens", ids)``,
-    ``("done", Outcome)``, ``("error", APIError)``)."""
+    ``n`` choices (one prefill, :meth:`DecodingLoop.submit_choices`), each with its own grammar (``grammars``: one
+    per choice, or None); ``logprobs``: None or the alternatives per token. The engine thread calls :meth:`push`;
+    the event loop reads ``events``: ``("tokens", (choice, ids, logprobs or None))``, ``("done", (choice,
+    Outcome))``, ``("error", APIError)``."""
 
     loop: asyncio.AbstractEventLoop
     prompt_ids: list
@@ -47,8 +51,11 @@ class Job:
     params: SamplingParams
     seed: int | None
     stop: list
+    n: int = 1
+    logprobs: int | None = None
+    grammars: list | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    req: Any = None
+    reqs: list = field(default_factory=list)
     closed: bool = False  # the handler saw done/error (or gave up)
     checked: float = field(default_factory=time.monotonic)  # last check that the client is still there
 
@@ -109,16 +116,20 @@ class EngineWorker:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``. Raises APIError 429 when ``capacity`` requests are in flight, 503 when stopping."""
+        """Queue ``job`` (its ``n`` choices count as ``n`` requests). Raises APIError 400 when ``n`` exceeds the
+        capacity, 429 when the capacity would be exceeded, 503 when stopping."""
+        if job.n > self.capacity:
+            raise APIError(400, f"n: {job.n} choices exceed this server's capacity of {self.capacity} requests in "
+                                f"flight; ask for at most {self.capacity}", param="n", code="too_many_choices")
         with self._lock:
             if not self._accepting or self.thread is None or not self.thread.is_alive():
                 raise APIError(503, "the server is shutting down or its engine stopped; retry later",
                                "service_unavailable", code="engine_unavailable")
-            if self._inflight >= self.capacity:
+            if self._inflight + job.n > self.capacity:
                 raise APIError(429, f"the server is at capacity ({self.capacity} requests in flight: "
                                     f"{self.gen.max_batch} decoding, the rest queued); retry later",
                                "rate_limit_error", code="queue_full")
-            self._inflight += 1
+            self._inflight += job.n
         self._cmds.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -142,55 +153,67 @@ class EngineWorker:
 
     # -- the engine thread
 
-    def _release(self) -> None:
+    def _release(self, n: int = 1) -> None:
         with self._lock:
-            self._inflight -= 1
+            self._inflight -= n
 
     def _admit(self, job: Job) -> None:
-        def on_tokens(ids, job=job):
+        sent = [0] * job.n  # ids handed to the event loop per choice (their logprobs follow them)
+
+        def on_tokens(i, ids, job=job):
             if ids:
-                job.push("tokens", list(ids))
+                req = job.reqs[i]
+                lps = None if req.logprobs is None else req.token_logprobs[sent[i]:sent[i] + len(ids)]
+                sent[i] += len(ids)
+                job.push("tokens", (i, list(ids), lps))
 
         try:
-            req = self.gen.submit(job.prompt_ids, max_new_tokens=job.max_tokens, params=job.params,
-                                  gamma=self.gamma, seed=job.seed, stop=job.stop or None, on_tokens=on_tokens)
+            reqs = self.gen.submit_choices(job.prompt_ids, job.n, seed=job.seed, grammars=job.grammars,
+                                           on_choice_tokens=on_tokens, max_new_tokens=job.max_tokens,
+                                           params=job.params, gamma=self.gamma, stop=job.stop or None,
+                                           logprobs=job.logprobs)
         except DSparkError as e:
-            self._release()
+            self._release(job.n)
             job.push("error", APIError(400, str(e)))
             return
         except Exception as e:  # noqa: BLE001 - never leave a client hanging
             log.exception("submit failed")
-            self._release()
+            self._release(job.n)
             job.push("error", APIError(500, f"internal error: {e}", "server_error"))
             return
-        job.req = req
-        self._jobs[req.rid] = job
+        job.reqs = reqs
+        for i, req in enumerate(reqs):
+            self._jobs[req.rid] = (job, i)
 
-    def _done(self, job: Job, reason: str | None = None) -> None:
+    def _done(self, job: Job, i: int, reason: str | None = None) -> None:
         # the slot is released before the handler hears of it: a client that sends its next request as soon
         # as it has its answer must never find the slot still taken (a spurious 429 at exactly capacity)
-        req = job.req
+        req = job.reqs[i]
         self._jobs.pop(req.rid, None)
         self._release()
-        job.push("done", Outcome(list(req.token_ids), reason or req.finish_reason, req.stats))
+        job.push("done", (i, Outcome(list(req.token_ids), reason or req.finish_reason, req.stats, req.kept_logprobs)))
 
     def _cancel(self, job: Job) -> None:
-        if job.req is None or job.req.rid not in self._jobs:
-            return  # already finished (or never admitted)
-        try:
-            self.gen.cancel(job.req)
-        except Exception:  # noqa: BLE001
-            log.exception("cancel failed")
-        self._done(job, "cancelled")
+        for i, req in enumerate(job.reqs):
+            if req.rid not in self._jobs:
+                continue  # already finished
+            try:
+                self.gen.cancel(req)
+            except Exception:  # noqa: BLE001
+                log.exception("cancel failed")
+            self._done(job, i, "cancelled")
 
     def _fail_all(self, err: APIError) -> None:
-        for job in list(self._jobs.values()):
+        failed = {}
+        for rid, (job, i) in list(self._jobs.items()):
             try:
-                self.gen.cancel(job.req)
+                self.gen.cancel(job.reqs[i])
             except Exception:  # noqa: BLE001
                 pass
-            self._jobs.pop(job.req.rid, None)
+            self._jobs.pop(rid, None)
             self._release()
+            failed[id(job)] = job
+        for job in failed.values():
             job.push("error", err)
 
     def _snapshot(self) -> None:
@@ -222,7 +245,7 @@ class EngineWorker:
                     elif kind == "stop":
                         stop_at = arg if stop_at is None else min(stop_at, arg)
                 if stop_at is not None and (not self.gen.busy or time.monotonic() >= stop_at):
-                    for job in list(self._jobs.values()):
+                    for job in {id(j): j for j, _ in self._jobs.values()}.values():
                         self._cancel(job)
                     self._snapshot()
                     return
@@ -234,9 +257,9 @@ class EngineWorker:
                         self._fail_all(APIError(500, f"internal error while decoding: {e}", "server_error"))
                     else:
                         for req in finished:
-                            job = self._jobs.get(req.rid)
-                            if job is not None:
-                                self._done(job)
+                            entry = self._jobs.get(req.rid)
+                            if entry is not None:
+                                self._done(*entry)
                 self._snapshot()
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently with clients waiting
             self.failed = e
@@ -274,6 +297,13 @@ class _EngineCollector:
                                ("dspark_mixed_rounds", "mixed_rounds",
                                 "Verify rounds that also fed prompt tokens (a joining prompt did not stall them)."),
                                ("dspark_target_calls", "target_calls", "Verifier graph calls.")):
+            yield CounterMetricFamily(name, doc, value=st.get(key, 0))
+        for name, key, doc in (("dspark_constrained_requests", "constrained_requests",
+                                "Requests with a response_format grammar."),
+                               ("dspark_forced_tokens", "forced_tokens",
+                                "Tokens a grammar forced, verified as free drafts."),
+                               ("dspark_masked_draft_tokens", "masked_drafts",
+                                "Draft tokens a grammar forbade (each ended its block unverified).")):
             yield CounterMetricFamily(name, doc, value=st.get(key, 0))
         yield GaugeMetricFamily("dspark_tau", "Tokens committed per request-round, bonus included (aggregate).",
                                 value=st.get("accepted_length_mean", 0.0))

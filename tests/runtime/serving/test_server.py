@@ -214,7 +214,13 @@ def test_bad_input_gets_openai_style_4xx(server, client):
     err(post("/v1/chat/completions", {**chat, "temperature": 5}), 400, "temperature")
     err(post("/v1/chat/completions", {**chat, "top_p": 0}), 400, "top_p")
     err(post("/v1/chat/completions", {**chat, "max_tokens": 0}), 400, "max_tokens")
-    err(post("/v1/chat/completions", {**chat, "n": 2}), 400, "n")
+    err(post("/v1/chat/completions", {**chat, "n": 17}), 400, "n")
+    assert "at most 8 stop strings" in err(post("/v1/chat/completions", {**chat, "stop": ["x"] * 100}), 400,
+                                           "stop")["message"]
+    err(post("/v1/chat/completions", {**chat, "top_logprobs": 21, "logprobs": True}), 400, "top_logprobs")
+    err(post("/v1/chat/completions", {**chat, "presence_penalty": 3}), 400, "presence_penalty")
+    err(post("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}), 400)
+    err(post("/v1/chat/completions", {**chat, "logit_bias": {"1": 5}}), 400, "logit_bias")
     err(post("/v1/chat/completions", {**chat, "stop": [""]}), 400)
     err(post("/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
     err(post("/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}), 400)
@@ -239,7 +245,7 @@ def test_bad_input_gets_openai_style_4xx(server, client):
     err(httpx.get(url + "/v1/completions", timeout=TIMEOUT), 405)
     # the openai client sees typed errors
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=name, messages=chat["messages"], max_tokens=4, n=2)
+        client.chat.completions.create(model=name, messages=chat["messages"], max_tokens=4, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=name, prompt="x " * (ctx + 10), max_tokens=4)
