@@ -112,10 +112,23 @@ def cli():
               help="Pad every target call to a multiple of N rows, making target-only and speculative decoding "
                    "compute each position bit for bit alike (default: what `dspark-export profile` probed on this "
                    "machine and stored in the manifest, else 1 = no padding).")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="Subtracted from the logit of every token generated so far, once (OpenAI's; [-2, 2]).")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="Subtracted per occurrence of every token generated so far (OpenAI's; [-2, 2]).")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divides positive / multiplies other logits of prompt and generated tokens (vLLM's; 1 = off).")
+@click.option("--logprobs", type=click.IntRange(0, 20), default=None,
+              help="Report each token's log-probability and this many alternatives (with --json).")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A JSON Schema file: the output is JSON that satisfies it (needs `pip install 'dspark[grammar]'`).")
+@click.option("--json-object", is_flag=True, help="The output is a JSON object (any; needs the grammar extra).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
              draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, placement, stream,
-             allow_slow_precision, profile_on_load, row_multiple):
+             allow_slow_precision, profile_on_load, row_multiple, presence_penalty, frequency_penalty,
+             repetition_penalty, logprobs, json_schema, json_object):
     """Generate a completion for --prompt."""
+    response_format = _response_format(json_schema, json_object)
     eng = dspark_runtime.Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
                                      backend=backend, shared_thread_pool=shared_pool_default(), placement=placement,
                                      allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
@@ -128,7 +141,9 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
                        seed=seed, draft=None if no_speculation else draft, draft_length=_draft_length(draft_length),
                        draft_confidence=draft_confidence, draft_confidence_rule=draft_confidence_rule,
                        stop=list(stop) or None, raw=raw,
-                       stream=(lambda t: click.echo(t, nl=False)) if streaming else None)
+                       stream=(lambda t: click.echo(t, nl=False)) if streaming else None,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       repetition_penalty=repetition_penalty, logprobs=logprobs, response_format=response_format)
     s = res.stats
     if as_json:
         click.echo(json.dumps(res.to_json()))
@@ -140,8 +155,30 @@ def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed
     extra = "" if s.drafter == "none" else f" | tau {s.accepted_length_mean:.2f} | acceptance {s.acceptance_rate:.0%}"
     if s.draft_sources:  # the router: rounds per proposal source
         extra += " | rounds " + ", ".join(f"{k} {v['rounds']}" for k, v in s.draft_sources.items())
+    if response_format is not None:
+        extra += f" | grammar forced {s.forced_tokens} tokens, masked {s.masked_drafts} drafts"
     click.echo(f"--- {mode}: {s.new_tokens} tokens ({res.finish_reason}) | {s.tokens_per_second:.1f} tok/s"
                f"{extra} | TTFT {s.ttft_ms:.0f} ms | total {s.total_ms / 1e3:.1f} s", err=True)
+
+
+def _response_format(json_schema: str | None, json_object: bool) -> dict | None:
+    """The response_format of --json-schema FILE / --json-object, or None. Raises click.UsageError for both at once
+    or a file that is not a JSON object."""
+    if json_schema and json_object:
+        raise click.UsageError("--json-schema and --json-object exclude each other; pass one")
+    if json_object:
+        return {"type": "json_object"}
+    if not json_schema:
+        return None
+    try:
+        schema = json.loads(Path(json_schema).read_text())
+    except (OSError, ValueError) as e:
+        raise click.UsageError(f"--json-schema {json_schema}: not a readable JSON file ({e}); pass a JSON Schema "
+                               "file") from None
+    if not isinstance(schema, dict):
+        raise click.UsageError(f"--json-schema {json_schema}: a JSON Schema is a JSON object, got "
+                               f"{type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": Path(json_schema).stem[:64] or "schema", "schema": schema}}
 
 
 @cli.command()

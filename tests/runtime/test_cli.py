@@ -170,3 +170,30 @@ def test_pytest_reports_skip_reasons():
     """`pytest -q` (README command 2, .ci/run) lists why each test skipped: -rs in the configured addopts."""
     opts = re.search(r'^addopts\s*=\s*"(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert any(o.startswith("-r") and "s" in o[2:] for o in opts.split()), opts
+
+
+def test_generate_json_schema_penalties_and_logprobs(tiny_engine_dir, tmp_path, capsys):
+    """`dspark generate --json-schema FILE` gives JSON that satisfies the schema, the same with and without
+    speculation; --logprobs puts one entry per token in --json; a schema file that is not a JSON object is refused
+    by name."""
+    pytest.importorskip("llguidance")
+    from dspark_runtime.cli import main
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    f = tmp_path / "answer.json"
+    f.write_text(json.dumps(schema))
+    base = ["generate", "--engine", str(tiny_engine_dir), "--prompt", "hi", "--json-schema", str(f), "--json",
+            "--max-new-tokens", "40", "--logprobs", "2", "--presence-penalty", "0.5"]
+    outs = []
+    for extra in (["--no-speculation"], ["--draft", "lm"]):
+        rc, out, err = _run(main, base + extra, capsys)
+        assert rc == 0, err
+        res = json.loads(out)
+        assert set(json.loads(res["text"])) == {"ok", "n"} and res["finish_reason"] == "eos"
+        assert len(res["logprobs"]) == len(res["token_ids"]) and all(len(e["top"]) == 2 for e in res["logprobs"])
+        outs.append(res["token_ids"])
+    assert outs[0] == outs[1]
+    f.write_text("[1, 2]")
+    rc, out, err = _run(main, base, capsys)
+    assert rc != 0 and "a JSON Schema is a JSON object" in err
