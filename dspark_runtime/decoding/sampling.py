@@ -98,14 +98,16 @@ def process_logits(
 
     The result is the one a full stable sort of the vocabulary gives (the reference kept in
     ``benchmarks/sampling_bench.py``), bit for bit on the kept tokens' float64 values, but the
-    cuts use partial selection: ``np.argpartition`` for the k largest (on the float32 logits
-    themselves where ``logits / temperature`` cannot merge two of them, see
-    :func:`_rank_keys`), and for top-p a candidate set of the ``m`` most probable tokens with
-    ``m`` growing (at least doubling) from :data:`TOP_P_START` until the candidates strictly
-    above the m-th value reach ``top_p`` (a sort of whole rows, by value only, when ``m`` would
-    exceed half the row; see :func:`_nucleus`). The normalising sums still run over the whole
-    row in numpy's pairwise order, as the full-sort version does, so the probabilities are the
-    same float64 numbers. Cost at a 151,936-token vocabulary: ``benchmarks/sampling_bench.py``.
+    cuts rank a candidate set picked by one comparison per row: for top-k the keys at or above
+    the k-th largest of the row's group maxima (:func:`_top_k_columns`; the float32 logits
+    themselves where ``logits / temperature`` cannot merge two of them, see :func:`_rank_keys`),
+    ranked by ``np.argpartition``; for top-p the tokens above a probability below which the rest
+    of the row cannot hold the nucleus (:func:`_top_p_candidates`), sorted when few, cut by value
+    bins when many (:func:`_binned_nucleus`); where that cannot be shown, the whole row is
+    searched (:func:`_nucleus`). The normalising sums still run over whole rows in numpy's
+    pairwise order, as the full-sort version does (without top-k, over every token's
+    exponential), so the probabilities are the same float64 numbers. Cost at a 151,936-token
+    vocabulary: ``benchmarks/sampling_bench.py``.
 
     Greedy (``temperature == 0``): a one-hot row (point mass, 1.0 at ``np.argmax`` of the raw
     logits, ties to the lowest id, 0.0 elsewhere); top-k/top-p are ignored. A point mass
@@ -145,10 +147,10 @@ def process_logits(
     top_p = float(params.top_p)
     if 0 < top_k < vocab:
         probs = _top_k_probs(rows, top_k, temperature, z_max, top_p)
+    elif top_p < 1.0:
+        probs = _top_p_probs(*_exp_rows(rows, temperature, z_max), top_p)
     else:
         probs = _softmax_rows(rows, temperature, z_max)
-        if top_p < 1.0:
-            probs = _top_p_dense(probs, top_p)
     return probs.reshape(x.shape)
 
 
@@ -191,18 +193,40 @@ def sample(
 #: first candidate-set size of the top-p search (:func:`_nucleus`; at least doubled until the nucleus is found)
 TOP_P_START = 1024
 
+#: the first top-p candidate cut assumes at most this many tokens outside the nucleus, the next ones 16 times
+#: as many, the last the whole vocabulary (:func:`_top_p_candidates`)
+TOP_P_TAIL = 1024
+
+#: columns per group of the top-k pre-selection (:func:`_top_k_columns`)
+_TOP_K_GROUP = 64
+
+
+def _exp_rows(
+    rows: np.ndarray,  # float [R, vocab]; logits, -inf allowed, a finite entry per row
+    temperature: float,  # > 0
+    z_max: np.ndarray,  # float64 [R]; max(rows / temperature) per row
+) -> tuple[np.ndarray, np.ndarray]:  # (e float64 [R, vocab] a new array, its row sums float64 [R, 1])
+    """``exp(rows / temperature - z_max)`` in float64 and its row sums in numpy's pairwise order: the
+    numerators and denominators of the full-sort reference's softmax, bit for bit (the cast to float64
+    is exact, and so is a division by a temperature of 1, which is skipped)."""
+    e = np.empty(rows.shape, dtype=np.float64)
+    if temperature == 1.0:
+        np.subtract(rows, z_max[:, None], out=e, dtype=np.float64)
+    else:
+        np.divide(rows, temperature, out=e, dtype=np.float64)
+        e -= z_max[:, None]
+    np.exp(e, out=e)
+    return e, np.sum(e, axis=-1, keepdims=True)
+
 
 def _softmax_rows(
     rows: np.ndarray,  # float [R, vocab]; logits, -inf allowed, a finite entry per row
     temperature: float,  # > 0
     z_max: np.ndarray,  # float64 [R]; max(rows / temperature) per row
 ) -> np.ndarray:  # float64 [R, vocab]; exp(z - max) / sum, the sum in numpy's pairwise order
-    z = rows.astype(np.float64)  # a new array: every step below is in place
-    z /= temperature
-    z -= z_max[:, None]
-    np.exp(z, out=z)
-    z /= np.sum(z, axis=-1, keepdims=True)
-    return z
+    e, total = _exp_rows(rows, temperature, z_max)
+    e /= total
+    return e
 
 
 def _rank_keys(
@@ -219,19 +243,52 @@ def _rank_keys(
     return rows.astype(np.float64) / temperature
 
 
+def _top_k_select(
+    keys: np.ndarray,  # float [R, n]; ranking keys, no NaN
+    k: int,  # 1 <= k < n
+) -> np.ndarray:  # int64 [R, k]; per row the k largest keys' columns, ties to the lowest, ascending
+    n = keys.shape[-1]
+    part = np.argpartition(keys, n - k, axis=-1)[:, n - k:]  # [R, k]; ties arbitrary
+    kth = np.take_along_axis(keys, part[:, :1], axis=-1)  # [R, 1]; the k-th largest key
+    cols = np.sort(part, axis=-1)
+    tied = np.flatnonzero(np.count_nonzero(keys >= kth, axis=-1) > k)  # ties straddle the cut
+    for r in tied:  # keep everything above the k-th key, then the lowest-column equal ones
+        above = np.flatnonzero(keys[r] > kth[r, 0])
+        equal = np.flatnonzero(keys[r] == kth[r, 0])[: k - above.size]
+        cols[r] = np.sort(np.concatenate([above, equal]))
+    return cols
+
+
 def _top_k_columns(
     keys: np.ndarray,  # float [R, vocab]; ranking keys, no NaN
     k: int,  # 1 <= k < vocab
 ) -> np.ndarray:  # int64 [R, k]; per row the k largest keys' columns, ties to the lowest, ascending
-    vocab = keys.shape[-1]
-    part = np.argpartition(keys, vocab - k, axis=-1)[:, vocab - k:]  # [R, k]; ties arbitrary
-    kth = np.take_along_axis(keys, part[:, :1], axis=-1)  # [R, 1]; the k-th largest key
-    cols = np.sort(part, axis=-1)
-    tied = np.flatnonzero(np.count_nonzero(keys >= kth, axis=-1) > k)  # ties straddle the cut
-    for r in tied:  # keep everything above the k-th key, then the lowest-id equal ones
-        above = np.flatnonzero(keys[r] > kth[r, 0])
-        equal = np.flatnonzero(keys[r] == kth[r, 0])[: k - above.size]
-        cols[r] = np.sort(np.concatenate([above, equal]))
+    """:func:`_top_k_select` on a candidate set per row: the columns split into ``g`` groups (column
+    ``j`` in group ``j % g``, the last ``vocab % _TOP_K_GROUP`` columns one group each); ``t``, the
+    k-th largest group maximum, is <= the k-th largest key (k groups hold a key >= t), so the keys
+    ``>= t`` hold the k largest and every key tied with the k-th. Whole rows are ranked when there
+    are too few groups, ``t`` is -inf or the candidates exceed a quarter of the row."""
+    R, vocab = keys.shape
+    g = vocab // _TOP_K_GROUP
+    if 2 * k > g:
+        return _top_k_select(keys, k)
+    gmax = keys[:, : g * _TOP_K_GROUP].reshape(R, _TOP_K_GROUP, g).max(axis=1)  # [R, g]
+    gmax = np.concatenate([gmax, keys[:, g * _TOP_K_GROUP:]], axis=1)  # [R, G]
+    t = np.partition(gmax, gmax.shape[1] - k, axis=-1)[:, gmax.shape[1] - k]  # [R]
+    cand = [np.flatnonzero(keys[r] >= t[r]) if t[r] > -np.inf else None for r in range(R)]
+    whole = [r for r in range(R) if cand[r] is None or 4 * cand[r].size > vocab]
+    part = [r for r in range(R) if r not in whole]
+    cols = np.empty((R, k), dtype=np.int64)
+    if whole:
+        cols[whole] = _top_k_select(keys[whole], k)
+    if part:
+        width = max(cand[r].size for r in part)  # >= k
+        ck = np.full((len(part), width), -np.inf, dtype=keys.dtype)  # [P, width]; -inf padding is never kept
+        cc = np.zeros((len(part), width), dtype=np.int64)  # [P, width]; ascending columns, then padding
+        for i, r in enumerate(part):
+            ck[i, : cand[r].size] = keys[r, cand[r]]
+            cc[i, : cand[r].size] = cand[r]
+        cols[part] = np.take_along_axis(cc, _top_k_select(ck, k), axis=-1) if width > k else cc
     return cols
 
 
@@ -262,23 +319,128 @@ def _top_k_probs(
     return _renormalised(out, kr, cols[kr, kc], probs_k[kr, kc])
 
 
-def _top_p_dense(
-    probs: np.ndarray,  # float64 [R, vocab]; rows sum to 1
+def _top_p_candidates(
+    e_row: np.ndarray,  # float64 [vocab]; exp(z - max) of one row
+    total: np.float64,  # its sum (pairwise)
     top_p: float,  # in (0, 1)
-) -> np.ndarray:  # float64 [R, vocab]; nucleus kept, renormalised
-    kr, kc = _nucleus(probs, top_p)
-    return _renormalised(np.zeros(probs.shape, dtype=np.float64), kr, kc, probs[kr, kc])
+    margin: float,  # 2 * vocab * eps: bounds the difference of two summation orders of the row's probabilities
+) -> tuple[np.ndarray, np.ndarray] | None:  # (cols int64 [n] ascending, probs float64 [n]) or None
+    """The tokens of one row with probability ``e / total`` above ``b = fl(c / total)``, when they
+    provably hold the nucleus; else None. ``c = total * (1 - top_p) / (2 t)`` for ``t`` =
+    :data:`TOP_P_TAIL`, 16 times that, ..., then ``t = vocab`` (at most ``vocab`` tokens of
+    probability <= b hold at most about ``(1 - top_p) / 2``, so the last cut fails only for
+    ``top_p`` within about ``2 margin`` of 1). They are picked as ``e > c``; division is monotone,
+    so every other token has probability <= b and these are the row's first ranks. Their mass
+    (unsorted) must reach ``top_p + margin``: then the sorted running sum reaches ``top_p``
+    inside them."""
+    vocab = e_row.size
+    tail = min(TOP_P_TAIL, vocab)
+    while True:
+        cut = total * ((1.0 - top_p) / (2 * tail))
+        cols = np.flatnonzero(e_row > cut)
+        probs = e_row[cols] / total  # the reference's division
+        if probs.size and probs.min() <= cut / total:  # rounded down to b: not among the first ranks
+            above = probs > cut / total
+            cols, probs = cols[above], probs[above]
+        if np.sum(probs) >= top_p + margin:
+            return cols, probs
+        if tail == vocab:
+            return None
+        tail = min(16 * tail, vocab)
+
+
+def _binned_nucleus(
+    probs: np.ndarray,  # float64 [n]; positive, the first ranks of a row (mass >= top_p), ascending token ids
+    top_p: float,  # in (0, 1)
+    margin: float,  # > twice the rounding of any summation order of these probabilities
+) -> np.ndarray | None:  # int64 [N] ascending positions of the nucleus in probs; None when undecided
+    """:func:`_nucleus` of one row without sorting it: the values fall into bins ordered like them (the
+    top bits of the float64 pattern, 32 per octave), the bin where the mass reaches ``top_p`` is
+    sorted, and the running sums are the mass of the bins above plus that bin's running sum. These
+    differ from the descending sequential sums by less than ``margin / 2``, so the cut is the
+    reference's when the last kept rank's preceding sum is < ``top_p - margin`` and the next's is
+    ``>= top_p + margin``; else None (a running sum within ``margin`` of ``top_p``)."""
+    key = probs.view(np.int64) >> 47  # non-negative floats order like their bit patterns
+    low = int(key.min())
+    through = np.cumsum(np.bincount(key - low, weights=probs)[::-1])  # mass down to each bin, top bin first
+    j = int(np.searchsorted(through, top_p))  # the bin where the mass reaches top_p
+    if j == through.size:
+        return None
+    mass_above = through[j - 1] if j else 0.0
+    b = through.size - 1 - j + low  # its key
+    in_bin = np.flatnonzero(key == b)
+    w = np.sort(probs[in_bin])[::-1]
+    pre = mass_above + np.cumsum(w)  # preceding mass of the next rank
+    n_in = 1 + int(np.count_nonzero(pre[:-1] < top_p))
+    before_last = pre[n_in - 2] if n_in > 1 else mass_above
+    if not (before_last < top_p - margin and pre[n_in - 1] >= top_p + margin):
+        return None
+    bound = w[n_in - 1]  # the last kept value: above it all, of the equal ones the lowest ids
+    keep = key > b
+    greater = in_bin[probs[in_bin] > bound]
+    keep[greater] = True
+    keep[in_bin[probs[in_bin] == bound][: n_in - greater.size]] = True
+    return np.flatnonzero(keep)
+
+
+def _top_p_probs(
+    e: np.ndarray,  # float64 [R, vocab]; exp(z - max) per row (from _exp_rows); overwritten by the result
+    total: np.ndarray,  # float64 [R, 1]; its row sums (pairwise)
+    top_p: float,  # in (0, 1)
+) -> np.ndarray:  # float64 [R, vocab]; the nucleus of e / total, renormalised, in e's buffer
+    """Top-p of the softmax ``e / total`` without dividing or sorting whole rows, on each row's
+    candidates (:func:`_top_p_candidates`): rows with at most ``2 * TOP_P_START`` of them together
+    by :func:`_nucleus`, the others by :func:`_binned_nucleus` (:func:`_nucleus` where it cannot
+    decide); the whole divided row by :func:`_nucleus` where the candidates cannot be shown to hold
+    the nucleus."""
+    R, vocab = e.shape
+    margin = 2 * vocab * np.finfo(np.float64).eps
+    found = [(r, _top_p_candidates(e[r], total[r, 0], top_p, margin)) for r in range(R)]
+    whole = [r for r, c in found if c is None]
+    found = [(r, c) for r, c in found if c is not None]
+    narrow = [(r, c) for r, c in found if c[0].size <= 2 * TOP_P_START]
+    kept_rows, kept_cols, kept_vals = [], [], []
+    if narrow:
+        width = max(c.size for _, (c, _) in narrow)
+        cv = np.zeros((len(narrow), width))  # [N, width]; zero padding is never kept
+        cc = np.zeros((len(narrow), width), dtype=np.int64)  # [N, width]; ascending token ids, then padding
+        for n, (_, (c, v)) in enumerate(narrow):
+            cv[n, : v.size] = v
+            cc[n, : c.size] = c
+        i, j = _nucleus(cv, top_p)
+        kept_rows.append(np.array([r for r, _ in narrow], dtype=np.int64)[i])
+        kept_cols.append(cc[i, j])
+        kept_vals.append(cv[i, j])
+    for r, (c, v) in found:
+        if c.size <= 2 * TOP_P_START:
+            continue
+        j = _binned_nucleus(v, top_p, margin)
+        if j is None:
+            j = _nucleus(v[None], top_p)[1]
+        kept_rows.append(np.full(j.size, r, dtype=np.int64))
+        kept_cols.append(c[j])
+        kept_vals.append(v[j])
+    if whole:
+        dense = e[whole] / total[whole]  # [W, vocab]
+        i, j = _nucleus(dense, top_p)
+        kept_rows.append(np.array(whole, dtype=np.int64)[i])
+        kept_cols.append(j)
+        kept_vals.append(dense[i, j])
+    e.fill(0.0)
+    return _renormalised(e, np.concatenate(kept_rows), np.concatenate(kept_cols), np.concatenate(kept_vals))
 
 
 def _renormalised(
-    out: np.ndarray,  # float64 [R, vocab]; zeros, filled here
+    out: np.ndarray,  # float64 [R, vocab], contiguous; zeros, filled here
     rows: np.ndarray,  # int64 [N]; row of each kept entry
     cols: np.ndarray,  # int64 [N]; token id of each kept entry
     vals: np.ndarray,  # float64 [N]; its probability before renormalising
 ) -> np.ndarray:  # out with out[rows, cols] = vals / (the dense row sum of the kept values)
-    out[rows, cols] = vals
+    flat = out.reshape(-1)  # a view: out is contiguous
+    at = rows * out.shape[-1] + cols  # [N] flat positions
+    flat[at] = vals
     total = np.sum(out, axis=-1)  # [R]; pairwise over the dense row, as the full-sort version
-    out[rows, cols] = vals / total[rows]
+    flat[at] = vals / total[rows]
     return out
 
 

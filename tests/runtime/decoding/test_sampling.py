@@ -1,7 +1,9 @@
 """process_logits with partial selection against the full-sort reference (benchmarks/sampling_bench.py), on random
 logits with ties, -inf entries, k >= vocab, p = 1.0 and tiny p; the top-p candidate search at every stage
-(first candidate set, doubling, full-sort fallback, zero-mass tail); speculative sampling through the
-processed distributions; and no full-vocabulary sort on the hot path."""
+(first candidate set, doubling, full-sort fallback, zero-mass tail); bit for bit, the candidate cuts (top-k
+group maxima, top-p probability cuts at every tier, the binned search and its exact fallback, the whole-row
+fallback) on LM-head-like and adversarial rows; speculative sampling through the processed distributions; and
+no full-vocabulary sort on the hot path."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from dspark_runtime.decoding import sampling
 from dspark_runtime.decoding.acceptance import rejection_accept
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
-from benchmarks.sampling_bench import reference_process_logits as reference
+from benchmarks.sampling_bench import lm_head_logits, reference_process_logits as reference
 from tests.runtime.decoding.test_acceptance import chisquare
 
 
@@ -53,7 +55,8 @@ def test_matches_full_sort_reference(vocab, kind):
 
 @pytest.mark.parametrize("start", [1, 2, 16])
 def test_top_p_candidate_doubling_matches_reference(monkeypatch, start):
-    """A small first candidate set forces the doubling (and, for flat rows, the full-sort fallback)."""
+    """A small TOP_P_START: more than 2 * start candidates send a row to the binned search, fewer to the
+    candidate sort; the doubling itself is pinned by the whole-row fallback test."""
     monkeypatch.setattr(sampling, "TOP_P_START", start)
     for kind in ("normal", "ties", "neginf", "flat"):
         x = _logits(kind, rows=5, vocab=400, seed=start)
@@ -175,3 +178,155 @@ def test_speculative_sampling_through_processed_distributions_is_lossless():
     support = np.flatnonzero(p)
     assert (p[support] * trials).min() >= 5  # chi-square approximation valid on every cell
     assert chisquare(counts[support], p[support] * trials)[1] > 1e-3
+
+
+# The candidate cuts (top-k: group maxima, sampling._top_k_columns; top-p: probability cuts,
+# sampling._top_p_candidates) against the reference, bit for bit, on the cases that decide them.
+
+def assert_bit_exact(new: np.ndarray, ref: np.ndarray) -> None:
+    assert new.dtype == np.float64 and new.shape == ref.shape
+    np.testing.assert_array_equal(new, ref)  # every float64 bit, zeros included
+
+
+def _spy(monkeypatch, name: str) -> list:
+    """Record the width (last axis) of every call of sampling.<name>."""
+    widths, real = [], getattr(sampling, name)
+
+    def spy(values, *args):
+        widths.append(np.shape(values)[-1])
+        return real(values, *args)
+
+    monkeypatch.setattr(sampling, name, spy)
+    return widths
+
+
+def test_verify_block_of_lm_head_logits_is_bit_exact_and_takes_the_candidate_paths(monkeypatch):
+    """8 rows x 151,936 spread like a real LM head's (the benchmark's generator): top-p ranks candidate
+    sets of at most 2 * TOP_P_START tokens, top-k ranks far less than the row, and every kept float64
+    equals the full-sort reference's."""
+    vocab = 151_936
+    x = lm_head_logits(8, vocab, seed=3)
+    nucleus_widths, select_widths = _spy(monkeypatch, "_nucleus"), _spy(monkeypatch, "_top_k_select")
+    for params in (SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_p=0.99),
+                   SamplingParams(1.0, top_k=50, top_p=0.9), SamplingParams(1.0, top_k=50),
+                   SamplingParams(1.3)):
+        assert_bit_exact(process_logits(x, params), reference(x, params))
+    assert nucleus_widths and max(nucleus_widths) <= 2 * sampling.TOP_P_START
+    assert select_widths and max(select_widths) < vocab // 100
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "neginf", "flat", "spiky"])
+@pytest.mark.parametrize("tail", [1, 64, 10**9])
+def test_top_p_cuts_at_every_tier_are_bit_exact(monkeypatch, kind, tail):
+    """TOP_P_TAIL 1 and 64: the first cuts keep only tokens above (1 - top_p) / 2 (/ 128) and often fail,
+    so later ones (16 times the tail each, the last the vocabulary) decide; 10**9: a single cut. Tiny
+    top_p, top_p near 1 and, for integer logits, ties at the cut."""
+    monkeypatch.setattr(sampling, "TOP_P_TAIL", tail)
+    x = _logits(kind, rows=4, vocab=6000, seed=tail % 97)
+    for temperature in (1.0, 0.6):
+        for top_p in (5e-324, 1e-12, 0.3, 0.9, 0.999, 1 - 1e-9):
+            params = SamplingParams(temperature, top_p=top_p)
+            assert_bit_exact(process_logits(x, params), reference(x, params))
+
+
+@pytest.mark.parametrize("start", [1024, 16])
+def test_top_p_whole_row_fallback_when_the_cut_cannot_be_shown(monkeypatch, start):
+    """top_p within the rounding margin of 1 (and a row mostly -inf): no candidate cut can show the
+    nucleus inside it, so the whole divided row is searched (with start 16, by the doubling search);
+    still the reference's bits."""
+    monkeypatch.setattr(sampling, "TOP_P_START", start)
+    widths = _spy(monkeypatch, "_nucleus")
+    x = np.concatenate([_logits("normal", rows=2, vocab=3000, seed=4), _logits("neginf", rows=2, vocab=3000, seed=4)])
+    for top_p in (1 - 1e-13, float(np.nextafter(1.0, 0.0))):
+        widths.clear()
+        params = SamplingParams(1.0, top_p=top_p)
+        assert_bit_exact(process_logits(x, params), reference(x, params))
+        assert 3000 in widths  # the whole-row fallback ran
+    widths.clear()
+    params = SamplingParams(1.0, top_p=0.9)
+    assert_bit_exact(process_logits(x, params), reference(x, params))
+    assert 3000 not in widths  # ...and only there
+
+
+def test_top_p_ties_straddling_the_cut_keep_the_lowest_ids():
+    """A leader and 400 tokens tied at the next value, spread over the row: the cut falls inside the tie,
+    so the kept tied tokens are the lowest ids (the stable sort's order); bit-exact."""
+    rng = np.random.default_rng(8)
+    vocab = 50_000
+    x = (rng.standard_normal((3, vocab)) * 2.0).astype(np.float32)
+    tied = np.sort(rng.choice(vocab, 400, replace=False))
+    x[:, tied] = 12.0
+    x[:, tied[200]] = 14.0  # the leader, in the middle of the tied ids
+    x[2, tied[:3]] = -np.inf
+    for top_p in (0.05, 0.3, 0.5, 0.8):
+        params = SamplingParams(1.0, top_p=top_p)
+        probs = process_logits(x, params)
+        assert_bit_exact(probs, reference(x, params))
+        kept = np.flatnonzero(probs[0] > 0)
+        kept_tied = np.setdiff1d(kept, [tied[200]])
+        assert np.array_equal(kept_tied, np.setdiff1d(tied, [tied[200]])[: kept_tied.size])
+        assert 1 < kept.size < 400
+
+
+def test_top_k_group_preselection_matches_reference_bit_for_bit(monkeypatch):
+    """k well below the number of groups (the pre-selection runs): ties at the k-th key, -inf, a row
+    with fewer finite keys than k (the k-th group maximum is -inf: whole row), a constant row (every
+    key a candidate: whole row), float16 / float64 logits, and top-p after top-k."""
+    select_widths = _spy(monkeypatch, "_top_k_select")
+    vocab = 20_000  # 312 groups of 64 and a tail of 32 single columns
+    x = np.concatenate([_logits(kind, rows=2, vocab=vocab, seed=21) for kind in ("normal", "ties", "neginf", "spiky")])
+    few = np.full((1, vocab), -np.inf, dtype=np.float32)
+    few[0, [5, 700, 19_990]] = [1.0, 2.0, 2.0]  # 3 finite keys, two in the tail columns
+    const = np.full((1, vocab), 0.5, dtype=np.float32)
+    x = np.concatenate([x, few, const])
+    for k in (1, 7, 50, 150):
+        for top_p in (1.0, 0.9, 1e-12):
+            params = SamplingParams(0.8, top_k=k, top_p=top_p)
+            assert_bit_exact(process_logits(x, params), reference(x, params))
+    assert min(select_widths) < vocab // 4 and vocab in select_widths  # candidate sets and the whole-row rows
+    for dtype in (np.float16, np.float64):
+        xd = _logits("ties", rows=3, vocab=vocab, seed=5).astype(dtype)
+        for params in (SamplingParams(1.0, top_k=40), SamplingParams(0.9, top_k=40, top_p=0.7)):
+            assert_bit_exact(process_logits(xd, params), reference(xd, params))
+
+
+def test_binned_nucleus_on_wide_candidate_sets_is_bit_exact(monkeypatch):
+    """Nuclei of thousands of tokens (N(0, 3^2) logits at temperature 1, 2 x 151,936) and, with a small
+    TOP_P_START, every kind of row: the candidates are cut by value bins, not sorted."""
+    results = []
+    real = sampling._binned_nucleus
+
+    def spy(probs, *args):
+        results.append(real(probs, *args))
+        return results[-1]
+
+    monkeypatch.setattr(sampling, "_binned_nucleus", spy)
+    x = _logits("normal", rows=2, vocab=151_936, seed=12)
+    params = SamplingParams(1.0, top_p=0.9)
+    probs = process_logits(x, params)
+    assert_bit_exact(probs, reference(x, params))
+    assert len(results) == 2 and all(r is not None and r.size > 1000 for r in results)
+    assert (np.count_nonzero(probs, axis=-1) > 1000).all()
+    monkeypatch.setattr(sampling, "TOP_P_START", 4)
+    results.clear()
+    for kind in ("normal", "ties", "neginf", "flat", "spiky"):
+        x = _logits(kind, rows=3, vocab=4000, seed=13)
+        for temperature in (1.0, 0.5):
+            for top_p in (1e-12, 0.2, 0.5, 0.9, 0.999):
+                params = SamplingParams(temperature, top_p=top_p)
+                assert_bit_exact(process_logits(x, params), reference(x, params))
+    assert sum(r is not None for r in results) > 50
+
+
+def test_binned_nucleus_defers_a_running_sum_at_top_p_to_the_exact_search(monkeypatch):
+    """Eight equal tokens (probability 1/8 exactly) at top_p 0.5: the fourth one's running sum is exactly
+    top_p, inside the rounding margin, so the bins cannot decide and the exact search keeps four."""
+    monkeypatch.setattr(sampling, "TOP_P_START", 2)
+    widths = _spy(monkeypatch, "_nucleus")
+    x = np.full((1, 1000), -np.inf, dtype=np.float32)
+    x[0, [3, 50, 51, 400, 401, 700, 998, 999]] = 2.5
+    params = SamplingParams(1.0, top_p=0.5)
+    probs = process_logits(x, params)
+    assert_bit_exact(probs, reference(x, params))
+    np.testing.assert_array_equal(np.flatnonzero(probs[0]), [3, 50, 51, 400])
+    assert widths == [8]  # the binned search returned None; the candidates were searched exactly
