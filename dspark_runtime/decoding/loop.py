@@ -310,6 +310,9 @@ class DecodingLoop:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.out = req.out[: req.keep]
+        if req.grammar is not None:
+            req.stats.grammar_masks = req.grammar.masks_computed
+            req.stats.grammar_mask_ms = req.grammar.mask_seconds * 1e3
         finish_request_stats(req, self.drafter.source_stats(req.rid) if self.drafter is not None else None)
         self._leave(req)
 

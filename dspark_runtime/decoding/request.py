@@ -31,6 +31,7 @@ class GenerationStats:
     cached_tokens: prompt tokens whose cached positions came from the prefix cache (not prefilled).
     forced_tokens: tokens a grammar (``response_format``) forced, verified as free drafts.
     masked_drafts: draft tokens a grammar forbade (each ended its block without costing a target position).
+    grammar_masks / grammar_mask_ms: allowed-token masks the grammar computed and their time in milliseconds.
     """
 
     prompt_tokens: int = 0
@@ -52,6 +53,8 @@ class GenerationStats:
     draft_sources: dict = field(default_factory=dict)  # router: {source: {rounds, proposed, accepted}}
     forced_tokens: int = 0
     masked_drafts: int = 0
+    grammar_masks: int = 0
+    grammar_mask_ms: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

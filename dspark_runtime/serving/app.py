@@ -69,7 +69,9 @@ def _dspark_ext(stats) -> dict:
             "accepted_by_position": [round(x, 4) for x in stats.accepted_by_position],
             "ttft_ms": round(stats.ttft_ms, 2), "decode_ms": round(stats.decode_ms, 2),
             "cached_prompt_tokens": stats.cached_tokens,
-            "tokens_per_second": round(stats.tokens_per_second, 3)}
+            "tokens_per_second": round(stats.tokens_per_second, 3),
+            "grammar": {"forced_tokens": stats.forced_tokens, "masked_drafts": stats.masked_drafts,
+                        "masks": stats.grammar_masks, "mask_ms": round(stats.grammar_mask_ms, 3)}}
 
 
 def create_app(engine, *, draft: str | None = "auto", draft_length: int | str | None = None,
