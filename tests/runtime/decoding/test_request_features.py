@@ -37,6 +37,11 @@ class CountingGrammar:
 
     def __init__(self, vocab: int, eos: list):
         self.vocab_size, self.eos, self.seen = vocab, list(eos), []
+        self.masks_computed, self.mask_seconds = 0, 0.0
+
+    def _count(self, m: np.ndarray) -> np.ndarray:
+        self.masks_computed += 1
+        return m
 
     def _allowed_at(self, c: int) -> np.ndarray:
         m = np.zeros(self.vocab_size, dtype=bool)
@@ -49,7 +54,7 @@ class CountingGrammar:
         return m
 
     def allowed(self) -> np.ndarray:
-        return self._allowed_at(len(self.seen))
+        return self._count(self._allowed_at(len(self.seen)))
 
     def allows(self, t: int) -> bool:
         return bool(self.allowed()[t])
@@ -152,6 +157,7 @@ def test_grammar_masks_and_forced_tokens_keep_output_identical(engine):
                            grammar=CountingGrammar(vocab, engine.eos_ids)) for p in PROMPTS]
         gen.run()
         outs[d] = [r.token_ids for r in reqs]
+        assert all(r.stats.grammar_masks >= len(r.token_ids) for r in reqs)
         for r in reqs:
             check = CountingGrammar(vocab, engine.eos_ids)
             body = [t for t in r.token_ids if t not in engine.eos_ids]
