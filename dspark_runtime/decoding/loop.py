@@ -125,7 +125,7 @@ class DecodingLoop:
                       gamma=gamma, rng=np.random.default_rng(seed),
                       stopper=Stopper(self.eos_ids, max_new_tokens, stop or [], self.decode),
                       on_tokens=on_tokens, adaptive=bool(adaptive), t_submit=time.perf_counter(),
-                      logprobs=logprobs, grammar=grammar, share=share)
+                      logprobs=logprobs, grammar=grammar, share=share, seeded=seed is not None)
         req.stats = GenerationStats(prompt_tokens=len(prompt),
                                     drafter=self.drafter.name if self.drafter is not None else "none")
         if grammar is not None:
@@ -344,9 +344,10 @@ class DecodingLoop:
 
     def _drafting_pays(self, reqs: list, caps: list, table: dict | None) -> bool:
         """Whether this round runs the drafting pass: :meth:`DraftSkipRule.pays` over each request's survivals of
-        earlier rounds and the cost table at this round's context; always True with the skip rule off or without a
-        table."""
-        if not table or not self.draft_skip:
+        earlier rounds and the cost table at this round's context; always True with the skip rule off, without a
+        table, or for a round with a seeded sampled request (the rule reads measured times, and a sampled request's
+        tokens depend on its drafts: its seed must give the same tokens on every run)."""
+        if not table or not self.draft_skip or any(r.seeded and not r.params.greedy for r in reqs):
             return True
         return self.skip.pays([r.last_survival for r in reqs], caps, table, pass_tokens=self.target.pass_rows)
 

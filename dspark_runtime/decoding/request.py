@@ -200,6 +200,7 @@ class Request:
     token_logprobs: list = field(default_factory=list)
     grammar: Any = None
     share: "PromptShare | None" = None
+    seeded: bool = False  # its rng was seeded by the caller (the draft-skip rule then leaves its rounds alone)
     _prompt_set: np.ndarray | None = None
 
     @property

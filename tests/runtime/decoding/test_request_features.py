@@ -189,3 +189,24 @@ def test_a_forbidden_sampled_draft_leaves_its_residual():
             t = x if k == 1 else t
         counts[t] += 1
     assert abs(counts[0] / n - 0.5) < 0.015 and counts[2] == 0
+
+
+def test_the_draft_skip_rule_leaves_seeded_sampled_rounds_alone(engine):
+    """The skip rule reads measured times, so skipping would make a seeded sampled request's tokens depend on the
+    machine's load: rounds with one always draft; other rounds follow the rule (here forced to skip)."""
+    saved = engine.manifest.speculation.cost_table
+    engine.profile(context=64, repeats=1)  # a cost table, so the rule is consulted
+    ids = engine.encode_prompt(PROMPTS[0])
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    try:
+        for seed in (5, None):
+            gen = engine.batch(draft="lm", draft_length=3, max_batch=2, draft_skip=True)
+            gen.skip.pays = lambda *a, **k: False  # the rule says drafting never pays
+            r = gen.submit(ids, seed=seed, params=params, max_new_tokens=12)
+            gen.run()
+            runs.append((r.stats.proposed, gen.stats.draft_skipped))
+    finally:
+        engine.manifest.speculation.cost_table = saved
+    assert runs[0][0] > 0 and runs[0][1] == 0  # seeded: drafted every round
+    assert runs[1][0] == 0 and runs[1][1] > 0  # unseeded: skipped
