@@ -320,17 +320,21 @@ class DecodingLoop:
 
     def _draft(self, reqs: list, caps: list, table: dict | None, meter: RoundMeter) -> tuple:
         """The drafting pass and the verify lengths: (proposals, l_r) per decoding request; empty proposals when
-        there is no drafter or the skip rule says the pass does not pay."""
+        there is no drafter or the skip rule says the pass does not pay. A request whose grammar forces its next
+        tokens is not drafted for (they are verified instead, :meth:`_block`); a round of only such requests runs
+        no drafting pass."""
         self.skip.last_expected = None
         if not reqs:
             return [], []
-        if self.drafter is None or not self._drafting_pays(reqs, caps, table):
+        forced = {r.rid for r in reqs if r.grammar is not None and r.grammar.forced(1)}
+        if self.drafter is None or len(forced) == len(reqs) or not self._drafting_pays(reqs, caps, table):
             if self.drafter is not None:
                 self.skip.skipped()
-                self.stats.draft_skipped += 1
+                self.stats.draft_skipped += len(forced) < len(reqs)
             return [Proposal([])] * len(reqs), [0] * len(reqs)
-        steady = self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
-        props = meter.draft(lambda: self.drafter.propose_batch(reqs, caps),
+        only = {r.rid for r in reqs} - forced if forced else None
+        steady = not forced and self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
+        props = meter.draft(lambda: self.drafter.propose_batch(reqs, caps, only=only),
                             probe=self.draft_skip and bool(table) and self.skip.probing, steady=steady)
         if steady:  # every request drafted last round too: no catch-up of skipped tokens in this timing
             self.skip.record_draft_time(len(reqs), meter.draft_s)
@@ -357,11 +361,12 @@ class DecodingLoop:
         computes (``pass_rows``). Raises DSparkError in scheduled mode for a proposal without survivals."""
         if self.mode == "fixed":
             return [min(len(p.tokens), c) for p, c in zip(props, caps)]
-        if any(p.survival is None or len(p.survival) != len(p.tokens) for p in props):
+        if any(p.tokens and (p.survival is None or len(p.survival) != len(p.tokens)) for p in props):
             raise DSparkError("scheduled verify lengths need calibrated prefix survivals from the drafter "
                               "(the DSpark confidence head)")
         cost = round_cost_table(self.cost_table if table is None else table, len(reqs))
-        return schedule_greedy([p.survival for p in props], cost, max_len=caps, pass_tokens=self.target.pass_rows)
+        surv = [p.survival if p.tokens else np.zeros(0) for p in props]  # an undrafted request verifies its anchor
+        return schedule_greedy(surv, cost, max_len=caps, pass_tokens=self.target.pass_rows)
 
     def _plan_prompt_chunks(self, segs: list, table: dict | None) -> tuple:
         """This round's prompt chunks: ([(prefilling request, tokens fed)] for those fed, whether they ride in the

@@ -155,7 +155,18 @@ def test_grammar_masks_and_forced_tokens_keep_output_identical(engine):
         gen = engine.batch(draft=d, draft_length=3, max_batch=4)
         reqs = [gen.submit(engine.encode_prompt(p), max_new_tokens=20, gamma=3,
                            grammar=CountingGrammar(vocab, engine.eos_ids)) for p in PROMPTS]
+        drafted_at = []  # (request, tokens committed) of every drafted-for request, each pass
+        if gen.drafter is not None:
+            propose = gen.drafter.propose_batch
+
+            def spy(rs, gammas, only=None, propose=propose):
+                drafted_at.extend((r.rid, len(r.out)) for r in rs if only is None or r.rid in only)
+                return propose(rs, gammas, only=only)
+
+            gen.drafter.propose_batch = spy
         gen.run()
+        # where the grammar forces the next token (after 3 and 4 tokens) the drafter is not asked
+        assert not any(n in (3, 4) for _, n in drafted_at) and (d is None or drafted_at)
         outs[d] = [r.token_ids for r in reqs]
         assert all(r.stats.grammar_masks >= len(r.token_ids) for r in reqs)
         for r in reqs:
