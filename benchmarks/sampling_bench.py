@@ -182,6 +182,48 @@ def _verify_block_set(a) -> int:
     for (name, _), o, n, k in zip(VERIFY_CASES, old_ms, new_ms, kept):
         print(f"{name:<22} {o:>18.2f} {o / old_ms[0]:>6.2f} {n:>16.2f} {n / new_ms[0]:>6.2f} "
               f"{f'{k.min()}-{k.max()}':>13} {'yes':>9}")
+    return _verify_block_loop_case(a, logits, new_ms[0])
+
+
+def _verify_block_loop_case(a, logits: np.ndarray, temperature_only_ms: float) -> int:
+    """The loop's whole processing of a sampled verify block with penalties and a grammar mask
+    (``DecodingLoop._processed``: :func:`~dspark_runtime.decoding.penalties.penalize_rows` over a 256-token history,
+    each row's allowed-token mask applied, then top-p 0.9), against temperature-only; bit-exact against the full-sort
+    reference on the same processed logits. The grammar's own mask computation is ``benchmarks.grammar_mask_cost``."""
+    rng = np.random.default_rng(a.seed + 1)
+    prompt = np.unique(rng.integers(0, a.vocab, 300))
+    history = rng.integers(0, a.vocab, 256).tolist()
+    block = rng.integers(0, a.vocab, VERIFY_ROWS).tolist()
+    # the worst case for a mask: half the vocabulary allowed per row, at random; JSON-like: rows inside a string
+    # (all but 1% allowed) alternating with structural rows (20 tokens allowed)
+    half = [rng.random(a.vocab) < 0.5 for _ in range(VERIFY_ROWS)]
+    json_like = [rng.random(a.vocab) < 0.99 if k % 2 else np.isin(np.arange(a.vocab), rng.integers(0, a.vocab, 20))
+                 for k in range(VERIFY_ROWS)]
+    for masks in (half, json_like):
+        for k, m in enumerate(masks):
+            m[int(np.argmax(logits[k]))] = True
+    p = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    for label, masks in (("random half masked", half), ("JSON-like masks", json_like)):
+        if _loop_case(a, logits, temperature_only_ms, p, prompt, history, block, masks, label):
+            return 1
+    return 0
+
+
+def _loop_case(a, logits, temperature_only_ms, p, prompt, history, block, masks, label) -> int:
+    """One :func:`_verify_block_loop_case` line for ``masks``; 1 when not bit-exact."""
+    from dspark_runtime.decoding.grammar import masked_rows
+    from dspark_runtime.decoding.penalties import penalize_rows
+
+    def processed(x):
+        y = penalize_rows(x, p, prompt, history, block)
+        return masked_rows(y, masks, inplace=True)  # as DecodingLoop._processed
+
+    if not np.array_equal(process_logits(processed(logits), p), reference_process_logits(processed(logits), p)):
+        print("verify block, penalties + mask + top-p: not bit-identical to the full-sort reference", file=sys.stderr)
+        return 1
+    ms = _round_robin_ms(lambda x, q: process_logits(processed(x), q), logits, [p], a.repeat)[0]
+    print(f"{'penalties+mask+top-p':<22} {'':>18} {'':>6} {ms:>16.2f} {ms / temperature_only_ms:>6.2f} "
+          f"{'':>13} {'yes':>9}   (presence/frequency 0.5, repetition 1.1, 256-token history; {label})")
     return 0
 
 

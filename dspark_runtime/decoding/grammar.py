@@ -65,6 +65,34 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.na
 #: llguidance JSON options every schema compiles with unless its "x-guidance" says otherwise (module docstring)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+
+_NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
+
+
+def masked_rows(
+    rows: np.ndarray,  # float32 [R, vocab]
+    masks: list,  # R bool [vocab] (True = allowed), e.g. Grammar.allowed() per row
+    inplace: bool = False,  # write into ``rows`` (a C-contiguous float32 array the caller owns)
+) -> np.ndarray:  # float32 [R, vocab]: -inf where not allowed, the other values unchanged bit for bit
+    """The rows with every disallowed entry set to -inf, by bitwise select on the float32 bit patterns (branch-free:
+    a mask of mixed entries costs what an all-allowed one does, where ``np.where`` or boolean indexing slow down
+    several-fold), into a copy or, with ``inplace``, into ``rows`` (one temporary instead of three: a verify block's
+    arrays are megabytes, and fresh ones cost page faults). Raises ValueError when the shapes or dtypes disagree."""
+    x = rows if inplace else np.array(rows, dtype=np.float32, order="C")
+    keep = np.stack(masks)
+    if keep.shape != x.shape or keep.dtype != np.bool_ or x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"masks must be {x.shape[0]} bool rows of {x.shape[-1]} over C-contiguous float32 rows, got "
+                         f"{keep.dtype} {keep.shape} over {x.dtype} {x.shape}")
+    xb = x.view(np.uint32)
+    km = keep.view(np.uint8).astype(np.uint32)
+    np.negative(km, out=km)  # 0xFFFFFFFF where allowed, 0 elsewhere
+    xb &= km
+    np.invert(km, out=km)
+    km &= _NEG_INF_BITS
+    xb |= km
+    return x
+
+
 class GrammarError(InputError):
     """An invalid or unsupported ``response_format`` or JSON schema; the message names the field and the fix."""
 

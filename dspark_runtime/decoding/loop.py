@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from dspark_runtime.decoding.acceptance import greedy_accept, rejection_accept
+from dspark_runtime.decoding.grammar import masked_rows
 from dspark_runtime.decoding.logprobs import MAX_TOP_LOGPROBS, token_logprob
 from dspark_runtime.decoding.penalties import penalize_rows
 from dspark_runtime.decoding.prefix_cache import concat_blocks, payload_bytes
@@ -481,10 +482,8 @@ class DecodingLoop:
         logprobs)."""
         if not req.params.penalized and masks is None:
             return logits
-        x = penalize_rows(logits, req.params, req.prompt_set, req.out, block)
-        for k, m in enumerate(masks or ()):
-            x[k][~m] = -np.inf
-        return x
+        x = penalize_rows(logits, req.params, req.prompt_set, req.out, block)  # a copy
+        return masked_rows(x, masks, inplace=True) if masks else x
 
     def _accept(self, req: Request, blk: Block, logits: np.ndarray) -> tuple:
         """(accepted tokens n, the correction or bonus token) for ``req``'s verify block against the verifier's

@@ -221,3 +221,22 @@ def test_the_draft_skip_rule_leaves_seeded_sampled_rounds_alone(engine):
         engine.manifest.speculation.cost_table = saved
     assert runs[0][0] > 0 and runs[0][1] == 0  # seeded: drafted every round
     assert runs[1][0] == 0 and runs[1][1] > 0  # unseeded: skipped
+
+
+def test_masked_rows_is_boolean_masking_bit_for_bit():
+    from dspark_runtime.decoding.grammar import masked_rows
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    x[0, 5] = -np.inf
+    x[1, 7] = -0.0
+    masks = [rng.random(1000) < f for f in (0.5, 0.999, 0.01)]
+    ref = x.copy()
+    for k, m in enumerate(masks):
+        ref[k][~m] = -np.inf
+    out = masked_rows(x, masks)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)) and not np.shares_memory(out, x)
+    y = x.copy()
+    assert masked_rows(y, masks, inplace=True) is y and np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+    with pytest.raises(ValueError, match="bool rows"):
+        masked_rows(x, masks[:2])
