@@ -9,7 +9,8 @@ process, and the answers compared.
   and off; decode tokens/s with the schema and without it (the same prompts, ``max_tokens`` = the schema output's
   length), tokens the grammar forced, drafts it masked, mask time per token.
 
-    python -m benchmarks.api_features --engine engines/qwen2.5-coder-1.5b --json results/api-features.json
+    python -m benchmarks.api_features --engine engines/qwen2.5-coder-1.5b --n-each 2 --max-tokens 64 \
+        --json results/api-features/api-features-qwen2.5-coder-1.5b.json
 """
 from __future__ import annotations
 
