@@ -60,6 +60,22 @@ def tiny_engine_with_dspark(tiny_engine_dir, tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_scatter_engine_dir(tiny_pair, tmp_path_factory):
+    """The tiny pair built fp32 in the scatter KV layout (cached positions can be imported: n choices, the prefix
+    cache), draft length 3, with its draft LM and an untrained DSpark drafter as graph ``dspark`` (read only)."""
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from tests.fixtures.tiny_models import add_tiny_dspark
+
+    tdir, ddir = tiny_pair
+    out = tmp_path_factory.mktemp("engines-scatter") / "tiny"
+    build_engine(Recipe(name="tiny", target=str(tdir), draft=str(ddir), precision="fp32", kv_layout="scatter",
+                        target_feature_layers=[-1, 0], draft_length=3, calibration_prompts=2), out,
+                 isolate=False, log=lambda *a: None)
+    add_tiny_dspark(out, tdir)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_dspark(tiny_pair, tmp_path_factory):
     """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
     pytest.importorskip("torch")

@@ -16,18 +16,10 @@ DRAFTS = [None, "ngram", "lm", "dspark"]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from dspark_export.engine_dir.build import Recipe, build_engine
+def engine(tiny_scatter_engine_dir):
     from dspark_runtime import Engine
-    from tests.fixtures.tiny_models import add_tiny_dspark, make_pair
 
-    root = tmp_path_factory.mktemp("features")
-    target, draft = make_pair(root)
-    build_engine(Recipe(name="e", target=str(target), draft=str(draft), precision="fp32", kv_layout="scatter",
-                        target_feature_layers=[-1, 0], draft_length=3, calibration_prompts=2), root / "e",
-                 isolate=False, log=lambda *a: None)
-    add_tiny_dspark(root / "e", target)
-    return Engine.load(root / "e", threads=1)
+    return Engine.load(tiny_scatter_engine_dir, threads=1)
 
 
 class CountingGrammar:

@@ -320,7 +320,7 @@ def _second_token_tv(lossy: bool, monkeypatch, runs=2000):
         router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
                         confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=LearnedAcceptance((0.8,)))
         sources, propose = [], router.propose_batch
-        router.propose_batch = lambda *a: (propose(*a), sources.append(router.state(0).source))[0]
+        router.propose_batch = lambda *a, **k: (propose(*a, **k), sources.append(router.state(0).source))[0]
         loop = DecodingLoop(SequenceRunner(BigramTarget(table)), router)
         req = loop.submit(prompt, max_new_tokens=3, params=SAMPLED, gamma=2, seed=seed)
         loop.run()

@@ -12,6 +12,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+MODEL = "tiny"  # the engine's name (conftest.py tiny_scatter_engine_dir)
 MESSAGES = [{"role": "user", "content": "Write a function that sorts a list."}]
 SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]}},
@@ -26,27 +27,17 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from dspark_export.engine_dir.build import Recipe, build_engine
+def engine(tiny_scatter_engine_dir):
     from dspark_runtime import Engine
-    from tests.fixtures.tiny_models import add_tiny_dspark, make_pair
 
-    root = tmp_path_factory.mktemp("served-features")
-    target, draft = make_pair(root)
-    build_engine(Recipe(name="e", target=str(target), draft=str(draft), precision="fp32", kv_layout="scatter",
-                        target_feature_layers=[-1, 0], draft_length=3, calibration_prompts=2), root / "e",
-                 isolate=False, log=lambda *a: None)
-    add_tiny_dspark(root / "e", target)
-    return Engine.load(root / "e", threads=1)
+    return Engine.load(tiny_scatter_engine_dir, threads=1)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from dspark_runtime.serving.app import create_app
-    from dspark_runtime.serving.server import ServerThread
+    from tests.runtime.serving.test_server import _start
 
-    app = create_app(engine, draft="dspark", draft_length=3, max_batch=4, max_queue=8)
-    srv = ServerThread(app, timeout_graceful_shutdown=10).start()
+    app, srv = _start(engine, draft="dspark", draft_length=3, max_batch=4, max_queue=8)
     srv.app = app
     yield srv
     srv.stop()
@@ -59,7 +50,7 @@ def client(server):
 
 def test_chat_logprobs_equal_target_only_streamed_or_not(engine, client):
     ref = engine.generate(MESSAGES, max_new_tokens=16, draft=None, logprobs=3)
-    r = client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
                                        top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == len(ref.token_ids)
@@ -69,7 +60,7 @@ def test_chat_logprobs_equal_target_only_streamed_or_not(engine, client):
         assert abs(c.logprob - e.logprob) < 1e-4  # unpadded fp32: a row in a block differs by ~1e-5
         assert [bytes(t.bytes) for t in c.top_logprobs] == [tok.token_bytes(t) for t, _ in e.top]
     streamed = []
-    for ch in client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=16, temperature=0,
+    for ch in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
                                              logprobs=True, top_logprobs=3, stream=True):
         if ch.choices and ch.choices[0].logprobs is not None:
             streamed += ch.choices[0].logprobs.content
@@ -79,7 +70,7 @@ def test_chat_logprobs_equal_target_only_streamed_or_not(engine, client):
 
 def test_completion_logprobs(engine, client):
     ref = engine.generate("def add(a, b):", max_new_tokens=12, draft=None, raw=True, logprobs=2)
-    r = client.completions.create(model="e", prompt="def add(a, b):", max_tokens=12, temperature=0, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ref.token_ids) and len(lp.top_logprobs[0]) <= 2
     assert max(abs(a - e.logprob) for a, e in zip(lp.token_logprobs, ref.logprobs)) < 1e-4
@@ -87,7 +78,7 @@ def test_completion_logprobs(engine, client):
 
 
 def test_n_choices_are_reproducible_from_the_seed(client):
-    kw = dict(model="e", messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.9, n=3, seed=1234)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.9, n=3, seed=1234)
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     texts = [c.message.content for c in a.choices]
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -104,7 +95,7 @@ def test_n_choices_are_reproducible_from_the_seed(client):
 def test_penalties_equal_target_only(engine, client):
     pen = dict(presence_penalty=1.0, frequency_penalty=0.5)
     ref = engine.generate(MESSAGES, max_new_tokens=24, draft=None, repetition_penalty=8.0, **pen)
-    r = client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=24, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
                                        extra_body={"repetition_penalty": 8.0}, **pen)
     assert r.choices[0].message.content == ref.text
     assert ref.text != engine.generate(MESSAGES, max_new_tokens=24, draft=None).text
@@ -114,7 +105,7 @@ def test_penalties_equal_target_only(engine, client):
 def test_json_schema_output_equals_target_only(engine, client, schema):
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     ref = engine.generate(MESSAGES, max_new_tokens=200, draft=None, response_format=fmt)
-    r = client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=200, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
                                        response_format=fmt)
     assert r.choices[0].message.content == ref.text and r.choices[0].finish_reason == "stop"
     assert set(json.loads(ref.text)) == set(schema["required"])
@@ -123,15 +114,15 @@ def test_json_schema_output_equals_target_only(engine, client, schema):
 
 def test_metrics_and_bad_formats(server, client):
     fmt = {"type": "json_object"}
-    client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=8, temperature=0, response_format=fmt)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, response_format=fmt)
     text = httpx.get(server.url + "/metrics").text
     counters = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     assert counters["dspark_constrained_requests_total"] >= 1
     assert "dspark_forced_tokens_total" in counters and "dspark_masked_draft_tokens_total" in counters
     bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object", "required": 5}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=8, response_format=bad)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=bad)
     assert e.value.body["param"] == "response_format" and "schema" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="e", messages=MESSAGES, max_tokens=8, top_logprobs=2)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
