@@ -289,8 +289,13 @@ def info(engine_dir):
         click.echo(line)
     if sp.dspark is not None:
         d = sp.dspark
-        click.echo(f"  DSpark drafter: graph {d.graph}, block {d.block_size}, Markov "
-                   f"{d.markov_head_type or 'none'} rank {d.markov_rank}, draft vocabulary "
+        if not d.markov_rank and d.confidence_head is False:  # DeepSpec's DFlash: DSpark without both heads
+            heads = "DFlash (Markov rank 0, no confidence head: fixed blocks or the router)"
+        else:
+            conf = {True: ", confidence head" + (" with Markov features" if d.confidence_head_with_markov else ""),
+                    False: ", no confidence head"}.get(d.confidence_head, "")  # None: not recorded (older engines)
+            heads = f"Markov {d.markov_head_type or 'none'} rank {d.markov_rank}{conf}"
+        click.echo(f"  DSpark drafter: graph {d.graph}, block {d.block_size}, {heads}, draft vocabulary "
                    f"{d.draft_vocab_size or 'full'}, target layers {d.target_layer_ids}, STS "
                    f"temperatures {d.sts_temperatures or 'none (uncalibrated)'}")
     ri = sp.row_invariance

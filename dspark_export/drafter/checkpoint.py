@@ -100,6 +100,12 @@ def _unexpected_hint(names: list, c: DSparkConfig) -> str:
                      for n in names):
         hints.append("mlp.{gate,up,down}_proj are the dense MLP's: the checkpoint was saved dense, so remove "
                      "draft_moe_experts / draft_moe_top_k / draft_moe_intermediate_size from config.json")
+    if any(n.startswith("markov_head.") for n in names) and c.markov_rank == 0:
+        hints.append("markov_head.* is the Markov head, which markov_rank 0 (DFlash) leaves out: its config.json "
+                     "needs markov_rank (the head's rank) and markov_head_type")
+    if any(n.startswith("confidence_head.") for n in names) and not c.enable_confidence_head:
+        hints.append("confidence_head.* is the confidence head, which enable_confidence_head false (DFlash) leaves "
+                     "out: its config.json needs enable_confidence_head true and confidence_head_with_markov")
     if not hints:
         hints.append("no layer this loader implements has them; supporting them needs dspark_export/drafter/model.py "
                      "to implement the module they belong to")
@@ -161,8 +167,14 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
                                f"drop them: {_unexpected_hint(unexpected, c)}")
     missing = [n for n in want if n not in tensors]
     if missing:
+        heads = [(what, says) for prefix, what, says in (("markov_head.", "Markov head", "markov_rank 0"),
+                                                         ("confidence_head.", "confidence head",
+                                                          "enable_confidence_head false"))
+                 if any(n.startswith(prefix) for n in missing)]
+        hint = (f"; a checkpoint without the {' and '.join(w for w, _ in heads)} (as DeepSpec's DFlash) has a "
+                f"config.json saying {' and '.join(s for _, s in heads)}") if heads else ""
         raise DraftConfigError(f"{path}: checkpoint lacks tensor(s) {missing[:6]}{' ...' if len(missing) > 6 else ''} "
-                               f"required by its config.json")
+                               f"required by its config.json{hint}")
     for n, shape in want.items():
         if tuple(tensors[n].shape) != tuple(shape):
             raise DraftConfigError(f"{path}: tensor {n!r} has shape {tuple(tensors[n].shape)}, the config implies "

@@ -5,6 +5,8 @@ reason, or refused with a :class:`DraftConfigError` naming it (the tables: :mod:
 The layer family (``Qwen3DSparkModel`` / ``Gemma4DSparkModel``), its RoPE table (transformers' own rotary classes)
 and activation are decided here; the torch modules that use them are :mod:`dspark_export.drafter.model`. A config
 round-trips: :meth:`DSparkConfig.to_dict` writes back the file as read, with the DSpark fields' current values.
+DeepSpec's DFlash configs (``markov_rank`` 0, ``enable_confidence_head`` false, neither ``markov_head_type`` nor
+``confidence_head_with_markov``) are DSpark configs without both heads.
 """
 from __future__ import annotations
 
@@ -314,16 +316,29 @@ class DSparkConfig:
                 or any(b <= a for a, b in zip(ids, ids[1:])) or min(ids) < -1):
             raise DraftConfigError(f"{source}: 'target_layer_ids' must be a non-empty strictly increasing list of "
                                    f"layer indices >= -1 (-1 = embedding output), got {ids!r}")
+        # markov_rank 0 and enable_confidence_head false together are DeepSpec's DFlash (its DFlash recipes: no
+        # Markov head, no confidence head). DeepSpec's build_draft_config writes markov_head_type only when
+        # markov_rank > 0 and confidence_head_with_markov only with the confidence head; given without them they
+        # describe a head the drafter does not have, so they are refused rather than dropped.
         rank = _int("markov_rank", 0)
         mtype = d.get("markov_head_type")
         if rank > 0 and mtype not in MARKOV_TYPES:
             raise DraftConfigError(f"{source}: 'markov_head_type' must be one of {list(MARKOV_TYPES)} when "
                                    f"markov_rank > 0, got {mtype!r}")
+        if rank == 0 and mtype is not None:
+            raise DraftConfigError(f"{source}: 'markov_head_type' {mtype!r} is given but markov_rank is 0 (no Markov "
+                                   "head, as DeepSpec's DFlash drafters); DeepSpec writes markov_head_type only when "
+                                   "markov_rank > 0. Remove it, or give the head's markov_rank")
         conf = _bool("enable_confidence_head", True)
         with_markov = _bool("confidence_head_with_markov", False) if conf else False
         if conf and "confidence_head_with_markov" not in d:
             raise DraftConfigError(f"{source}: 'confidence_head_with_markov' must be given when "
                                    "enable_confidence_head is true")
+        if not conf and d.get("confidence_head_with_markov") is not None:
+            raise DraftConfigError(f"{source}: 'confidence_head_with_markov' "
+                                   f"{d['confidence_head_with_markov']!r} is given but enable_confidence_head is "
+                                   "false (no confidence head, as DeepSpec's DFlash drafters); DeepSpec writes it "
+                                   "only with the confidence head. Remove it, or set enable_confidence_head true")
         if with_markov and rank == 0:
             raise DraftConfigError(f"{source}: confidence_head_with_markov needs markov_rank > 0")
         heads = _int("num_attention_heads", 1)
@@ -436,6 +451,8 @@ class DSparkConfig:
                 d[k] = v
         if self.markov_head_type is None:
             d.pop("markov_head_type", None)
+        if not self.enable_confidence_head:  # DeepSpec writes it only with the confidence head (DFlash: neither)
+            d.pop("confidence_head_with_markov", None)
         if not self.draft_vocab_size:
             d.pop("draft_vocab_size", None)
         if self.frozen_from_target:

@@ -4,7 +4,8 @@ against torch.
 The graph (declared in :func:`dspark_runtime.engine_dir.graphspec.dspark_draft_spec`) appends the projected K/V of
 newly committed target features to the drafter's context cache and runs the block forward, returning normed hidden
 states and base logits. The Markov and confidence heads are small (r×V_d and d+r) and sequential, so they ship as
-``dspark_heads.npz`` and run in numpy (:mod:`dspark_runtime.drafting.dspark`). The anchor's embedding rows are read
+``dspark_heads.npz`` and run in numpy (:mod:`dspark_runtime.drafting.dspark`; a DFlash drafter's file holds neither
+head, only the draft-vocabulary map where it has one). The anchor's embedding rows are read
 from the target graph's own table when it equals the drafter's, else from a copy beside the graph.
 """
 from __future__ import annotations

@@ -7,7 +7,8 @@ docs/drafter.md). The target's features at ``target_layer_ids`` (-1 = embedding 
 ``mask_token_id`` tokens, attending to the context before the anchor and bidirectionally within the block; block
 position k drafts the token at anchor + k + 1. Parameter names are DeepSpec's. Two extensions of ours: a reduced
 draft vocabulary (``draft_vocab_ids``: draft token i is target id ``draft_vocab_ids[i]``) and the MoE FFN
-(:class:`~dspark_export.drafter.ffn.DraftMoE`).
+(:class:`~dspark_export.drafter.ffn.DraftMoE`). DeepSpec's DFlash drafters are this model without its Markov and
+confidence heads (``markov_rank`` 0, ``enable_confidence_head`` false).
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ class MarkovHead(nn.Module):
     """The sequential Markov head: logits_k = U_k + W2·f(W1[x_{k−1}], h_k) with x_{−1} = the anchor. W1 [V_in, r]
     embeds the previous token (V_in = V_d + 1 with a reduced vocabulary: the last row stands for every token outside
     it), W2 [V_out, r] projects. ``vanilla``: f = identity; ``gated``: σ(W_g[h_k; W1[x]])⊙W1[x]; ``rnn``: a GRU-like
-    state over the block. ``markov_rank`` 0 builds no head (DFlash)."""
+    state over the block. ``markov_rank`` 0 builds no head (DFlash; :class:`DSparkDraftModel` then has
+    ``markov_head`` None, as it has ``confidence_head`` None when ``enable_confidence_head`` is false)."""
 
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -323,20 +325,26 @@ def block_mask(anchors, keep, seq_len: int, gamma: int):
 def qwen2_draft_config(target_config: dict, *, mask_token_id: int, num_layers: int = 1,
                        intermediate_size: int | None = None, block_size: int = 7, target_layer_ids=(1, 13, 25),
                        markov_rank: int = 64, markov_head_type: str = "vanilla", draft_vocab_size: int | None = None,
-                       confidence_head_with_markov: bool = True, moe_experts: int = 0, moe_top_k: int = 2,
-                       moe_intermediate_size: int | None = None) -> DSparkConfig:
+                       confidence_head_with_markov: bool = True, confidence_head: bool = True, moe_experts: int = 0,
+                       moe_top_k: int = 2, moe_intermediate_size: int | None = None) -> DSparkConfig:
     """A DSpark config for a Qwen2/Qwen2.5/Llama/Mistral-family target: hidden size, heads, activation and RoPE
     from the target, DeepSpec's Qwen3 layer otherwise (q/k norm, no attention bias, full attention, untied head).
 
     ``moe_experts`` > 0 makes every draft layer's FFN a :class:`DraftMoE` of that many experts mixing
     ``moe_top_k`` per token (our extension; e.g. 8 and 2); each expert's width ``moe_intermediate_size``
     defaults to the dense width // ``moe_top_k``, so the k active experts together are as wide as the dense MLP
-    (the same active parameters per token, E/k times the FFN parameters)."""
+    (the same active parameters per token, E/k times the FFN parameters).
+
+    ``markov_rank`` 0 builds no Markov head (``markov_head_type`` is then not written) and ``confidence_head``
+    False no confidence head (nor ``confidence_head_with_markov``): both together are DeepSpec's DFlash layout."""
     d = dict(target_config)
     d.update(num_target_layers=int(target_config["num_hidden_layers"]), num_hidden_layers=num_layers,
              block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
-             markov_rank=markov_rank, markov_head_type=markov_head_type, enable_confidence_head=True,
-             confidence_head_with_markov=confidence_head_with_markov and markov_rank > 0, num_anchors=512)
+             markov_rank=markov_rank, enable_confidence_head=bool(confidence_head), num_anchors=512)
+    if markov_rank > 0:
+        d["markov_head_type"] = markov_head_type
+    if confidence_head:
+        d["confidence_head_with_markov"] = confidence_head_with_markov and markov_rank > 0
     if intermediate_size:
         d["intermediate_size"] = intermediate_size
     if draft_vocab_size:

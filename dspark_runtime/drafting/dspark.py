@@ -7,6 +7,8 @@ U_k; left to right, logits_k = U_k + Markov bias(x_{k-1}, h_k) picks x_k (argmax
 sampling); the confidence head gives c_k, calibrated by the STS temperatures T_k, and the prefix survival
 a_j = Π_{k≤j} σ(z_k / T_k). A static threshold cuts the block by one of :data:`THRESHOLD_RULES`
 (:meth:`DSparkHeads.draft`); both read the draft's own quantities only, so sampling stays lossless.
+A DFlash drafter (DeepSpec's: ``markov_rank`` 0, no confidence head) has neither head: logits_k = U_k, no
+survivals, so it drafts whole blocks (``confident`` False: no threshold, no scheduled verify lengths of its own).
 """
 from __future__ import annotations
 

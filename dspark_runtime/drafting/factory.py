@@ -127,9 +127,10 @@ class DrafterFactory:
         features), or None for target-only. ``confidence_threshold``: the static-threshold baseline (a probability);
         ``confidence_rule`` (:data:`~dspark_runtime.drafting.dspark.THRESHOLD_RULES`): how the DSpark drafter applies
         it; ``max_batch``: the draft LM runner's requests; ``prefix_cache``: the engine's, for a draft LM on the
-        scatter layout; ``cost_table``: the router scores by expected tokens/s (scheduled mode). Raises InputError
-        for a bad threshold or rule, a rule other than "survival" with a drafter that is not DSpark, the errors of
-        :meth:`resolve`, and a malformed router entry in the manifest."""
+        scatter layout; ``cost_table``: given in scheduled mode only (the router scores by expected tokens/s).
+        Raises InputError for a bad threshold or rule, a rule other than "survival" with a drafter that is not
+        DSpark, a threshold or scheduled mode (``cost_table``) with a DSpark drafter that has no confidence head
+        (:meth:`check_confidence`), the errors of :meth:`resolve`, and a malformed router entry in the manifest."""
         if confidence_rule not in THRESHOLD_RULES:
             raise InputError(f"unknown draft_confidence_rule {confidence_rule!r}; choose one of "
                              f"{list(THRESHOLD_RULES)}")
@@ -149,6 +150,13 @@ class DrafterFactory:
                                  prefix_cache=prefix_cache)
             return Router(inner, cost_table=cost_table, attended_positions=target.attended_positions, **priors)
         if draft == "dspark":
+            if confidence_threshold is not None:
+                self.check_confidence("draft_confidence (a static threshold on its confidences)",
+                                      "drop draft_confidence")
+            if cost_table is not None:
+                self.check_confidence("draft_length='scheduled' with draft='dspark' (verify lengths from calibrated "
+                                      "survivals)", "use an integer draft_length, or draft='router' (it schedules "
+                                      "from learned acceptance)")
             return DSparkDrafter(self._backends[self.dspark_graph].activate(), self.dspark_heads(), target,
                                  confidence_threshold, threshold_rule=confidence_rule)
         if confidence_rule != "survival":
@@ -159,6 +167,14 @@ class DrafterFactory:
             runner = self._loop_runner(self.lm_graph, max_batch)
             return LMDrafter(runner, confidence_threshold, prefix_cache if runner.can_import_kv else None)
         return NgramDrafter()
+
+    def check_confidence(self, what: str, instead: str) -> None:
+        """Raise InputError saying that ``what`` needs the DSpark confidence head where the engine's DSpark drafter
+        has none (enable_confidence_head false, as DeepSpec's DFlash drafters); ``instead``: what to do instead."""
+        if self.dspark_heads().conf_w is None:
+            raise InputError(f"{what} needs the DSpark drafter's confidence head, and this engine's DSpark drafter has "
+                             "no confidence head (enable_confidence_head false, as DeepSpec's DFlash drafters); "
+                             f"{instead}")
 
     def dspark_heads(self) -> DSparkHeads:
         """The DSpark Markov/confidence heads (loaded once), with the manifest's STS temperatures. Raises

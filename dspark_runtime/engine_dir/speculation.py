@@ -230,10 +230,12 @@ def manifest_drafters(manifest) -> tuple:
 
 
 def manifest_schedulable(manifest) -> bool:
-    """Whether the engine's DSpark drafter can run with scheduled verify lengths: its confidence head calibrated
-    (``speculation.dspark.sts_temperatures``) and a profiled cost table (``speculation.cost_table``)."""
+    """Whether the engine's DSpark drafter can run with scheduled verify lengths: its confidence head (none in a
+    DFlash drafter, ``confidence_head`` false) calibrated (``speculation.dspark.sts_temperatures``) and a profiled
+    cost table (``speculation.cost_table``)."""
     sp = manifest.speculation
-    return bool(sp.dspark is not None and sp.dspark.sts_temperatures and sp.cost_table)
+    return bool(sp.dspark is not None and sp.dspark.confidence_head is not False and sp.dspark.sts_temperatures
+                and sp.cost_table)
 
 
 def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None, schedulable: bool = False) -> str:

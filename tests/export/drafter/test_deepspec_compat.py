@@ -1,6 +1,7 @@
 """DeepSpec checkpoints (issue 23): the loader refuses every config value and tensor it does not implement,
 and implements what DeepSpec's drafters use — attention biases, RoPE scaling, the configured activation,
-the Gemma-4 DSpark layer, ``dtype`` — each checked against an independent computation.
+the Gemma-4 DSpark layer, ``dtype``, DeepSpec's DFlash drafters (DSpark without the Markov and confidence heads)
+— each checked against an independent computation.
 
 The checkpoints are written here by hand in DeepSpec's layout (config.json = the target's config plus the
 DSpark fields, as DeepSpec's ``build_draft_config`` + ``save_pretrained`` write it; safetensors named after
@@ -57,6 +58,10 @@ GEMMA = {
     "mask_token_id": 4, "num_anchors": 512, "markov_rank": 16, "markov_head_type": "vanilla",
     "enable_confidence_head": True, "confidence_head_with_markov": True,
 }
+# DeepSpec's DFlash (config/dflash/*: markov_rank 0, confidence_head_alpha 0.0): build_draft_config then writes
+# markov_rank 0 and enable_confidence_head false, and neither markov_head_type nor confidence_head_with_markov.
+DFLASH = {k: v for k, v in QWEN.items() if k not in ("markov_head_type", "confidence_head_with_markov")}
+DFLASH.update(markov_rank=0, enable_confidence_head=False)
 TOL = 2e-5  # fp32 parity bound (observed ~1e-6, see the report in the commit message)
 
 
@@ -98,10 +103,12 @@ def deepspec_tensors(cfg: dict, seed: int = 0) -> dict:
             t[p + "pre_feedforward_layernorm.weight"] = 1 + rnd(d)
             t[p + "post_feedforward_layernorm.weight"] = 1 + rnd(d)
             t[p + "layer_scalar"] = torch.tensor([0.6 + 0.2 * i])
-    t["markov_head.markov_w1.weight"] = rnd(v, r, s=1.0)
-    t["markov_head.markov_w2.weight"] = rnd(v, r, s=0.5)
-    t["confidence_head.proj.weight"] = rnd(1, d + r, s=0.5)
-    t["confidence_head.proj.bias"] = rnd(1)
+    if r > 0:  # DeepSpec builds the vanilla Markov head only for markov_rank > 0
+        t["markov_head.markov_w1.weight"] = rnd(v, r, s=1.0)
+        t["markov_head.markov_w2.weight"] = rnd(v, r, s=0.5)
+    if cfg["enable_confidence_head"]:
+        t["confidence_head.proj.weight"] = rnd(1, d + (r if cfg["confidence_head_with_markov"] else 0), s=0.5)
+        t["confidence_head.proj.bias"] = rnd(1)
     return t
 
 
@@ -201,14 +208,17 @@ class Reference:
         return h, logits
 
     def heads(self, h, logits, anchor):
-        """DeepSpec's greedy vanilla-Markov drafting and confidence logits over one block (by hand)."""
-        w1, w2 = self.t["markov_head.markov_w1.weight"], self.t["markov_head.markov_w2.weight"]
-        cw, cb = self.t["confidence_head.proj.weight"][0], self.t["confidence_head.proj.bias"][0]
+        """DeepSpec's greedy vanilla-Markov drafting and confidence logits over one block (by hand); without the
+        heads (DFlash) the base logits' argmax and no confidences."""
+        w1, w2 = self.t.get("markov_head.markov_w1.weight"), self.t.get("markov_head.markov_w2.weight")
+        cw, cb = self.t.get("confidence_head.proj.weight"), self.t.get("confidence_head.proj.bias")
+        with_markov = self.cfg.get("confidence_head_with_markov", False)
         prev, toks, confs = anchor, [], []
         for k in range(h.shape[0]):
-            e = w1[prev]
-            confs.append(float(cw @ torch.cat([h[k], e]) + cb))
-            tok = int(torch.argmax(logits[k] + w2 @ e))
+            e = None if w1 is None else w1[prev]
+            if cw is not None:
+                confs.append(float(cw[0] @ (torch.cat([h[k], e]) if with_markov else h[k]) + cb[0]))
+            tok = int(torch.argmax(logits[k] if e is None else logits[k] + w2 @ e))
             toks.append(tok)
             prev = tok
         return toks, confs
@@ -428,11 +438,61 @@ def test_dtype_is_honoured(tmp_path):
     assert float((ub.float() - uf).abs().max()) < 0.05 * float(uf.abs().max())
 
 
+# --- DFlash: DSpark without the Markov and confidence heads ---------------------------------------
+
+def test_dflash_checkpoint_loads_strictly_and_round_trips(tmp_path):
+    """DeepSpec's DFlash layout (DFLASH, no markov_head.* / confidence_head.* tensors) loads strictly, with neither
+    head; the torch model matches the reference forward; our writer saves it back in DeepSpec's exact layout."""
+    from safetensors import safe_open
+
+    from dspark_export.drafter.checkpoint import save_checkpoint
+
+    t = deepspec_tensors(DFLASH)
+    assert not [n for n in t if n.startswith(("markov_head.", "confidence_head."))]
+    m = load_checkpoint(write_checkpoint(tmp_path / "ckpt", DFLASH, t)).eval()
+    assert m.markov_head is None and m.confidence_head is None
+    assert m.config.markov_rank == 0 and m.config.markov_head_type is None and not m.config.enable_confidence_head
+    assert m.confidence_logits(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 32)) is None
+    dh, du, scale = parity(tmp_path / "p", DFLASH)
+    assert dh < TOL and du < TOL * max(1.0, scale), (dh, du)
+    assert m.config.to_dict() == DFLASH  # no markov_head_type / confidence_head_with_markov written back
+    out = save_checkpoint(m, tmp_path / "saved", dtype=torch.float32, include_frozen=True)
+    assert json.loads((out / "config.json").read_text()) == DFLASH
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(t)
+    assert load_checkpoint(out).markov_head is None
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"markov_head_type": "vanilla"}, r"'markov_head_type' 'vanilla' is given but markov_rank is 0"),
+    ({"confidence_head_with_markov": False},
+     r"'confidence_head_with_markov' False is given but enable_confidence_head is false"),
+])
+def test_dflash_config_with_a_head_field_of_a_missing_head_is_refused(extra, msg):
+    """DeepSpec writes markov_head_type only for markov_rank > 0 and confidence_head_with_markov only with the
+    confidence head: given without them they are refused by name (loading would drop them)."""
+    with pytest.raises(DraftConfigError, match=msg):
+        DSparkConfig.from_dict(dict(DFLASH, **extra))
+    DSparkConfig.from_dict(dict(DFLASH, markov_head_type=None))  # null = absent
+
+
+def test_dflash_and_dspark_tensors_under_the_other_config_are_refused_with_the_fix(tmp_path):
+    write_checkpoint(tmp_path / "a", DFLASH, deepspec_tensors(QWEN))  # DSpark heads under a DFlash config
+    with pytest.raises(DraftConfigError, match=r"markov_head\.\* is the Markov head, which markov_rank 0 .*"
+                                               r"confidence_head\.\* is the confidence head"):
+        load_checkpoint(tmp_path / "a")
+    write_checkpoint(tmp_path / "b", QWEN, deepspec_tensors(DFLASH))  # a DFlash checkpoint under a DSpark config
+    with pytest.raises(DraftConfigError, match=r"lacks tensor.*markov_head.*DFlash.*markov_rank 0 and "
+                                               r"enable_confidence_head false"):
+        load_checkpoint(tmp_path / "b")
+
+
 # --- graph path: ONNX graph + numpy heads over two rounds on one cache -----------------------------
 
 @pytest.mark.parametrize("name,cfg", [
     ("qwen3-bias-yarn-gelu", dict(QWEN, attention_bias=True, hidden_act="gelu_pytorch_tanh", **ROPES["yarn"])),
     ("gemma4", GEMMA),
+    ("dflash", DFLASH),
 ])
 def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg):
     pytest.importorskip("onnxruntime")
@@ -450,6 +510,8 @@ def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg
     graph = OrtDSparkGraph(tmp_path / "draft.onnx", spec, threads=1,
                            embedding=EmbeddingRows.from_manifest(tmp_path, emb))
     heads = DSparkHeads.load(tmp_path / "heads.npz", write_heads(m, tmp_path / "heads.npz"), cfg["vocab_size"])
+    if name == "dflash":  # the heads file holds neither head: drafts are the base logits' argmax, no confidences
+        assert heads.w1 is None and heads.conf_w is None
     g = torch.Generator().manual_seed(9)
     feats = torch.randn(1, 10, cfg["hidden_size"] * 3, generator=g)
     q, kv, done = cfg["block_size"], graph.empty_kv(1), 0
@@ -468,6 +530,7 @@ def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg
         toks, _, _, confs = heads.draft(base[0], hidden[0], anchor, q, SamplingParams(), None)
         rtoks, rconfs = ref.heads(rh[0], ru[0], anchor)
         assert toks == rtoks, name
+        assert len(confs) == len(rconfs) == (0 if name == "dflash" else q), name
         np.testing.assert_allclose(confs, rconfs, rtol=0, atol=1e-4)
 
 
