@@ -406,6 +406,10 @@ class Engine:
         if scheduled and kind not in ("dspark", "router"):
             raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
                              "router; use draft='dspark'/'router' or an integer draft_length")
+        if scheduled and kind == "dspark":  # a drafter without the confidence head cannot schedule, profiled or not
+            self.drafters.check_confidence("draft_length='scheduled' with draft='dspark' (verify lengths from "
+                                           "calibrated survivals)", "use an integer draft_length, or draft='router' "
+                                           "(it schedules from learned acceptance)")
         table = self.manifest.speculation.cost_table  # the manifest's, or the re-profiled one (profile)
         if scheduled and not table:
             raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "

@@ -74,6 +74,9 @@ def test_what_needs_the_confidence_head_is_refused_by_name(dflash_engine):
     eng = dflash_engine
     spec = eng.manifest.speculation
     saved = spec.cost_table
+    assert not saved  # unprofiled: the missing head is named before the missing cost table
+    with pytest.raises(InputError, match="draft_length='scheduled' with draft='dspark'.*no confidence head"):
+        eng.generate("hi", max_new_tokens=4, draft="dspark", draft_length="scheduled")
     spec.cost_table = {"tokens": [1, 32], "seconds": [1.0, 1.0]}  # any table: the check comes before decoding
     try:
         with pytest.raises(InputError, match="draft_length='scheduled' with draft='dspark'.*no confidence head"):
