@@ -211,9 +211,11 @@ def speculation_lines(m) -> list:
                 "to commit more, verify lengths scheduled from the calibrated survivals and the cost table "
                 "(--draft-length N: fixed blocks of at most N)")
     elif choice == "router":
+        needs = ("`dspark-export profile` first: without a confidence head the router schedules from learned "
+                 "acceptance" if sp.dspark is not None and sp.dspark.confidence_head is False
+                 else "`dspark-export calibrate` and `profile` first")
         auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
-                "to commit more (--draft-length N caps the block; 'scheduled' needs `dspark-export calibrate` and "
-                "`profile` first)")
+                f"to commit more (--draft-length N caps the block; 'scheduled' needs {needs})")
     else:
         auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
     lines.append(f"  --draft auto: {auto}")
