@@ -30,7 +30,8 @@ from dspark_export.engine_dir.transaction import engine_transaction
 
 
 def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequences: list | None = None) -> tuple:
-    """Decode ``prompts`` with the engine's DSpark drafter; returns (logits [R, γ], accepted [R, γ]).
+    """Decode ``prompts`` with the engine's DSpark drafter; returns (confidence logits [R, γ], or None for a drafter
+    without the confidence head (DFlash), accepted [R, γ]).
     When ``sequences`` is a list, (prompt ids + greedy output, prompt length) pairs are appended to it.
 
     accepted[r, k] = 1 for k < n_r, 0 at k = n_r (the first rejection), and 0 afterwards (ignored by STS,
@@ -50,8 +51,8 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
         out, stats = req.token_ids, req.stats
         if sequences is not None:
             sequences.append((list(ids) + list(out), len(ids)))
-        for conf, n in drafter.record[start:]:
-            if len(conf) == gamma:
+        for conf, sent, n in drafter.record[start:]:
+            if sent == gamma:
                 rows.append(conf)
                 a = np.zeros(gamma)
                 a[:n] = 1
@@ -61,7 +62,7 @@ def record_rounds(engine, prompts: list, max_new_tokens: int, log=print, sequenc
     drafter.record = None
     if not rows:
         raise DSparkError("no full draft rounds were recorded; use more prompts or more tokens")
-    return np.stack(rows), np.stack(accs)
+    return (np.stack(rows) if drafter.confident else None), np.stack(accs)
 
 
 def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_on: str = "") -> dict:
@@ -75,9 +76,11 @@ def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_
 
 
 def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print) -> dict:
-    """Fit STS temperatures for the engine's DSpark drafter and write them to its manifest.
+    """Fit STS temperatures for the engine's DSpark drafter and the router's priors, and write them to its manifest.
+    A drafter without the confidence head (DeepSpec's DFlash) gets the router's priors only (temperatures None).
 
-    Returns {"temperatures", "report" (per position ECE before/after), "rounds", "prompts"}.
+    Returns {"temperatures", "report" (per position ECE before/after; empty without a confidence head), "rounds",
+    "prompts"}.
     The manifest and ``<engine_dir>/calibration.json`` change together or not at all; ``sts.json`` beside the
     checkpoint is written (atomically) after them. Raises DSparkError when the engine has no DSpark drafter,
     no full draft round was recorded, or the engine directory cannot be written (read-only, full disk; it is
@@ -92,12 +95,17 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     log(f"decoding {len(prompts)} calibration-split prompts with the DSpark drafter")
     sequences: list = []
     logits, acc = record_rounds(eng, prompts, max_new_tokens, log, sequences)
-    temps = fit_sts(logits, acc)
-    report = survival_ece_report(logits, acc, temps)
+    if logits is None:
+        log("the DSpark drafter has no confidence head (DFlash): no STS temperatures, the router's priors only")
+        temps, report = None, []
+    else:
+        temps = fit_sts(logits, acc)
+        report = survival_ece_report(logits, acc, temps)
     fitted_on = ("calibration split (dspark_export/data/prompts/README.md): " + ", ".join(
         f"{k} lines {a + 1}-{b}" for k, (a, b) in CALIB_SPLIT.items()) + f"; first {len(prompts)}")
-    router = fit_router(sequences, acc, gamma=logits.shape[1], fitted_on=fitted_on)
-    res = {"temperatures": [float(t) for t in temps], "report": report, "rounds": int(len(logits)),
+    router = fit_router(sequences, acc, gamma=acc.shape[1], fitted_on=fitted_on)
+    res = {"temperatures": None if temps is None else [float(t) for t in temps], "report": report,
+           "rounds": int(len(acc)),
            "prompts": fitted_on, "max_new_tokens": max_new_tokens, "router": router,
            "sequences": [{"token_ids": list(map(int, q)), "prompt_tokens": int(n)} for q, n in sequences]}
     with engine_transaction(engine_dir) as txn:

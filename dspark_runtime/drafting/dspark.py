@@ -464,7 +464,8 @@ class DSparkDrafter(Drafter):
         return [props[r.rid] for r in reqs]
 
     def observe(self, rid, sent: int, accepted: int) -> None:
-        """After verification: with ``record`` set, keep (the sent positions' confidence logits, accepted)."""
+        """After verification: with ``record`` set, keep (the sent positions' confidence logits — empty without a
+        confidence head —, sent, accepted)."""
         conf = self._conf.pop(rid, None)
         if self.record is not None and conf is not None and sent:
-            self.record.append((conf[:sent].copy(), int(accepted)))
+            self.record.append((conf[:sent].copy(), int(sent), int(accepted)))

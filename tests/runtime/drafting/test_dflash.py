@@ -107,3 +107,19 @@ def test_info_says_dflash(dflash_engine_dir, capsys):
         assert not e.code, capsys.readouterr().err
     line = next(l for l in capsys.readouterr().out.splitlines() if "DSpark drafter:" in l)
     assert "DFlash (Markov rank 0, no confidence head" in line, line
+
+
+def test_calibrate_fits_the_routers_priors_without_temperatures(dflash_engine_dir, tmp_path):
+    """`dspark-export calibrate` on a DFlash engine: no confidences to calibrate, so no STS temperatures, but the
+    router's priors (n-gram and the drafter's acceptance by position) are fitted from its decoding rounds."""
+    from dspark_export.fit.calibrate_drafter import calibrate_engine
+    from dspark_runtime.engine_dir.manifest import load_manifest
+
+    eng_dir = tmp_path / "tiny"
+    shutil.copytree(dflash_engine_dir[0], eng_dir)
+    res = calibrate_engine(eng_dir, n_prompts=2, max_new_tokens=24, log=lambda *a: None)
+    assert res["temperatures"] is None and res["report"] == [] and res["rounds"] > 0
+    m = load_manifest(eng_dir)
+    assert m.speculation.dspark.sts_temperatures is None
+    counts = m.speculation.router["inner"]["dspark"]
+    assert m.speculation.router["gamma"] == 4 and counts["tries"][0][0] == res["rounds"]  # every round tries position 1
