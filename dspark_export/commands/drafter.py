@@ -58,6 +58,9 @@ from dspark_export.paths import cache_root
 @click.option("--block-size", type=int, default=7, show_default=True, help="Block size gamma.")
 @click.option("--markov-rank", type=int, default=64, show_default=True, help="Markov head rank (0 = DFlash).")
 @click.option("--markov-head", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla", show_default=True)
+@click.option("--confidence-head/--no-confidence-head", default=True, show_default=True,
+              help="Train the confidence head (scheduled verify lengths need it). --markov-rank 0 "
+                   "--no-confidence-head trains DeepSpec's DFlash (fixed blocks or the router).")
 @click.option("--draft-vocab", type=int, default=16384, show_default=True,
               help="Reduced draft vocabulary (most frequent target ids; mapping recorded). 0 = full vocabulary.")
 @click.option("--mask-token-id", type=click.IntRange(min=0), default=None,
@@ -85,7 +88,8 @@ from dspark_export.paths import cache_root
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
                 answer_prompts,
                 sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, layers, intermediate_size, moe_experts,
-                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, draft_vocab, mask_token_id, lr,
+                moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, confidence_head, draft_vocab,
+                mask_token_id, lr,
                 ce_weight, l1_weight, anchors_per_seq, train_crop, seqs_per_step, bf16, reuse_data):
     """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
     answers -> sequences -> features -> training -> calibration.
@@ -123,7 +127,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
         work = work_dir or cache_root() / "drafter" / tdir.name
         p = PipelineSettings(answer_prompts=answer_prompts, sharegpt_prompts=sharegpt_prompts,
                              num_layers=layers, intermediate_size=intermediate_size, block_size=block_size,
-                             markov_rank=markov_rank, markov_head_type=markov_head,
+                             markov_rank=markov_rank, markov_head_type=markov_head, confidence_head=confidence_head,
                              draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
                              sharegpt_tokens=sharegpt_tokens, feature_tokens=feature_tokens,
                              moe_experts=moe_experts, moe_top_k=moe_top_k,

@@ -47,6 +47,7 @@ class PipelineSettings:
     block_size: int = 7
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
+    confidence_head: bool = True  # False with markov_rank 0: DeepSpec's DFlash (no Markov, no confidence head)
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_intermediate_size: int | None = None
@@ -279,7 +280,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         c = qwen2_draft_config(cfg, mask_token_id=mask_id, num_layers=p.num_layers,
                                intermediate_size=p.intermediate_size, block_size=p.block_size,
                                target_layer_ids=p.feature_layers, markov_rank=p.markov_rank,
-                               markov_head_type=p.markov_head_type,
+                               markov_head_type=p.markov_head_type, confidence_head=p.confidence_head,
                                draft_vocab_size=None if vocab is None else len(vocab),
                                **_moe_kwargs(p))
         torch.manual_seed(s.seed)

@@ -276,16 +276,18 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
 
     monkeypatch.setattr(dp, "extract_features_ort", lambda *a, **k: pytest.fail("features extracted again"))
     monkeypatch.setattr(draft_data, "generate_answers_engine", lambda *a, **k: pytest.fail("answered again"))
-    p2 = replace(p, markov_rank=4, stdlib_tokens=5)  # a data setting given here is replaced by the reused run's
+    # DeepSpec's DFlash (no Markov, no confidence head); a data setting given here is replaced by the reused run's
+    p2 = replace(p, markov_rank=0, confidence_head=False, stdlib_tokens=5)
     work2, lines = tmp_path / "work2", []
     r2 = train_draft_pipeline(tiny_pair[0], work2, tmp_path / "ckpt2", p2, replace(s, ce_alpha=1.0),
                               compile_into_engine=False, reuse_data=work, log=lines.append)
     d2 = json.loads((work2 / "state.json").read_text())
     assert r2["finished"] and (work2 / "features").resolve() == (work / "features").resolve()
-    assert d2["pipeline"]["stdlib_tokens"] == 800 and d2["pipeline"]["markov_rank"] == 4
+    assert d2["pipeline"]["stdlib_tokens"] == 800 and d2["pipeline"]["markov_rank"] == 0
     assert d2["engine"] == str(tiny_engine_dir) and d2["stages"]["features"]["reused_from"] == str(work)
     assert d2["train"]["ce_alpha"] == 1.0 and r2["train"]["finished"]
-    assert json.loads((tmp_path / "ckpt2" / "config.json").read_text())["markov_rank"] == 4
+    cfg2 = json.loads((tmp_path / "ckpt2" / "config.json").read_text())
+    assert cfg2["markov_rank"] == 0 and cfg2["enable_confidence_head"] is False and "markov_head_type" not in cfg2
     assert any("reused from" in x for x in lines)
     unfinished = tmp_path / "unfinished"  # a run stopped before its features: nothing to reuse yet
     unfinished.mkdir()
