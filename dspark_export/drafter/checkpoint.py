@@ -133,6 +133,18 @@ def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float
     return out_dir
 
 
+def read_tensors(path: Path) -> dict:
+    """Every tensor of the ``*.safetensors`` files in checkpoint folder ``path`` (name -> torch tensor). Raises
+    DraftConfigError when there is none."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise DraftConfigError(f"{path}: no *.safetensors weights next to config.json")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
 def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype=torch.float32) -> DSparkDraftModel:
     """Load a DeepSpec-layout drafter (``config.json`` + ``*.safetensors``), strictly: every checkpoint tensor
     is consumed and every model tensor filled; floating tensors are cast to ``dtype`` (the model's parameters
@@ -147,12 +159,7 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
     """
     path = Path(path)
     c = load_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftConfigError(f"{path}: no *.safetensors weights next to config.json")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    tensors = read_tensors(path)
     frozen = [n for n in ("embed_tokens.weight", "lm_head.weight") if n in tensors]
     if len(frozen) == 1:
         other = ({"embed_tokens.weight", "lm_head.weight"} - set(frozen)).pop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,6 +28,25 @@ from dspark_export.drafter.families import (ARCHITECTURES, CONDITIONAL_FIELDS, D
 class DraftConfigError(DSparkError):
     """A DSpark draft config.json or checkpoint is missing a field or tensor, has a malformed one, or holds a
     value or tensor this loader does not implement (the message names it and what would support it)."""
+
+
+def int_field(d: dict, source: str, name: str, lo: int | None = None, default=None) -> int:
+    """Config field ``name`` of ``d`` (``default`` when absent) as an integer (>= ``lo``). Raises DraftConfigError
+    naming the field and ``source`` otherwise (a bool is not an integer here)."""
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise DraftConfigError(f"{source}: field {name!r} must be an integer"
+                               f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+    return v
+
+
+def bool_field(d: dict, source: str, name: str, default) -> bool:
+    """Config field ``name`` of ``d`` (``default`` when absent) as true/false. Raises DraftConfigError naming the
+    field and ``source`` otherwise."""
+    v = d.get(name, default)
+    if not isinstance(v, bool):
+        raise DraftConfigError(f"{source}: field {name!r} must be true or false, got {v!r}")
+    return v
 
 
 def _family(d: dict, source: str) -> str:
@@ -298,18 +318,7 @@ class DSparkConfig:
                                    f"is the target's config plus {list(DSPARK_FIELDS)}")
         _check_fields(d, fam, source)
 
-        def _int(name, lo=None, default=None):
-            v = d.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-                raise DraftConfigError(f"{source}: field {name!r} must be an integer"
-                                       f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
-            return v
-
-        def _bool(name, default):
-            v = d.get(name, default)
-            if not isinstance(v, bool):
-                raise DraftConfigError(f"{source}: field {name!r} must be true or false, got {v!r}")
-            return v
+        _int, _bool = partial(int_field, d, source), partial(bool_field, d, source)
 
         ids = d["target_layer_ids"]
         if (not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from dspark_export.drafter.config import QWEN3, DraftConfigError, _activation, _rope_parameters, rotary_table
+from dspark_export.drafter.checkpoint import read_tensors
+from dspark_export.drafter.config import (QWEN3, DraftConfigError, _activation, _rope_parameters, bool_field, int_field,
+                                         rotary_table)
 from dspark_export.drafter.families import CONDITIONAL_FIELDS, IGNORED_FIELDS
 from dspark_export.drafter.ffn import DraftMLP
 from dspark_export.drafter.model import RMSNorm, rope
@@ -124,18 +126,7 @@ class Eagle3Config:
             raise DraftConfigError(f"{source}: missing field(s) {missing}; a DeepSpec EAGLE-3 draft config is the "
                                    "target's config plus target_layer_ids, ttt_length and draft_num_hidden_layers")
 
-        def _int(name, lo=None, default=None):
-            v = d.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-                raise DraftConfigError(f"{source}: field {name!r} must be an integer"
-                                       f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
-            return v
-
-        def _bool(name, default):
-            v = d.get(name, default)
-            if not isinstance(v, bool):
-                raise DraftConfigError(f"{source}: field {name!r} must be true or false, got {v!r}")
-            return v
+        _int, _bool = partial(int_field, d, source), partial(bool_field, d, source)
 
         n_layers = _int("num_hidden_layers", 1)
         dn = d.get("draft_num_hidden_layers")
@@ -386,12 +377,7 @@ def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32) -> Eagle3DraftMod
     """
     path = Path(path)
     c = load_eagle3_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftConfigError(f"{path}: no *.safetensors weights next to config.json")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    tensors = read_tensors(path)
     vmap = [n for n in VOCAB_MAP_TENSORS if n in tensors]
     if vmap:
         raise DraftConfigError(
