@@ -11,20 +11,17 @@ Collaborators: the drafter (:class:`~dspark_runtime.drafting.base.Drafter`), the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from dspark_runtime.decoding.acceptance import greedy_accept, rejection_accept
-from dspark_runtime.decoding.grammar import masked_rows
 from dspark_runtime.decoding.logprobs import MAX_TOP_LOGPROBS, token_logprob
-from dspark_runtime.decoding.penalties import penalize_rows
 from dspark_runtime.decoding.prefix_cache import concat_blocks, payload_bytes
 from dspark_runtime.decoding.request import GenerationStats, PromptShare, Request, Stopper
-from dspark_runtime.decoding.sampling import SamplingParams, process_logits, select_token
+from dspark_runtime.decoding.sampling import SamplingParams, select_token
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.decoding.stats import BatchStats, RoundMeter, count_verdict, finish_request_stats
+from dspark_runtime.decoding.verify_block import Block, accept_block, advance_grammar, build_block, processed_rows
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.errors import DSparkError, InputError
 from dspark_runtime.runners.base import BatchRunner
@@ -34,21 +31,6 @@ from dspark_runtime.scheduling.draft_skip import DraftSkipRule
 from dspark_runtime.scheduling.prefill import plan_prefill
 from dspark_runtime.scheduling.prefill import prefill_budget as auto_prefill_budget
 from dspark_runtime.scheduling.verify_length import schedule_greedy
-
-
-@dataclass
-class Block:
-    """What one request verifies in a round, after the anchor: ``tokens`` (the drafter's first ``drafted`` ones,
-    then any its grammar forces); ``q`` float [len(tokens), vocab] the distributions they were drawn from, or None
-    for point masses; ``final_q`` the distribution of a draft the grammar forbade, cut from the block (the residual
-    it leaves is what row ``len(tokens)`` samples), or None; ``masks`` bool [vocab] per row (len(tokens) + 1) of
-    the grammar, or None."""
-
-    tokens: list
-    drafted: int
-    q: np.ndarray | None = None
-    final_q: np.ndarray | None = None
-    masks: list | None = None
 
 
 class DecodingLoop:
@@ -190,7 +172,8 @@ class DecodingLoop:
         caps = [max(1, min(r.gamma, r.max_new_tokens - len(r.out))) for r in reqs]
         table = cost_table_at(self.cost_table, self.target.attended_positions([r.rid for r in reqs])) if reqs else None
         props, lengths = self._draft(reqs, caps, table, meter)
-        blocks = [self._block(r, p, ell, cap) for r, p, ell, cap in zip(reqs, props, lengths, caps)]
+        blocks = [build_block(r, p, ell, cap, self.eos_ids) for r, p, ell, cap in zip(reqs, props, lengths, caps)]
+        self.stats.masked_drafts += sum(b.masked for b in blocks)
         bases = [self.target.length(r.rid) for r in reqs]
         segs = [(r.rid, [r.out[-1]] + b.tokens) for r, b in zip(reqs, blocks)]
         feeding, merged = self._plan_prompt_chunks(segs, table)
@@ -201,7 +184,7 @@ class DecodingLoop:
             if self._feed_prompt(r, c, lg):
                 finished.append(r)
         for r, b, base, lg in zip(reqs, blocks, bases, logits):
-            n, nxt = self._accept(r, b, lg)
+            n, nxt = accept_block(r, b, lg)
             self.target.rollback(r.rid, base + 1 + n)
             self._observe(r, b.drafted, min(n, b.drafted))
             if self._commit(r, b, n, nxt, lg):
@@ -322,7 +305,8 @@ class DecodingLoop:
     def _draft(self, reqs: list, caps: list, table: dict | None, meter: RoundMeter) -> tuple:
         """The drafting pass and the verify lengths: (proposals, l_r) per decoding request; empty proposals when
         there is no drafter or the skip rule says the pass does not pay. A request whose grammar forces its next
-        tokens is not drafted for (they are verified instead, :meth:`_block`); a round of only such requests runs
+        tokens is not drafted for (they are verified instead,
+        :func:`~dspark_runtime.decoding.verify_block.build_block`); a round of only such requests runs
         no drafting pass."""
         self.skip.last_expected = None
         if not reqs:
@@ -423,11 +407,11 @@ class DecodingLoop:
             req.out = [int(logits)]
         else:
             masks = None if req.grammar is None else [req.grammar.allowed()]
-            row = self._processed(req, logits[None], [], masks)[0]
+            row = processed_rows(req, logits[None], [], masks)[0]
             req.out = [select_token(row, req.params, req.rng)]
             if req.logprobs is not None:
                 req.token_logprobs.append(token_logprob(logits, req.out[0], req.logprobs))
-            self._grammar_commit(req, req.out)
+            advance_grammar(req, req.out, self.eos_ids)
         req.t_first = time.perf_counter()
         req.stats.ttft_ms = (req.t_first - req.t_submit) * 1e3
         self.stats.count_first_token(req)
@@ -439,79 +423,6 @@ class DecodingLoop:
             self._finish(req, reason)
         elif self.drafter is not None:
             self.drafter.begin(req)
-
-    def _block(self, req: Request, prop: Proposal, ell: int, cap: int) -> Block:
-        """What ``req`` verifies this round: its first ``ell`` drafted tokens; with a grammar, only up to the first
-        one it forbids (no target position spent on it), then the tokens it forces, up to ``cap`` in all. The grammar
-        is left advanced through the block (:meth:`_commit` rolls it back to what is accepted)."""
-        toks = list(prop.tokens[:ell])
-        g = req.grammar
-        if g is None:
-            return Block(toks, ell, None if prop.q is None else prop.q[:ell])
-        masks, block, final_q = [], [], None
-        for j, t in enumerate(toks):
-            masks.append(g.allowed())
-            if not masks[-1][t]:
-                final_q = None if prop.q is None else prop.q[j]
-                req.stats.masked_drafts += 1
-                self.stats.masked_drafts += 1
-                break
-            g.consume([t])
-            block.append(t)
-        else:
-            masks.append(g.allowed())
-        drafted = len(block)
-        for f in g.forced(max(0, cap - drafted)) if cap > drafted else []:
-            if f in self.eos_ids:
-                break
-            g.consume([f])
-            block.append(f)
-            masks.append(g.allowed())
-        if len(block) > drafted:
-            final_q = None  # the forced token took the forbidden draft's place
-        q = None
-        if prop.q is not None and not req.params.greedy:
-            q = np.zeros((len(block), prop.q.shape[-1]), dtype=prop.q.dtype)
-            q[:drafted] = prop.q[:drafted]
-            q[np.arange(drafted, len(block)), block[drafted:]] = 1.0
-        return Block(block, drafted, q, final_q, masks)
-
-    def _processed(self, req: Request, logits: np.ndarray, block: list, masks: list | None) -> np.ndarray:
-        """``req``'s raw ``logits`` rows (float32 [rows, vocab], row k after ``block[:k]``) with its penalties and
-        grammar masks applied: what its tokens are chosen from (a copy; the raw rows are left as they are for
-        logprobs)."""
-        if not req.params.penalized and masks is None:
-            return logits
-        x = penalize_rows(logits, req.params, req.prompt_set, req.out, block)  # a copy
-        return masked_rows(x, masks, inplace=True) if masks else x
-
-    def _accept(self, req: Request, blk: Block, logits: np.ndarray) -> tuple:
-        """(accepted tokens n, the correction or bonus token) for ``req``'s verify block against the verifier's
-        ``logits`` after its penalties and grammar: greedy match, or rejection sampling with its own RNG (point
-        masses where the proposal has no ``q``; the residual of a forbidden draft's ``final_q``)."""
-        d = np.asarray(blk.tokens, dtype=np.int64)
-        if req.argmax_only:
-            return greedy_accept(d, logits)
-        x = self._processed(req, logits, blk.tokens, blk.masks)
-        if req.params.greedy:
-            return greedy_accept(d, x)
-        pr = process_logits(x, req.params)
-        q = blk.q
-        if q is None:
-            q = np.zeros((len(d), pr.shape[-1]), dtype=pr.dtype)
-            q[np.arange(len(d)), d] = 1.0
-        return rejection_accept(d, q, pr, req.rng, final_q=blk.final_q)
-
-    def _grammar_commit(self, req: Request, committed: list, verified: int = 0, accepted: int = 0) -> None:
-        """Move ``req``'s grammar to the committed text: undo the block's tokens past the ``accepted`` of
-        ``verified``, then consume the new token (an end-of-sequence id ends the request instead)."""
-        g = req.grammar
-        if g is None:
-            return
-        if verified > accepted:
-            g.rollback(verified - accepted)
-        if committed and committed[-1] not in self.eos_ids:
-            g.consume([committed[-1]])
 
     def _observe(self, req: Request, ell: int, n: int) -> None:
         """The drafter and, with observed survivals, the skip rule learn from the verdict (``n`` of ``ell``)."""
@@ -528,7 +439,7 @@ class DecodingLoop:
         tokens = blk.tokens[:n] + [nxt]
         if req.logprobs is not None:
             req.token_logprobs += [token_logprob(logits[j], t, req.logprobs) for j, t in enumerate(tokens)]
-        self._grammar_commit(req, tokens, len(blk.tokens), n)
+        advance_grammar(req, tokens, self.eos_ids, len(blk.tokens), n)
         forced = max(0, min(n, len(blk.tokens)) - blk.drafted)
         req.stats.forced_tokens += forced
         self.stats.forced_tokens += forced
