@@ -11,7 +11,8 @@ import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
 from dspark_runtime.engine_dir.manifest import load_manifest
-from dspark_runtime.engine_dir.speculation import auto_draft_choice, manifest_drafters, manifest_schedulable
+from dspark_runtime.engine_dir.speculation import (auto_draft_choice, manifest_drafters, manifest_eagle3,
+                                                   manifest_schedulable)
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS, cpu_difference, cpu_features, shared_pool_default
 from dspark_runtime.serving import ray_serve
@@ -84,10 +85,11 @@ def cli():
                    "survival) or deepspec (DeepSpec's rule: the first position whose own confidence is below it).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram"]), default="auto",
+@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "eagle3", "lm", "ngram"]), default="auto",
               show_default=True,
-              help="Drafter: router (per round, n-gram prompt lookup or the engine's DSpark/LM drafter, whichever "
-                   "is expected to commit more), the engine's DSpark drafter, its draft LM, n-gram prompt lookup, "
+              help="Drafter: router (per round, n-gram prompt lookup or the engine's DSpark/EAGLE-3/LM drafter, "
+                   "whichever is expected to commit more), the engine's DSpark drafter, its EAGLE-3 drafter, its "
+                   "draft LM, n-gram prompt lookup, "
                    "or auto (the router over a calibrated DSpark drafter with scheduled verify lengths where the "
                    "engine has a cost table, else its draft LM, else the router, else n-gram; `dspark info` says "
                    "which).")
@@ -199,10 +201,20 @@ def speculation_lines(m) -> list:
     sp = m.speculation
     dl = sp.draft_length
     lm, ds = manifest_drafters(m)
+    e3 = manifest_eagle3(m)
     scheduled = manifest_schedulable(m)
-    choice = auto_draft_choice(lm, ds, scheduled)
+    choice = auto_draft_choice(lm, ds or e3, scheduled)
     block = sp.dspark.block_size if sp.dspark is not None else "?"
     drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
+    if e3:
+        info = sp.eagle3
+        drafters.append(f"EAGLE-3 drafter '{e3}' ({info.ttt_length} draft steps per round, target layers "
+                        f"{info.target_layer_ids})" if info is not None else f"EAGLE-3 drafter '{e3}'")
+    if not ds and e3:  # the router's model drafter is then the EAGLE-3 one
+        block = f"{sp.eagle3.ttt_length if sp.eagle3 is not None else '?'}-step EAGLE-3"
+        unit = "draft"
+    else:
+        unit = "DSpark block"
     lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
     if choice == "lm":
         auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
@@ -214,12 +226,12 @@ def speculation_lines(m) -> list:
         needs = ("`dspark-export profile` first: without a confidence head the router schedules from learned "
                  "acceptance" if sp.dspark is not None and sp.dspark.confidence_head is False
                  else "`dspark-export calibrate` and `profile` first")
-        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token {unit}, whichever is expected "
                 f"to commit more (--draft-length N caps the block; 'scheduled' needs {needs})")
     else:
         auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
     lines.append(f"  --draft auto: {auto}")
-    if lm or ds:  # --draft router works over either model drafter
+    if lm or ds or e3:  # --draft router works over any model drafter
         r = sp.router
         if r:
             what = (["n-gram acceptance by match extent"] if r.get("ngram") else []) + [
@@ -351,7 +363,8 @@ def unpack(tarball, dest):
               help="Most requests decoding at once (one packed verify pass per round for all of them).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests accepted beyond --max-batch, waiting for a slot; more are answered 429.")
-@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "lm", "ngram", "none"]), default="auto",
+@click.option("--draft", type=click.Choice(["auto", "router", "dspark", "eagle3", "lm", "ngram", "none"]),
+              default="auto",
               show_default=True, help="Drafter (auto: the router — n-gram lookup or the DSpark drafter per request "
               "and round — with scheduled verify lengths over a calibrated DSpark drafter where the engine has a "
               "cost table, else the engine's draft LM, else the router, else n-gram; `dspark info` says which); "

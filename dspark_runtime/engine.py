@@ -20,6 +20,7 @@ from dspark_runtime.decoding.grammar import GrammarCompiler
 from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+from dspark_runtime.drafting.eagle3 import OrtEagle3Graph
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
 from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
@@ -33,6 +34,9 @@ from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_r
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
 from dspark_runtime.runners.factory import batch_runner, decoder_runner
 from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner
+
+# the backend that runs each drafter graph kind on the CPU (a decoder graph: OrtDecoder)
+GRAPH_BACKENDS = {"dspark_draft": OrtDSparkGraph, "eagle3_draft": OrtEagle3Graph}
 
 
 class Engine:
@@ -53,7 +57,7 @@ class Engine:
         self._grammars = None  # the GrammarCompiler, built on the first constrained request
         self.placement = self._placement(placement, backend, providers)
         self._backends = {
-            key: (OrtDSparkGraph if g.spec.kind == "dspark_draft" else OrtDecoder)(
+            key: GRAPH_BACKENDS.get(g.spec.kind, OrtDecoder)(
                 self.dir / g.model_file, g.spec, threads=threads,
                 providers=providers or PROVIDERS.get(self.placement[key], PROVIDERS["cpu"]), precision=g.precision,
                 allow_slow_precision=allow_slow_precision)
@@ -69,6 +73,9 @@ class Engine:
         ds = manifest.speculation.dspark
         if ds is not None and ds.embedding is not None and ds.graph in self._backends:
             self._backends[ds.graph].embedding = EmbeddingRows.from_manifest(self.dir, ds.embedding)
+        e3 = manifest.speculation.eagle3
+        if e3 is not None and e3.graph in self._backends:
+            self._backends[e3.graph].embedding = EmbeddingRows.from_manifest(self.dir, e3.embedding)
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)
@@ -488,8 +495,8 @@ class Engine:
             max_new_tokens: > 0.
             temperature, top_k, top_p: sampling; temperature 0 is greedy (argmax).
             draft: "auto" (:meth:`auto_draft`), "router" (per round, n-gram lookup or the engine's DSpark/LM drafter,
-                whichever is expected to commit more; :mod:`dspark_runtime.drafting.router`), "dspark", "lm" (a
-                standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no weights), or
+                whichever is expected to commit more; :mod:`dspark_runtime.drafting.router`), "dspark", "eagle3"
+                (the EAGLE-3 drafter), "lm" (a standalone draft LM), "draft" (whichever the engine has), "ngram" (prompt lookup, no weights), or
                 None/"none" for target-only decoding.
             draft_length: draft tokens per round (gamma >= 1), "auto" for the heuristic schedule (+2 after a fully
                 accepted block, -1 otherwise), or "scheduled" (DSpark or the router): per round, the verify length

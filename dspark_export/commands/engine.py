@@ -16,6 +16,7 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION
 from dspark_export.engine_dir.add_draft import add_dspark_draft, dspark_checkpoint
+from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft, is_eagle3_checkpoint
 from dspark_export.engine_dir.build import Recipe, build_engine
 from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 from dspark_export.graphs.device import build_cuda
@@ -174,14 +175,23 @@ def build_cuda_cmd(engine_dir, graphs, half, max_batch, decode_q, prefill_chunk,
 @click.command("add-draft")
 @click.argument("engine_dir", type=click.Path(path_type=Path), callback=engine_path_callback())
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--target", required=True, help="The engine's target model (fetched name or folder): its frozen "
-              "embedding and LM head complete a checkpoint that omits them.")
+@click.option("--target", default=None, help="The engine's target model (fetched name or folder): its frozen "
+              "embedding and LM head complete a DSpark checkpoint that omits them (required for DSpark checkpoints; "
+              "an EAGLE-3 checkpoint holds its own).")
 @click.option("--in-process", is_flag=True, help="Export in this process.")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "int4", "int8-dynamic"]), default="auto",
               show_default=True, help="The drafter graph's weights (auto: int4 beside an int4 target, else fp32).")
 def add_draft(engine_dir, checkpoint, target, in_process, precision):
-    """Compile the DSpark CHECKPOINT into the built ENGINE_DIR as its drafter (the target graph is kept and
-    must output the drafter's target_layer_ids features)."""
+    """Compile CHECKPOINT into the built ENGINE_DIR as a drafter: a DSpark / DFlash checkpoint becomes its DSpark
+    drafter, a DeepSpec EAGLE-3 checkpoint (config.json architectures Qwen3Eagle3Model) its EAGLE-3 drafter
+    (``--draft eagle3``). The target graph is kept and must output the drafter's target_layer_ids features."""
+    if is_eagle3_checkpoint(checkpoint):
+        add_eagle3_draft(engine_dir, checkpoint, isolate=not in_process, log=click.echo, precision=precision)
+        click.echo(f"{engine_dir}: EAGLE-3 drafter is now {checkpoint} (--draft eagle3)")
+        return
+    if target is None:
+        raise click.UsageError("--target is required for a DSpark checkpoint (its frozen embedding and LM head "
+                               "may come from the target); pass the engine's target model name or folder")
     add_dspark_draft(engine_dir, dspark_checkpoint(f"dspark:{checkpoint}"), target, isolate=not in_process,
                      log=click.echo, precision=precision)
     click.echo(f"{engine_dir}: drafter is now dspark:{checkpoint}")

@@ -1,6 +1,6 @@
 """DeepSpec's EAGLE-3 drafter (``Qwen3Eagle3Model``): its ``config.json`` parsed strictly (:class:`Eagle3Config`),
-the torch model (:class:`Eagle3DraftModel`) and :func:`load_eagle3_checkpoint`. Loading only so far: there is no
-ONNX graph, runtime drafter or ``--draft eagle3`` yet (docs/drafter.md).
+the torch model (:class:`Eagle3DraftModel`) and :func:`load_eagle3_checkpoint`; the ONNX graph is
+:mod:`dspark_export.drafter.eagle3_graph`, the runtime drafter :mod:`dspark_runtime.drafting.eagle3`.
 
 Sources: DeepSpec ``deepspec/modeling/eagle3/qwen3/modeling.py`` and its evaluator
 ``deepspec/eval/eagle3/evaluator.py``; parity: ``tests/export/drafter/test_eagle3.py``. The drafter fuses the
@@ -240,26 +240,38 @@ class Eagle3Attention(nn.Module):
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 
-    def forward(self, x, positions, cache: Eagle3Cache | None, layer_idx: int):
-        """x [b, n, 2d] at positions [b, n] -> [b, n, d]; appends the keys/values to ``cache``."""
+    def project(self, x, positions):
+        """x [b, n, 2d] at positions [b, n] -> (q [b, h, n, hd], k, v [b, kv, n, hd]): q/k normed per head, RoPE."""
         b, n, _ = x.shape
         c = self.c
         q = self.q_norm(self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q = rope(q, positions, c.rope_inv_freq, c.rope_attention_scaling)
-        k = rope(k, positions, c.rope_inv_freq, c.rope_attention_scaling)
-        past = 0 if cache is None else len(cache)
-        if cache is not None:
-            k, v = cache.append(layer_idx, k, v)
+        return (rope(q, positions, c.rope_inv_freq, c.rope_attention_scaling),
+                rope(k, positions, c.rope_inv_freq, c.rope_attention_scaling), v)
+
+    def attend(self, q, k, v, mask):
+        """q [b, h, n, hd] over all keys/values k, v [b, kv, L, hd] where ``mask`` (bool, broadcast to [b, 1, n, L];
+        True = may attend) allows -> [b, n, d]."""
+        b, _, n, _ = q.shape
+        c = self.c
         groups = c.num_attention_heads // c.num_key_value_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * c.head_dim ** -0.5
-        mask = torch.arange(k.shape[2], device=x.device)[None, :] <= past + torch.arange(n, device=x.device)[:, None]
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def forward(self, x, positions, cache: Eagle3Cache | None, layer_idx: int):
+        """x [b, n, 2d] at positions [b, n] -> [b, n, d]; appends the keys/values to ``cache``."""
+        n = x.shape[1]
+        q, k, v = self.project(x, positions)
+        past = 0 if cache is None else len(cache)
+        if cache is not None:
+            k, v = cache.append(layer_idx, k, v)
+        mask = torch.arange(k.shape[2], device=x.device)[None, :] <= past + torch.arange(n, device=x.device)[:, None]
+        return self.attend(q, k, v, mask)
 
 
 class Eagle3Layer(nn.Module):
@@ -278,6 +290,15 @@ class Eagle3Layer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
         state = state + self.self_attn(x, positions, cache, layer_idx)
         return state + self.mlp(self.post_attention_layernorm(state))
+
+    def step(self, embeds, state, positions, past_k, past_v, mask):
+        """The layer on explicit keys/values (the ONNX graph's form): ``past_k``/``past_v`` [b, kv, P, hd], ``mask``
+        bool [b, 1, n, P + n]. Returns (state [b, n, d], keys, values [b, kv, P + n, hd])."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
+        q, k, v = self.self_attn.project(x, positions)
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        state = state + self.self_attn.attend(q, k, v, mask)
+        return state + self.mlp(self.post_attention_layernorm(state)), k, v
 
 
 class Eagle3DraftModel(nn.Module):

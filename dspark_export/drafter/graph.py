@@ -266,16 +266,18 @@ def target_embedding_entry(engine_dir: Path, model_file: str) -> dict | None:
     return None
 
 
-def embedding_entry(table: np.ndarray, out_dir: Path, target_entry: dict | None, target_root: Path) -> dict:
-    """The drafter's ``speculation.dspark.embedding`` entry for its embedding table ``table`` float32 [V, d]: the
-    target graph's table (``target_entry``, relative to ``target_root``) when it equals ``table`` bit for bit (our
-    drafters hold frozen copies of it), else ``table`` written to ``out_dir/EMBED_FILE`` (raw float32)."""
+def embedding_entry(table: np.ndarray, out_dir: Path, target_entry: dict | None, target_root: Path,
+                    file_name: str = EMBED_FILE) -> dict:
+    """A drafter's ``embedding`` entry (``speculation.dspark`` / ``speculation.eagle3``) for its embedding table
+    ``table`` float32 [V, d]: the target graph's table (``target_entry``, relative to ``target_root``) when it equals
+    ``table`` bit for bit (drafters hold frozen copies of it), else ``table`` written to ``out_dir/file_name`` (raw
+    float32)."""
     if target_entry is not None:
         t = EmbeddingRows.from_manifest(target_root, target_entry)
         if t.shape == table.shape and np.array_equal(np.asarray(t._table, dtype=np.float32), table):
             return dict(target_entry)
-    np.ascontiguousarray(table, dtype="<f4").tofile(Path(out_dir) / EMBED_FILE)
-    return {"file": EMBED_FILE, "offset": 0, "dtype": "float32", "shape": list(table.shape)}
+    np.ascontiguousarray(table, dtype="<f4").tofile(Path(out_dir) / file_name)
+    return {"file": file_name, "offset": 0, "dtype": "float32", "shape": list(table.shape)}
 
 
 def relocate_embedding(src_dir: Path, out_dir: Path, manifest, log=print):

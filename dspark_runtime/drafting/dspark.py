@@ -18,6 +18,7 @@ import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.drafting.base import Drafter, Proposal
+from dspark_runtime.drafting.context_kv import ContextKV
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
@@ -297,11 +298,9 @@ class DSparkDrafter(Drafter):
     others' (a request that has just joined brings its whole prompt; :func:`context_groups`), then the numpy
     Markov/confidence heads per row.
 
-    The context K/V is a [R, kv_heads, S, head_dim] array per drafter layer with a validity mask [R, S]: rows
-    join (zero row, nothing valid) and leave (row deleted) between rounds; each call appends the target features
-    of the positions committed since the row's last call (all of them after rounds the router sent elsewhere);
-    invalid (padding) slots are gathered away when they exceed a quarter of the array. The context only holds
-    committed positions, so it never rolls back.
+    The context K/V (:class:`~dspark_runtime.drafting.context_kv.ContextKV`, one row per request, padding masked):
+    each call appends the target features of the positions committed since the row's last call (all of them after
+    rounds the router sent elsewhere). The context only holds committed positions, so it never rolls back.
 
     Args:
         graph: the drafter graph backend (:class:`OrtDSparkGraph`).
@@ -327,9 +326,7 @@ class DSparkDrafter(Drafter):
         self.threshold_rule = check_threshold_rule(threshold_rule)
         self.confident = heads.conf_w is not None
         self.record: list | None = None
-        self.rows: list = []
-        self._kv = graph.empty_kv(0)
-        self._valid = np.zeros((0, 0), dtype=bool)
+        self.context = ContextKV(graph.empty_kv(0))
         self._ctx: dict = {}  # rid -> committed positions already in its context row
         self._conf: dict = {}  # rid -> the last proposal's confidence logits
 
@@ -337,43 +334,18 @@ class DSparkDrafter(Drafter):
         if self.target.features(req.rid) is None:
             raise DSparkError("the target graph outputs no features; rebuild the engine with the drafter's "
                               "target_layer_ids as target feature layers")
-        self.rows.append(req.rid)
+        self.context.add(req.rid)
         self._ctx[req.rid] = 0
-        self._kv = [(np.concatenate([k, self._zero_row(k)]), np.concatenate([v, self._zero_row(v)]))
-                    for k, v in self._kv]
-        self._valid = np.concatenate([self._valid, np.zeros((1, self._valid.shape[1]), dtype=bool)])
 
-    @staticmethod
-    def _zero_row(a: np.ndarray) -> np.ndarray:
-        return np.zeros((1,) + a.shape[1:], dtype=a.dtype)
+    @property
+    def rows(self) -> list:
+        """The request ids of the context rows, in row order."""
+        return self.context.rows
 
     def remove(self, rid) -> None:
-        if rid not in self._ctx:
-            return
-        i = self.rows.index(rid)
-        self.rows.pop(i)
-        self._ctx.pop(rid)
+        self.context.remove(rid)
+        self._ctx.pop(rid, None)
         self._conf.pop(rid, None)
-        self._kv = [(np.delete(k, i, axis=0), np.delete(v, i, axis=0)) for k, v in self._kv]
-        self._valid = np.delete(self._valid, i, axis=0)
-
-    def _compact(self) -> None:
-        S = self._valid.shape[1]
-        counts = self._valid.sum(axis=1)
-        keep = int(counts.max()) if counts.size else 0
-        if S - keep < max(64, S // 4):
-            return
-        new_kv = []
-        for k, v in self._kv:
-            nk = np.zeros(k.shape[:2] + (keep,) + k.shape[3:], dtype=k.dtype)
-            nv = np.zeros_like(nk)
-            for r in range(len(self.rows)):
-                idx = np.flatnonzero(self._valid[r])
-                nk[r, :, : idx.size] = k[r][:, idx]
-                nv[r, :, : idx.size] = v[r][:, idx]
-            new_kv.append((nk, nv))
-        self._kv = new_kv
-        self._valid = np.arange(keep)[None, :] < counts[:, None]
 
     def _run_groups(self, reqs_rows: list, news: list) -> tuple:
         """The round's drafter graph calls: the rows (in ``self.rows`` order) split by :func:`context_groups` so no
@@ -383,7 +355,8 @@ class DSparkDrafter(Drafter):
         g = self.block_size
         R = len(reqs_rows)
         fdim = self.graph.spec.inputs[0].shape[-1]
-        S = self._valid.shape[1]
+        ctx_kv, ctx_valid_all = self.context.kv, self.context.valid
+        S = ctx_valid_all.shape[1]
         n_all = max((b - a for a, b in news), default=0)
         groups = context_groups([b - a for a, b in news], g)
         one = len(groups) == 1  # the steady round: every row in one call, the K/V passed and kept as they are
@@ -391,7 +364,7 @@ class DSparkDrafter(Drafter):
             groups = [list(range(R))]
         else:  # the merged K/V the calls write their rows into
             kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
-                   np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in self._kv]
+                   np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in ctx_kv]
             valid = np.zeros((R, S + n_all), dtype=bool)
         hidden = base = None
         for rows in groups:
@@ -409,10 +382,10 @@ class DSparkDrafter(Drafter):
                 new_valid[j, : b - a] = True
                 bpos[j] = np.arange(b, b + g)
                 anchors[j, 0] = r.out[-1]
-            ctx_valid = np.concatenate([self._valid if one else self._valid[idx], new_valid], axis=1)
+            ctx_valid = np.concatenate([ctx_valid_all if one else ctx_valid_all[idx], new_valid], axis=1)
             mask = np.concatenate([ctx_valid, np.ones((len(rows), g), dtype=bool)], axis=1)
             mask = np.broadcast_to(mask[:, None, None, :], (len(rows), 1, g, mask.shape[1]))
-            past = self._kv if one else [(k[idx], v[idx]) for k, v in self._kv]
+            past = ctx_kv if one else [(k[idx], v[idx]) for k, v in ctx_kv]
             h, u, present = self.graph.run(feats, fpos, anchors, bpos, np.ascontiguousarray(mask), past)
             if one:
                 return h, u, present, ctx_valid
@@ -447,10 +420,11 @@ class DSparkDrafter(Drafter):
                                   f"{self.target.length(r.rid)} positions, anchor at {anchor_pos}, drafter "
                                   f"context {self._ctx[r.rid]}")
             news.append((self._ctx[r.rid], anchor_pos))
-        hidden, base, self._kv, self._valid = self._run_groups(reqs_rows, news)
+        hidden, base, kv, valid = self._run_groups(reqs_rows, news)
+        self.context.write(range(len(self.rows)), kv, valid)
         for (r, _), (a, b) in zip(reqs_rows, news):
             self._ctx[r.rid] = b
-        self._compact()
+        self.context.compact()
         props = {}
         for i, (r, gam) in enumerate(reqs_rows):
             if only is not None and r.rid not in only:

@@ -12,12 +12,14 @@ import numpy as np
 from dspark_runtime.drafting.base import Drafter
 from dspark_runtime.drafting.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.drafting.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads
+from dspark_runtime.drafting.eagle3 import Eagle3Drafter, feature_columns
 from dspark_runtime.drafting.router import NGRAM_MAX_LENGTH, Router, router_priors
 from dspark_runtime.engine_dir.manifest import Manifest
-from dspark_runtime.engine_dir.speculation import auto_draft_choice, manifest_drafters, manifest_schedulable
-from dspark_runtime.errors import InputError, ManifestError
+from dspark_runtime.engine_dir.speculation import (auto_draft_choice, manifest_drafters, manifest_eagle3,
+                                                   manifest_schedulable)
+from dspark_runtime.errors import DSparkError, InputError, ManifestError
 
-KINDS = ("router", "dspark", "lm", "ngram")
+KINDS = ("router", "dspark", "eagle3", "lm", "ngram")
 
 
 class DrafterFactory:
@@ -27,16 +29,19 @@ class DrafterFactory:
         engine_dir, manifest: the engine's directory and manifest.
         backends: {graph key: backend}, the engine's (shared, not copied: the engine may swap a backend in).
         loop_runner: ``(graph key, max requests) -> BatchRunner``, the engine's runner for a draft LM's graph.
-    ``lm_graph`` / ``dspark_graph``: the draft LM's / DSpark drafter's graph key or None
-    (:func:`~dspark_runtime.engine_dir.speculation.manifest_drafters`); ``draft_graph`` / ``draft_kind``: the model
-    drafter's (DSpark first).
+    ``lm_graph`` / ``dspark_graph`` / ``eagle3_graph``: the draft LM's / DSpark drafter's / EAGLE-3 drafter's graph
+    key or None (:func:`~dspark_runtime.engine_dir.speculation.manifest_drafters`, ``manifest_eagle3``);
+    ``draft_graph`` / ``draft_kind``: the model drafter's, the one the router runs (DSpark first, then EAGLE-3, then
+    the draft LM).
     """
 
     def __init__(self, engine_dir: Path, manifest: Manifest, backends: dict, loop_runner: Callable):
         self.dir, self.manifest, self._backends, self._loop_runner = Path(engine_dir), manifest, backends, loop_runner
         self.lm_graph, self.dspark_graph = manifest_drafters(manifest)
-        self.draft_graph = self.dspark_graph or self.lm_graph
-        self.draft_kind = "dspark" if self.dspark_graph else ("lm" if self.lm_graph else None)
+        self.eagle3_graph = manifest_eagle3(manifest)
+        self.draft_graph = self.dspark_graph or self.eagle3_graph or self.lm_graph
+        self.draft_kind = ("dspark" if self.dspark_graph else "eagle3" if self.eagle3_graph
+                           else "lm" if self.lm_graph else None)
         self._heads = None
 
     @property
@@ -49,9 +54,9 @@ class DrafterFactory:
         draft LM, else the router over an uncalibrated DSpark drafter, else n-gram lookup (measured in
         docs/serving.md)."""
         have = self._backends
+        model = self.dspark_graph or self.eagle3_graph  # the router's model drafter, where it is not a draft LM
         return auto_draft_choice(self.lm_graph if self.lm_graph in have else None,
-                                 self.dspark_graph if self.dspark_graph in have else None,
-                                 manifest_schedulable(self.manifest))
+                                 model if model in have else None, manifest_schedulable(self.manifest))
 
     def resolve(self, draft) -> str | None:
         """The drafter kind a ``draft`` choice names: "auto" -> :meth:`auto_draft`, "draft" -> the engine's model
@@ -63,7 +68,8 @@ class DrafterFactory:
         if draft == "draft":
             draft = self.draft_kind or "lm"
         if draft not in KINDS:
-            raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'lm', 'ngram' or 'none'")
+            raise InputError(f"unknown draft {draft!r}: use 'auto', 'router', 'dspark', 'eagle3', 'lm', 'ngram' or "
+                             "'none'")
         if draft == "router" and not self.has_draft:
             raise InputError("draft='router' needs a DSpark drafter or a draft LM in the engine; use "
                              "draft='ngram' or rebuild with a draft")
@@ -71,6 +77,9 @@ class DrafterFactory:
             raise InputError("this engine has no DSpark drafter; build one with `dspark-export build "
                              "--draft dspark:<checkpoint>` (or `dspark-export add-draft`), or use "
                              "draft='lm'/'ngram'")
+        if draft == "eagle3" and self.eagle3_graph is None:
+            raise InputError("this engine has no EAGLE-3 drafter; add one with `dspark-export add-draft ENGINE "
+                             "<EAGLE-3 checkpoint>`, or use draft='dspark'/'lm'/'ngram'")
         if draft == "lm" and self.lm_graph is None:
             raise InputError("this engine has no draft graph; use draft='ngram', rebuild with a draft, "
                              "or decode target-only (--no-speculation)")
@@ -81,7 +90,7 @@ class DrafterFactory:
         router's: the engine's model drafter). Raises InputError as :meth:`resolve`."""
         kind = self.resolve(draft)
         kind = self.draft_kind if kind == "router" else kind
-        extra = {"lm": self.lm_graph, "dspark": self.dspark_graph}.get(kind)
+        extra = {"lm": self.lm_graph, "dspark": self.dspark_graph, "eagle3": self.eagle3_graph}.get(kind)
         return ["target"] + ([extra] if extra else [])
 
     # -- what a drafter kind implies, before it is built
@@ -95,14 +104,17 @@ class DrafterFactory:
         return self._backends[self.dspark_graph].block_size if self._inner(kind) == "dspark" else None
 
     def reads_target_features(self, kind: str | None) -> bool:
-        """Whether drafter ``kind`` reads the target runner's features (the DSpark drafter, also inside the router)."""
-        return self._inner(kind) == "dspark"
+        """Whether drafter ``kind`` reads the target runner's features (the DSpark and EAGLE-3 drafters, also inside
+        the router)."""
+        return self._inner(kind) in ("dspark", "eagle3")
 
     def default_gamma(self, kind: str | None, draft_length, fallback: int) -> int:
         """A request's draft-length cap for drafter ``kind`` and a ``draft_length`` choice: with scheduled lengths the
-        router's longest continuation (its n-gram ones may run past a block), a DSpark block by default or when
-        scheduled, else ``draft_length`` when it is a number, else ``fallback``."""
+        router's longest continuation (its n-gram ones may run past a block), a DSpark block (an EAGLE-3 drafter's
+        ``ttt_length``) by default or when scheduled, else ``draft_length`` when it is a number, else ``fallback``."""
         block = self.block_size(kind)
+        if self._inner(kind) == "eagle3":
+            block = self.manifest.speculation.eagle3.ttt_length
         if kind == "router" and draft_length == "scheduled":
             return max(block or 0, NGRAM_MAX_LENGTH)
         if block and draft_length in (None, "scheduled"):
@@ -149,6 +161,11 @@ class DrafterFactory:
             inner = self.drafter(self.draft_kind, target, confidence_threshold, confidence_rule, max_batch,
                                  prefix_cache=prefix_cache)
             return Router(inner, cost_table=cost_table, attended_positions=target.attended_positions, **priors)
+        if draft == "eagle3":
+            if confidence_threshold is not None:
+                raise InputError("draft_confidence (a static threshold) is not implemented for the EAGLE-3 drafter; "
+                                 "drop it, or use draft='dspark' / 'lm'")
+            return Eagle3Drafter(self._backends[self.eagle3_graph].activate(), target, self.eagle3_columns())
         if draft == "dspark":
             if confidence_threshold is not None:
                 self.check_confidence("draft_confidence (a static threshold on its confidences)",
@@ -167,6 +184,20 @@ class DrafterFactory:
             runner = self._loop_runner(self.lm_graph, max_batch)
             return LMDrafter(runner, confidence_threshold, prefix_cache if runner.can_import_kv else None)
         return NgramDrafter()
+
+    def eagle3_columns(self):
+        """The target feature columns the EAGLE-3 drafter reads (:func:`~dspark_runtime.drafting.eagle3.
+        feature_columns`; None: all of them). Raises ManifestError when the manifest has an EAGLE-3 graph but no
+        ``speculation.eagle3`` section, InputError when the target outputs none of its layers."""
+        info = self.manifest.speculation.eagle3
+        if info is None:
+            raise ManifestError(f"{self.dir}/manifest.json has an EAGLE-3 drafter graph ({self.eagle3_graph!r}) but "
+                                "no speculation.eagle3 section; re-add it with `dspark-export add-draft`")
+        dims = self.manifest.graphs["target"].spec.dims
+        try:
+            return feature_columns(dims.feature_layers, info.target_layer_ids, dims.hidden_size)
+        except DSparkError as e:
+            raise InputError(str(e)) from None
 
     def check_confidence(self, what: str, instead: str) -> None:
         """Raise InputError saying that ``what`` needs the DSpark confidence head where the engine's DSpark drafter

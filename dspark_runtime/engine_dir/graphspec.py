@@ -325,3 +325,48 @@ def dspark_draft_spec(dims: DecoderDims, feature_size: int, block_size: int) -> 
     for k, v in present_names(dims.num_layers):
         outputs += [TensorSpec(k, "float32", kv_ctx), TensorSpec(v, "float32", kv_ctx)]
     return GraphSpec("dspark_draft", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)
+
+
+LOGITS_AT = "logits_at"  # the EAGLE-3 draft step's input: per row, the query position its logits come from
+
+
+def eagle3_draft_spec(dims: DecoderDims, feature_size: int) -> GraphSpec:
+    """Declare the EAGLE-3 drafter graph ("eagle3_draft", growing KV layout): one draft step of a single decoder
+    layer over its own KV cache (docs/drafter.md, "EAGLE-3").
+
+    Each query position's input state is ``fc(features) + states``: the fused target features of a committed
+    position (``states`` zero) or the drafter's own previous output state (``features`` zero; ``fc`` has no bias, so
+    the zero term adds exactly nothing). A round is one call over the newly committed positions, then one call per
+    further draft token on a one-position query.
+
+    inputs
+      features        float32 [batch, q_len, m * hidden_target]  the target's features at the drafter's layers
+      states          float32 [batch, q_len, hidden]             draft states fed back
+      embeds          float32 [batch, q_len, hidden]             embedding rows of the token *after* each position
+                                                                 (the graph holds no [V, d] table)
+      position_ids    int64   [batch, q_len]                     RoPE positions
+      attention_mask  bool    [batch, 1, q_len, past_len + q_len]  True = may attend
+      logits_at       int64   [batch]                            the query position each row's logits come from
+      past.{i}.key/value float32 [batch, kv_heads, past_len, head_dim]
+    outputs
+      states_out      float32 [batch, q_len, hidden]   the layer's output states (fed back; not normed)
+      logits          float32 [batch, vocab]           lm_head(norm(states_out[b, logits_at[b]]))
+      present.{i}.key/value float32 [batch, kv_heads, past_len + q_len, head_dim]
+    """
+    kv_past = (BATCH, dims.num_kv_heads, PAST_LEN, dims.head_dim)
+    kv_total = (BATCH, dims.num_kv_heads, TOTAL_LEN, dims.head_dim)
+    inputs = [
+        TensorSpec("features", "float32", (BATCH, Q_LEN, feature_size)),
+        TensorSpec("states", "float32", (BATCH, Q_LEN, dims.hidden_size)),
+        TensorSpec("embeds", "float32", (BATCH, Q_LEN, dims.hidden_size)),
+        TensorSpec("position_ids", "int64", (BATCH, Q_LEN)),
+        TensorSpec("attention_mask", "bool", (BATCH, 1, Q_LEN, TOTAL_LEN)),
+        TensorSpec(LOGITS_AT, "int64", (BATCH,)),
+    ]
+    for k, v in past_names(dims.num_layers):
+        inputs += [TensorSpec(k, "float32", kv_past), TensorSpec(v, "float32", kv_past)]
+    outputs = [TensorSpec("states_out", "float32", (BATCH, Q_LEN, dims.hidden_size)),
+               TensorSpec("logits", "float32", (BATCH, dims.vocab_size))]
+    for k, v in present_names(dims.num_layers):
+        outputs += [TensorSpec(k, "float32", kv_total), TensorSpec(v, "float32", kv_total)]
+    return GraphSpec("eagle3_draft", KV_LAYOUT_GROWING, tuple(inputs), tuple(outputs), dims)

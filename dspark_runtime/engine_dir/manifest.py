@@ -264,12 +264,13 @@ def parse_manifest(d: dict, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where} is malformed ({type(e).__name__}: {e}); rebuild the engine") from e
     if "target" not in m.graphs:
         raise ManifestError(f"{where} declares no 'target' graph; rebuild the engine")
-    runnable = {("causal_lm", "growing"), ("causal_lm", "scatter"), ("dspark_draft", "growing")}
+    runnable = {("causal_lm", "growing"), ("causal_lm", "scatter"), ("dspark_draft", "growing"),
+                ("eagle3_draft", "growing")}
     for key, g in m.graphs.items():
         if (g.spec.kind, g.spec.kv_layout) not in runnable:
             raise ManifestError(f"{where}: graph {key!r} is {g.spec.kind}/{g.spec.kv_layout}; this runtime runs "
-                                "causal_lm graphs with the growing or scatter KV layout and dspark_draft graphs with "
-                                "the growing one; rebuild the engine")
+                                "causal_lm graphs with the growing or scatter KV layout and dspark_draft / "
+                                "eagle3_draft graphs with the growing one; rebuild the engine")
     for key, e in m.trt_engines.items():
         if e.graph not in m.graphs:
             raise ManifestError(f"{where}: TensorRT engine {key!r} was built from graph {e.graph!r}, which the "

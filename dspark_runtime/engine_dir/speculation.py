@@ -156,6 +156,40 @@ class DSparkSection:
 
 
 @dataclass
+class Eagle3Section:
+    """``speculation.eagle3`` of the manifest: the engine's EAGLE-3 drafter (written by ``dspark-export add-draft``
+    with a DeepSpec EAGLE-3 checkpoint).
+
+    graph (str):            key of the drafter's ``eagle3_draft`` graph in ``Manifest.graphs`` ("eagle3").
+    target_layer_ids (list[int]): target layers whose features the drafter fuses, in its order (a subset of the
+                            target graph's feature layers).
+    ttt_length (int > 0):   the draft tokens per round it was trained for (the default γ of ``draft="eagle3"``).
+    embedding (dict):       where the tokens' embedding rows are read, as ``speculation.dspark.embedding``.
+    extra (dict):           any other key of the section, kept and written back unchanged.
+    """
+
+    graph: str
+    target_layer_ids: list
+    ttt_length: int
+    embedding: dict
+    extra: dict = field(default_factory=dict)
+    _order: tuple = field(default=(), init=False, repr=False, compare=False)
+    _nulls: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    _TYPES = {"graph": "nonempty_str", "target_layer_ids": "int_list", "ttt_length": "positive_int",
+              "embedding": "embedding"}
+    _REQUIRED = ("graph", "target_layer_ids", "ttt_length", "embedding")
+
+    @classmethod
+    def from_json(cls, d: dict, where: str | None = None) -> "Eagle3Section":
+        """The section from its JSON object ``d``; raises ManifestError as :meth:`DSparkSection.from_json`."""
+        return _read_section(cls, d, "speculation.eagle3", where)
+
+    def to_json(self) -> dict:
+        return _write_section(self, {k: getattr(self, k) for k in self._TYPES})
+
+
+@dataclass
 class Speculation:
     """``speculation`` of the manifest: how the engine drafts. Written by ``dspark-export build`` (draft_graph,
     draft_kind, draft_length, dspark, router), ``add-draft`` (dspark, router), ``calibrate`` (dspark's STS
@@ -167,6 +201,7 @@ class Speculation:
                                graph is a draft LM built before it was recorded).
     draft_length (int > 0 | None): the default draft tokens per round (--draft-length).
     dspark (DSparkSection | None): the DSpark drafter, where the engine has one.
+    eagle3 (Eagle3Section | None): the EAGLE-3 drafter, where the engine has one.
     router (dict | None):      the router's calibrated priors; its inner format belongs to
                                :func:`dspark_runtime.drafting.router.router_priors`, which checks it.
     cost_table (dict | None):  the measured round costs (:func:`dspark_runtime.machine.cost_profile.profile_runtime`), with
@@ -181,6 +216,7 @@ class Speculation:
     draft_kind: str | None = None
     draft_length: int | None = None
     dspark: DSparkSection | None = None
+    eagle3: Eagle3Section | None = None
     router: dict | None = None
     cost_table: dict | None = None
     row_invariance: dict | None = None
@@ -188,9 +224,10 @@ class Speculation:
     _order: tuple = field(default=(), init=False, repr=False, compare=False)
     _nulls: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
-    # key -> kind of check (_CHECKS; "section": DSparkSection.from_json), in the order build writes them
+    # key -> kind of check (_CHECKS; "section": DSparkSection / Eagle3Section.from_json), in the order build writes
     _TYPES = {"draft_graph": "nonempty_str", "draft_kind": "draft_kind", "draft_length": "positive_int",
-              "dspark": "section", "router": "dict", "cost_table": "dict", "row_invariance": "dict"}
+              "dspark": "section", "eagle3": "section", "router": "dict", "cost_table": "dict",
+              "row_invariance": "dict"}
     _REQUIRED = ()
 
     @classmethod
@@ -203,6 +240,8 @@ class Speculation:
         s = _read_section(cls, d, "speculation", where)
         if s.dspark is not None:
             s.dspark = DSparkSection.from_json(s.dspark, where)
+        if s.eagle3 is not None:
+            s.eagle3 = Eagle3Section.from_json(s.eagle3, where)
         if s.cost_table is not None:  # its context buckets (dspark_runtime.scheduling.cost_table); older tables pass as they are
             try:
                 check_cost_table(s.cost_table)
@@ -216,6 +255,8 @@ class Speculation:
         values = {k: getattr(self, k) for k in self._TYPES}
         if self.dspark is not None:
             values["dspark"] = self.dspark.to_json()
+        if self.eagle3 is not None:
+            values["eagle3"] = self.eagle3.to_json()
         return _write_section(self, values)
 
 
@@ -227,6 +268,11 @@ def manifest_drafters(manifest) -> tuple:
     lm = dg if dg in manifest.graphs and manifest.graphs[dg].spec.kind == "causal_lm" else None
     ds = next((k for k, g in manifest.graphs.items() if g.spec.kind == "dspark_draft"), None)
     return lm, ds
+
+
+def manifest_eagle3(manifest) -> str | None:
+    """The graph key of the engine's EAGLE-3 drafter (its ``eagle3_draft`` graph), or None."""
+    return next((k for k, g in manifest.graphs.items() if g.spec.kind == "eagle3_draft"), None)
 
 
 def manifest_schedulable(manifest) -> bool:
@@ -242,7 +288,8 @@ def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None, schedulabl
     """What ``draft="auto"`` runs given the engine's drafters: the router over the DSpark drafter when it can
     schedule (``schedulable``: :func:`manifest_schedulable`; it then runs with scheduled verify lengths), else the
     draft LM when there is one, else the router over an uncalibrated DSpark drafter (fixed blocks), else n-gram
-    lookup. Measured in :meth:`dspark_runtime.engine.Engine.auto_draft`."""
+    lookup. ``dspark_graph``: the router's model drafter (an EAGLE-3 drafter's graph where the engine has no DSpark
+    one). Measured in :meth:`dspark_runtime.engine.Engine.auto_draft`."""
     if dspark_graph and schedulable:
         return "router"
     return "lm" if lm_graph else ("router" if dspark_graph else "ngram")

@@ -30,7 +30,7 @@ DEPLOYMENT_NAME = "DSparkServer"
 APP_NAME = "dspark"
 REPLICA_HEADER = "X-DSpark-Replica"
 BODY_TIMEOUT_S = 30.0  # a replica answers 408 when the next part of a request's body takes longer than this
-DRAFTS = ("auto", "router", "dspark", "lm", "ngram", "none")
+DRAFTS = ("auto", "router", "dspark", "eagle3", "lm", "ngram", "none")
 
 
 def _need_ray():
