@@ -76,24 +76,18 @@ def tiny_scatter_engine_dir(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_dspark(tiny_pair, tmp_path_factory):
-    """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
+def tiny_feature_store(tiny_pair, tmp_path_factory):
+    """A FeatureStore of the tiny target's features (layers -1, 0) and final states over 48 of its own greedy
+    continuations of random 8-token prompts (the prompts not trained on)."""
     pytest.importorskip("torch")
-    import json
-
     import numpy as np
     import torch
 
-    from dspark_export.engine_dir.build import Recipe, build_engine
-    from dspark_export.drafter.features import FeatureStore, choose_draft_vocab, extract_features
-    from dspark_export.drafter.train import TrainSettings, train
-    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
-    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.features import FeatureStore, extract_features
     from transformers import AutoModelForCausalLM
 
     tdir, _ = tiny_pair
-    root = tmp_path_factory.mktemp("dspark")
-    # training text: the tiny target's own greedy continuations of random prompts
+    root = tmp_path_factory.mktemp("tiny-features")
     target = AutoModelForCausalLM.from_pretrained(tdir).eval()
     rng = np.random.default_rng(0)
     seqs = []
@@ -107,7 +101,26 @@ def tiny_dspark(tiny_pair, tmp_path_factory):
             seqs.append((ids, m))
     del target
     extract_features(tdir, seqs, root / "features", [-1, 0], shard_tokens=1024, dtype="float32")
-    store = FeatureStore(root / "features")
+    return FeatureStore(root / "features")
+
+
+@pytest.fixture(scope="session")
+def tiny_dspark(tiny_pair, tiny_feature_store, tmp_path_factory):
+    """(engine_dir, checkpoint_dir, train_report) for a tiny DSpark drafter trained ~20 s on the tiny target."""
+    pytest.importorskip("torch")
+    import json
+
+    import torch
+
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_export.drafter.features import choose_draft_vocab
+    from dspark_export.drafter.train import TrainSettings, train
+    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
+    from dspark_export.drafter.graph import target_frozen_weights
+
+    tdir, _ = tiny_pair
+    root = tmp_path_factory.mktemp("dspark")
+    store = tiny_feature_store
     cfg = json.loads((tdir / "config.json").read_text())
     vocab = choose_draft_vocab(store.token_counts(cfg["vocab_size"]), 200, always=[2])
     c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from safetensors.torch import save_file
+
 from dspark_export.drafter.checkpoint import read_tensors
 from dspark_export.drafter.config import (QWEN3, DraftConfigError, _activation, _rope_parameters, bool_field, int_field,
                                          rotary_table)
@@ -340,6 +342,14 @@ class Eagle3DraftModel(nn.Module):
         """Full-vocabulary logits of draft states: lm_head(norm(state))."""
         return self.lm_head(self.norm(state))
 
+    def init_from_target(self, embed, lm_head, freeze: bool = True):
+        """Copy the target's embedding and LM head [V, d] (frozen, as DeepSpec's trainer does by default)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed)
+            self.lm_head.weight.copy_(lm_head)
+        self.embed_tokens.requires_grad_(not freeze)
+        self.lm_head.requires_grad_(not freeze)
+
     @torch.no_grad()
     def greedy_draft(self, state, start: int, cache: Eagle3Cache, steps: int | None = None):
         """One round of ``steps`` (default ``ttt_length``) greedy draft tokens from ``state`` [b, 1, d] (the last
@@ -430,3 +440,37 @@ def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32) -> Eagle3DraftMod
     if left:
         raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
     return model
+
+
+def eagle3_config_for(target_config: dict, target_layer_ids, ttt_length: int = 7,
+                      intermediate_size: int | None = None) -> Eagle3Config:
+    """A DeepSpec-layout EAGLE-3 config for a Qwen2/Qwen3/Llama target's ``config.json`` dict: one draft layer of the
+    target's width and heads (``intermediate_size`` defaults to the target's), fusing ``target_layer_ids``; the
+    fields DeepSpec's ``build_draft_config`` writes. Raises DraftConfigError as :meth:`Eagle3Config.from_dict`."""
+    t = target_config
+    cfg = {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": t["hidden_size"],
+           "intermediate_size": intermediate_size or t["intermediate_size"], "num_hidden_layers": 1,
+           "draft_num_hidden_layers": 1, "num_attention_heads": t["num_attention_heads"],
+           "num_key_value_heads": t.get("num_key_value_heads", t["num_attention_heads"]),
+           "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+           "vocab_size": t["vocab_size"], "rms_norm_eps": t["rms_norm_eps"], "hidden_act": t.get("hidden_act", "silu"),
+           "attention_bias": False,
+           "rope_parameters": t.get("rope_parameters") or {"rope_type": "default",
+                                                           "rope_theta": float(t.get("rope_theta", 10000.0))},
+           "max_position_embeddings": t.get("max_position_embeddings"), "tie_word_embeddings": False,
+           "target_layer_ids": [int(x) for x in target_layer_ids], "num_target_layers": t["num_hidden_layers"],
+           "ttt_length": int(ttt_length), "step_loss_decay": 0.8}
+    return Eagle3Config.from_dict(cfg, source="EAGLE-3 config for the target")
+
+
+def save_eagle3_checkpoint(model: Eagle3DraftModel, out_dir: Path, *, dtype=torch.float32) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in DeepSpec's layout (every tensor, floating ones as ``dtype``),
+    loadable by :func:`load_eagle3_checkpoint`; returns the folder."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    want = expected_eagle3_shapes(model.config)
+    state = model.state_dict()
+    tensors = {n: state[n].detach().cpu().to(dtype).contiguous() for n in want}
+    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(model.config.source, indent=2) + "\n")
+    return out_dir

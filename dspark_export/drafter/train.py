@@ -254,8 +254,73 @@ def heldout_acceptance(store, indices, model, target_head, s: TrainSettings, *, 
 TRAIN_STATE = "train_state.pt"  # the resumable training state (model, optimizer, step), in the work directory
 
 
+class Objective:
+    """What one drafter family trains on (the loop, :func:`optimize`, is shared): ``batch`` builds a step's tensors
+    from the step's windows, ``loss`` scores them, ``heldout`` measures the held-out sequences, ``save`` writes the
+    family's checkpoint. ``name`` labels the progress bar."""
+
+    name = "train-draft"
+
+    def batch(self, seqs: list, rng: np.random.Generator):
+        """A step's batch from ``seqs`` [(ids, mask, feats, aux)] (drawn with ``rng``), or None when nothing in them
+        is trainable."""
+        raise NotImplementedError
+
+    def loss(self, model, batch) -> tuple:
+        """(loss tensor, metrics {"loss", "acc_pos": [per position], ...}) of ``batch`` (on the training device)."""
+        raise NotImplementedError
+
+    def heldout(self, model, store, indices) -> dict:
+        """{"heldout_acc_pos": [...], "heldout_tau_greedy": float} on the held-out sequences ``indices``."""
+        raise NotImplementedError
+
+    def save(self, model, out_dir: Path) -> None:
+        """Write the checkpoint of ``model`` to ``out_dir``."""
+        raise NotImplementedError
+
+
+class DSparkObjective(Objective):
+    """The DSpark / DFlash drafter's: anchors, γ-blocks (:func:`block_batch`) and :func:`dspark_loss`."""
+
+    def __init__(self, model, target_head, s: TrainSettings, gamma: int, mask_token: int):
+        self.s, self.gamma, self.mask_token = s, gamma, mask_token
+        self.t2d = model.target_to_draft().cpu()  # built from draft_vocab_ids, used on the CPU
+        self.target_head = target_head
+
+    def batch(self, seqs, rng):
+        seqs_an = [(q, sample_anchors(q[1], self.s.anchors_per_seq, rng)) for q in seqs]
+        seqs_an = [(q, a) for q, a in seqs_an if len(a)]
+        if not seqs_an:
+            return None
+        return block_batch([q for q, _ in seqs_an], [a for _, a in seqs_an], self.gamma, self.mask_token, self.t2d)
+
+    def loss(self, model, batch):
+        return dspark_loss(model, batch, self.target_head, self.s, self.gamma)
+
+    def heldout(self, model, store, indices):
+        return heldout_acceptance(store, indices, model, self.target_head, self.s, gamma=self.gamma,
+                                  mask_token=self.mask_token, t2d=self.t2d)
+
+    def save(self, model, out_dir):
+        from dspark_export.drafter.checkpoint import save_checkpoint
+
+        save_checkpoint(model, out_dir)
+
+
 def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettings, *, gamma: int,
           mask_token: int, log=print, resume: Path | None = None) -> dict:
+    """Train a DSpark (or DFlash) drafter: :func:`optimize` with :class:`DSparkObjective` (``target_head``: the
+    frozen target LM head rows of the draft vocabulary [V_out, d], or None when the store holds target logits)."""
+    import torch
+
+    dev = torch.device(s.device)
+    head = None if target_head is None else target_head.to(dev)
+    return optimize(store, model, DSparkObjective(model, head, s, gamma, mask_token), out_dir, s, log=log,
+                    resume=resume)
+
+
+def optimize(store: FeatureStore, model, objective: Objective, out_dir: Path, s: TrainSettings, *, log=print,
+             resume: Path | None = None) -> dict:
     """AdamW over the drafter's trainable parameters with held-out evaluation; checkpoints to ``out_dir``.
 
     The last ``s.eval_seqs`` sequences of the store are held out (never trained on). The run is
@@ -264,18 +329,16 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     ``resume`` (a :data:`TRAIN_STATE` file: model, optimizer, step, metrics; written every ``s.save_every_s``
     and when the budget ends) continues exactly where it stopped. A progress bar shows context tokens/s, loss,
     training and held-out position-1 acceptance. ``s.bf16``: the training forward runs under bf16 autocast (on
-    ``s.device``), the weights, AdamW state and evaluation stay fp32. ``s.device``: the model (and the target head)
-    moves there; batches are built on the CPU and copied.
+    ``s.device``), the weights, AdamW state and evaluation stay fp32. ``s.device``: the model moves there; batches
+    are built on the CPU and copied.
 
     Returns the metrics of this call: {"steps" (done in total), "total_steps", "finished" (bool), "seconds",
-    "train_tokens_per_s", held-out "heldout_acc_pos" [γ] and "heldout_tau_greedy", "train_loss_last100"}; the
+    "train_tokens_per_s", held-out "heldout_acc_pos" and "heldout_tau_greedy", "train_loss_last100"}; the
     checkpoint in ``out_dir`` is written when the run finishes (and at every save, so an interrupted run leaves
     a usable one). Raises DSparkError when the store has no training sequences.
     """
     import torch
     from tqdm import tqdm
-
-    from dspark_export.drafter.checkpoint import save_checkpoint
 
     n = len(store)
     held = list(range(max(0, n - s.eval_seqs), n))
@@ -283,11 +346,8 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     if not train_ids:
         raise DSparkError("not enough sequences to train: extract more features")
     total = s.total_steps(len(train_ids))
-    t2d = model.target_to_draft().cpu()  # built from draft_vocab_ids, used on the CPU
     dev = torch.device(s.device)
     model.to(dev)  # before the optimizer takes the parameters
-    if target_head is not None:
-        target_head = target_head.to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
     step, hist, spent = 0, [], 0.0
@@ -310,7 +370,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         tmp.replace(resume)
 
     def evaluate():
-        return heldout_acceptance(store, held, model, target_head, s, gamma=gamma, mask_token=mask_token, t2d=t2d)
+        return objective.heldout(model, store, held)
 
     t0 = last_save = time.perf_counter()
     tokens = 0
@@ -318,7 +378,7 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
     log(f"[train] {n - len(held)} train / {len(held)} held-out sequences, {store.num_tokens} tokens; "
         f"{total} steps ({s.seqs_per_step} sequences each, {'bf16 autocast' if s.bf16 else 'fp32'}); "
         f"held-out at step {step}: {ev}")
-    bar = tqdm(total=total, initial=step, desc="train-draft", file=sys.stderr, mininterval=10)
+    bar = tqdm(total=total, initial=step, desc=objective.name, file=sys.stderr, mininterval=10)
     model.train()
     while step < total and time.perf_counter() - t0 < s.time_budget_s:
         lr = s.lr * min(1.0, (step + 1) / s.warmup_steps)
@@ -326,19 +386,15 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng([s.seed, 1 << 20, step])
-        seqs, ans = [], []
-        for i in _step_sequences(step, len(train_ids), s.seqs_per_step, s.seed):
-            seq = _window(store, train_ids[int(i)], rng, s.max_seq_len)
-            an = sample_anchors(seq[1], s.anchors_per_seq, rng)
-            if len(an):
-                seqs.append(seq)
-                ans.append(an)
+        seqs = [_window(store, train_ids[int(i)], rng, s.max_seq_len)
+                for i in _step_sequences(step, len(train_ids), s.seqs_per_step, s.seed)]
+        batch = objective.batch(seqs, rng)
         step += 1
-        if not seqs:
+        if batch is None:
             continue
-        batch = _to(block_batch(seqs, ans, gamma, mask_token, t2d), dev)
+        batch = _to(batch, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=s.bf16):
-            loss, m = dspark_loss(model, batch, target_head, s, gamma)
+            loss, m = objective.loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -358,12 +414,12 @@ def train(store: FeatureStore, model, target_head, out_dir: Path, s: TrainSettin
                 f"{tokens / (time.perf_counter() - t0):.0f} tok/s) loss "
                 f"{np.mean([x['loss'] for x in hist[-s.eval_every:]]):.3f} held-out {ev}")
         if time.perf_counter() - last_save > s.save_every_s:
-            save_checkpoint(model, out_dir)
+            objective.save(model, out_dir)
             save_state()
             last_save = time.perf_counter()
     bar.close()
     ev = evaluate()
-    save_checkpoint(model, out_dir)
+    objective.save(model, out_dir)
     save_state()
     dt = time.perf_counter() - t0
     res = {"steps": step, "total_steps": total, "finished": step >= total, "seconds": spent + dt,

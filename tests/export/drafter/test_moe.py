@@ -362,18 +362,16 @@ def test_onnx_graph_matches_torch(tmp_path):
 # --- end to end -------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def moe_dspark(tiny_pair, tiny_dspark, tmp_path_factory):
+def moe_dspark(tiny_pair, tiny_feature_store, tmp_path_factory):
     """(engine_dir, checkpoint_dir, train_report): a tiny MoE drafter (8 experts, top-2) trained briefly on the
-    tiny target's features (the store conftest's ``tiny_dspark`` extracted) and compiled with the target."""
+    tiny target's features (conftest's ``tiny_feature_store``, the dense tiny drafter's) and compiled with the
+    target."""
     from dspark_export.engine_dir.build import Recipe, build_engine
-    from dspark_export.drafter.features import FeatureStore
     from dspark_export.drafter.graph import target_frozen_weights
     from dspark_export.drafter.train import TrainSettings, train
 
     tdir, _ = tiny_pair
-    features = tiny_dspark[1].parent / "features"
-    assert features.is_dir(), f"conftest's tiny_dspark no longer keeps its feature store at {features}"
-    store = FeatureStore(features)
+    store = tiny_feature_store
     cfg = json.loads((tdir / "config.json").read_text())
     c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=64,
                            block_size=4, target_layer_ids=(-1, 0), markov_rank=16, moe_experts=8, moe_top_k=2)

@@ -1,0 +1,171 @@
+"""Train an EAGLE-3 drafter on the DSpark drafter's feature cache (the same sequences, target features and target
+distributions, so the two compare at equal training): :class:`Eagle3Objective` for the shared loop
+:func:`dspark_export.drafter.train.optimize`.
+
+Training-time test (EAGLE-3, Li et al. 2025; DeepSpec ``deepspec/modeling/eagle3/`` and its SpecForge-derived
+mask): step 0 runs the drafter on the fused target features of every position i with token i + 1; step k feeds
+step k - 1's output state at i with token i + k + 1 at RoPE position i + k, its query attending to the step-0
+keys of positions <= i and to position i's own keys of steps 1..k — what decoding sees k steps into a round. Step k
+at position i is trained towards the target's distribution at position i + k + 1 (soft cross-entropy on the answer
+tokens, weighted ``decay``^k).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.drafter.train import Objective, TrainSettings, _to, _window, optimize
+
+STEP_LOSS_DECAY = 0.8  # DeepSpec's config/eagle3 step_loss_decay
+
+
+def ttt_batch(seqs: list, columns=None) -> dict:
+    """Tensors for one step over windows ``seqs`` [(ids, mask, feats, last)] padded to the longest: ids int64 [b, T],
+    feats float32 [b, T, F'] (``columns`` of the store's features: the drafter's layers), last float32 [b, T, d]
+    (the target's final normed states), loss_mask bool [b, T] (trained tokens, padding excluded)."""
+    import torch
+
+    b, T = len(seqs), max(len(q[0]) for q in seqs)
+    cols = slice(None) if columns is None else np.asarray(columns)
+    F_ = np.asarray(seqs[0][2][:1])[:, cols].shape[1]
+    ids = np.zeros((b, T), np.int64)
+    feats = np.zeros((b, T, F_), np.float32)
+    last = np.zeros((b, T, np.asarray(seqs[0][3]).shape[1]), np.float32)
+    mask = np.zeros((b, T), bool)
+    for i, (si, sm, sf, sl) in enumerate(seqs):
+        n = len(si)
+        ids[i, :n], feats[i, :n], last[i, :n], mask[i, :n] = si, np.asarray(sf)[:, cols], sl, np.asarray(sm) > 0
+    T_ = torch.as_tensor
+    return {"ids": T_(ids), "feats": T_(feats), "last": T_(last), "loss_mask": T_(mask)}
+
+
+def ttt_steps(model, ids, feats, ttt_length: int):
+    """The training-time-test forward (module docstring) of ids int64 [b, T] with the drafter's target features
+    [b, T, F]: yields, for k = 0..ttt_length-1, (k, nxt, states) — ``nxt`` int64 [N] (N = T - 1) the index of the
+    token fed at each position i (i + k + 1, clamped to T - 1), ``states`` [b, N, d] the draft states (step k at
+    position i: what a round whose last committed position is i computes k steps in, fed the true tokens)."""
+    import torch
+
+    b, T = ids.shape
+    N = T - 1
+    dev = ids.device
+    layer = model.layers[0]
+    i = torch.arange(N, device=dev)
+    causal = i[None, :] <= i[:, None]  # step-0 keys of positions <= i
+    diag = torch.eye(N, dtype=torch.bool, device=dev)  # position i's own keys of steps 1..k
+    state = model.fuse(feats[:, :N])
+    keys, values = [], []
+    for k in range(ttt_length):
+        nxt = (i + k + 1).clamp(max=T - 1)
+        x = torch.cat([layer.input_layernorm(model.embed_tokens(ids[:, nxt])), layer.hidden_norm(state)], dim=-1)
+        q, kk, vv = layer.self_attn.project(x, (i + k).expand(b, N))
+        keys.append(kk)
+        values.append(vv)
+        mask = torch.cat([causal] + [diag] * k, dim=1)[None, None]
+        h = state + layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
+        state = h + layer.mlp(layer.post_attention_layernorm(h))
+        yield k, nxt, state
+
+
+def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOSS_DECAY) -> tuple:
+    """The training-time-test loss of one batch (:func:`ttt_batch`; module docstring); ``target_head`` [V, d] turns
+    the target's final states into its distributions. Returns (loss, metrics {"loss", "acc_pos" [ttt_length]
+    (draft argmax == target argmax per step), "n" [ttt_length] (scored positions), "tau_greedy" (teacher-forced
+    greedy accepted length + 1 over positions where every step is scored; nan if none)})."""
+    import torch
+
+    ids, lm = batch["ids"], batch["loss_mask"]
+    T = ids.shape[1]
+    i = torch.arange(T - 1, device=ids.device)
+    total, acc, counts, matches, scored = 0.0, [], [], [], []
+    for k, nxt, states in ttt_steps(model, ids, batch["feats"], ttt_length):
+        w = lm[:, nxt] & (i + k + 1 <= T - 1)[None]  # [b, N]: the predicted position is a trained token
+        logits = model.logits(states).float()
+        with torch.no_grad():
+            p_t = torch.softmax(batch["last"][:, nxt] @ target_head.T, dim=-1)
+        ce = -(p_t * torch.log_softmax(logits, dim=-1)).sum(-1)
+        wf = w.float()
+        total = total + decay ** k * (ce * wf).sum() / wf.sum().clamp_min(1.0)
+        with torch.no_grad():
+            m = (logits.argmax(-1) == p_t.argmax(-1)) & w
+            matches.append(m)
+            scored.append(w)
+            counts.append(int(w.sum()))
+            acc.append(float(m.sum()) / max(1, counts[-1]))
+    with torch.no_grad():
+        full = torch.stack(scored, -1).all(-1)
+        chain = torch.stack(matches, -1).int().cumprod(-1).sum(-1)
+        tau = float((1 + chain[full].float()).mean()) if bool(full.any()) else float("nan")
+    return total, {"loss": float(total), "acc_pos": acc, "n": counts, "tau_greedy": tau}
+
+
+class Eagle3Objective(Objective):
+    """The EAGLE-3 drafter's objective over a :class:`~dspark_export.drafter.features.FeatureStore` with the target's
+    final states (``last``): :func:`ttt_batch` / :func:`ttt_loss`, checkpoints in DeepSpec's layout.
+
+    Args:
+        model: an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel`; target_head: the target's LM head [V, d]
+            (on the training device); s: the run's settings; columns: the store's feature columns holding the
+            drafter's layers (:func:`dspark_runtime.drafting.eagle3.feature_columns`; None: all).
+    Raises DSparkError for a store holding target logits over a reduced vocabulary (ONNX Runtime extraction):
+    EAGLE-3 is trained towards the full distribution.
+    """
+
+    name = "train-draft eagle3"
+
+    def __init__(self, model, target_head, s: TrainSettings, store, columns=None):
+        if store.aux != "last":
+            raise DSparkError(f"{store.root}: the feature cache holds target logits over a reduced vocabulary "
+                              f"({store.aux}); EAGLE-3 trains towards the target's full distribution: extract "
+                              "features with the target's final states (the torch extractor)")
+        self.s, self.target_head, self.columns = s, target_head, columns
+        self.ttt = model.config.ttt_length
+
+    def batch(self, seqs, rng):
+        seqs = [q for q in seqs if len(q[0]) > 1]
+        return ttt_batch(seqs, self.columns) if seqs else None
+
+    def loss(self, model, batch):
+        return ttt_loss(model, batch, self.target_head, self.ttt)
+
+    def heldout(self, model, store, indices) -> dict:
+        """Teacher-forced acceptance by step on a fixed window of each held-out sequence."""
+        import torch
+
+        dev = torch.device(self.s.device)
+        erng = np.random.default_rng(1234)
+        hits, tries, taus = np.zeros(self.ttt), np.zeros(self.ttt), []
+        model.eval()
+        with torch.no_grad():
+            for i in indices:
+                seq = _window(store, i, erng, self.s.eval_seq_len)
+                if len(seq[0]) < 2:
+                    continue
+                _, m = ttt_loss(model, _to(ttt_batch([seq], self.columns), dev), self.target_head, self.ttt)
+                hits += np.asarray(m["acc_pos"]) * np.asarray(m["n"])
+                tries += np.asarray(m["n"])
+                if not np.isnan(m["tau_greedy"]):
+                    taus.append(m["tau_greedy"])
+        model.train()
+        return {"heldout_acc_pos": (hits / np.maximum(tries, 1)).round(3).tolist(),
+                "heldout_tau_greedy": float(np.mean(taus)) if taus else float("nan")}
+
+    def save(self, model, out_dir: Path) -> None:
+        from dspark_export.drafter.eagle3 import save_eagle3_checkpoint
+
+        save_eagle3_checkpoint(model, out_dir)
+
+
+def train_eagle3(store, model, target_head, out_dir: Path, s: TrainSettings, *, columns=None, log=print,
+                 resume: Path | None = None) -> dict:
+    """Train ``model`` (an EAGLE-3 drafter, its embedding and LM head frozen copies of the target's) on ``store``:
+    :func:`~dspark_export.drafter.train.optimize` with :class:`Eagle3Objective`; returns its metrics and leaves a
+    DeepSpec-layout checkpoint in ``out_dir``."""
+    import torch
+
+    head = target_head.to(torch.device(s.device))
+    return optimize(store, model, Eagle3Objective(model, head, s, store, columns), out_dir, s, log=log,
+                    resume=resume)

@@ -1,0 +1,64 @@
+"""Training an EAGLE-3 drafter on the DSpark feature cache (issue 48): the training-time-test forward sees at step
+k exactly what decoding computes k steps into a round (fed the true tokens), and a short run on the tiny target's
+features raises held-out acceptance and leaves a checkpoint the strict loader reads back."""
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dspark_export.drafter.eagle3 import (Eagle3Cache, Eagle3DraftModel, eagle3_config_for,  # noqa: E402
+                                          load_eagle3_checkpoint)
+from dspark_export.drafter.eagle3_train import ttt_steps  # noqa: E402
+
+TARGET = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0)
+
+
+@torch.no_grad()
+def test_ttt_steps_equal_the_decoding_path():
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(eagle3_config_for(TARGET, [0, 2], ttt_length=3)).eval()
+    for p in model.parameters():
+        p.add_(0.1 * torch.randn_like(p))
+    T = 12
+    ids = torch.randint(0, 50, (1, T))
+    feats = torch.randn(1, T, 64)
+    steps = {k: s for k, _, s in ttt_steps(model, ids, feats, 3)}
+    for P in (1, 5, 8):  # a round whose last committed position is P - 1
+        cache = Eagle3Cache()
+        state = model.extend(feats[:, :P], ids[:, 1:P + 1], torch.arange(P)[None], cache)
+        for k in range(3):  # step k fed token P + k (position P - 1 + k's successor) at RoPE position P - 1 + k
+            if P + k > T - 1:
+                break
+            np.testing.assert_allclose(state[0, 0].numpy(), steps[k][0, P - 1].numpy(), atol=2e-5, rtol=1e-4,
+                                       err_msg=f"P={P} k={k}")
+            if P + k + 1 <= T - 1:
+                state = model(state, ids[:, P + k + 1:P + k + 2], torch.tensor([[P + k]]), cache)
+
+
+def test_training_raises_heldout_acceptance_and_loads_back(tiny_pair, tiny_feature_store, tmp_path):
+    from dspark_export.drafter.eagle3_train import Eagle3Objective, train_eagle3
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.train import TrainSettings
+    from dspark_runtime.drafting.eagle3 import feature_columns
+
+    t = json.loads((tiny_pair[0] / "config.json").read_text())
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(eagle3_config_for(t, [0], ttt_length=3))
+    emb, head = target_frozen_weights(tiny_pair[0])
+    model.init_from_target(emb, head)
+    s = TrainSettings(lr=1e-2, max_steps=300, eval_every=10 ** 6, eval_seqs=6, warmup_steps=10)
+    cols = feature_columns((-1, 0), [0], t["hidden_size"])
+    store = tiny_feature_store
+    before = Eagle3Objective(model, head, s, store, cols).heldout(model, store, range(len(store) - 6, len(store)))
+    rep = train_eagle3(store, model, head, tmp_path / "ckpt", s, columns=cols, log=lambda *a: None)
+    assert rep["finished"] and rep["steps"] == 300
+    assert rep["heldout_acc_pos"][0] > before["heldout_acc_pos"][0] + 0.2, (before, rep)
+    assert rep["heldout_tau_greedy"] > before["heldout_tau_greedy"]
+    back = load_eagle3_checkpoint(tmp_path / "ckpt")
+    assert back.config.target_layer_ids == [0] and back.config.ttt_length == 3
+    for name, p in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p), name
+    assert torch.equal(back.embed_tokens.weight, emb)  # frozen copies of the target's
