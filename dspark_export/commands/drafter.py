@@ -49,6 +49,12 @@ from dspark_export.paths import cache_root
                    "--resume accepts, until training starts: it sizes a run in progress to the time left.")
 @click.option("--epochs", type=float, default=2.0, show_default=True,
               help="Passes over the training sequences.")
+@click.option("--method", type=click.Choice(["dspark", "eagle3"]), default="dspark", show_default=True,
+              help="The drafter family: dspark (DSpark, or DFlash with --markov-rank 0 --no-confidence-head) or "
+                   "eagle3 (EAGLE-3: one layer over the fused target layers, training-time test over --ttt-length "
+                   "steps; compiled with --draft eagle3).")
+@click.option("--ttt-length", type=click.IntRange(min=1), default=7, show_default=True,
+              help="EAGLE-3: draft steps trained and drafted per round.")
 @click.option("--layers", type=int, default=1, show_default=True, help="Drafter layers.")
 @click.option("--intermediate-size", type=int, default=3072, show_default=True, help="Drafter MLP width.")
 @click.option("--moe-experts", type=int, default=0, show_default=True,
@@ -87,12 +93,13 @@ from dspark_export.paths import cache_root
 @click.pass_context
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
                 answer_prompts,
-                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, layers, intermediate_size, moe_experts,
+                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, method, ttt_length, layers,
+                intermediate_size, moe_experts,
                 moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, confidence_head, draft_vocab,
                 mask_token_id, lr,
                 ce_weight, l1_weight, anchors_per_seq, train_crop, seqs_per_step, bf16, reuse_data):
-    """Train a DSpark drafter for TARGET on this machine (target frozen; DeepSpec loss), resumable in stages:
-    answers -> sequences -> features -> training -> calibration.
+    """Train a DSpark (or, with --method eagle3, an EAGLE-3) drafter for TARGET on this machine (target frozen;
+    DeepSpec's losses), resumable in stages: answers -> sequences -> features -> training -> calibration.
 
     Data: the target's own greedy answers to the training split of the packaged prompt sets (never a calibration
     or evaluation prompt) and ShareGPT first turns, the Python standard library's source and ShareGPT chat turns,
@@ -123,6 +130,9 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                                        f"{', '.join(given)}")
             if work_dir is None:
                 raise click.UsageError("--reuse-data starts a new run: give it its own --work directory")
+        if method == "eagle3" and (layers != 1 or moe_experts):
+            raise click.UsageError("--method eagle3 trains one dense draft layer (DeepSpec's EAGLE-3 evaluator drafts "
+                                   "with one); drop --layers / --moe-experts")
         tdir = resolve_model(target)
         work = work_dir or cache_root() / "drafter" / tdir.name
         p = PipelineSettings(answer_prompts=answer_prompts, sharegpt_prompts=sharegpt_prompts,
@@ -131,7 +141,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,
                              sharegpt_tokens=sharegpt_tokens, feature_tokens=feature_tokens,
                              moe_experts=moe_experts, moe_top_k=moe_top_k,
-                             moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id)
+                             moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id,
+                             method=method, ttt_length=ttt_length)
         s = TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12, ce_alpha=ce_weight, l1_alpha=l1_weight,
                           anchors_per_seq=anchors_per_seq, max_seq_len=train_crop, seqs_per_step=seqs_per_step,
                           bf16=bf16_native() if bf16 is None else bf16)

@@ -7,7 +7,9 @@ mask): step 0 runs the drafter on the fused target features of every position i 
 step k - 1's output state at i with token i + k + 1 at RoPE position i + k, its query attending to the step-0
 keys of positions <= i and to position i's own keys of steps 1..k — what decoding sees k steps into a round. Step k
 at position i is trained towards the target's distribution at position i + k + 1 (soft cross-entropy on the answer
-tokens, weighted ``decay``^k).
+tokens, weighted ``decay``^k): the full distribution from the target's final states, or — from a cache extracted
+through an engine, which keeps the target's logits over a reduced vocabulary V_d — that distribution over V_d (the
+drafter's full-vocabulary head then learns to put no mass outside V_d).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ STEP_LOSS_DECAY = 0.8  # DeepSpec's config/eagle3 step_loss_decay
 
 
 def ttt_batch(seqs: list, columns=None) -> dict:
-    """Tensors for one step over windows ``seqs`` [(ids, mask, feats, last)] padded to the longest: ids int64 [b, T],
-    feats float32 [b, T, F'] (``columns`` of the store's features: the drafter's layers), last float32 [b, T, d]
-    (the target's final normed states), loss_mask bool [b, T] (trained tokens, padding excluded)."""
+    """Tensors for one step over windows ``seqs`` [(ids, mask, feats, aux)] padded to the longest: ids int64 [b, T],
+    feats float32 [b, T, F'] (``columns`` of the store's features: the drafter's layers), last float32 [b, T, A]
+    (the store's aux: the target's final normed states [.., d], or its logits over the draft vocabulary [.., V_d]),
+    loss_mask bool [b, T] (trained tokens, padding excluded)."""
     import torch
 
     b, T = len(seqs), max(len(q[0]) for q in seqs)
@@ -70,9 +73,10 @@ def ttt_steps(model, ids, feats, ttt_length: int):
         yield k, nxt, state
 
 
-def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOSS_DECAY) -> tuple:
+def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOSS_DECAY, vocab=None) -> tuple:
     """The training-time-test loss of one batch (:func:`ttt_batch`; module docstring); ``target_head`` [V, d] turns
-    the target's final states into its distributions. Returns (loss, metrics {"loss", "acc_pos" [ttt_length]
+    the target's final states into its distributions, or is None when ``batch["last"]`` holds the target's logits
+    over the vocabulary ``vocab`` (int64 tensor [V_d] of target ids). Returns (loss, metrics {"loss", "acc_pos" [ttt_length]
     (draft argmax == target argmax per step), "n" [ttt_length] (scored positions), "tau_greedy" (teacher-forced
     greedy accepted length + 1 over positions where every step is scored; nan if none)})."""
     import torch
@@ -83,14 +87,16 @@ def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOS
     total, acc, counts, matches, scored = 0.0, [], [], [], []
     for k, nxt, states in ttt_steps(model, ids, batch["feats"], ttt_length):
         w = lm[:, nxt] & (i + k + 1 <= T - 1)[None]  # [b, N]: the predicted position is a trained token
-        logits = model.logits(states).float()
+        logp = torch.log_softmax(model.logits(states).float(), dim=-1)
         with torch.no_grad():
-            p_t = torch.softmax(batch["last"][:, nxt] @ target_head.T, dim=-1)
-        ce = -(p_t * torch.log_softmax(logits, dim=-1)).sum(-1)
+            t_logits = batch["last"][:, nxt] if target_head is None else batch["last"][:, nxt] @ target_head.T
+            p_t = torch.softmax(t_logits.float(), dim=-1)
+        ce = -(p_t * (logp if vocab is None else logp[..., vocab])).sum(-1)
         wf = w.float()
         total = total + decay ** k * (ce * wf).sum() / wf.sum().clamp_min(1.0)
         with torch.no_grad():
-            m = (logits.argmax(-1) == p_t.argmax(-1)) & w
+            want = p_t.argmax(-1) if vocab is None else vocab[p_t.argmax(-1)]
+            m = (logp.argmax(-1) == want) & w
             matches.append(m)
             scored.append(w)
             counts.append(int(w.sum()))
@@ -103,33 +109,38 @@ def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOS
 
 
 class Eagle3Objective(Objective):
-    """The EAGLE-3 drafter's objective over a :class:`~dspark_export.drafter.features.FeatureStore` with the target's
-    final states (``last``): :func:`ttt_batch` / :func:`ttt_loss`, checkpoints in DeepSpec's layout.
+    """The EAGLE-3 drafter's objective over a :class:`~dspark_export.drafter.features.FeatureStore`:
+    :func:`ttt_batch` / :func:`ttt_loss`, checkpoints in DeepSpec's layout.
 
     Args:
         model: an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel`; target_head: the target's LM head [V, d]
-            (on the training device); s: the run's settings; columns: the store's feature columns holding the
-            drafter's layers (:func:`dspark_runtime.drafting.eagle3.feature_columns`; None: all).
-    Raises DSparkError for a store holding target logits over a reduced vocabulary (ONNX Runtime extraction):
-    EAGLE-3 is trained towards the full distribution.
+            (on the training device; unused for a store of target logits); s: the run's settings; store: the
+            feature cache; columns: the store's feature columns holding the drafter's layers
+            (:func:`dspark_runtime.drafting.eagle3.feature_columns`; None: all).
+    Raises DSparkError for a store of target logits without its ``draft_vocab.npy``.
     """
 
     name = "train-draft eagle3"
 
     def __init__(self, model, target_head, s: TrainSettings, store, columns=None):
-        if store.aux != "last":
-            raise DSparkError(f"{store.root}: the feature cache holds target logits over a reduced vocabulary "
-                              f"({store.aux}); EAGLE-3 trains towards the target's full distribution: extract "
-                              "features with the target's final states (the torch extractor)")
-        self.s, self.target_head, self.columns = s, target_head, columns
-        self.ttt = model.config.ttt_length
+        import torch
+
+        self.s, self.columns, self.ttt = s, columns, model.config.ttt_length
+        self.target_head, self.vocab = target_head, None
+        if store.aux == "tlogits":  # extracted through an engine: logits over the draft vocabulary
+            f = Path(store.root) / "draft_vocab.npy"
+            if not f.is_file():
+                raise DSparkError(f"{store.root}: a cache of target logits without its draft_vocab.npy; extract the "
+                                  "features again")
+            self.target_head = None
+            self.vocab = torch.as_tensor(np.load(f).astype(np.int64), device=torch.device(s.device))
 
     def batch(self, seqs, rng):
         seqs = [q for q in seqs if len(q[0]) > 1]
         return ttt_batch(seqs, self.columns) if seqs else None
 
     def loss(self, model, batch):
-        return ttt_loss(model, batch, self.target_head, self.ttt)
+        return ttt_loss(model, batch, self.target_head, self.ttt, vocab=self.vocab)
 
     def heldout(self, model, store, indices) -> dict:
         """Teacher-forced acceptance by step on a fixed window of each held-out sequence."""
@@ -144,7 +155,8 @@ class Eagle3Objective(Objective):
                 seq = _window(store, i, erng, self.s.eval_seq_len)
                 if len(seq[0]) < 2:
                     continue
-                _, m = ttt_loss(model, _to(ttt_batch([seq], self.columns), dev), self.target_head, self.ttt)
+                _, m = ttt_loss(model, _to(ttt_batch([seq], self.columns), dev), self.target_head, self.ttt,
+                                vocab=self.vocab)
                 hits += np.asarray(m["acc_pos"]) * np.asarray(m["n"])
                 tries += np.asarray(m["n"])
                 if not np.isnan(m["tau_greedy"]):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.engine_dir.integrity import atomic_write_text
+from dspark_runtime.drafting.eagle3 import feature_columns
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
@@ -24,7 +25,9 @@ from dspark_export.drafter.features import (FeatureStore, answer_sequences, choo
                                             extract_features_ort, pick_mask_token, sharegpt_sequences,
                                             stdlib_sequences)
 from dspark_export.drafter.train import TRAIN_STATE, TrainSettings, train
+from dspark_export.drafter.eagle3_train import train_eagle3
 from dspark_export.engine_dir.add_draft import add_dspark_draft
+from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft
 from dspark_export.fit.calibrate_drafter import calibrate_engine
 
 
@@ -52,6 +55,8 @@ class PipelineSettings:
     moe_top_k: int = 2
     moe_intermediate_size: int | None = None
     mask_token_id: int | None = None  # the block's mask token (None: an unused special token of the tokenizer)
+    method: str = "dspark"  # the drafter family trained: "dspark" (DSpark / DFlash) or "eagle3"
+    ttt_length: int = 7  # EAGLE-3: draft steps trained (training-time test) and drafted per round
 
 
 # The settings that decide a run's data (answers, sequences, features): a run started with ``reuse_data`` takes
@@ -129,11 +134,13 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
        (``sequences.npz``); the draft vocabulary is chosen from their counts;
     3. features: one teacher-forced target pass per sequence (the engine's own graph: the deployed int4 target's
        features and logits over the draft vocabulary), fp16 shards under ``features/``;
-    4. train: :func:`train` to ``s.epochs`` (or ``s.max_steps``), state in ``train_state.pt``;
+    4. train: :func:`train` to ``s.epochs`` (or ``s.max_steps``), state in ``train_state.pt`` (``p.method``
+       "eagle3": an EAGLE-3 drafter fusing ``p.feature_layers``, :func:`train_eagle3`, on the same data);
     5. calibrate (``engine_dir`` and ``compile_into_engine``): the checkpoint compiled into ``engine_dir``
        (:func:`dspark_export.engine_dir.add_draft.add_dspark_draft`) and its STS temperatures and router priors fitted on the
        calibration split (:func:`dspark_export.fit.calibrate_drafter.calibrate_engine`, also written to the checkpoint's
-       ``sts.json``).
+       ``sts.json``); an EAGLE-3 checkpoint is compiled beside the engine's other drafters
+       (:func:`dspark_export.engine_dir.add_eagle3.add_eagle3_draft`), with nothing to calibrate.
 
     ``compile_into_engine``: whether stage 5 runs; None: as the run was started (a new run: True). A resumed run
     keeps its own choice unless this is given.
@@ -274,6 +281,13 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     # 4. train
     store = FeatureStore(feat_dir)
     st = state.stage("train")
+    if not st["done"] and p.method == "eagle3":
+        rep = _train_eagle3(store, cfg, p, s, target_dir, out_dir, work_dir, left(), log)
+        st["seconds"] += rep["seconds_this_call"]
+        st.update(done=rep["finished"], report=rep, tokens=store.num_tokens)
+        state.save()
+        if not st["done"]:
+            return stopped("train")
     if not st["done"]:
         counts = store.token_counts(cfg["vocab_size"])
         mask_id = pick_mask_token(tok, counts) if p.mask_token_id is None else int(p.mask_token_id)
@@ -310,6 +324,12 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
 
     # 5. calibrate (compile into the engine, fit STS and the router priors on the calibration split)
     st = state.stage("calibrate")
+    if not st["done"] and engine_dir is not None and compile_into_engine and p.method == "eagle3":
+        t = time.perf_counter()
+        log(f"[5/5] compiling {out_dir} into {engine_dir} (EAGLE-3: nothing to calibrate)")
+        add_eagle3_draft(engine_dir, out_dir, log=log)
+        st.update(done=True, seconds=time.perf_counter() - t)
+        state.save()
     if not st["done"] and engine_dir is not None and compile_into_engine:
         t = time.perf_counter()
         log(f"[5/5] compiling {out_dir} into {engine_dir} and calibrating it")
@@ -418,3 +438,32 @@ def _moe_kwargs(p: PipelineSettings) -> dict:
     if not p.moe_experts:
         return {}
     return {"moe_experts": p.moe_experts, "moe_top_k": p.moe_top_k, "moe_intermediate_size": p.moe_intermediate_size}
+
+
+def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, target_dir: Path, out_dir: Path,
+                  work_dir: Path, budget: float | None, log) -> dict:
+    """Stage 4 for ``p.method`` "eagle3": an EAGLE-3 drafter for the target config ``cfg`` (one layer, MLP width
+    ``p.intermediate_size``, ``p.ttt_length`` steps; embedding and LM head frozen copies of the target's) fusing the
+    decoder layers of ``p.feature_layers`` (EAGLE-3 fuses decoder layers only: the embedding output, -1, is left
+    out), trained on ``store`` by :func:`train_eagle3`. Returns its report plus "seconds_this_call"."""
+    import torch
+
+    from dspark_export.drafter.eagle3 import Eagle3DraftModel, eagle3_config_for
+    from dspark_export.drafter.graph import target_frozen_weights
+
+    layers = [x for x in p.feature_layers if x >= 0]
+    if not layers:
+        raise DSparkError(f"the features hold layers {list(p.feature_layers)}; an EAGLE-3 drafter fuses decoder "
+                          "layers (>= 0): extract features of some (--reuse-data from a run that has them)")
+    torch.manual_seed(s.seed)
+    model = Eagle3DraftModel(eagle3_config_for(cfg, layers, p.ttt_length, p.intermediate_size))
+    emb, head = target_frozen_weights(target_dir)
+    model.init_from_target(emb, head)
+    del emb
+    log(f"[4/5] training an EAGLE-3 drafter: {sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f}"
+        f" M trainable parameters, target layers {layers}, {p.ttt_length} steps")
+    s.time_budget_s = min(s.time_budget_s, budget) if budget is not None else s.time_budget_s
+    t = time.perf_counter()
+    cols = feature_columns(p.feature_layers, layers, cfg["hidden_size"])
+    rep = train_eagle3(store, model, head, out_dir, s, columns=cols, log=log, resume=work_dir / TRAIN_STATE)
+    return {**rep, "seconds_this_call": time.perf_counter() - t}
