@@ -89,9 +89,9 @@ def main(argv=None) -> int:
         name, _, ln = spec.partition(":")
         lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
         engine_of[d] = others.get(where) if where else eng
-    bad = [d for d in drafters if lengths[d][0] not in ("auto", "dspark", "lm", "ngram", "router")]
+    bad = [d for d in drafters if lengths[d][0] not in ("auto", "dspark", "eagle3", "lm", "ngram", "router")]
     if bad or not drafters:
-        print(f"error: unknown drafter(s) {bad}; use auto, dspark, lm, ngram, router", file=sys.stderr)
+        print(f"error: unknown drafter(s) {bad}; use auto, dspark, eagle3, lm, ngram, router", file=sys.stderr)
         return 2
     unknown = [d for d in drafters if engine_of[d] is None]
     if unknown:
@@ -123,6 +123,7 @@ def main(argv=None) -> int:
                  "accepted_by_position": spec.stats.accepted_by_position,
                  "draft_length_histogram": spec.stats.draft_length_histogram,
                  "proposed": spec.stats.proposed, "accepted": spec.stats.accepted, "rounds": spec.stats.num_rounds,
+                 "draft_ms_per_round": spec.stats.draft_ms / max(1, spec.stats.num_rounds),
                  "ttft_ms_target_only": base.stats.ttft_ms, "ttft_ms_speculative": spec.stats.ttft_ms,
                  "identical": same, "first_diff": first_diff, "draft_sources": spec.stats.draft_sources}
             rows.append(r)
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
                   "tau_by_dataset": {ds: statistics.mean(r["tau"] for r in rs if r["dataset"] == ds)
                                      for ds in dict.fromkeys(r["dataset"] for r in rs)},
                   "acceptance_rate_mean": statistics.mean(r["acceptance_rate"] for r in rs),
+                  "draft_ms_per_round": statistics.mean(r["draft_ms_per_round"] for r in rs),
                   "accepted_by_position": by_position(rs),
                   "identical": sum(r["identical"] for r in rs), "n": len(rs),
                   "draft_sources": _sum_sources(rs)}
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
     for d, v in per.items():
         print(f"{d:16}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
               f"{ {k: round(t, 2) for k, t in v['tau_by_dataset'].items()} } | acceptance "
-              f"{v['acceptance_rate_mean']:.0%} | by position {v['accepted_by_position']} | identical "
+              f"{v['acceptance_rate_mean']:.0%} | drafting {v['draft_ms_per_round']:.1f} ms/round | by position "
+              f"{v['accepted_by_position']} | identical "
               f"{v['identical']}/{v['n']}" + (f" | sources {v['draft_sources']}" if v["draft_sources"] else ""))
     out = Path(a.out) if a.out else RESULTS / f"bench-{Path(a.engine).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +209,7 @@ def _parse_config(c: str):
     name, _, ln = c.partition(":")
     if name == "none":
         return {"draft": None}
-    if name not in ("dspark", "lm", "ngram", "router"):
+    if name not in ("dspark", "eagle3", "lm", "ngram", "router"):
         raise ValueError(f"unknown drafter {name!r} in config {c!r}")
     if ln == "scheduled":
         return {"draft": name, "draft_length": "scheduled"}

@@ -69,3 +69,50 @@ def test_qwen_pair_speculative_equals_target_only():
             ds = eng.generate(prompt, max_new_tokens=48, draft="dspark")
             assert ds.token_ids == ref.token_ids
             assert ds.stats.accepted > 0
+
+
+@pytest.mark.skipif(not (QWEN_ENGINE / "manifest.json").is_file(),
+                    reason="Qwen engine not built: run `bash scripts/quickstart.sh` first")
+def test_qwen_pair_with_an_eagle3_drafter_equals_target_only(tmp_path):
+    """An EAGLE-3 drafter for Qwen2.5-Coder-1.5B fusing the engine's feature layers (1, 13, 25), its weights
+    untrained (the target's embedding and LM head, the rest random: what is checked is exactness and the int4 graph,
+    not acceptance), compiled into a copy of the engine (files hard-linked) by `add_eagle3_draft`: greedy EAGLE-3
+    output equals target-only output at γ 3 and 7."""
+    pytest.importorskip("torch")
+    import os
+    import shutil
+
+    import torch
+
+    from dspark_export.drafter.eagle3 import Eagle3DraftModel, eagle3_config_for, save_eagle3_checkpoint
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft
+    from dspark_export.models.catalog import model_path
+    from dspark_runtime import Engine
+
+    tdir = model_path("qwen2.5-coder-1.5b-instruct")
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(eagle3_config_for(json.loads((tdir / "config.json").read_text()), [1, 13, 25], 7))
+    model.init_from_target(*target_frozen_weights(tdir))
+    ckpt = save_eagle3_checkpoint(model, tmp_path / "eagle3-ckpt")
+    del model
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    eng_dir = tmp_path / "engine"
+    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=link)
+    add_eagle3_draft(eng_dir, ckpt, isolate=True, log=lambda *a: None)
+    m = json.loads((eng_dir / "manifest.json").read_text())
+    assert m["graphs"]["eagle3"]["precision"] == "int4" and m["speculation"]["eagle3"]["target_layer_ids"] == [1, 13, 25]
+    assert (eng_dir / "eagle3.onnx.data").stat().st_size < 300e6  # the full-vocabulary head quantized too
+    eng = Engine.load(eng_dir)
+    for prompt in _humaneval(2):
+        ref = eng.generate(prompt, max_new_tokens=32, draft=None)
+        for gamma in (3, 7):
+            spec = eng.generate(prompt, max_new_tokens=32, draft="eagle3", draft_length=gamma)
+            assert spec.token_ids == ref.token_ids, gamma
+            assert spec.stats.proposed > 0

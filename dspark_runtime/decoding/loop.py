@@ -321,6 +321,8 @@ class DecodingLoop:
         steady = not forced and self.skip.undrafted == 0 and all(r.last_survival is not None for r in reqs)
         props = meter.draft(lambda: self.drafter.propose_batch(reqs, caps, only=only),
                             probe=self.draft_skip and bool(table) and self.skip.probing, steady=steady)
+        for r in reqs:
+            r.stats.draft_ms += 1e3 * meter.draft_s
         if steady:  # every request drafted last round too: no catch-up of skipped tokens in this timing
             self.skip.record_draft_time(len(reqs), meter.draft_s)
         lengths = self._lengths(reqs, props, caps, table)

@@ -32,6 +32,8 @@ class GenerationStats:
     forced_tokens: tokens a grammar (``response_format``) forced, verified as free drafts.
     masked_drafts: draft tokens a grammar forbade (each ended its block without costing a target position).
     grammar_masks / grammar_mask_ms: allowed-token masks the grammar computed and their time in milliseconds.
+    draft_ms: milliseconds of the drafting passes its rounds ran (a pass shared by a batch counts whole for each
+    request in it).
     """
 
     prompt_tokens: int = 0
@@ -55,6 +57,7 @@ class GenerationStats:
     masked_drafts: int = 0
     grammar_masks: int = 0
     grammar_mask_ms: float = 0.0
+    draft_ms: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
