@@ -4,7 +4,8 @@ For every ``causal_lm`` graph: its capacity KV-layout variant
 (:func:`dspark_export.graphs.device.derive_capacity_graph`) and, with ``half``, a 16-bit copy, each built into an
 engine with two optimisation profiles (prefill chunks; decode/verify of 1..γ+1 tokens,
 :mod:`dspark_runtime.backends.trt.profiles`); with ``kv_layouts`` including "growing" also the growing graph's
-engine. The ``dspark_draft`` graph gets the growing graph's engine. Graphs with ONNX Runtime contrib operators (the
+engine. The ``dspark_draft`` and ``eagle3_draft`` graphs get the growing graph's engine (the runtime runs the
+DSpark drafter's on TensorRT; the EAGLE-3 drafter's is built ahead of time, its runtime still ONNX Runtime). Graphs with ONNX Runtime contrib operators (the
 int4 ``MatMulNBits``) are refused, naming the fp32 graph to use instead. TensorRT for RTX builds ahead of time
 without a GPU for a list of compute capabilities; enterprise ``tensorrt`` builds for the GPU it runs on. Every parser
 and builder result is checked (DSparkError with TensorRT's own messages); all files are recorded in one transaction.
@@ -30,8 +31,8 @@ from dspark_export.engine_dir.transaction import engine_transaction
 from dspark_export.graphs.capacity import HALF_TYPES, graph_precision, peak_rss_bytes, run_rewrite, to_half
 from dspark_export.graphs.device import derive_capacity_graph
 
-# Graph kinds build_trt makes engines of: decoders (target, draft LM) and the DSpark drafter.
-TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft")
+# Graph kinds build_trt makes engines of: decoders (target, draft LM), the DSpark and the EAGLE-3 drafter.
+TRT_GRAPH_KINDS = ("causal_lm", "dspark_draft", "eagle3_draft")
 
 # The AOT set of TensorRT-RTX's default portable engine (Ampere, Ampere RTX, Ada, Blackwell RTX). Turing (7.5)
 # must be asked for explicitly and alone, and only for non-fp32 graphs (see the module docstring). FP8 graphs
@@ -242,9 +243,10 @@ def check_trt_parsable(onnx_path: Path, key: str, kind: str) -> None:
     contrib = sorted({n.op_type for n in g.node if n.domain == "com.microsoft"})
     if not contrib:
         return
-    if kind == "dspark_draft":
-        fix = ("re-add the drafter in fp32 (`dspark-export add-draft ENGINE CHECKPOINT --target TARGET --precision "
-               "fp32`) and build from that, with --half bf16/fp16 for a 16-bit engine")
+    if kind in ("dspark_draft", "eagle3_draft"):
+        fix = ("re-add the drafter in fp32 (`dspark-export add-draft ENGINE CHECKPOINT --precision fp32`, with "
+               "--target TARGET for a DSpark checkpoint) and build from that, with --half bf16/fp16 for a 16-bit "
+               "engine")
     else:
         fix = ("build an fp32 engine (`dspark-export build MODEL --precision fp32 --kv-layout growing`) and build "
                "from that, with --half bf16/fp16 or an INT8/FP8 QDQ graph for lower precision")
@@ -274,13 +276,14 @@ def build_trt(engine_dir: Path, settings: TrtBuildSettings, isolate: bool = True
     manifest = load_manifest(engine_dir)
     keys = settings.graphs or tuple(k for k, g in manifest.graphs.items() if g.spec.kind in TRT_GRAPH_KINDS)
     if not keys:
-        raise DSparkError(f"{engine_dir} has no causal_lm or dspark_draft graph to build a TensorRT engine for")
+        raise DSparkError(f"{engine_dir} has no causal_lm, dspark_draft or eagle3_draft graph to build a TensorRT "
+                          "engine for")
     for key in keys:
         if key not in manifest.graphs:
             raise DSparkError(f"{engine_dir} has no graph {key!r} (graphs: {', '.join(manifest.graphs)})")
         if manifest.graphs[key].spec.kind not in TRT_GRAPH_KINDS:
             raise DSparkError(f"graph {key!r} is a {manifest.graphs[key].spec.kind} graph; TensorRT engines are "
-                              f"built for {' and '.join(TRT_GRAPH_KINDS)} graphs only")
+                              f"built for {', '.join(TRT_GRAPH_KINDS)} graphs only")
         if manifest.graphs[key].spec.kv_layout != KV_LAYOUT_GROWING:
             raise DSparkError(f"graph {key!r} has the {manifest.graphs[key].spec.kv_layout} KV layout; TensorRT "
                               "engines are built from growing-layout graphs: build the engine with "

@@ -571,3 +571,31 @@ def test_int4_graphs_are_refused_with_the_fp32_route(tmp_path):
         check_trt_parsable(tmp_path / "q.onnx", "dspark", "dspark_draft")
     with pytest.raises(DSparkError, match="build an fp32 engine"):
         check_trt_parsable(tmp_path / "q.onnx", "target", "causal_lm")
+
+
+@needs_rtx
+def test_trt_rtx_builds_the_eagle3_drafter_ahead_of_time(tiny_scatter_engine_dir, tiny_pair, tmp_path,
+                                                        trt_build_log):
+    """The EAGLE-3 drafter's fp32 graph gets a growing-layout TensorRT-RTX engine with both profiles; its int4 graph
+    is refused, naming the fp32 re-add."""
+    from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft
+    from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from tests.fixtures.tiny_models import make_tiny_eagle3
+
+    ckpt = make_tiny_eagle3(tmp_path / "ckpt", tiny_pair[0])
+    d = tmp_path / "e"
+    shutil.copytree(tiny_scatter_engine_dir, d)
+    add_eagle3_draft(d, ckpt, isolate=False, log=lambda *a: None, precision="fp32")
+    build_trt(d, TrtBuildSettings(profile=SMALL, graphs=("eagle3",)), isolate=False, log=lambda *a: None)
+    m = load_manifest(d, rehash=True)
+    e = m.trt_engines["eagle3"]
+    trt_build_log.append(("tiny eagle3", e))
+    assert set(m.trt_engines) == {"eagle3"} and e.kv_layout == "growing" and e.precision == "fp32"
+    assert [p["name"] for p in e.profiles] == ["prefill", "decode"]
+    assert e.profiles[1]["shapes"]["states"]["max"] == [2, 5, 64] and e.profiles[1]["shapes"]["logits_at"]["max"] == [2]
+    q = tmp_path / "q"
+    shutil.copytree(tiny_scatter_engine_dir, q)
+    add_eagle3_draft(q, ckpt, isolate=False, log=lambda *a: None, precision="int4")
+    with pytest.raises(DSparkError, match=r"graph 'eagle3' .*MatMulNBits.*re-add the drafter in fp32"):
+        build_trt(q, TrtBuildSettings(profile=SMALL, graphs=("eagle3",)), isolate=False, log=lambda *a: None)
