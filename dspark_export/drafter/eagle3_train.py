@@ -76,9 +76,9 @@ def ttt_steps(model, ids, feats, ttt_length: int):
 def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOSS_DECAY, vocab=None) -> tuple:
     """The training-time-test loss of one batch (:func:`ttt_batch`; module docstring); ``target_head`` [V, d] turns
     the target's final states into its distributions, or is None when ``batch["last"]`` holds the target's logits
-    over the vocabulary ``vocab`` (int64 tensor [V_d] of target ids). Returns (loss, metrics {"loss", "acc_pos" [ttt_length]
-    (draft argmax == target argmax per step), "n" [ttt_length] (scored positions), "tau_greedy" (teacher-forced
-    greedy accepted length + 1 over positions where every step is scored; nan if none)})."""
+    over the vocabulary ``vocab`` (int64 tensor [V_d] of target ids). Returns (loss, metrics {"loss", "acc_pos"
+    [ttt_length] (draft argmax == target argmax per step), "n" [ttt_length] (scored positions), "tau_greedy"
+    (teacher-forced greedy accepted length + 1 over positions where every step is scored; nan if none)})."""
     import torch
 
     ids, lm = batch["ids"], batch["loss_mask"]
