@@ -5,8 +5,9 @@ For every ``causal_lm`` graph: its capacity KV-layout variant
 engine with two optimisation profiles (prefill chunks; decode/verify of 1..γ+1 tokens,
 :mod:`dspark_runtime.backends.trt.profiles`); with ``kv_layouts`` including "growing" also the growing graph's
 engine. The ``dspark_draft`` and ``eagle3_draft`` graphs get the growing graph's engine (the runtime runs the
-DSpark drafter's on TensorRT; the EAGLE-3 drafter's is built ahead of time, its runtime still ONNX Runtime). Graphs with ONNX Runtime contrib operators (the
-int4 ``MatMulNBits``) are refused, naming the fp32 graph to use instead. TensorRT for RTX builds ahead of time
+DSpark drafter's on TensorRT; the EAGLE-3 drafter's is built ahead of time and runs on ONNX Runtime so far).
+Graphs with ONNX Runtime contrib operators (the int4 ``MatMulNBits``) are refused, naming the fp32 graph to use
+instead. TensorRT for RTX builds ahead of time
 without a GPU for a list of compute capabilities; enterprise ``tensorrt`` builds for the GPU it runs on. Every parser
 and builder result is checked (DSparkError with TensorRT's own messages); all files are recorded in one transaction.
 Limits of the builders: docs/tensorrt.md.
