@@ -20,7 +20,7 @@ from dspark_runtime.decoding.grammar import GrammarCompiler
 from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
 from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
-from dspark_runtime.drafting.eagle3 import OrtEagle3Graph
+from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
 from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
@@ -76,6 +76,8 @@ class Engine:
         e3 = manifest.speculation.eagle3
         if e3 is not None and e3.graph in self._backends:
             self._backends[e3.graph].embedding = EmbeddingRows.from_manifest(self.dir, e3.embedding)
+            self._backends[e3.graph].draft_vocab = eagle3_vocab(self.dir, e3, manifest.graphs[e3.graph].spec,
+                                                                manifest.graphs["target"].spec.dims.vocab_size)
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)

@@ -1,6 +1,7 @@
-"""DeepSpec's EAGLE-3 drafter (``Qwen3Eagle3Model``): its ``config.json`` parsed strictly (:class:`Eagle3Config`),
-the torch model (:class:`Eagle3DraftModel`) and :func:`load_eagle3_checkpoint`; the ONNX graph is
-:mod:`dspark_export.drafter.eagle3_graph`, the runtime drafter :mod:`dspark_runtime.drafting.eagle3`.
+"""EAGLE-3 drafters (DeepSpec's ``Qwen3Eagle3Model``; SpecForge's, :mod:`dspark_export.drafter.eagle3_specforge`):
+``config.json`` parsed strictly (:class:`Eagle3Config`), the torch model (:class:`Eagle3DraftModel`) and
+:func:`load_eagle3_checkpoint`; the graph is :mod:`dspark_export.drafter.eagle3_graph`, the runtime drafter
+:mod:`dspark_runtime.drafting.eagle3`.
 
 Sources: DeepSpec ``deepspec/modeling/eagle3/qwen3/modeling.py`` and its evaluator
 ``deepspec/eval/eagle3/evaluator.py``; parity: ``tests/export/drafter/test_eagle3.py``. The drafter fuses the
@@ -12,9 +13,8 @@ k − 1, one position further, on the drafter's own KV cache. As in DeepSpec's d
 i goes with token i + 1 at RoPE position i; a round drafts ``ttt_length`` tokens greedily from the last state; the
 verified positions' target states then extend the cache (the round's draft entries are dropped first).
 
-Layout: DeepSpec's (every tensor named as its ``Qwen3Eagle3Model``, a full-vocabulary ``lm_head``). Checkpoints with
-``d2t`` / ``t2d`` (SpecForge / vLLM: a reduced draft vocabulary mapped to the target's) are refused, as is any
-config field or tensor this module does not name.
+Layouts: DeepSpec's (tensors named as its ``Qwen3Eagle3Model``, q/k norms, full-vocabulary ``lm_head``); SpecForge's
+(no q/k norms, ``lm_head`` over draft tokens, target ids ``draft_vocab_ids``). Other fields or tensors are refused.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from safetensors.torch import save_file
 
+from dspark_export.drafter import eagle3_specforge as specforge
 from dspark_export.drafter.checkpoint import read_tensors
 from dspark_export.drafter.config import (QWEN3, DraftConfigError, _activation, _rope_parameters, bool_field, int_field,
                                          rotary_table)
@@ -39,6 +40,7 @@ ARCHITECTURE = "Qwen3Eagle3Model"
 REFUSED_ARCHITECTURES = {
     "Gemma4Eagle3Model": "DeepSpec's Gemma-4 EAGLE-3 drafter (its own layer: Gemma-4 norms, attention and "
                          "embedding scale) is not implemented yet; only Qwen3Eagle3Model loads",
+    **specforge.REFUSED_ARCHITECTURES,
 }
 MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 # config.json fields the drafter reads (DeepSpec's Qwen3 EAGLE-3 config is the target's config plus these).
@@ -56,8 +58,8 @@ EAGLE3_IGNORED = dict({k: v for k, v in IGNORED_FIELDS.items() if k != "num_anch
                       target_model_name_or_path="provenance (the target the drafter was trained for)")
 # fields of other EAGLE-3 layouts, refused with what they mean
 REFUSED_FIELDS = {
-    "draft_vocab_size": "a reduced draft vocabulary (the SpecForge / vLLM layout, with d2t/t2d tensors); DeepSpec's "
-                        "layout has a full-vocabulary lm_head. Not supported yet",
+    "draft_vocab_size": "a reduced draft vocabulary (d2t/t2d tensors) is the SpecForge / vLLM layout's, which "
+                        f"loads as [{specforge.ARCHITECTURE!r}]; DeepSpec's layout has a full-vocabulary lm_head",
 }
 VOCAB_MAP_TENSORS = ("d2t", "t2d")
 WEIGHTS_NAME = "model.safetensors"
@@ -65,7 +67,8 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass
 class Eagle3Config:
-    """A DeepSpec EAGLE-3 drafter's configuration (``Qwen3Eagle3Model``); ``source`` keeps the config.json as read."""
+    """An EAGLE-3 drafter's configuration (DeepSpec's or SpecForge's ``architecture``; ``source``: its config.json).
+    ``qk_norm``: q/k RMSNorm per head; ``draft_vocab_size`` / ``target_hidden_size``: None = vocab / hidden size."""
 
     hidden_size: int
     intermediate_size: int
@@ -86,15 +89,20 @@ class Eagle3Config:
     rope_inv_freq: torch.Tensor | None = field(default=None, repr=False, compare=False)
     rope_attention_scaling: float = 1.0
     layer: str = QWEN3  # the rotary table is Qwen3's (rotary_table reads it)
+    qk_norm: bool = True
+    draft_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    architecture: str = ARCHITECTURE
 
     @property
     def feature_size(self) -> int:
-        """Width of the fused target features: len(target_layer_ids) · hidden_size."""
-        return len(self.target_layer_ids) * self.hidden_size
+        """Width of the fused target features: len(target_layer_ids) · (target_hidden_size or hidden_size)."""
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Eagle3Config":
-        """Validate a DeepSpec EAGLE-3 draft config dict.
+    def from_dict(cls, d: dict, source: str = "config.json", target_num_layers: int | None = None) -> "Eagle3Config":
+        """Validate an EAGLE-3 draft config dict: DeepSpec's, or SpecForge's (:func:`~dspark_export.drafter.
+        eagle3_specforge.specforge_fields`; ``target_num_layers`` gives its default layers).
 
         Raises:
             DraftConfigError: a missing or malformed field, or a field, value or architecture this loader does not
@@ -102,13 +110,16 @@ class Eagle3Config:
         """
         if not isinstance(d, dict):
             raise DraftConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        if d.get("architectures") == [specforge.ARCHITECTURE]:
+            return cls(**specforge.specforge_fields(d, source, target_num_layers), source=dict(d))._with_rope(source)
         arch = d.get("architectures")
         if arch is not None:
             if isinstance(arch, list) and len(arch) == 1 and arch[0] in REFUSED_ARCHITECTURES:
                 raise DraftConfigError(f"{source}: architectures {arch!r}: {REFUSED_ARCHITECTURES[arch[0]]}")
             if arch != [ARCHITECTURE]:
                 raise DraftConfigError(f"{source}: architectures {arch!r} is not DeepSpec's EAGLE-3 drafter "
-                                       f"[{ARCHITECTURE!r}], the one this loader implements")
+                                       f"[{ARCHITECTURE!r}] nor SpecForge / vLLM's [{specforge.ARCHITECTURE!r}], the "
+                                       "ones this loader implements")
         mt = d.get("model_type")
         if mt is not None and mt not in MODEL_TYPES:
             raise DraftConfigError(f"{source}: model_type {mt!r} is not implemented by the {ARCHITECTURE} layer "
@@ -179,15 +190,18 @@ class Eagle3Config:
                 rope_parameters=_rope_parameters(d, QWEN3, source),
                 max_position_embeddings=None if mpe is None else _int("max_position_embeddings", 1),
                 source=json.loads(json.dumps(d)))
+        return c._with_rope(source)
+
+    def _with_rope(self, source: str) -> "Eagle3Config":  # the rotary table, transformers' (config.rotary_table)
         try:
-            c.rope_inv_freq, c.rope_attention_scaling = rotary_table(c)
+            self.rope_inv_freq, self.rope_attention_scaling = rotary_table(self)
         except DraftConfigError as e:
             raise DraftConfigError(f"{source}: {e}") from None
-        return c
+        return self
 
 
-def load_eagle3_config(path: Path) -> Eagle3Config:
-    """Read an EAGLE-3 draft ``config.json`` (a folder or the file itself).
+def load_eagle3_config(path: Path, target_num_layers: int | None = None) -> Eagle3Config:
+    """Read an EAGLE-3 draft ``config.json`` (a folder or the file); ``target_num_layers``: see ``from_dict``.
 
     Raises:
         DraftConfigError: a missing file, bad JSON, or a field :meth:`Eagle3Config.from_dict` refuses.
@@ -201,7 +215,7 @@ def load_eagle3_config(path: Path) -> Eagle3Config:
         d = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise DraftConfigError(f"{f}: not valid JSON ({e})") from None
-    return Eagle3Config.from_dict(d, source=str(f))
+    return Eagle3Config.from_dict(d, source=str(f), target_num_layers=target_num_layers)
 
 
 class Eagle3Cache:
@@ -228,8 +242,8 @@ class Eagle3Cache:
 
 
 class Eagle3Attention(nn.Module):
-    """Grouped-query attention of 2·d inputs: q/k RMSNorm per head, RoPE, scores scaled by head_dim^-½, causal over
-    the cache and the new positions."""
+    """Grouped-query attention of 2·d inputs: q/k RMSNorm per head (``qk_norm``), RoPE, scores scaled by
+    head_dim^-½, causal over the cache and the new positions."""
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -239,15 +253,18 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, kv * hd, bias=b)
         self.v_proj = nn.Linear(2 * c.hidden_size, kv * hd, bias=b)
         self.o_proj = nn.Linear(h * hd, c.hidden_size, bias=b)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, c.rms_norm_eps), RMSNorm(hd, c.rms_norm_eps)
 
     def project(self, x, positions):
         """x [b, n, 2d] at positions [b, n] -> (q [b, h, n, hd], k, v [b, kv, n, hd]): q/k normed per head, RoPE."""
         b, n, _ = x.shape
         c = self.c
-        q = self.q_norm(self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, n, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return (rope(q, positions, c.rope_inv_freq, c.rope_attention_scaling),
                 rope(k, positions, c.rope_inv_freq, c.rope_attention_scaling), v)
@@ -304,7 +321,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3DraftModel(nn.Module):
-    """DeepSpec's EAGLE-3 drafter in torch; parameter names are DeepSpec's ``Qwen3Eagle3Model``'s."""
+    """The EAGLE-3 drafter in torch; parameter names are DeepSpec's ``Qwen3Eagle3Model``'s. ``draft_vocab_ids``
+    (int64 [V_d], set by the loader; None = the full vocabulary): the target id of each lm_head row."""
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -314,7 +332,8 @@ class Eagle3DraftModel(nn.Module):
         self.fc = nn.Linear(c.feature_size, d, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(d, c.rms_norm_eps)
-        self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size or c.vocab_size, bias=False)
+        self.draft_vocab_ids = None
 
     def forward(self, state, input_ids, positions, cache: Eagle3Cache | None = None):
         """Draft states [b, n, d] of ``n`` positions: ``state`` [b, n, d] (a previous draft state, or fused target
@@ -339,7 +358,7 @@ class Eagle3DraftModel(nn.Module):
         return self(self.fuse(features), input_ids, positions, cache)[:, -1:]
 
     def logits(self, state):
-        """Full-vocabulary logits of draft states: lm_head(norm(state))."""
+        """lm_head(norm(state)): logits over the draft vocabulary (``draft_vocab_ids``) or the full one."""
         return self.lm_head(self.norm(state))
 
     def init_from_target(self, embed, lm_head, freeze: bool = True):
@@ -356,7 +375,7 @@ class Eagle3DraftModel(nn.Module):
         :meth:`extend` output); the first draft's step runs at position ``start`` (the position of the round's
         first verified token). The cache is left as before the round.
 
-        Returns (states [b, k, d] the logits came from, logits [b, k, V], tokens [b, k]).
+        Returns (states [b, k, d] the logits came from, logits [b, k, V_d], target token ids [b, k]).
         """
         steps = self.config.ttt_length if steps is None else steps
         before = len(cache)
@@ -365,6 +384,7 @@ class Eagle3DraftModel(nn.Module):
         for k in range(steps):
             lg = self.logits(state)
             tok = torch.argmax(lg, dim=-1)
+            tok = tok if self.draft_vocab_ids is None else self.draft_vocab_ids.to(tok.device)[tok]
             states.append(state)
             logits.append(lg)
             tokens.append(tok)
@@ -376,10 +396,10 @@ class Eagle3DraftModel(nn.Module):
 
 
 def expected_eagle3_shapes(c: Eagle3Config) -> dict:
-    """Every tensor name of a DeepSpec-layout EAGLE-3 checkpoint for ``c`` -> its shape."""
+    """Every tensor name of an EAGLE-3 checkpoint for ``c`` (our names: DeepSpec's) -> its shape."""
     d, hd, h, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     s = {"embed_tokens.weight": (c.vocab_size, d), "fc.weight": (d, c.feature_size), "norm.weight": (d,),
-         "lm_head.weight": (c.vocab_size, d)}
+         "lm_head.weight": (c.draft_vocab_size or c.vocab_size, d)}
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         for name, shape in (("q_proj", (h * hd, 2 * d)), ("k_proj", (kv * hd, 2 * d)), ("v_proj", (kv * hd, 2 * d)),
@@ -387,8 +407,8 @@ def expected_eagle3_shapes(c: Eagle3Config) -> dict:
             s[p + f"self_attn.{name}.weight"] = shape
             if c.attention_bias:
                 s[p + f"self_attn.{name}.bias"] = (shape[0],)
-        s[p + "self_attn.q_norm.weight"] = (hd,)
-        s[p + "self_attn.k_norm.weight"] = (hd,)
+        if c.qk_norm:
+            s[p + "self_attn.q_norm.weight"], s[p + "self_attn.k_norm.weight"] = (hd,), (hd,)
         s[p + "mlp.gate_proj.weight"] = (c.intermediate_size, d)
         s[p + "mlp.up_proj.weight"] = (c.intermediate_size, d)
         s[p + "mlp.down_proj.weight"] = (d, c.intermediate_size)
@@ -397,24 +417,25 @@ def expected_eagle3_shapes(c: Eagle3Config) -> dict:
     return s
 
 
-def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32) -> Eagle3DraftModel:
-    """Load a DeepSpec-layout EAGLE-3 drafter (``config.json`` + ``*.safetensors``) strictly: every checkpoint
-    tensor consumed, every model tensor filled with the shape the config implies; floating tensors cast to
-    ``dtype`` (RoPE frequencies stay float32).
+def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32, target_num_layers: int | None = None,
+                           target_embed=None) -> Eagle3DraftModel:
+    """Load an EAGLE-3 drafter (``config.json`` + ``*.safetensors``, DeepSpec's or SpecForge's layout) strictly: every
+    tensor consumed, every model tensor filled with the shape the config implies; floating tensors cast to ``dtype``
+    (RoPE frequencies stay float32). SpecForge's: ``target_num_layers`` as :meth:`Eagle3Config.from_dict`,
+    ``target_embed`` [V, d] the target's embedding where the checkpoint leaves it out.
 
     Raises:
-        DraftConfigError: a d2t/t2d vocabulary map (SpecForge / vLLM layout, not supported yet), an unexpected,
-            missing or mis-shaped tensor, or a config field :class:`Eagle3Config` refuses.
+        DraftConfigError: d2t/t2d in DeepSpec's layout, an inconsistent vocabulary map, an unexpected, missing or
+            mis-shaped tensor, or a config field :class:`Eagle3Config` refuses.
     """
     path = Path(path)
-    c = load_eagle3_config(path)
-    tensors = read_tensors(path)
-    vmap = [n for n in VOCAB_MAP_TENSORS if n in tensors]
-    if vmap:
-        raise DraftConfigError(
-            f"{path}: d2t/t2d vocabulary map present ({vmap}): this is the SpecForge / vLLM EAGLE-3 layout, whose "
-            "lm_head covers a reduced draft vocabulary mapped to the target's by d2t/t2d; DeepSpec's layout has a "
-            "full-vocabulary head. Not supported yet")
+    c = load_eagle3_config(path, target_num_layers)
+    tensors, vocab_ids = read_tensors(path), None
+    if c.architecture == specforge.ARCHITECTURE:
+        tensors, vocab_ids, _ = specforge.specforge_tensors(tensors, c, path, target_embed)
+    elif vmap := [n for n in VOCAB_MAP_TENSORS if n in tensors]:
+        raise DraftConfigError(f"{path}: d2t/t2d vocabulary map present ({vmap}) in a {ARCHITECTURE} checkpoint: "
+                               f"{specforge.NOT_IN_DEEPSPEC}")
     want = expected_eagle3_shapes(c)
     unexpected = sorted(n for n in tensors if n not in want)
     if unexpected:
@@ -439,6 +460,7 @@ def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32) -> Eagle3DraftMod
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
+    model.draft_vocab_ids = vocab_ids
     return model
 
 
@@ -465,7 +487,9 @@ def eagle3_config_for(target_config: dict, target_layer_ids, ttt_length: int = 7
 
 def save_eagle3_checkpoint(model: Eagle3DraftModel, out_dir: Path, *, dtype=torch.float32) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in DeepSpec's layout (every tensor, floating ones as ``dtype``),
-    loadable by :func:`load_eagle3_checkpoint`; returns the folder."""
+    loadable by :func:`load_eagle3_checkpoint`; returns the folder. Raises DraftConfigError for another layout."""
+    if model.config.architecture != ARCHITECTURE:
+        raise DraftConfigError(f"save_eagle3_checkpoint writes DeepSpec's layout, not {model.config.architecture}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     want = expected_eagle3_shapes(model.config)

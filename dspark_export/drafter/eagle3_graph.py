@@ -1,11 +1,12 @@
-"""Export a DeepSpec EAGLE-3 drafter checkpoint (:mod:`dspark_export.drafter.eagle3`) to the ``eagle3_draft`` ONNX
-graph and validate it against the torch model.
+"""Export an EAGLE-3 drafter checkpoint (:mod:`dspark_export.drafter.eagle3`: DeepSpec's or SpecForge's layout) to
+the ``eagle3_draft`` ONNX graph and validate it against the torch model.
 
 The graph (declared in :func:`dspark_runtime.engine_dir.graphspec.eagle3_draft_spec`) is one draft step of the
 drafter's single layer over its own KV cache: query positions whose input state is ``fc(features) + states`` (fused
 target features of committed positions, or the drafter's previous output state), with the embedding rows of the
 token after each position given as an input (read by the runtime from the target's table when it is the drafter's,
-else from a copy beside the graph), and full-vocabulary logits at one position per row. The runtime drafter is
+else from a copy beside the graph), and logits at one position per row over the drafter's vocabulary (the target's,
+or SpecForge's reduced one, whose target ids are written to ``DRAFT_VOCAB_FILE``). The runtime drafter is
 :mod:`dspark_runtime.drafting.eagle3`.
 """
 from __future__ import annotations
@@ -20,14 +21,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark_runtime.drafting.dspark import EmbeddingRows
 from dspark_runtime.engine_dir.graphspec import DecoderDims, GraphSpec, eagle3_draft_spec
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.drafter.eagle3 import Eagle3DraftModel, load_eagle3_checkpoint
+from dspark_export.drafter.eagle3_specforge import checkpoint_holds_embedding
 from dspark_export.drafter.graph import embedding_entry
 from dspark_export.graphs.decoder import OPSET, save_graph
 
 EMBED_FILE = "eagle3_embed.bin"  # the drafter's own embedding table, where it is not the target graph's
+DRAFT_VOCAB_FILE = "eagle3_draft_vocab.npy"  # int64 [V_d]: the target id of each logits column (reduced vocabulary)
 TRACE_BATCH, TRACE_Q, TRACE_PAST = 2, 3, 5
 
 
@@ -48,13 +52,14 @@ class Eagle3GraphWrapper(nn.Module):
                                      attention_mask)
             present += [k, v]
         rows = torch.arange(state.shape[0], device=state.device)
-        return (state, m.logits(state[rows, logits_at]), *present)
+        # the head on [b, 1, d] (a MatMul, which int4 quantization covers; a 2-D input exports as Gemm, which it skips)
+        return (state, m.logits(state[rows, logits_at][:, None])[:, 0], *present)
 
 
 def eagle3_dims(model: Eagle3DraftModel) -> DecoderDims:
     c = model.config
     return DecoderDims(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                       hidden_size=c.hidden_size, vocab_size=c.vocab_size)
+                       hidden_size=c.hidden_size, vocab_size=c.draft_vocab_size or c.vocab_size)
 
 
 def _example(model: Eagle3DraftModel, batch: int, q: int, past: int, seed: int = 0, fused: bool = True):
@@ -143,20 +148,31 @@ def validate_eagle3_graph(model: Eagle3DraftModel, path: Path, tol: float = 1e-3
 
 
 def export_eagle3(checkpoint: Path, out_dir: Path, role: str = "eagle3", target_embedding: dict | None = None,
-                  target_root: Path | None = None) -> dict:
+                  target_root: Path | None = None, target_num_layers: int | None = None) -> dict:
     """Checkpoint -> ``{role}.onnx`` (+ .data) in ``out_dir``; returns the manifest parts {"spec", "validation",
-    "config" (the checkpoint's config.json), "embedding"}. ``target_embedding``: the target graph's table
+    "config" (the checkpoint's config.json), "embedding", "draft_vocab" (``DRAFT_VOCAB_FILE`` written for a reduced
+    draft vocabulary, else None)}. ``target_embedding``: the target graph's table
     (:func:`dspark_export.drafter.graph.target_embedding_entry`, relative to ``target_root``, default ``out_dir``);
-    the token rows are read from it when it equals the drafter's ``embed_tokens``, else from ``EMBED_FILE``.
-    Raises DraftConfigError for a checkpoint the loader refuses, DSparkError when export or validation fails."""
-    model = load_eagle3_checkpoint(checkpoint).eval()
+    the token rows are read from it when it equals the drafter's ``embed_tokens`` or the checkpoint holds none
+    (SpecForge's), else from ``EMBED_FILE``. ``target_num_layers``: the target's decoder layers (SpecForge's default
+    fused layers). Raises DraftConfigError for a checkpoint the loader refuses, DSparkError when export or
+    validation fails."""
+    root = Path(target_root or out_dir)
+    embed = None
+    if target_embedding is not None and not checkpoint_holds_embedding(checkpoint):
+        embed = torch.from_numpy(np.array(EmbeddingRows.from_manifest(root, target_embedding)._table, np.float32))
+    model = load_eagle3_checkpoint(checkpoint, target_num_layers=target_num_layers, target_embed=embed).eval()
     path = Path(out_dir) / f"{role}.onnx"
     spec = export_eagle3_graph(model, path)
     val = validate_eagle3_graph(model, path)
     embedding = embedding_entry(model.embed_tokens.weight.detach().float().numpy(), Path(out_dir), target_embedding,
-                                Path(target_root or out_dir), file_name=EMBED_FILE)
+                                root, file_name=EMBED_FILE)
+    vocab = None
+    if model.draft_vocab_ids is not None:
+        vocab = DRAFT_VOCAB_FILE
+        np.save(Path(out_dir) / vocab, model.draft_vocab_ids.numpy().astype("<i8"), allow_pickle=False)
     return {"spec": spec.to_json(), "validation": {"fp32": val}, "config": model.config.source,
-            "embedding": embedding}
+            "embedding": embedding, "draft_vocab": vocab}
 
 
 if __name__ == "__main__":  # subprocess worker: python -m dspark_export.drafter.eagle3_graph ARGS_JSON RESULT_PATH
@@ -167,7 +183,7 @@ if __name__ == "__main__":  # subprocess worker: python -m dspark_export.drafter
     a = json.loads(sys.argv[1])
     try:
         r = export_eagle3(Path(a["checkpoint"]), Path(a["out_dir"]), a.get("role", "eagle3"),
-                          a.get("target_embedding"), a.get("target_root"))
+                          a.get("target_embedding"), a.get("target_root"), a.get("target_num_layers"))
     except (DSparkError, DraftConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,10 +1,12 @@
-"""The EAGLE-3 drafter in an engine: export a DeepSpec EAGLE-3 checkpoint into a built engine directory and record it
-in the manifest (``dspark-export add-draft`` with an EAGLE-3 checkpoint).
+"""The EAGLE-3 drafter in an engine: export an EAGLE-3 checkpoint (DeepSpec's or SpecForge's layout) into a built
+engine directory and record it in the manifest (``dspark-export add-draft`` with an EAGLE-3 checkpoint).
 
 The graph is exported in its own subprocess by default (``dspark_export.drafter.eagle3_graph``), validated against
 torch, optionally quantized (weight-only, as the DSpark drafter's), and recorded as graph ``eagle3`` beside the
-engine's other drafters, with ``speculation.eagle3`` (its target layers, ``ttt_length`` and where its token
-embedding rows are read). The target graph is kept: it must already output the drafter's layers (any superset).
+engine's other drafters, with ``speculation.eagle3`` (its target layers, ``ttt_length``, where its token
+embedding rows are read: the checkpoint's table, or the target graph's where they are equal or the checkpoint holds
+none, and a reduced draft vocabulary's target ids). The target graph is kept: it must already output the drafter's
+layers (any superset), of the drafter's fused width, over the drafter's vocabulary.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.drafting.dspark import EmbeddingRows
-from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, feature_columns
+from dspark_runtime.drafting.eagle3 import DraftVocab, OrtEagle3Graph, feature_columns
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.engine_dir.manifest import FileEntry, GraphEntry, Manifest, load_manifest
 from dspark_runtime.engine_dir.speculation import Eagle3Section
@@ -28,11 +30,13 @@ from dspark_export.engine_dir.transaction import engine_transaction
 from dspark_export.precision.quantizers import quantize_graph
 
 ROLE = "eagle3"
-EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Gemma4Eagle3Model")  # config.json architectures of DeepSpec's EAGLE-3
+# config.json architectures of EAGLE-3 drafters (DeepSpec's, SpecForge / vLLM's; refused ones get the EAGLE-3 loader's
+# message rather than the DSpark loader's)
+EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Gemma4Eagle3Model", "LlamaForCausalLMEagle3", "Eagle3Speculator")
 
 
 def is_eagle3_checkpoint(ckpt: Path) -> bool:
-    """Whether the checkpoint folder's config.json names a DeepSpec EAGLE-3 architecture (DSpark/DFlash otherwise)."""
+    """Whether the checkpoint folder's config.json names an EAGLE-3 architecture (DSpark/DFlash otherwise)."""
     f = Path(ckpt) / "config.json"
     try:
         arch = json.loads(f.read_text()).get("architectures") or []
@@ -42,10 +46,11 @@ def is_eagle3_checkpoint(ckpt: Path) -> bool:
 
 
 def compare_eagle3_graphs(ref_path: Path, cand_path: Path, spec: GraphSpec, embedding: EmbeddingRows,
-                          seed: int = 0) -> dict:
+                          seed: int = 0, vocab: DraftVocab | None = None) -> dict:
     """A quantized drafter graph against its fp32 one (ONNX Runtime, CPU) on a round as the runtime runs it:
-    12 fused positions of random target features, then 3 fed-back draft steps: {"max_abs_logit_diff",
-    "argmax_agreement", "inputs": "random features"} (a sanity check of the quantized weights, not of acceptance)."""
+    12 fused positions of random target features, then 3 fed-back draft steps (the argmax fed back as its target id
+    through ``vocab``): {"max_abs_logit_diff", "argmax_agreement", "inputs": "random features"} (a sanity check of
+    the quantized weights, not of acceptance)."""
     rng = np.random.default_rng(seed)
     ref, cand = OrtEagle3Graph(ref_path, spec, embedding=embedding), OrtEagle3Graph(cand_path, spec,
                                                                                    embedding=embedding)
@@ -63,7 +68,8 @@ def compare_eagle3_graphs(ref_path: Path, cand_path: Path, spec: GraphSpec, embe
     for k in range(3):
         diffs.append(float(np.abs(logits[0] - logits[1]).max()))
         agree.append(float((logits[0].argmax(-1) == logits[1].argmax(-1)).mean()))
-        tok = np.array([[int(logits[0].argmax())]])
+        best = int(logits[0].argmax())
+        tok = np.array([[best if vocab is None else vocab.to_target(best)]])
         step = []
         for g, st, kv in zip((ref, cand), states, kvs):
             m = np.ones((1, 1, 1, n + k + 1), dtype=bool)
@@ -83,7 +89,8 @@ def add_eagle3_draft(engine_dir: Path, ckpt: Path, isolate: bool = True, log=pri
     Raises:
         ManifestError: a directory that is not an engine.
         DSparkError: the target outputs features of other layers than the drafter's (the message names them and
-            the fix), a precision not in DSPARK_PRECISIONS, a failed export.
+            the fix), of another width or over another vocabulary, a precision not in DSPARK_PRECISIONS, a failed
+            export.
         DraftConfigError: a checkpoint the EAGLE-3 loader refuses (in-process export; the subprocess prints it).
     """
     from dspark_export.drafter.eagle3 import load_eagle3_config  # torch
@@ -91,12 +98,18 @@ def add_eagle3_draft(engine_dir: Path, ckpt: Path, isolate: bool = True, log=pri
     from dspark_export.drafter.graph import target_embedding_entry
 
     engine_dir, ckpt = Path(engine_dir), Path(ckpt)
-    load_manifest(engine_dir, verify=False)  # a clear error for a directory that is not an engine
-    cfg = load_eagle3_config(ckpt)
+    dims = load_manifest(engine_dir, verify=False).graphs["target"].spec.dims  # a clear error for a non-engine
+    cfg = load_eagle3_config(ckpt, target_num_layers=dims.num_layers)
     with engine_transaction(engine_dir) as txn:
         m = load_manifest(engine_dir, verify=False)
         dims = m.graphs["target"].spec.dims
         feature_columns(dims.feature_layers, cfg.target_layer_ids, dims.hidden_size)  # refuses missing layers
+        width = cfg.feature_size // len(cfg.target_layer_ids)
+        if width != dims.hidden_size or cfg.vocab_size != dims.vocab_size:
+            raise DSparkError(f"the EAGLE-3 drafter {ckpt} fuses target states {width} wide over a vocabulary of "
+                              f"{cfg.vocab_size}, but the engine's target has hidden size {dims.hidden_size} and "
+                              f"vocabulary {dims.vocab_size}: it was trained for another target; add it to an engine "
+                              "of its own target")
         if precision == "auto":
             precision = "int4" if m.graphs["target"].precision == "int4" else "fp32"
         if precision not in DSPARK_PRECISIONS:
@@ -110,26 +123,28 @@ def add_eagle3_draft(engine_dir: Path, ckpt: Path, isolate: bool = True, log=pri
         if isolate:
             result = out / f"{ROLE}.export.json"
             args = json.dumps({"checkpoint": str(ckpt), "out_dir": str(out), "role": export_role,
-                               "target_embedding": target_emb, "target_root": str(engine_dir)})
+                               "target_embedding": target_emb, "target_root": str(engine_dir),
+                               "target_num_layers": dims.num_layers})
             proc = subprocess.run([sys.executable, "-m", "dspark_export.drafter.eagle3_graph", args, str(result)])
             if proc.returncode != 0 or not result.is_file():
                 raise DSparkError(f"exporting the EAGLE-3 drafter {ckpt} failed (exit {proc.returncode})")
             res = json.loads(result.read_text())
             result.unlink()
         else:
-            res = export_eagle3(ckpt, out, export_role, target_emb, engine_dir)
+            res = export_eagle3(ckpt, out, export_role, target_emb, engine_dir, dims.num_layers)
         v = res["validation"]["fp32"]
         log(f"[{ROLE}] graph vs torch: max |dlogits| {v['max_abs_logit_diff']:.2e}, argmax agreement "
             f"{v['argmax_agreement']:.0%}")
-        emb = res["embedding"]
+        emb, vocab_file = res["embedding"], res.get("draft_vocab")
         spec = GraphSpec.from_json(res["spec"])
+        vocab = None if vocab_file is None else DraftVocab(np.load(out / vocab_file), dims.vocab_size, vocab_file)
         quant = None
         if precision != "fp32":
             src, dst = out / f"{export_role}.onnx", out / f"{ROLE}.onnx"
             log(f"[{ROLE}] fp32 -> {precision}")
             quant = quantize_graph(src, dst, precision, int4_source="rtn", log=log)
             rows = EmbeddingRows.from_manifest(out if emb["file"] == EMBED_FILE else engine_dir, emb)
-            agree = compare_eagle3_graphs(src, dst, spec, rows)
+            agree = compare_eagle3_graphs(src, dst, spec, rows, vocab=vocab)
             res["validation"][precision] = {"reference": "fp32 graph", **agree}
             log(f"[{ROLE}] {precision} vs fp32 on random features: argmax agreement "
                 f"{agree['argmax_agreement']:.0%}, max |dlogits| {agree['max_abs_logit_diff']:.2f}")
@@ -142,11 +157,17 @@ def add_eagle3_draft(engine_dir: Path, ckpt: Path, isolate: bool = True, log=pri
         files = [FileEntry.of(out, f"{ROLE}.onnx"), FileEntry.of(out, f"{ROLE}.onnx.data")]
         if emb["file"] == EMBED_FILE:
             files.append(FileEntry.of(out, EMBED_FILE))
+        if vocab_file is not None:
+            files.append(FileEntry.of(out, vocab_file))
+            log(f"[{ROLE}] draft vocabulary: {len(vocab.ids)} of the target's {dims.vocab_size} tokens ({vocab_file})")
         m.graphs[ROLE] = GraphEntry(role=ROLE, model_id=f"eagle3:{ckpt}", format="onnx", precision=precision,
                                     files=files, spec=spec, validation=res["validation"], model_config=res["config"])
         if quant is not None:
             m.graphs[ROLE].quantization = quant
-        m.speculation.eagle3 = Eagle3Section.from_json({"graph": ROLE, "target_layer_ids": list(cfg.target_layer_ids),
-                                                        "ttt_length": cfg.ttt_length, "embedding": emb})
+        section = {"graph": ROLE, "target_layer_ids": list(cfg.target_layer_ids), "ttt_length": cfg.ttt_length,
+                   "embedding": emb}
+        if vocab_file is not None:
+            section["draft_vocab_file"] = vocab_file
+        m.speculation.eagle3 = Eagle3Section.from_json(section)
         commit_manifest(txn, m)
     return m

@@ -1,13 +1,16 @@
-"""The EAGLE-3 drafter at run time: the ``eagle3_draft`` graph (one draft step of DeepSpec's single-layer EAGLE-3
-drafter over its own KV cache) driven by the target's own features. Sources: EAGLE-3 (Li et al. 2025); DeepSpec's
-``deepspec/eval/eagle3/evaluator.py`` (parity: tests/runtime/drafting/test_eagle3_drafter.py); docs/drafter.md.
+"""The EAGLE-3 drafter at run time: the ``eagle3_draft`` graph (one draft step of a single-layer EAGLE-3 drafter,
+DeepSpec's or SpecForge's, over its own KV cache) driven by the target's own features. Sources: EAGLE-3 (Li et al.
+2025); DeepSpec's ``deepspec/eval/eagle3/evaluator.py`` (parity: tests/runtime/drafting/test_eagle3_drafter.py);
+vLLM's ``llama_eagle3.py`` for a reduced draft vocabulary (:class:`DraftVocab`); docs/drafter.md.
 
 One round for a request whose anchor sits at position P: the fused target features of the positions committed since
 its last round (position i paired with token i + 1, RoPE position i) extend the drafter's cache in one call, whose
 output state at P - 1 gives the logits of draft token 1; draft token k + 1 comes from a one-position call on the
 state of step k and the embedding of token k, at RoPE position P + k - 1. Only committed positions stay in the
 cache; a round's draft steps are dropped after it, so nothing is rolled back. Greedy requests draft the argmax;
-sampled ones draw from the processed draft distribution q, kept for rejection sampling (lossless).
+sampled ones draw from the processed draft distribution q, kept for rejection sampling (lossless). With a reduced
+draft vocabulary the argmax is mapped to its target id, and q is the processed full-vocabulary row whose logits are
+-inf outside the draft vocabulary (so q is zero there).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.drafting.context_kv import ContextKV
 from dspark_runtime.drafting.dspark import EmbeddingRows, context_groups
 from dspark_runtime.engine_dir.graphspec import GraphSpec
-from dspark_runtime.errors import DSparkError
+from dspark_runtime.errors import DSparkError, ManifestError
 
 
 def feature_columns(target_layers, drafter_layers, hidden_size: int) -> np.ndarray | None:
@@ -40,23 +43,71 @@ def feature_columns(target_layers, drafter_layers, hidden_size: int) -> np.ndarr
     return np.concatenate([np.arange(hidden_size) + target_layers.index(x) * hidden_size for x in drafter_layers])
 
 
+class DraftVocab:
+    """A reduced draft vocabulary (SpecForge / vLLM layout): ``ids`` int64 [V_d], the target id of each column of the
+    drafter's logits (strictly increasing, inside the target's ``vocab_size``). Raises ManifestError otherwise."""
+
+    def __init__(self, ids, vocab_size: int, where: str = "draft vocabulary"):
+        ids = np.asarray(ids)
+        if (ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer) or int(ids.min()) < 0
+                or int(ids.max()) >= vocab_size or bool((np.diff(ids) <= 0).any())):
+            raise ManifestError(f"{where}: expected strictly increasing int64 target ids in 0..{vocab_size - 1}, got "
+                                f"{ids.dtype} {ids.shape}; re-run `dspark-export add-draft`")
+        self.ids, self.vocab_size = ids.astype(np.int64), int(vocab_size)
+
+    def to_target(self, index: int) -> int:
+        """The target id of draft logits column ``index``."""
+        return int(self.ids[index])
+
+    def full(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits float32 [V_d] -> target-vocabulary logits [V], -inf outside the draft vocabulary."""
+        out = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        out[self.ids] = logits
+        return out
+
+
+def eagle3_vocab(engine_dir: Path, section, spec: GraphSpec, vocab_size: int) -> DraftVocab | None:
+    """The EAGLE-3 drafter's :class:`DraftVocab` from its manifest section (``speculation.eagle3``:
+    ``draft_vocab_file``), or None when its logits cover the target's ``vocab_size``. Raises ManifestError when the
+    file is missing or unreadable, or its length or the graph's logits width disagree with the target."""
+    f, width = section.draft_vocab_file, spec.dims.vocab_size
+    if f is None:
+        if width != vocab_size:
+            raise ManifestError(f"{engine_dir}: the EAGLE-3 drafter's logits cover {width} tokens, the target's "
+                                f"vocabulary {vocab_size}, and speculation.eagle3 names no draft_vocab_file mapping "
+                                "them; re-run `dspark-export add-draft`")
+        return None
+    try:
+        ids = np.load(Path(engine_dir) / f, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{Path(engine_dir) / f}: the EAGLE-3 draft vocabulary (speculation.eagle3."
+                            f"draft_vocab_file) cannot be read ({e}); re-run `dspark-export add-draft`") from None
+    vocab = DraftVocab(ids, vocab_size, where=str(Path(engine_dir) / f))
+    if len(vocab.ids) != width:
+        raise ManifestError(f"{Path(engine_dir) / f}: {len(vocab.ids)} draft token ids for the {width} logits of the "
+                            "EAGLE-3 drafter graph; re-run `dspark-export add-draft`")
+    return vocab
+
+
 class OrtEagle3Graph(OrtDecoder):
     """Runs an ``eagle3_draft`` graph with ONNX Runtime (constructs cheaply, loads on ``activate``; session setup and
     ``empty_kv`` are :class:`OrtDecoder`'s). ``embedding``: the :class:`EmbeddingRows` the tokens' rows are read
-    from (set by the engine from ``speculation.eagle3.embedding``)."""
+    from (set by the engine from ``speculation.eagle3.embedding``); ``draft_vocab``: the :class:`DraftVocab` of its
+    logits, None for the target's vocabulary (set by the engine, :func:`eagle3_vocab`)."""
 
     def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
-                 embedding: EmbeddingRows | None = None, **kw):
+                 embedding: EmbeddingRows | None = None, draft_vocab: DraftVocab | None = None, **kw):
         if spec.kind != "eagle3_draft":
             raise DSparkError(f"{path}: graph kind {spec.kind!r} is not an EAGLE-3 drafter (eagle3_draft)")
         super().__init__(path, spec, threads=threads, providers=providers, **kw)
-        self.embedding = embedding
+        self.embedding, self.draft_vocab = embedding, draft_vocab
 
     def run(self, features, states, token_ids, position_ids, attention_mask, logits_at, kv):
         """One call over q query positions. features float32 [b, q, F]; states float32 [b, q, d]; token_ids int64
         [b, q] (the token after each position); position_ids int64 [b, q]; attention_mask bool [b, 1, q, past + q];
         logits_at int64 [b]; kv per layer (key, value) [b, kvh, past, hd]. Returns (states_out [b, q, d],
-        logits [b, V], present kv [b, kvh, past + q, hd]). Raises DSparkError when no embedding table was given."""
+        logits [b, V_d] (V_d = V without a draft vocabulary), present kv [b, kvh, past + q, hd]). Raises
+        DSparkError when no embedding table was given."""
         if self.session is None:
             self.activate()
         if self.embedding is None:
@@ -83,7 +134,7 @@ class Eagle3Drafter(Drafter):
             feed the drafter).
         columns: :func:`feature_columns` of the target's features the drafter reads, or None for all of them.
     Requests outside a round's ``only`` (or asked for no token) are left alone; their committed positions enter the
-    cache at their next drafted round.
+    cache at their next drafted round. Draft tokens are target ids (mapped through ``graph.draft_vocab``).
     """
 
     name = "eagle3"
@@ -194,16 +245,17 @@ class Eagle3Drafter(Drafter):
         """The round's draft tokens, one graph call per token after the first, on a copy of the committed cache
         (dropped after the round). Returns list[Proposal] in the order of ``work``."""
         kv, valid = self.ctx.gather(rows)
-        fdim = self.graph.spec.inputs[0].shape[-1]
+        fdim, vocab = self.graph.spec.inputs[0].shape[-1], self.graph.draft_vocab
         tokens, qs = [[] for _ in work], [[] for _ in work]
         alive = list(range(len(work)))
         for k in range(max(g for _, g in work)):
             for j, i in enumerate(alive):
                 r = work[i][0]
                 if r.params.greedy:
-                    tokens[i].append(int(np.argmax(logits[j])))
+                    best = int(np.argmax(logits[j]))
+                    tokens[i].append(best if vocab is None else vocab.to_target(best))
                 else:
-                    q = process_logits(logits[j], r.params)
+                    q = process_logits(logits[j] if vocab is None else vocab.full(logits[j]), r.params)
                     tokens[i].append(int(sample(q, r.rng)))
                     qs[i].append(q)
             keep = [j for j, i in enumerate(alive) if len(tokens[i]) < work[i][1]]

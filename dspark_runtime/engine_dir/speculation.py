@@ -158,13 +158,16 @@ class DSparkSection:
 @dataclass
 class Eagle3Section:
     """``speculation.eagle3`` of the manifest: the engine's EAGLE-3 drafter (written by ``dspark-export add-draft``
-    with a DeepSpec EAGLE-3 checkpoint).
+    with a DeepSpec or SpecForge EAGLE-3 checkpoint).
 
     graph (str):            key of the drafter's ``eagle3_draft`` graph in ``Manifest.graphs`` ("eagle3").
     target_layer_ids (list[int]): target layers whose features the drafter fuses, in its order (a subset of the
                             target graph's feature layers).
     ttt_length (int > 0):   the draft tokens per round it was trained for (the default γ of ``draft="eagle3"``).
     embedding (dict):       where the tokens' embedding rows are read, as ``speculation.dspark.embedding``.
+    draft_vocab_file (str | None): a reduced draft vocabulary (SpecForge's d2t/t2d): a numpy ``.npy`` file, relative
+                            to the engine directory, of int64 [V_d] target ids, one per column of the graph's logits;
+                            None = the logits cover the target's vocabulary.
     extra (dict):           any other key of the section, kept and written back unchanged.
     """
 
@@ -172,12 +175,13 @@ class Eagle3Section:
     target_layer_ids: list
     ttt_length: int
     embedding: dict
+    draft_vocab_file: str | None = None
     extra: dict = field(default_factory=dict)
     _order: tuple = field(default=(), init=False, repr=False, compare=False)
     _nulls: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     _TYPES = {"graph": "nonempty_str", "target_layer_ids": "int_list", "ttt_length": "positive_int",
-              "embedding": "embedding"}
+              "embedding": "embedding", "draft_vocab_file": "nonempty_str"}
     _REQUIRED = ("graph", "target_layer_ids", "ttt_length", "embedding")
 
     @classmethod
