@@ -12,9 +12,6 @@ or SpecForge's reduced one, whose target ids are written to ``DRAFT_VOCAB_FILE``
 from __future__ import annotations
 
 import json
-import logging
-import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +24,7 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.drafter.eagle3 import Eagle3DraftModel, load_eagle3_checkpoint
 from dspark_export.drafter.eagle3_specforge import checkpoint_holds_embedding
-from dspark_export.drafter.graph import embedding_entry
-from dspark_export.graphs.decoder import OPSET, save_graph
+from dspark_export.drafter.graph import embedding_entry, trace_drafter
 
 EMBED_FILE = "eagle3_embed.bin"  # the drafter's own embedding table, where it is not the target graph's
 DRAFT_VOCAB_FILE = "eagle3_draft_vocab.npy"  # int64 [V_d]: the target id of each logits column (reduced vocabulary)
@@ -88,26 +84,8 @@ def export_eagle3_graph(model: Eagle3DraftModel, out_path: Path) -> GraphSpec:
     the export fails."""
     c = model.config
     spec = eagle3_draft_spec(eagle3_dims(model), c.feature_size)
-    wrapper = Eagle3GraphWrapper(model).eval()
-    args = _example(model, TRACE_BATCH, TRACE_Q, TRACE_PAST)
-    dyn = torch.export.Dim.DYNAMIC
-    shapes = [{ax: dyn for ax in t.dynamic_axes()} for t in spec.inputs]
-    dynamic_shapes = (*shapes[:6], tuple(shapes[6:]))
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    t0 = time.perf_counter()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        try:
-            prog = torch.onnx.export(wrapper, args, dynamo=True, input_names=spec.input_names,
-                                     output_names=spec.output_names, dynamic_shapes=dynamic_shapes,
-                                     opset_version=OPSET, optimize=True, verbose=False)
-        except Exception as e:
-            raise DSparkError(f"ONNX export of the EAGLE-3 drafter failed: {e}") from e
-    save_graph(prog.model_proto, spec, out_path)
-    print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
-    return spec
+    return trace_drafter(Eagle3GraphWrapper(model), _example(model, TRACE_BATCH, TRACE_Q, TRACE_PAST), spec, out_path,
+                         "the EAGLE-3 drafter")
 
 
 def validate_eagle3_graph(model: Eagle3DraftModel, path: Path, tol: float = 1e-3) -> dict:

@@ -89,15 +89,14 @@ def _example(model: DSparkDraftModel, batch: int, new: int, past: int, seed: int
     return (feats, fpos, anchor, bpos, mask, *kv)
 
 
-def export_draft_graph(model: DSparkDraftModel, out_path: Path) -> GraphSpec:
-    """Trace the drafter to ``out_path`` (dynamo, opset 18; weights inline when small, else external)."""
-    c = model.config
-    spec = dspark_draft_spec(draft_dims(model), c.feature_size, c.block_size)
-    wrapper = DraftGraphWrapper(model).eval()
-    args = _example(model, TRACE_BATCH, TRACE_NEW, TRACE_PAST)
+def trace_drafter(wrapper: nn.Module, args: tuple, spec: GraphSpec, out_path: Path, what: str) -> GraphSpec:
+    """Trace a drafter graph ``wrapper`` on example ``args`` (its named inputs, then the past K/V tensors) to
+    ``out_path`` + ``.data`` (dynamo, opset 18, the dynamic axes ``spec`` declares). Returns ``spec``. Raises
+    DSparkError naming ``what`` ("the DSpark drafter") when the export fails."""
+    n = len(spec.inputs) - 2 * spec.dims.num_layers  # inputs before the past K/V
     dyn = torch.export.Dim.DYNAMIC
     shapes = [{ax: dyn for ax in t.dynamic_axes()} for t in spec.inputs]
-    dynamic_shapes = (*shapes[:5], tuple(shapes[5:]))
+    dynamic_shapes = (*shapes[:n], tuple(shapes[n:]))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -105,14 +104,22 @@ def export_draft_graph(model: DSparkDraftModel, out_path: Path) -> GraphSpec:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         try:
-            prog = torch.onnx.export(wrapper, args, dynamo=True, input_names=spec.input_names,
+            prog = torch.onnx.export(wrapper.eval(), args, dynamo=True, input_names=spec.input_names,
                                      output_names=spec.output_names, dynamic_shapes=dynamic_shapes,
                                      opset_version=OPSET, optimize=True, verbose=False)
         except Exception as e:
-            raise DSparkError(f"ONNX export of the DSpark drafter failed: {e}") from e
+            raise DSparkError(f"ONNX export of {what} failed: {e}") from e
     save_graph(prog.model_proto, spec, out_path)
     print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
     return spec
+
+
+def export_draft_graph(model: DSparkDraftModel, out_path: Path) -> GraphSpec:
+    """Trace the drafter to ``out_path`` (:func:`trace_drafter`)."""
+    c = model.config
+    spec = dspark_draft_spec(draft_dims(model), c.feature_size, c.block_size)
+    return trace_drafter(DraftGraphWrapper(model), _example(model, TRACE_BATCH, TRACE_NEW, TRACE_PAST), spec,
+                         out_path, "the DSpark drafter")
 
 
 def validate_draft_graph(model: DSparkDraftModel, path: Path, tol: float = 1e-3) -> dict:

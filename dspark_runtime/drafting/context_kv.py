@@ -5,6 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark_runtime.errors import DSparkError
+
+
+def anchor_position(req, target, cached: int, who: str) -> int:
+    """The position of request ``req``'s anchor (its prompt and committed tokens, less one): the positions the
+    target runner ``target`` must hold for it, and at or past the ``cached`` positions of the drafter ``who``
+    ("DSpark drafter"). Raises DSparkError naming the three counts when they are out of sync."""
+    p = len(req.prompt) + len(req.out) - 1
+    if target.length(req.rid) != p or cached > p:
+        raise DSparkError(f"{who} out of sync for request {req.rid}: target holds {target.length(req.rid)} positions, "
+                          f"anchor at {p}, drafter context {cached}")
+    return p
+
 
 class ContextKV:
     """Per drafter layer keys and values float32 [R, kv_heads, S, head_dim] and ``valid`` bool [R, S]: row r's

@@ -18,7 +18,7 @@ import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.drafting.base import Drafter, Proposal
-from dspark_runtime.drafting.context_kv import ContextKV
+from dspark_runtime.drafting.context_kv import ContextKV, anchor_position
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
@@ -414,12 +414,7 @@ class DSparkDrafter(Drafter):
             return []
         news = []
         for r, _ in reqs_rows:
-            anchor_pos = len(r.prompt) + len(r.out) - 1
-            if self.target.length(r.rid) != anchor_pos or self._ctx[r.rid] > anchor_pos:
-                raise DSparkError(f"DSpark drafter out of sync for request {r.rid}: target holds "
-                                  f"{self.target.length(r.rid)} positions, anchor at {anchor_pos}, drafter "
-                                  f"context {self._ctx[r.rid]}")
-            news.append((self._ctx[r.rid], anchor_pos))
+            news.append((self._ctx[r.rid], anchor_position(r, self.target, self._ctx[r.rid], "DSpark drafter")))
         hidden, base, kv, valid = self._run_groups(reqs_rows, news)
         self.context.write(range(len(self.rows)), kv, valid)
         for (r, _), (a, b) in zip(reqs_rows, news):

@@ -21,7 +21,7 @@ import numpy as np
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.decoding.sampling import process_logits, sample
 from dspark_runtime.drafting.base import Drafter, Proposal
-from dspark_runtime.drafting.context_kv import ContextKV
+from dspark_runtime.drafting.context_kv import ContextKV, anchor_position
 from dspark_runtime.drafting.dspark import EmbeddingRows, context_groups
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.errors import DSparkError, ManifestError
@@ -167,14 +167,7 @@ class Eagle3Drafter(Drafter):
             if any(r.rid not in order for r, _ in work):
                 raise DSparkError("EAGLE-3 drafter: a request proposed for before it began")
             work.sort(key=lambda rg: order[rg[0].rid])
-            anchors = []
-            for r, _ in work:
-                p = len(r.prompt) + len(r.out) - 1
-                if self.target.length(r.rid) != p or self._done[r.rid] > p:
-                    raise DSparkError(f"EAGLE-3 drafter out of sync for request {r.rid}: target holds "
-                                      f"{self.target.length(r.rid)} positions, anchor at {p}, drafter cache "
-                                      f"{self._done[r.rid]}")
-                anchors.append(p)
+            anchors = [anchor_position(r, self.target, self._done[r.rid], "EAGLE-3 drafter") for r, _ in work]
             rows = [order[r.rid] for r, _ in work]
             state, logits = self._extend(work, rows, anchors)
             for (r, _), p in zip(work, anchors):
