@@ -11,8 +11,7 @@ import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
 from dspark_runtime.engine_dir.manifest import load_manifest
-from dspark_runtime.engine_dir.speculation import (auto_draft_choice, manifest_drafters, manifest_eagle3,
-                                                   manifest_schedulable)
+from dspark_runtime.engine_dir.speculation import speculation_summary
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS, cpu_difference, cpu_features, shared_pool_default
 from dspark_runtime.serving import ray_serve
@@ -192,59 +191,6 @@ def verify(engine_dir):
     click.echo(f"{engine_dir}: manifest v{m.schema_version} '{m.name}', {n} files OK")
 
 
-def speculation_lines(m) -> list:
-    """``dspark info``'s lines on speculation for manifest ``m``: the engine's drafters, what ``--draft auto``
-    runs and with how many draft tokens per round (as ``Engine.auto_draft`` and ``Engine.generate`` decide: the
-    router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
-    draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
-    n-gram lookup at draft_length), and whether router priors exist."""
-    sp = m.speculation
-    dl = sp.draft_length
-    lm, ds = manifest_drafters(m)
-    e3 = manifest_eagle3(m)
-    scheduled = manifest_schedulable(m)
-    choice = auto_draft_choice(lm, ds or e3, scheduled)
-    block = sp.dspark.block_size if sp.dspark is not None else "?"
-    drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
-    if e3:
-        info = sp.eagle3
-        drafters.append(f"EAGLE-3 drafter '{e3}' ({info.ttt_length} draft steps per round, target layers "
-                        f"{info.target_layer_ids})" if info is not None else f"EAGLE-3 drafter '{e3}'")
-    if not ds and e3:  # the router's model drafter is then the EAGLE-3 one
-        block = f"{sp.eagle3.ttt_length if sp.eagle3 is not None else '?'}-step EAGLE-3"
-        unit = "draft"
-    else:
-        unit = "DSpark block"
-    lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
-    if choice == "lm":
-        auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
-    elif choice == "router" and scheduled:
-        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
-                "to commit more, verify lengths scheduled from the calibrated survivals and the cost table "
-                "(--draft-length N: fixed blocks of at most N)")
-    elif choice == "router":
-        needs = ("`dspark-export profile` first: without a confidence head the router schedules from learned "
-                 "acceptance" if sp.dspark is not None and sp.dspark.confidence_head is False
-                 else "`dspark-export calibrate` and `profile` first")
-        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token {unit}, whichever is expected "
-                f"to commit more (--draft-length N caps the block; 'scheduled' needs {needs})")
-    else:
-        auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
-    lines.append(f"  --draft auto: {auto}")
-    if lm or ds or e3:  # --draft router works over any model drafter
-        r = sp.router
-        if r:
-            what = (["n-gram acceptance by match extent"] if r.get("ngram") else []) + [
-                f"{k} acceptance by position" for k in (r.get("inner") or {})]
-            lines.append(f"  router priors: fitted ({', '.join(what) or 'empty'}; {r.get('sequences', '?')} "
-                         f"sequences; {r.get('fitted_on') or 'data not recorded'})")
-        else:
-            lines.append("  router priors: none (--draft router starts from its built-in priors; `dspark-export "
-                         "calibrate` fits them on the calibration split"
-                         + (")" if ds else " of an engine with a DSpark drafter)"))
-    return lines
-
-
 @cli.command()
 @click.option("--engine", "engine_dir", required=True, callback=engine_path_callback(), help="Engine directory.")
 def info(engine_dir):
@@ -299,7 +245,7 @@ def info(engine_dir):
             click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
                        f"{q.get('accuracy_level', '?')}")
     sp = m.speculation
-    for line in speculation_lines(m):
+    for line in speculation_summary(m):
         click.echo(line)
     if sp.dspark is not None:
         d = sp.dspark

@@ -11,20 +11,19 @@ import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
 from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
-from dspark_runtime.backends.placement import PROVIDERS, format_placement, parse_placement
+from dspark_runtime.backends.placement import (PROVIDERS, format_placement, parse_placement,
+                                              trt_engines_run)
 from dspark_runtime.backends.trt.decoder import TrtDecoder
 from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.decoding.prefix_cache import PrefixCache
 from dspark_runtime.decoding.grammar import GrammarCompiler
 from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
-from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
 from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
 from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
-from dspark_runtime.engine_dir.speculation import manifest_schedulable
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
@@ -92,18 +91,6 @@ class Engine:
         self.prefix_cache = None  # a PrefixCache shared by this engine's decoding loops (enable_prefix_cache)
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
 
-    def _trt_engines(self) -> dict:
-        """{graph key: the manifest's TensorRT engine the runtime runs for it}, fp32 first when several exist: a
-        decoder's capacity-layout engine (``<key>.capacity[.bf16|.fp16]``), the DSpark drafter's growing-layout one
-        (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph`)."""
-        engines = self.manifest.trt_engines
-        names = {"causal_lm": ("{}.capacity", "{}.capacity.bf16", "{}.capacity.fp16"),
-                 "dspark_draft": ("{}", "{}.bf16", "{}.fp16")}
-        pick = {key: next((engines[n.format(key)] for n in names.get(g.spec.kind, ()) if n.format(key) in engines
-                           and engines[n.format(key)].graph == key), None)
-                for key, g in self.manifest.graphs.items()}
-        return {k: e for k, e in pick.items() if e is not None}
-
     def _placement(self, placement, backend: str, providers) -> dict:
         """{graph key: place} (:mod:`dspark_runtime.backends.placement`) from ``placement`` or the older ``backend``
         ("trt" = every graph with a TensorRT engine on it). Raises InputError for an unknown backend, both given,
@@ -115,20 +102,21 @@ class Engine:
         if placement is not None and providers:
             raise InputError("give either ONNX Runtime providers (one list for every graph) or a placement, not both")
         kinds = {k: g.spec.kind for k, g in self.manifest.graphs.items()}
-        trt = set(self._trt_engines())
+        trt = set(trt_engines_run(self.manifest))
         if backend == "trt" and "target" not in trt:
             raise InputError(f"{self.dir} has no TensorRT engine for the target (capacity KV layout); build one with "
                              f"`dspark-export build-trt {self.dir}` or use backend='ort'")
         return parse_placement("trt" if backend == "trt" else placement, kinds, trt)
 
     def _use_tensorrt(self) -> None:
-        """Run the graphs placed on ``trt`` on their TensorRT engines (:meth:`_trt_engines`): decoders on a
-        :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder`, the DSpark drafter on a
-        :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph` (constructed only; nothing touches the GPU here)."""
+        """Run the graphs placed on ``trt`` on their TensorRT engines (:func:`~dspark_runtime.backends.placement.
+        trt_engines_run`): decoders on a :class:`~dspark_runtime.backends.trt.decoder.TrtDecoder`, the DSpark drafter
+        on a :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph` (constructed only; nothing touches the
+        GPU here)."""
         trt = [k for k, p in self.placement.items() if p == "trt"]
         if not trt:
             return
-        engines = self._trt_engines()
+        engines = trt_engines_run(self.manifest)
         for key in trt:
             e = engines[key]
             if e.spec.kind == "dspark_draft":  # rows for every request of a batch (its buffers are small)
@@ -276,7 +264,7 @@ class Engine:
     def _check_trt_rows(self, rows: int) -> None:
         """Raise InputError when the TensorRT engine of a graph placed on ``trt``, or the device graph of one placed
         on ``cuda``, takes fewer than ``rows`` rows per call (its ``--max-batch``), naming the graph and the fix."""
-        trt = self._trt_engines()
+        trt = trt_engines_run(self.manifest)
         limits = {**{k: trt[k] for k, p in self.placement.items() if p == "trt"}, **self._device_entries}
         for k in sorted(limits):
             most = int(limits[k].profile_settings["max_batch"])
@@ -382,7 +370,8 @@ class Engine:
         ``max_batch`` beyond a TensorRT engine's rows.
         """
         kind = self.resolve_draft(draft)
-        settings = self._loop_settings(kind, draft == "auto", draft_length, max_batch, prefill_budget, draft_skip)
+        settings = self.drafters.loop_settings(kind, draft == "auto", draft_length, max_batch, prefill_budget,
+                                               draft_skip, self.default_draft_length)
         self._check_trt_rows(settings.max_batch)
         target = self.loop_runner("target", settings.max_batch, keep_features=self.drafters.reads_target_features(kind))
         if settings.max_batch > 1 and not target.batch_invariant and not self._warned_packed:
@@ -397,38 +386,6 @@ class Engine:
                                         cost_table=settings.cost_table if settings.mode == "scheduled" else None)
         return DecodingLoop(target, drafter, settings, eos_ids=self.eos_ids, decode=self.tokenizer.decode,
                             prefix_cache=self.prefix_cache)
-
-    def _loop_settings(self, kind: str | None, auto: bool, draft_length, max_batch, prefill_budget,
-                       draft_skip) -> LoopSettings:
-        """The loop's settings for drafter ``kind`` (``auto``: picked by ``draft="auto"``) and :meth:`batch`'s
-        arguments: scheduled verify lengths (with the manifest's cost table) where asked for, or where auto picked
-        the router over a DSpark drafter that can schedule; the drafter's default γ; the skip rule's fitted prior.
-        Raises InputError for a bad ``draft_length``, "scheduled" with a drafter that has no confidence head or
-        without a cost table, and what :class:`LoopSettings` refuses."""
-        if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
-                                                                or not isinstance(draft_length, int)
-                                                                or draft_length < 1):
-            raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
-        if auto and draft_length is None and kind == "router" and manifest_schedulable(self.manifest):
-            draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
-        scheduled = draft_length == "scheduled"
-        if scheduled and kind not in ("dspark", "router"):
-            raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
-                             "router; use draft='dspark'/'router' or an integer draft_length")
-        if scheduled and kind == "dspark":  # a drafter without the confidence head cannot schedule, profiled or not
-            self.drafters.check_confidence("draft_length='scheduled' with draft='dspark' (verify lengths from "
-                                           "calibrated survivals)", "use an integer draft_length, or draft='router' "
-                                           "(it schedules from learned acceptance)")
-        table = self.manifest.speculation.cost_table  # the manifest's, or the re-profiled one (profile)
-        if scheduled and not table:
-            raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
-                             f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
-        gamma = self.drafters.default_gamma(kind, draft_length, self.default_draft_length)
-        return LoopSettings(mode="scheduled" if scheduled else "fixed",
-                            cost_table=table,
-                            max_batch=max_batch, prefill_budget=prefill_budget, draft_skip=draft_skip,
-                            default_gamma=gamma, default_adaptive=draft_length == "auto",
-                            skip_prior=self.drafters.fitted_survival(gamma) if scheduled else None)
 
     def completion_text(self, token_ids: list, finish_reason: str | None, stop) -> str:
         """The text of generated ``token_ids``; for ``finish_reason == "stop"`` cut before the stop string that

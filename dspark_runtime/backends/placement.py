@@ -86,3 +86,17 @@ def _check_place(place: str, what: str) -> str:
 def format_placement(places: dict) -> str:
     """``{"target": "trt", "draft": "cpu"}`` -> ``"target=trt,draft=cpu"`` (the form :func:`parse_placement` reads)."""
     return ",".join(f"{k}={v}" for k, v in places.items())
+
+
+def trt_engines_run(manifest) -> dict:
+    """{graph key: the manifest's TensorRT engine entry the runtime runs for it}, fp32 first when several exist: a
+    decoder's capacity-layout engine (``<key>.capacity[.bf16|.fp16]``), the DSpark drafter's growing-layout one
+    (``<key>[.bf16|.fp16]``, :class:`~dspark_runtime.backends.trt.dspark_graph.TrtDSparkGraph`). Graph kinds without a
+    TensorRT runner (the EAGLE-3 drafter's) have none."""
+    engines = manifest.trt_engines
+    names = {"causal_lm": ("{}.capacity", "{}.capacity.bf16", "{}.capacity.fp16"),
+             "dspark_draft": ("{}", "{}.bf16", "{}.fp16")}
+    pick = {key: next((engines[n.format(key)] for n in names.get(g.spec.kind, ()) if n.format(key) in engines
+                       and engines[n.format(key)].graph == key), None)
+            for key, g in manifest.graphs.items()}
+    return {k: e for k, e in pick.items() if e is not None}

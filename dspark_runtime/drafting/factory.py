@@ -1,7 +1,7 @@
 """How an engine picks and builds its drafter: :class:`DrafterFactory` resolves a ``draft`` choice over an engine's
 graphs and manifest, builds the :class:`~dspark_runtime.drafting.base.Drafter` it names, and says beforehand what
 that drafter needs and implies (its block size, whether it reads target features, the default γ, the fitted
-acceptance prior of the skip rule)."""
+acceptance prior of the skip rule: the decoding loop's :class:`~dspark_runtime.decoding.settings.LoopSettings`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from dspark_runtime.decoding.settings import LoopSettings
 from dspark_runtime.drafting.base import Drafter
 from dspark_runtime.drafting.drafters import LMDrafter, NgramDrafter
 from dspark_runtime.drafting.dspark import THRESHOLD_RULES, DSparkDrafter, DSparkHeads
@@ -120,6 +121,38 @@ class DrafterFactory:
         if block and draft_length in (None, "scheduled"):
             return block
         return draft_length if isinstance(draft_length, int) else fallback
+
+    def loop_settings(self, kind: str | None, auto: bool, draft_length, max_batch, prefill_budget, draft_skip,
+                      default_draft_length: int) -> LoopSettings:
+        """A decoding loop's settings for drafter ``kind`` (``auto``: picked by ``draft="auto"``) and
+        :meth:`dspark_runtime.engine.Engine.batch`'s arguments: scheduled verify lengths (with the manifest's cost
+        table) where asked for, or where auto picked the router over a DSpark drafter that can schedule; the drafter's
+        default γ (``default_draft_length`` where it has none of its own); the skip rule's fitted prior.
+        Raises InputError for a bad ``draft_length``, "scheduled" with a drafter that has no confidence head or
+        without a cost table, and what :class:`LoopSettings` refuses."""
+        if draft_length not in (None, "auto", "scheduled") and (isinstance(draft_length, bool)
+                                                                or not isinstance(draft_length, int)
+                                                                or draft_length < 1):
+            raise InputError(f"draft_length must be a positive integer, 'auto' or 'scheduled', got {draft_length!r}")
+        if auto and draft_length is None and kind == "router" and manifest_schedulable(self.manifest):
+            draft_length = "scheduled"  # what auto picked the router for (auto_draft_choice)
+        scheduled = draft_length == "scheduled"
+        if scheduled and kind not in ("dspark", "router"):
+            raise InputError("draft_length='scheduled' needs the DSpark drafter (its confidence head) or the "
+                             "router; use draft='dspark'/'router' or an integer draft_length")
+        if scheduled and kind == "dspark":  # a drafter without the confidence head cannot schedule, profiled or not
+            self.check_confidence("draft_length='scheduled' with draft='dspark' (verify lengths from calibrated "
+                                  "survivals)", "use an integer draft_length, or draft='router' (it schedules from "
+                                  "learned acceptance)")
+        table = self.manifest.speculation.cost_table  # the manifest's, or the re-profiled one (profile)
+        if scheduled and not table:
+            raise InputError("this engine has no cost table for the scheduler; run `dspark-export profile "
+                             f"{self.dir}` on this machine first (or `dspark generate --profile-on-load`)")
+        gamma = self.default_gamma(kind, draft_length, default_draft_length)
+        return LoopSettings(mode="scheduled" if scheduled else "fixed", cost_table=table, max_batch=max_batch,
+                            prefill_budget=prefill_budget, draft_skip=draft_skip, default_gamma=gamma,
+                            default_adaptive=draft_length == "auto",
+                            skip_prior=self.fitted_survival(gamma) if scheduled else None)
 
     def fitted_survival(self, gamma: int) -> np.ndarray | None:
         """float64 [gamma] prefix survivals of the model drafter's acceptance fitted on the calibration split

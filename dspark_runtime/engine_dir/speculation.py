@@ -1,9 +1,10 @@
 """The ``speculation`` section of an engine manifest, typed: :class:`Speculation` (draft graph and kind, default draft
-length, the DSpark drafter, router priors, cost table, row padding) and :class:`DSparkSection`, and what they imply
-without loading a graph: the engine's drafters (:func:`manifest_drafters`), whether it can schedule verify lengths
-(:func:`manifest_schedulable`) and what ``draft="auto"`` picks (:func:`auto_draft_choice`). Written by ``build``,
-``add-draft``, ``profile``, ``calibrate`` and ``quantize``; read by the runtime. Pure data, no engine I/O; see
-:mod:`dspark_runtime.engine_dir.manifest` for the whole schema.
+length, the DSpark and EAGLE-3 drafters, router priors, cost table, row padding), :class:`DSparkSection` and
+:class:`Eagle3Section`, and what they imply without loading a graph: the engine's drafters (:func:`manifest_drafters`,
+:func:`manifest_eagle3`), whether it can schedule verify lengths (:func:`manifest_schedulable`), what ``draft="auto"``
+picks (:func:`auto_draft_choice`) and the summary ``dspark info`` prints (:func:`speculation_summary`). Written by
+``build``, ``add-draft``, ``profile``, ``calibrate`` and ``quantize``; read by the runtime. Pure data, no engine I/O;
+see :mod:`dspark_runtime.engine_dir.manifest` for the whole schema.
 """
 from __future__ import annotations
 
@@ -297,3 +298,56 @@ def auto_draft_choice(lm_graph: str | None, dspark_graph: str | None, schedulabl
     if dspark_graph and schedulable:
         return "router"
     return "lm" if lm_graph else ("router" if dspark_graph else "ngram")
+
+
+def speculation_summary(m) -> list:
+    """``dspark info``'s lines (str, indented) on speculation for manifest ``m``: the engine's drafters, what ``--draft auto``
+    runs and with how many draft tokens per round (as ``Engine.auto_draft`` and ``Engine.generate`` decide: the
+    router over a calibrated DSpark drafter with scheduled verify lengths when the engine has a cost table, else the
+    draft LM at the manifest's draft_length, else the router over the DSpark drafter's block_size-token blocks, else
+    n-gram lookup at draft_length), and whether router priors exist."""
+    sp = m.speculation
+    dl = sp.draft_length
+    lm, ds = manifest_drafters(m)
+    e3 = manifest_eagle3(m)
+    scheduled = manifest_schedulable(m)
+    choice = auto_draft_choice(lm, ds or e3, scheduled)
+    block = sp.dspark.block_size if sp.dspark is not None else "?"
+    drafters = ([f"draft LM '{lm}'"] if lm else []) + ([f"DSpark drafter '{ds}' ({block}-token blocks)"] if ds else [])
+    if e3:
+        info = sp.eagle3
+        drafters.append(f"EAGLE-3 drafter '{e3}' ({info.ttt_length} draft steps per round, target layers "
+                        f"{info.target_layer_ids})" if info is not None else f"EAGLE-3 drafter '{e3}'")
+    if not ds and e3:  # the router's model drafter is then the EAGLE-3 one
+        block = f"{sp.eagle3.ttt_length if sp.eagle3 is not None else '?'}-step EAGLE-3"
+        unit = "draft"
+    else:
+        unit = "DSpark block"
+    lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
+    if choice == "lm":
+        auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
+    elif choice == "router" and scheduled:
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
+                "to commit more, verify lengths scheduled from the calibrated survivals and the cost table "
+                "(--draft-length N: fixed blocks of at most N)")
+    elif choice == "router":
+        needs = ("`dspark-export profile` first: without a confidence head the router schedules from learned "
+                 "acceptance" if sp.dspark is not None and sp.dspark.confidence_head is False
+                 else "`dspark-export calibrate` and `profile` first")
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token {unit}, whichever is expected "
+                f"to commit more (--draft-length N caps the block; 'scheduled' needs {needs})")
+    else:
+        auto = f"n-gram prompt lookup, default draft length {dl} (draft tokens per round)"
+    lines.append(f"  --draft auto: {auto}")
+    if lm or ds or e3:  # --draft router works over any model drafter
+        r = sp.router
+        if r:
+            what = (["n-gram acceptance by match extent"] if r.get("ngram") else []) + [
+                f"{k} acceptance by position" for k in (r.get("inner") or {})]
+            lines.append(f"  router priors: fitted ({', '.join(what) or 'empty'}; {r.get('sequences', '?')} "
+                         f"sequences; {r.get('fitted_on') or 'data not recorded'})")
+        else:
+            lines.append("  router priors: none (--draft router starts from its built-in priors; `dspark-export "
+                         "calibrate` fits them on the calibration split"
+                         + (")" if ds else " of an engine with a DSpark drafter)"))
+    return lines
