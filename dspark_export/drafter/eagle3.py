@@ -362,10 +362,10 @@ class Eagle3DraftModel(nn.Module):
         return self.lm_head(self.norm(state))
 
     def init_from_target(self, embed, lm_head, freeze: bool = True):
-        """Copy the target's embedding and LM head [V, d] (frozen, as DeepSpec's trainer does by default)."""
+        """Copy the target's embedding and LM head [V, d] (its ``draft_vocab_ids`` rows; frozen, as DeepSpec does)."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed)
-            self.lm_head.weight.copy_(lm_head)
+            self.lm_head.weight.copy_(lm_head if self.draft_vocab_ids is None else lm_head[self.draft_vocab_ids])
         self.embed_tokens.requires_grad_(not freeze)
         self.lm_head.requires_grad_(not freeze)
 

@@ -1,7 +1,8 @@
 """The SpecForge / vLLM EAGLE-3 layout (``LlamaForCausalLMEagle3``) read onto the torch model of
 :mod:`dspark_export.drafter.eagle3`: its ``config.json`` fields (:func:`specforge_fields`: used, accepted with the
 reason, or refused by name) and its tensors (:func:`specforge_tensors`: renamed to our names, the vocabulary map
-checked and turned into target ids).
+checked and turned into target ids); and written (:func:`specforge_config_for`, :func:`save_specforge_checkpoint`)
+for drafters trained here with a reduced vocabulary.
 
 Sources: SpecForge 0.2.0 ``specforge/modeling/draft/llama3_eagle.py`` (``LlamaForCausalLMEagle3``: ``midlayer.``
 Llama layer without q/k norms or biases, ``fc`` over ``target_hidden_size`` per fused layer, ``lm_head`` of
@@ -14,10 +15,12 @@ default ``[1, L//2 − 1, L − 4]``, each the output of that decoder layer: sgl
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dspark_export.drafter.config import DraftConfigError, _activation, _rope_parameters, bool_field, int_field
 from dspark_export.drafter.families import IGNORED_FIELDS, QWEN3
@@ -218,3 +221,50 @@ def specforge_tensors(tensors: dict, c, path, target_embed=None) -> tuple:
                                    "(add-draft reads the target graph's table)")
         out["embed_tokens.weight"] = torch.as_tensor(target_embed)
     return out, ids, from_target
+
+
+def specforge_config_for(target_config: dict, target_layer_ids, draft_vocab_size: int,
+                         intermediate_size: int | None = None) -> dict:
+    """A SpecForge-layout ``config.json`` dict for a drafter of the target ``target_config`` (its ``config.json``):
+    one Llama layer of the target's width and heads (``intermediate_size`` defaults to the target's), fusing
+    ``target_layer_ids`` (our convention = SpecForge's ``eagle_config`` ids), an LM head over ``draft_vocab_size``
+    tokens. Its rotary table is the target's (``rope_theta``, and ``rope_scaling`` where the target has one)."""
+    t = target_config
+    cfg = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": t["hidden_size"],
+           "intermediate_size": intermediate_size or t["intermediate_size"], "num_hidden_layers": 1,
+           "num_attention_heads": t["num_attention_heads"],
+           "num_key_value_heads": t.get("num_key_value_heads", t["num_attention_heads"]),
+           "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+           "vocab_size": t["vocab_size"], "draft_vocab_size": int(draft_vocab_size),
+           "target_hidden_size": t["hidden_size"], "rms_norm_eps": t["rms_norm_eps"],
+           "hidden_act": t.get("hidden_act", "silu"), "rope_theta": float(t.get("rope_theta", 10000.0)),
+           "max_position_embeddings": t.get("max_position_embeddings"), "tie_word_embeddings": False,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(x) for x in target_layer_ids],
+                            "use_aux_hidden_state": True}}
+    if t.get("rope_scaling"):
+        cfg["rope_scaling"] = t["rope_scaling"]
+    return cfg
+
+
+def save_specforge_checkpoint(model, out_dir: Path, *, dtype=torch.float32) -> Path:
+    """Write a SpecForge-layout drafter (an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel` whose config is
+    SpecForge's) as SpecForge's exporter does: ``midlayer.*``, ``lm_head`` over the draft vocabulary, ``d2t`` (target
+    id − draft id) and ``t2d`` (the draft tokens), no ``embed_tokens`` (the target's frozen table is used), floating
+    tensors as ``dtype``. Returns the folder. Raises DraftConfigError for another layout or without a map."""
+    c = model.config
+    if c.architecture != ARCHITECTURE or model.draft_vocab_ids is None:
+        raise DraftConfigError(f"save_specforge_checkpoint writes the {ARCHITECTURE} layout with a draft vocabulary, "
+                               f"not {c.architecture} (draft vocabulary {model.draft_vocab_ids is not None})")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t.detach().cpu().to(dtype)
+               for n, t in model.state_dict().items() if n != "embed_tokens.weight"}
+    ids = model.draft_vocab_ids.detach().cpu().to(torch.int64)
+    tensors["d2t"] = ids - torch.arange(len(ids), dtype=torch.int64)
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(c.source, indent=2) + "\n")
+    return out_dir

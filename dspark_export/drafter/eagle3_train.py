@@ -113,11 +113,13 @@ class Eagle3Objective(Objective):
     :func:`ttt_batch` / :func:`ttt_loss`, checkpoints in DeepSpec's layout.
 
     Args:
-        model: an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel`; target_head: the target's LM head [V, d]
-            (on the training device; unused for a store of target logits); s: the run's settings; store: the
+        model: an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel` (with ``draft_vocab_ids``: a head over
+            those target ids, trained towards the target's distribution over them); target_head: the target's LM
+            head [V, d] (on the training device; unused for a store of target logits); s: the run's settings; store: the
             feature cache; columns: the store's feature columns holding the drafter's layers
             (:func:`dspark_runtime.drafting.eagle3.feature_columns`; None: all).
-    Raises DSparkError for a store of target logits without its ``draft_vocab.npy``.
+    Raises DSparkError for a store of target logits without its ``draft_vocab.npy``, or over another vocabulary than
+    a reduced drafter's.
     """
 
     name = "train-draft eagle3"
@@ -126,14 +128,21 @@ class Eagle3Objective(Objective):
         import torch
 
         self.s, self.columns, self.ttt = s, columns, model.config.ttt_length
-        self.target_head, self.vocab = target_head, None
+        dev = torch.device(s.device)
+        own = model.draft_vocab_ids  # a reduced head: its logits are over these target ids
+        self.target_head, self.vocab = (target_head if own is None else target_head[own.to(target_head.device)]), None
         if store.aux == "tlogits":  # extracted through an engine: logits over the draft vocabulary
             f = Path(store.root) / "draft_vocab.npy"
             if not f.is_file():
                 raise DSparkError(f"{store.root}: a cache of target logits without its draft_vocab.npy; extract the "
                                   "features again")
+            cached = np.load(f).astype(np.int64)
             self.target_head = None
-            self.vocab = torch.as_tensor(np.load(f).astype(np.int64), device=torch.device(s.device))
+            if own is None:
+                self.vocab = torch.as_tensor(cached, device=dev)
+            elif not np.array_equal(cached, own.cpu().numpy()):
+                raise DSparkError(f"{store.root}: the cached target logits are over another draft vocabulary than "
+                                  "the drafter's; train with the cache's draft_vocab.npy as the drafter's vocabulary")
 
     def batch(self, seqs, rng):
         seqs = [q for q in seqs if len(q[0]) > 1]
@@ -166,9 +175,11 @@ class Eagle3Objective(Objective):
                 "heldout_tau_greedy": float(np.mean(taus)) if taus else float("nan")}
 
     def save(self, model, out_dir: Path) -> None:
+        """DeepSpec's layout, or SpecForge's for a drafter with a reduced vocabulary."""
         from dspark_export.drafter.eagle3 import save_eagle3_checkpoint
+        from dspark_export.drafter.eagle3_specforge import save_specforge_checkpoint
 
-        save_eagle3_checkpoint(model, out_dir)
+        (save_eagle3_checkpoint if model.draft_vocab_ids is None else save_specforge_checkpoint)(model, out_dir)
 
 
 def train_eagle3(store, model, target_head, out_dir: Path, s: TrainSettings, *, columns=None, log=print,

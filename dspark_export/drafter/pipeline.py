@@ -282,7 +282,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     store = FeatureStore(feat_dir)
     st = state.stage("train")
     if not st["done"] and p.method == "eagle3":
-        rep = _train_eagle3(store, cfg, p, s, target_dir, out_dir, work_dir, left(), log)
+        rep = _train_eagle3(store, cfg, p, s, vocab, target_dir, out_dir, work_dir, left(), log)
         st["seconds"] += rep["seconds_this_call"]
         st.update(done=rep["finished"], report=rep, tokens=store.num_tokens)
         state.save()
@@ -440,15 +440,21 @@ def _moe_kwargs(p: PipelineSettings) -> dict:
     return {"moe_experts": p.moe_experts, "moe_top_k": p.moe_top_k, "moe_intermediate_size": p.moe_intermediate_size}
 
 
-def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, target_dir: Path, out_dir: Path,
+def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab, target_dir: Path, out_dir: Path,
                   work_dir: Path, budget: float | None, log) -> dict:
     """Stage 4 for ``p.method`` "eagle3": an EAGLE-3 drafter for the target config ``cfg`` (one layer, MLP width
     ``p.intermediate_size``, ``p.ttt_length`` steps; embedding and LM head frozen copies of the target's) fusing the
     decoder layers of ``p.feature_layers`` (EAGLE-3 fuses decoder layers only: the embedding output, -1, is left
-    out), trained on ``store`` by :func:`train_eagle3`. Returns its report plus "seconds_this_call"."""
+    out), trained on ``store`` by :func:`train_eagle3`. With the run's draft vocabulary ``vocab`` (int64 target ids)
+    its head covers those tokens only and it is written in the SpecForge / vLLM layout (``d2t`` / ``t2d``: a head
+    ~10x smaller to read at every draft step); without one (``--draft-vocab 0``), DeepSpec's layout with the full
+    vocabulary. Returns its report plus "seconds_this_call"."""
+    import dataclasses
+
     import torch
 
-    from dspark_export.drafter.eagle3 import Eagle3DraftModel, eagle3_config_for
+    from dspark_export.drafter.eagle3 import Eagle3Config, Eagle3DraftModel, eagle3_config_for
+    from dspark_export.drafter.eagle3_specforge import specforge_config_for
     from dspark_export.drafter.graph import target_frozen_weights
 
     layers = [x for x in p.feature_layers if x >= 0]
@@ -456,12 +462,19 @@ def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, targe
         raise DSparkError(f"the features hold layers {list(p.feature_layers)}; an EAGLE-3 drafter fuses decoder "
                           "layers (>= 0): extract features of some (--reuse-data from a run that has them)")
     torch.manual_seed(s.seed)
-    model = Eagle3DraftModel(eagle3_config_for(cfg, layers, p.ttt_length, p.intermediate_size))
+    if vocab is None:
+        model = Eagle3DraftModel(eagle3_config_for(cfg, layers, p.ttt_length, p.intermediate_size))
+    else:
+        c = Eagle3Config.from_dict(specforge_config_for(cfg, layers, len(vocab), p.intermediate_size),
+                                   source="SpecForge-layout EAGLE-3 config", target_num_layers=cfg["num_hidden_layers"])
+        model = Eagle3DraftModel(dataclasses.replace(c, ttt_length=p.ttt_length))
+        model.draft_vocab_ids = torch.as_tensor(np.asarray(vocab, dtype=np.int64))
     emb, head = target_frozen_weights(target_dir)
     model.init_from_target(emb, head)
     del emb
     log(f"[4/5] training an EAGLE-3 drafter: {sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f}"
-        f" M trainable parameters, target layers {layers}, {p.ttt_length} steps")
+        f" M trainable parameters, target layers {layers}, {p.ttt_length} steps, "
+        + (f"draft vocabulary {len(vocab)} (SpecForge layout)" if vocab is not None else "full vocabulary"))
     s.time_budget_s = min(s.time_budget_s, budget) if budget is not None else s.time_budget_s
     t = time.perf_counter()
     cols = feature_columns(p.feature_layers, layers, cfg["hidden_size"])

@@ -62,3 +62,41 @@ def test_training_raises_heldout_acceptance_and_loads_back(tiny_pair, tiny_featu
     for name, p in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
     assert torch.equal(back.embed_tokens.weight, emb)  # frozen copies of the target's
+
+
+def test_a_reduced_vocabulary_drafter_trains_and_round_trips_in_specforges_layout(tiny_pair, tiny_feature_store,
+                                                                                 tmp_path):
+    """A drafter whose head covers the 96 most frequent tokens (trained towards the target's distribution over them)
+    is written as SpecForge writes one (d2t / t2d, no embed_tokens) and loads back strictly, equal."""
+    import dataclasses
+
+    from dspark_export.drafter.eagle3 import Eagle3Config
+    from dspark_export.drafter.eagle3_specforge import specforge_config_for
+    from dspark_export.drafter.eagle3_train import train_eagle3
+    from dspark_export.drafter.features import choose_draft_vocab
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.train import TrainSettings
+    from dspark_runtime.drafting.eagle3 import feature_columns
+    from safetensors import safe_open
+
+    t = json.loads((tiny_pair[0] / "config.json").read_text())
+    store = tiny_feature_store
+    vocab = choose_draft_vocab(store.token_counts(t["vocab_size"]), 96)
+    c = Eagle3Config.from_dict(specforge_config_for(t, [0], len(vocab)), target_num_layers=t["num_hidden_layers"])
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(dataclasses.replace(c, ttt_length=3))
+    model.draft_vocab_ids = torch.as_tensor(vocab)
+    emb, head = target_frozen_weights(tiny_pair[0])
+    model.init_from_target(emb, head)
+    assert torch.equal(model.lm_head.weight, head[torch.as_tensor(vocab)])
+    rep = train_eagle3(store, model, head, tmp_path / "ckpt",
+                       TrainSettings(lr=1e-2, max_steps=200, eval_every=10 ** 6, eval_seqs=6, warmup_steps=10),
+                       columns=feature_columns((-1, 0), [0], t["hidden_size"]), log=lambda *a: None)
+    assert rep["finished"] and rep["heldout_acc_pos"][0] > 0.1
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"d2t", "t2d", "midlayer.self_attn.q_proj.weight"} <= names and "embed_tokens.weight" not in names
+    back = load_eagle3_checkpoint(tmp_path / "ckpt", target_embed=emb)
+    assert back.draft_vocab_ids.tolist() == vocab.tolist() and back.config.qk_norm is False
+    for name, p in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p), name

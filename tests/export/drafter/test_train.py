@@ -289,9 +289,11 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     cfg2 = json.loads((tmp_path / "ckpt2" / "config.json").read_text())
     assert cfg2["markov_rank"] == 0 and cfg2["enable_confidence_head"] is False and "markov_head_type" not in cfg2
     assert any("reused from" in x for x in lines)
-    # an EAGLE-3 drafter on the same data (--method eagle3): the engine's features hold logits over the draft
-    # vocabulary, the decoder layer 0 of layers (-1, 0) is fused; stage 5 compiles it beside the other drafters
+    # an EAGLE-3 drafter on the same data (--method eagle3): the engine's features hold logits over the run's draft
+    # vocabulary, which the drafter's head then covers (written in SpecForge's layout, d2t / t2d); the decoder layer
+    # 0 of layers (-1, 0) is fused; stage 5 compiles it beside the other drafters
     from dspark_export.drafter.eagle3 import load_eagle3_checkpoint
+    from dspark_export.drafter.graph import target_frozen_weights
 
     compiled = []
     monkeypatch.setattr(dp, "add_eagle3_draft", lambda eng, ckpt, log: compiled.append((eng, ckpt)))
@@ -299,8 +301,10 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     r3 = train_draft_pipeline(tiny_pair[0], tmp_path / "work3", tmp_path / "ckpt3", p3, replace(s, lr=1e-2),
                               reuse_data=work, log=lambda *a: None)
     assert r3["finished"] and r3["train"]["finished"] and len(r3["train"]["heldout_acc_pos"]) == 3
-    m3 = load_eagle3_checkpoint(tmp_path / "ckpt3")
-    assert m3.config.target_layer_ids == [0] and m3.config.ttt_length == 3 and m3.config.intermediate_size == 64
+    assert json.loads((tmp_path / "ckpt3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    m3 = load_eagle3_checkpoint(tmp_path / "ckpt3", target_embed=target_frozen_weights(tiny_pair[0])[0])
+    assert m3.config.target_layer_ids == [0] and m3.config.intermediate_size == 64
+    assert m3.draft_vocab_ids.tolist() == np.load(work / "features" / "draft_vocab.npy").tolist()  # 64 ids
     assert compiled == [(tiny_engine_dir, tmp_path / "ckpt3")] and r3["stages"]["calibrate"]["done"]
     unfinished = tmp_path / "unfinished"  # a run stopped before its features: nothing to reuse yet
     unfinished.mkdir()
