@@ -245,9 +245,9 @@ def check_trt_parsable(onnx_path: Path, key: str, kind: str) -> None:
     if not contrib:
         return
     if kind in ("dspark_draft", "eagle3_draft"):
-        fix = ("re-add the drafter in fp32 (`dspark-export add-draft ENGINE CHECKPOINT --precision fp32`, with "
-               "--target TARGET for a DSpark checkpoint) and build from that, with --half bf16/fp16 for a 16-bit "
-               "engine")
+        target = " --target TARGET" if kind == "dspark_draft" else ""  # an EAGLE-3 checkpoint holds its own head
+        fix = (f"re-add the drafter in fp32 (`dspark-export add-draft ENGINE CHECKPOINT{target} --precision fp32`) "
+               "and build from that, with --half bf16/fp16 for a 16-bit engine")
     else:
         fix = ("build an fp32 engine (`dspark-export build MODEL --precision fp32 --kv-layout growing`) and build "
                "from that, with --half bf16/fp16 or an INT8/FP8 QDQ graph for lower precision")
