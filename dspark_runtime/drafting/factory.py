@@ -185,15 +185,20 @@ class DrafterFactory:
         draft = self.resolve(draft)
         if draft is None:
             return None
-        if draft == "router":  # per round, n-gram lookup or the engine's model drafter
+        if draft == "router":  # per round, n-gram lookup or the engine's model drafter (DSpark or EAGLE-3: either)
             try:  # n-gram and model-drafter acceptance fitted on the calibration split (dspark-export calibrate)
                 priors = router_priors(self.manifest.speculation.router, self.draft_kind)
+                others = ["eagle3"] if self.draft_kind == "dspark" and self.eagle3_graph else []
+                others_stats = {k: router_priors(self.manifest.speculation.router, k).get("inner_stats")
+                                for k in others}
             except ValueError as e:
                 raise InputError(f"{self.dir}/manifest.json: speculation.router is malformed ({e}); re-run "
                                  "`dspark-export calibrate` on this engine") from None
             inner = self.drafter(self.draft_kind, target, confidence_threshold, confidence_rule, max_batch,
                                  prefix_cache=prefix_cache)
-            return Router(inner, cost_table=cost_table, attended_positions=target.attended_positions, **priors)
+            return Router(inner, cost_table=cost_table, attended_positions=target.attended_positions, **priors,
+                          others=tuple(self.drafter(k, target, max_batch=max_batch) for k in others),
+                          others_stats=others_stats)
         if draft == "eagle3":
             if confidence_threshold is not None:
                 raise InputError("draft_confidence (a static threshold) is not implemented for the EAGLE-3 drafter; "

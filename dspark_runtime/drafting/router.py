@@ -1,6 +1,6 @@
-"""Context-aware drafter routing: per request and round, send either the n-gram prompt-lookup continuation or the
-model drafter's block (DSpark, or a standalone draft LM), whichever is expected to commit more (:func:`route`, pure;
-:class:`Router`, the drafter). Each source's prefix survival comes from its learned acceptance
+"""Context-aware drafter routing: per request and round, send either the n-gram prompt-lookup continuation or a
+model drafter's block (DSpark, EAGLE-3, or a standalone draft LM; with several, the one whose learned acceptance
+promises most), whichever is expected to commit more (:func:`route`, pure; :class:`Router`, the drafter). Each source's prefix survival comes from its learned acceptance
 (:mod:`dspark_runtime.drafting.learned_acceptance`) or DSpark's calibrated confidence head, so the verify-length
 scheduler consumes the chosen proposal unchanged. Sources: prompt lookup decoding (Saxena 2023); the DSpark paper
 (arXiv 2607.05147) section 3 for calibrated confidences and prefix survival.
@@ -106,6 +106,7 @@ class _RouteState:
 
     confidence: NgramConfidence
     inner_stats: LearnedAcceptance
+    model_stats: dict = field(default_factory=dict)  # model drafter name -> its LearnedAcceptance (inner's included)
     predicted: float = 0.0  # sum of the inner's survivals over the positions it sent
     realized: int = 0  # tokens of inner blocks the target accepted
     source: str | None = None  # the last round's source
@@ -131,9 +132,15 @@ class Router(Drafter):
     scheduler (``draft_length="scheduled"``) cuts it like a DSpark block; with a ``cost_table`` (scheduled mode) the
     scores are expected tokens/s at the round's row count and cached positions, else expected accepted tokens.
 
+    With ``others`` (more model drafters: the EAGLE-3 drafter beside the DSpark one), each round first picks, per
+    request, the model drafter whose learned acceptance (its own statistics, prior ``others_stats``) scores best
+    (ties: ``inner`` first), then routes between it and the n-gram continuation as above; each model drafter runs one
+    pass for the rows that chose it.
+
     Args:
         inner: the model drafter (not n-gram lookup).
         confidence, inner_stats: the fitted priors (:func:`router_priors`); every request starts from a copy.
+        others: further model drafters (distinct names); others_stats: {name: LearnedAcceptance} priors of them.
         max_ngram, min_ngram: lookup n-gram lengths. min_match, min_support, ngram_bias, skip_ratio, mode: as
             :func:`route`.
         recalibration_strength: k of rho, or None.
@@ -153,13 +160,16 @@ class Router(Drafter):
                  min_match: int = 1, min_support: int = 1, mode: str = "auto", ngram_bias: float = 0.0,
                  recalibration_strength: float | None = 2.0, skip_ratio: float | None = 2.0,
                  ngram_max_length: int = NGRAM_MAX_LENGTH, cost_table: dict | None = None,
-                 attended_positions: Callable | None = None):
+                 attended_positions: Callable | None = None, others: tuple = (),
+                 others_stats: dict | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if mode not in ("auto", "prior"):
             raise ValueError(f"mode must be 'auto' or 'prior', got {mode!r}")
-        if inner.name == NGRAM:
+        if inner.name == NGRAM or any(o.name == NGRAM for o in others):
             raise ValueError("the router's inner drafter must be a model drafter, not n-gram lookup")
+        if len({m.name for m in (inner, *others)}) != 1 + len(others):
+            raise ValueError(f"the router's model drafters need distinct names, got {[m.name for m in (inner, *others)]}")
         if ngram_max_length < 1:
             raise ValueError(f"ngram_max_length must be >= 1, got {ngram_max_length}")
         self.inner = inner
@@ -168,6 +178,9 @@ class Router(Drafter):
         self.inner_confident = bool(inner.confident)
         self.confidence = confidence if confidence is not None else NgramConfidence()
         self.inner_stats = inner_stats if inner_stats is not None else LearnedAcceptance((0.5,))
+        self.models = {m.name: m for m in (inner, *others)}  # inner first
+        self.model_priors = {inner.name: self.inner_stats, **{
+            o.name: (others_stats or {}).get(o.name) or LearnedAcceptance((0.5,)) for o in others}}
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.rule = dict(min_match=min_match, min_support=min_support, ngram_bias=float(ngram_bias),
                          skip_ratio=skip_ratio, mode=mode)
@@ -179,20 +192,24 @@ class Router(Drafter):
 
     @property
     def reads_target_features(self) -> bool:
-        return self.inner.reads_target_features
+        return any(m.reads_target_features for m in self.models.values())
 
     # -- requests
 
     def begin(self, req) -> None:
-        self.inner.begin(req)
-        conf, inner_stats = copy.deepcopy(self.confidence), copy.deepcopy(self.inner_stats)
+        for m in self.models.values():
+            m.begin(req)
+        conf = copy.deepcopy(self.confidence)
         conf.reset()
-        inner_stats.reset()
-        self._state[req.rid] = _RouteState(conf, inner_stats, sources={
-            s: {"rounds": 0, "proposed": 0, "accepted": 0} for s in (NGRAM, self.inner_name)})
+        stats = {name: copy.deepcopy(prior) for name, prior in self.model_priors.items()}
+        for st in stats.values():
+            st.reset()
+        self._state[req.rid] = _RouteState(conf, stats[self.inner_name], model_stats=stats, sources={
+            s: {"rounds": 0, "proposed": 0, "accepted": 0} for s in (NGRAM, *self.models)})
 
     def remove(self, rid) -> None:
-        self.inner.remove(rid)
+        for m in self.models.values():
+            m.remove(rid)
         self._state.pop(rid, None)
 
     def state(self, rid) -> _RouteState:
@@ -219,36 +236,39 @@ class Router(Drafter):
             ctx = (self.attended_positions([r.rid for r in reqs]) if self.attended_positions is not None
                    else max(len(r.prompt) + len(r.out) - 1 for r in reqs))
             cost = round_cost_table(self.cost_table, len(reqs), context=ctx)
-        plans, need = {}, set()
+        plans, need = {}, {name: set() for name in self.models}
         for r, g in zip(reqs, gammas):
             if only is not None and r.rid not in only:
                 continue
             st = self._state[r.rid]
             m = ngram_match(np.asarray(r.prompt + r.out, dtype=np.int64), g, self.max_ngram, self.min_ngram)
-            g_in = min(g, self.block_size) if self.block_size else g
-            d = route(m, st.confidence, st.inner_stats.survival(0, g_in), greedy=r.params.greedy,
-                      inner_confident=self.inner_confident, cost=cost, **self.rule)
-            plans[r.rid] = d
+            model = self._best_model(st, g, cost)
+            g_in = min(g, model.block_size) if model.block_size else g
+            d = route(m, st.confidence, st.model_stats[model.name].survival(0, g_in), greedy=r.params.greedy,
+                      inner_confident=bool(model.confident), cost=cost, **self.rule)
+            plans[r.rid] = (d, model)
             if d.choice != NGRAM:
-                need.add(r.rid)
+                need[model.name].add(r.rid)
         drafted = {}
-        if need:
-            caps = [min(g, self.block_size) if self.block_size else g for g in gammas]
-            drafted = {r.rid: p for r, p in zip(reqs, self.inner.propose_batch(reqs, caps, only=need))
-                       if r.rid in need}
+        for name, rids in need.items():
+            if rids:
+                model = self.models[name]
+                caps = [min(g, model.block_size) if model.block_size else g for g in gammas]
+                drafted.update((r.rid, p) for r, p in zip(reqs, model.propose_batch(reqs, caps, only=rids))
+                               if r.rid in rids)
         out = []
         for r in reqs:
-            d = plans.get(r.rid)
+            d, model = plans.get(r.rid, (None, None))
             if d is None:
                 out.append(Proposal([]))
                 continue
             st = self._state[r.rid]
             p = drafted.get(r.rid)
             if p is not None:
-                if self.inner_confident and p.survival is not None:
+                if model.confident and p.survival is not None:
                     surv_in = np.asarray(p.survival, dtype=np.float64)
                 else:
-                    surv_in = st.inner_stats.survival(0, len(p.tokens))
+                    surv_in = st.model_stats[model.name].survival(0, len(p.tokens))
                 if d.choice is None:  # greedy: this round's calibrated, recalibrated survival
                     d.scores["inner"] = expected_score(np.minimum(1.0, self.recalibration(r.rid) * surv_in), cost)
                     d.choice = NGRAM if d.scores["ngram"] >= d.scores["inner"] else "inner"
@@ -257,12 +277,25 @@ class Router(Drafter):
                 source = NGRAM
             else:
                 prop = Proposal(p.tokens, p.q, surv_in)
-                source = self.inner_name
+                source = model.name
             st.source, st.pending, st.match, st.survival = source, True, d.match, prop.survival
-            st.scores = {NGRAM if k == NGRAM else self.inner_name: v for k, v in d.scores.items()}
+            st.scores = {NGRAM if k == NGRAM else model.name: v for k, v in d.scores.items()}
             st.sources[source]["rounds"] += 1
             out.append(prop)
         return out
+
+    def _best_model(self, st: _RouteState, gamma: int, cost) -> Drafter:
+        """The model drafter whose learned acceptance over its first min(γ, block) positions scores best for this
+        request (:func:`expected_score`; ties: the first in ``models``)."""
+        if len(self.models) == 1:
+            return self.inner
+        best, score = None, None
+        for name, m in self.models.items():
+            sc = expected_score(st.model_stats[name].survival(0, min(gamma, m.block_size) if m.block_size else gamma),
+                                cost)
+            if score is None or sc > score:
+                best, score = m, sc
+        return best
 
     def observe(self, rid, sent: int, accepted: int) -> None:
         """The target accepted ``accepted`` of the ``sent`` tokens verified for ``rid``: update the statistics of
@@ -276,8 +309,9 @@ class Router(Drafter):
         if src == NGRAM:
             st.confidence.record(st.match, sent, accepted)
             return
-        st.inner_stats.update(0, sent, accepted)
-        if self.inner_confident:
+        st.model_stats[src].update(0, sent, accepted)
+        model = self.models[src]
+        if model.confident:
             st.predicted += float(np.sum(st.survival[:sent]))
             st.realized += int(accepted)
-        self.inner.observe(rid, sent, accepted)
+        model.observe(rid, sent, accepted)

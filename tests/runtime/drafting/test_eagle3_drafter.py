@@ -200,7 +200,7 @@ def test_greedy_eagle3_and_router_equal_target_only(eagle3_engine):
 
 def test_router_over_eagle3_when_the_engine_has_no_dspark_drafter(eagle3_engine_dir, tmp_path):
     """An engine whose model drafters are a draft LM and EAGLE-3: draft='router' runs n-gram lookup or EAGLE-3
-    per round, exactly."""
+    per round, exactly (the draft LM is the router's model drafter only where it is the engine's only one)."""
     from dspark_export.engine_dir.commit import write_manifest
     from dspark_runtime.engine import Engine
     from dspark_runtime.engine_dir.manifest import load_manifest
@@ -217,6 +217,29 @@ def test_router_over_eagle3_when_the_engine_has_no_dspark_drafter(eagle3_engine_
     got = eng.generate(PROMPTS[2], max_new_tokens=32, draft="router")
     assert got.token_ids == ref.token_ids
     assert set(got.stats.draft_sources) == {"ngram", "eagle3"}
+
+
+def test_router_chooses_among_ngram_dspark_and_eagle3(eagle3_engine):
+    """The engine has both model drafters: draft='router' picks per request and round the one whose learned
+    acceptance promises most (the untrained DSpark drafter's falls once its blocks are rejected) or the n-gram
+    continuation, exactly; every source's rounds add up."""
+    eng = eagle3_engine
+    router = eng.batch(draft="router").drafter
+    assert list(router.models) == ["dspark", "eagle3"] and router.reads_target_features
+    used = set()
+    for prompt in PROMPTS:
+        ref = eng.generate(prompt, max_new_tokens=32, draft="none")
+        got = eng.generate(prompt, max_new_tokens=32, draft="router")
+        assert got.token_ids == ref.token_ids, prompt
+        src = got.stats.draft_sources
+        assert set(src) == {"ngram", "dspark", "eagle3"}
+        assert sum(v["rounds"] for v in src.values()) == got.stats.num_rounds
+        assert sum(v["accepted"] for v in src.values()) == got.stats.accepted
+        used |= {k for k, v in src.items() if v["rounds"]}
+    assert {"dspark", "eagle3"} <= used
+    refs = [eng.generate(p, max_new_tokens=24, draft="none").token_ids for p in PROMPTS]
+    got = eng.generate_batch(PROMPTS, max_new_tokens=24, draft="router", max_batch=3)
+    assert [r.token_ids for r in got] == refs
 
 
 def test_sampled_eagle3_keeps_the_target_distribution(eagle3_engine):
