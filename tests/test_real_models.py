@@ -116,3 +116,53 @@ def test_qwen_pair_with_an_eagle3_drafter_equals_target_only(tmp_path):
             spec = eng.generate(prompt, max_new_tokens=32, draft="eagle3", draft_length=gamma)
             assert spec.token_ids == ref.token_ids, gamma
             assert spec.stats.proposed > 0
+
+
+@pytest.mark.skipif(not (QWEN_ENGINE / "manifest.json").is_file(),
+                    reason="Qwen engine not built: run `bash scripts/quickstart.sh` first")
+def test_qwen_pair_with_a_dflash_drafter_equals_target_only(tmp_path):
+    """A DFlash drafter (DeepSpec's: the DSpark model with Markov rank 0 and no confidence head) for
+    Qwen2.5-Coder-1.5B fusing the engine's feature layers, untrained (exactness, not acceptance), compiled int4 into
+    a hard-linked copy of the engine in place of its DSpark drafter: greedy output equals target-only, alone and
+    under the router."""
+    pytest.importorskip("torch")
+    import os
+    import shutil
+
+    import torch
+
+    from dspark_export.drafter.checkpoint import save_checkpoint
+    from dspark_export.drafter.graph import target_frozen_weights
+    from dspark_export.drafter.model import DSparkDraftModel, qwen2_draft_config
+    from dspark_export.engine_dir.add_draft import add_dspark_draft
+    from dspark_export.models.catalog import model_path
+    from dspark_runtime import Engine
+
+    tdir = model_path("qwen2.5-coder-1.5b-instruct")
+    cfg = json.loads((tdir / "config.json").read_text())
+    c = qwen2_draft_config(cfg, mask_token_id=cfg["vocab_size"] - 1, num_layers=1, intermediate_size=1024,
+                           block_size=7, target_layer_ids=(1, 13, 25), markov_rank=0, confidence_head=False)
+    torch.manual_seed(0)
+    model = DSparkDraftModel(c)
+    model.init_from_target(*target_frozen_weights(tdir))
+    ckpt = save_checkpoint(model, tmp_path / "dflash-ckpt", dtype=torch.float32)
+    del model
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    eng_dir = tmp_path / "engine"
+    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=link)
+    add_dspark_draft(eng_dir, ckpt, "qwen2.5-coder-1.5b-instruct", log=lambda *a: None)
+    m = json.loads((eng_dir / "manifest.json").read_text())
+    assert m["speculation"]["dspark"]["markov_rank"] == 0 and m["speculation"]["dspark"]["confidence_head"] is False
+    eng = Engine.load(eng_dir)
+    for prompt in _humaneval(2):
+        ref = eng.generate(prompt, max_new_tokens=32, draft=None)
+        for draft in ("dspark", "router"):
+            spec = eng.generate(prompt, max_new_tokens=32, draft=draft, draft_length=7)
+            assert spec.token_ids == ref.token_ids, draft
+            assert spec.stats.proposed > 0 or draft == "router"

@@ -228,12 +228,16 @@ class OrtDecoder:
         elif logits_from:
             raise DSparkError(f"graph {self.path.name} computes the logits of every position (exported before "
                               f"{LOGITS_FROM!r}); call it with logits_from=0")
+        outs, new_kv = self.run_with_kv(feeds, kv, 2 if self._has_features else 1)
+        return StepOutput(outs[0], outs[1] if self._has_features else None, new_kv)
+
+    def run_with_kv(self, feeds: dict, kv: list, first: int) -> tuple:
+        """Run the session on ``feeds`` plus the past ``kv`` (per layer (key, value), made contiguous here); returns
+        (every output, in the spec's order; the K/V outputs per layer, the pairs from output ``first`` on)."""
+        if self.session is None:
+            self.activate()
         for (kn, vn), (k, v) in zip(self._past, kv):
             feeds[kn] = np.ascontiguousarray(k)
             feeds[vn] = np.ascontiguousarray(v)
         outs = self.session.run(self._out_names, feeds)
-        logits = outs[0]
-        features = outs[1] if self._has_features else None
-        first = 2 if self._has_features else 1
-        new_kv = [(outs[first + 2 * i], outs[first + 2 * i + 1]) for i in range(self.spec.dims.num_layers)]
-        return StepOutput(logits, features, new_kv)
+        return outs, [(outs[first + 2 * i], outs[first + 2 * i + 1]) for i in range(self.spec.dims.num_layers)]

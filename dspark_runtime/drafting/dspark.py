@@ -154,12 +154,8 @@ class OrtDSparkGraph(OrtDecoder):
             feeds["anchor_embeds"] = self.embedding.rows(anchor_ids)
         else:
             feeds["anchor_ids"] = anchor_ids
-        for (kn, vn), (k, v) in zip(self._past, kv):
-            feeds[kn] = np.ascontiguousarray(k)
-            feeds[vn] = np.ascontiguousarray(v)
-        outs = self.session.run(self._out_names, feeds)
-        n = self.spec.dims.num_layers
-        return outs[0], outs[1], [(outs[2 + 2 * i], outs[3 + 2 * i]) for i in range(n)]
+        outs, present = self.run_with_kv(feeds, kv, 2)
+        return outs[0], outs[1], present
 
 
 class DSparkHeads:

@@ -115,12 +115,8 @@ class OrtEagle3Graph(OrtDecoder):
                               "names no table (speculation.eagle3.embedding); re-run `dspark-export add-draft`")
         feeds = {"features": features, "states": states, "embeds": self.embedding.rows(token_ids),
                  "position_ids": position_ids, "attention_mask": attention_mask, "logits_at": logits_at}
-        for (kn, vn), (k, v) in zip(self._past, kv):
-            feeds[kn] = np.ascontiguousarray(k)
-            feeds[vn] = np.ascontiguousarray(v)
-        outs = self.session.run(self._out_names, feeds)
-        n = self.spec.dims.num_layers
-        return outs[0], outs[1], [(outs[2 + 2 * i], outs[3 + 2 * i]) for i in range(n)]
+        outs, present = self.run_with_kv(feeds, kv, 2)
+        return outs[0], outs[1], present
 
 
 class Eagle3Drafter(Drafter):
