@@ -13,6 +13,17 @@ QWEN_ENGINE = ROOT / "engines" / "qwen2.5-coder-1.5b"
 pytestmark = pytest.mark.slow
 
 
+def _link_or_copy(src, dst):
+    """A hard link (the engine copies of the slow tests share the big files), else a copy."""
+    import os
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _humaneval(n):
     lines = (ROOT / "dspark_export" / "data" / "prompts" / "humaneval.jsonl").read_text().splitlines()[:n]
     return [json.loads(l)["turns"][0] for l in lines]
@@ -79,7 +90,6 @@ def test_qwen_pair_with_an_eagle3_drafter_equals_target_only(tmp_path):
     not acceptance), compiled into a copy of the engine (files hard-linked) by `add_eagle3_draft`: greedy EAGLE-3
     output equals target-only output at γ 3 and 7."""
     pytest.importorskip("torch")
-    import os
     import shutil
 
     import torch
@@ -97,14 +107,8 @@ def test_qwen_pair_with_an_eagle3_drafter_equals_target_only(tmp_path):
     ckpt = save_eagle3_checkpoint(model, tmp_path / "eagle3-ckpt")
     del model
 
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
     eng_dir = tmp_path / "engine"
-    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=link)
+    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=_link_or_copy)
     add_eagle3_draft(eng_dir, ckpt, isolate=True, log=lambda *a: None)
     m = json.loads((eng_dir / "manifest.json").read_text())
     assert m["graphs"]["eagle3"]["precision"] == "int4" and m["speculation"]["eagle3"]["target_layer_ids"] == [1, 13, 25]
@@ -126,7 +130,6 @@ def test_qwen_pair_with_a_dflash_drafter_equals_target_only(tmp_path):
     a hard-linked copy of the engine in place of its DSpark drafter: greedy output equals target-only, alone and
     under the router."""
     pytest.importorskip("torch")
-    import os
     import shutil
 
     import torch
@@ -148,14 +151,8 @@ def test_qwen_pair_with_a_dflash_drafter_equals_target_only(tmp_path):
     ckpt = save_checkpoint(model, tmp_path / "dflash-ckpt", dtype=torch.float32)
     del model
 
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
     eng_dir = tmp_path / "engine"
-    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=link)
+    shutil.copytree(QWEN_ENGINE, eng_dir, copy_function=_link_or_copy)
     add_dspark_draft(eng_dir, ckpt, "qwen2.5-coder-1.5b-instruct", log=lambda *a: None)
     m = json.loads((eng_dir / "manifest.json").read_text())
     assert m["speculation"]["dspark"]["markov_rank"] == 0 and m["speculation"]["dspark"]["confidence_head"] is False
