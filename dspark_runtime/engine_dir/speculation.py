@@ -322,12 +322,13 @@ def speculation_summary(m) -> list:
         block = f"{sp.eagle3.ttt_length if sp.eagle3 is not None else '?'}-step EAGLE-3"
         unit = "draft"
     else:
-        unit = "DSpark block"
+        unit = "DSpark block" + (" or the EAGLE-3 drafter's draft (the model drafter whose learned acceptance promises "
+                                 "more)" if ds and e3 else "")
     lines = [f"  drafters: {', '.join(drafters) or 'none (n-gram prompt lookup only)'}"]
     if choice == "lm":
         auto = f"the draft LM '{lm}', default draft length {dl} (draft tokens per round; --draft-length overrides)"
     elif choice == "router" and scheduled:
-        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token DSpark block, whichever is expected "
+        auto = (f"the router: per round, n-gram prompt lookup or a {block}-token {unit}, whichever is expected "
                 "to commit more, verify lengths scheduled from the calibrated survivals and the cost table "
                 "(--draft-length N: fixed blocks of at most N)")
     elif choice == "router":
