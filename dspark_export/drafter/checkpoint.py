@@ -133,6 +133,22 @@ def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float
     return out_dir
 
 
+def assign_state(build, sd: dict, path):
+    """``build()`` (a drafter module) made on the meta device, its parameters and buffers then the tensors of
+    ``sd`` (no throw-away random init). Raises DraftConfigError naming ``path`` when ``sd`` does not fill it
+    exactly."""
+    with torch.device("meta"):
+        model = build()
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise DraftConfigError(f"{path}: the checkpoint does not fill the drafter its config describes: {e}") from None
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
+    return model
+
+
 def read_tensors(path: Path) -> dict:
     """Every tensor of the ``*.safetensors`` files in checkpoint folder ``path`` (name -> torch tensor). Raises
     DraftConfigError when there is none."""
@@ -199,14 +215,6 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
             if tuple(sd[n].shape) != want_shape:
                 raise DraftConfigError(f"{path}: the target's {n} has shape {tuple(sd[n].shape)}, the drafter's "
                                        f"config implies {want_shape}")
-    with torch.device("meta"):  # no throw-away random init: the state dict's tensors become the parameters
-        model = DSparkDraftModel(c)
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise DraftConfigError(f"{path}: the checkpoint does not fill the drafter its config describes: {e}") from None
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
+    model = assign_state(lambda: DSparkDraftModel(c), sd, path)
     model.config.frozen_from_target = not has_frozen
     return model

@@ -2,8 +2,8 @@
 
 Strict: every field is read, accepted only with the values the layer implements, accepted and ignored for a stated
 reason, or refused with a :class:`DraftConfigError` naming it (the tables: :mod:`dspark_export.drafter.families`).
-The layer family (``Qwen3DSparkModel`` / ``Gemma4DSparkModel``), its RoPE table (transformers' own rotary classes)
-and activation are decided here; the torch modules that use them are :mod:`dspark_export.drafter.model`. A config
+The layer family (``Qwen3DSparkModel`` / ``Gemma4DSparkModel``) is decided here, its RoPE table (transformers' own
+rotary classes) and activation by the readers shared with the EAGLE-3 configs (:mod:`dspark_export.drafter.config_fields`); the torch modules that use them are :mod:`dspark_export.drafter.model`. A config
 round-trips: :meth:`DSparkConfig.to_dict` writes back the file as read, with the DSpark fields' current values.
 DeepSpec's DFlash configs (``markov_rank`` 0, ``enable_confidence_head`` false, neither ``markov_head_type`` nor
 ``confidence_head_with_markov``) are DSpark configs without both heads.
@@ -17,36 +17,11 @@ from pathlib import Path
 
 import torch
 
-from dspark_runtime.errors import DSparkError
-
+from dspark_export.drafter.config_fields import (DraftConfigError, activation, bool_field, int_field,
+                                                 read_config_json, rope_parameters, rotary_table)
 from dspark_export.drafter.families import (ARCHITECTURES, CONDITIONAL_FIELDS, DSPARK_FIELDS, GEMMA4, IGNORED_BY_LAYER,
                                             IGNORED_FIELDS, MARKOV_TYPES, MODEL_TYPES, MOE_FIELDS, QWEN3,
-                                            REQUIRED_BY_LAYER, REQUIRED_FIELDS, ROPE_KEYS, ROPE_REFUSED, ROPE_TYPES,
-                                            USED_FIELDS)
-
-
-class DraftConfigError(DSparkError):
-    """A DSpark draft config.json or checkpoint is missing a field or tensor, has a malformed one, or holds a
-    value or tensor this loader does not implement (the message names it and what would support it)."""
-
-
-def int_field(d: dict, source: str, name: str, lo: int | None = None, default=None) -> int:
-    """Config field ``name`` of ``d`` (``default`` when absent) as an integer (>= ``lo``). Raises DraftConfigError
-    naming the field and ``source`` otherwise (a bool is not an integer here)."""
-    v = d.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-        raise DraftConfigError(f"{source}: field {name!r} must be an integer"
-                               f"{f' >= {lo}' if lo is not None else ''}, got {v!r}")
-    return v
-
-
-def bool_field(d: dict, source: str, name: str, default) -> bool:
-    """Config field ``name`` of ``d`` (``default`` when absent) as true/false. Raises DraftConfigError naming the
-    field and ``source`` otherwise."""
-    v = d.get(name, default)
-    if not isinstance(v, bool):
-        raise DraftConfigError(f"{source}: field {name!r} must be true or false, got {v!r}")
-    return v
+                                            REQUIRED_BY_LAYER, REQUIRED_FIELDS, USED_FIELDS)
 
 
 def _family(d: dict, source: str) -> str:
@@ -80,127 +55,6 @@ def _check_fields(d: dict, fam: str, source: str) -> None:
             "loading would ignore it and draft with a different function. Supporting it needs the layer in "
             "dspark_export/drafter/model.py to implement it; remove the field only if you know it does not change "
             "the drafter")
-
-
-def _rope_parameters(d: dict, fam: str, source: str) -> dict:
-    """The RoPE parameters of the draft layers (a flat dict with rope_type and rope_theta)."""
-    if fam == GEMMA4:
-        rp = d.get("rope_parameters")
-        if not isinstance(rp, dict) or not isinstance(rp.get("full_attention"), dict):
-            raise DraftConfigError(f"{source}: a Gemma-4 DSpark config needs rope_parameters['full_attention'] (the "
-                                   f"RoPE of full-attention layers, which DeepSpec's drafter uses), got {rp!r}")
-        p = dict(rp["full_attention"])
-        where = "rope_parameters['full_attention']"
-    else:
-        rp, rs = d.get("rope_parameters"), d.get("rope_scaling")
-        for name, v in (("rope_parameters", rp), ("rope_scaling", rs)):
-            if v is not None and not isinstance(v, dict):
-                raise DraftConfigError(f"{source}: {name} must be an object or null, got {v!r}")
-        if rp and rs and {k: v for k, v in rp.items() if k != "rope_theta"} != {
-                k: v for k, v in rs.items() if k != "rope_theta"}:
-            raise DraftConfigError(f"{source}: rope_parameters {rp!r} and rope_scaling {rs!r} disagree; give one")
-        p = dict(rp or rs or {})
-        where = "rope_parameters" if rp else "rope_scaling" if rs else "config"
-        theta = d.get("rope_theta")
-        if theta is not None:
-            if "rope_theta" in p and float(p["rope_theta"]) != float(theta):
-                raise DraftConfigError(f"{source}: rope_theta {theta!r} and {where}['rope_theta'] "
-                                       f"{p['rope_theta']!r} disagree")
-            p["rope_theta"] = theta
-        top = d.get("original_max_position_embeddings")
-        if top is not None:
-            if "original_max_position_embeddings" in p and p["original_max_position_embeddings"] != top:
-                raise DraftConfigError(f"{source}: original_max_position_embeddings {top!r} and {where}"
-                                       f"['original_max_position_embeddings'] {p['original_max_position_embeddings']!r}"
-                                       " disagree")
-            if p.get("rope_type", p.get("type")) in ("yarn", "llama3"):
-                p["original_max_position_embeddings"] = top
-    if "type" in p:  # the old name of rope_type
-        legacy = p.pop("type")
-        if p.setdefault("rope_type", legacy) != legacy:
-            raise DraftConfigError(f"{source}: {where} has type {legacy!r} and rope_type {p['rope_type']!r}")
-    kind = p.setdefault("rope_type", "default")
-    if kind in ROPE_REFUSED:
-        raise DraftConfigError(f"{source}: {where} rope_type {kind!r} is refused: {ROPE_REFUSED[kind]}. Supported: "
-                               f"{list(ROPE_TYPES[fam])} for the {fam} layer")
-    if kind not in ROPE_TYPES[fam]:
-        raise DraftConfigError(f"{source}: {where} rope_type {kind!r} is not implemented for the {fam} layer "
-                               f"(supported: {list(ROPE_TYPES[fam])})")
-    if "rope_theta" not in p:
-        raise DraftConfigError(f"{source}: no rope_theta (top level or in {where}); the loader does not guess the "
-                               "RoPE base — give the target's value")
-    extra = [k for k in p if k not in ("rope_type", "rope_theta", "partial_rotary_factor") + ROPE_KEYS[kind]]
-    if extra:
-        raise DraftConfigError(f"{source}: {where} key(s) {extra} are not read by the {kind!r} RoPE "
-                               f"(it reads {['rope_theta', *ROPE_KEYS[kind]]}); refusing rather than ignoring them")
-    prf = p.get("partial_rotary_factor", 1.0)
-    if kind != "proportional" and prf != 1.0:
-        raise DraftConfigError(f"{source}: {where} partial_rotary_factor {prf!r} is not implemented: DeepSpec's "
-                               f"{fam} layer rotates whole heads (only Gemma-4's 'proportional' RoPE leaves "
-                               "a part of each head unrotated)")
-    return p
-
-
-def rotary_table(c: "DSparkConfig"):
-    """(inv_freq float32 [head_dim/2], attention scaling) of the draft layers' RoPE, from transformers' own
-    rotary embedding of the layer family (``Qwen3RotaryEmbedding`` / ``Gemma4TextRotaryEmbedding``), so
-    every supported rope_type matches transformers exactly.
-
-    Raises:
-        DraftConfigError: transformers rejects the RoPE parameters.
-    """
-    import logging
-
-    log = logging.getLogger("transformers.modeling_rope_utils")
-    level = log.level
-    log.setLevel(logging.ERROR)  # its key warnings repeat what from_dict checked
-    p = json.loads(json.dumps(c.rope_parameters))
-    mpe = {"max_position_embeddings": c.max_position_embeddings} if c.max_position_embeddings else {}
-    try:
-        with torch.device("cpu"):
-            if c.layer == GEMMA4:
-                from transformers import Gemma4TextConfig
-                from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-
-                tc = Gemma4TextConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                                      global_head_dim=c.head_dim, num_global_key_value_heads=c.num_key_value_heads,
-                                      attention_k_eq_v=c.attention_k_eq_v, num_hidden_layers=1,
-                                      layer_types=["full_attention"], hidden_size_per_layer_input=0,
-                                      rope_parameters={"full_attention": p}, **mpe)
-                rot = Gemma4TextRotaryEmbedding(tc)
-                inv, scale = rot.full_attention_inv_freq, rot.full_attention_attention_scaling
-            else:
-                from transformers import Qwen3Config
-                from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-                tc = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                                 num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, num_hidden_layers=1,
-                                 layer_types=["full_attention"], rope_parameters=p, **mpe)
-                rot = Qwen3RotaryEmbedding(tc)
-                inv, scale = rot.inv_freq, rot.attention_scaling
-    except Exception as e:  # transformers' own validation (a missing factor, ...)
-        raise DraftConfigError(f"RoPE parameters {c.rope_parameters} of the {c.layer} layer: transformers' rotary "
-                               f"embedding rejects them ({type(e).__name__}: {e})") from None
-    finally:
-        log.setLevel(level)
-    inv = inv.detach().to(torch.float32).clone()
-    if inv.shape != (c.head_dim // 2,):
-        raise DraftConfigError(f"RoPE parameters {c.rope_parameters}: {inv.numel()} frequencies for head_dim "
-                               f"{c.head_dim} (needs {c.head_dim // 2})")
-    return inv, float(scale)
-
-
-def _activation(name, field_name: str, source: str):
-    from transformers.activations import ACT2FN
-
-    if not isinstance(name, str) or name not in ACT2FN:
-        raise DraftConfigError(f"{source}: {field_name} {name!r} is not an activation of transformers' ACT2FN "
-                               f"(known: {sorted(ACT2FN)})")
-    if any(True for _ in ACT2FN[name].parameters()):
-        raise DraftConfigError(f"{source}: {field_name} {name!r} has learnable parameters, which DeepSpec's MLP "
-                               "checkpoints do not hold; not implemented")
-    return name
 
 
 def _moe_fields(d: dict, source: str):
@@ -385,7 +239,7 @@ class DSparkConfig:
         k_eq_v, softcap = False, None
         if fam == QWEN3:
             head_dim = d.get("head_dim") or hidden // heads
-            act = _activation(d.get("hidden_act", "silu"), "hidden_act", source)
+            act = activation(d.get("hidden_act", "silu"), "hidden_act", source)
             if _bool("mlp_bias", False):
                 raise DraftConfigError(f"{source}: mlp_bias true is not implemented: DeepSpec's Qwen3 DSpark MLP has "
                                        "no biases")
@@ -394,7 +248,7 @@ class DSparkConfig:
                                        "every draft layer attends to the whole context")
         else:
             head_dim = _int("global_head_dim", 1)
-            act = _activation(d["hidden_activation"], "hidden_activation", source)
+            act = activation(d["hidden_activation"], "hidden_activation", source)
             k_eq_v = _bool("attention_k_eq_v", False)
             if k_eq_v:
                 if "num_global_key_value_heads" not in d:
@@ -430,7 +284,7 @@ class DSparkConfig:
             raise DraftConfigError(f"{source}: num_attention_heads {heads} is not a multiple of the {kv} KV heads")
         if int(head_dim) % 2:
             raise DraftConfigError(f"{source}: head size {head_dim} must be even (RoPE)")
-        rope = _rope_parameters(d, fam, source)
+        rope = rope_parameters(d, fam, source)
         moe_e, moe_k, moe_i = _moe_fields(d, source)
         c = cls(hidden_size=hidden, intermediate_size=_int("intermediate_size", 1),
                 num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -493,13 +347,5 @@ def load_config(path: Path) -> DSparkConfig:
         DraftConfigError: missing file, bad JSON, a missing/malformed DSpark field, or a field or value the
             drafter does not implement.
     """
-    path = Path(path)
-    f = path / "config.json" if path.is_dir() else path
-    if not f.is_file():
-        raise DraftConfigError(f"no DSpark draft config at {f}: pass a DeepSpec checkpoint folder holding "
-                               "config.json and model.safetensors")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftConfigError(f"{f}: not valid JSON ({e})") from None
-    return DSparkConfig.from_dict(d, source=str(f))
+    d, source = read_config_json(path, "DSpark")
+    return DSparkConfig.from_dict(d, source=source)

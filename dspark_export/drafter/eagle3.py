@@ -29,10 +29,10 @@ from torch import nn
 from safetensors.torch import save_file
 
 from dspark_export.drafter import eagle3_specforge as specforge
-from dspark_export.drafter.checkpoint import read_tensors
-from dspark_export.drafter.config import (QWEN3, DraftConfigError, _activation, _rope_parameters, bool_field, int_field,
-                                         rotary_table)
-from dspark_export.drafter.families import CONDITIONAL_FIELDS, IGNORED_FIELDS
+from dspark_export.drafter.checkpoint import assign_state, read_tensors
+from dspark_export.drafter.config_fields import (DraftConfigError, activation, bool_field, int_field, read_config_json,
+                                                 rope_parameters, rotary_table)
+from dspark_export.drafter.families import CONDITIONAL_FIELDS, IGNORED_FIELDS, QWEN3
 from dspark_export.drafter.ffn import DraftMLP
 from dspark_export.drafter.model import RMSNorm, rope
 
@@ -186,8 +186,8 @@ class Eagle3Config:
                 num_key_value_heads=kv, head_dim=int(head_dim), vocab_size=_int("vocab_size", 1),
                 rms_norm_eps=float(d["rms_norm_eps"]), target_layer_ids=list(ids), ttt_length=_int("ttt_length", 1),
                 num_hidden_layers=n_layers, num_target_layers=ntl, attention_bias=_bool("attention_bias", False),
-                hidden_act=_activation(d.get("hidden_act", "silu"), "hidden_act", source),
-                rope_parameters=_rope_parameters(d, QWEN3, source),
+                hidden_act=activation(d.get("hidden_act", "silu"), "hidden_act", source),
+                rope_parameters=rope_parameters(d, QWEN3, source),
                 max_position_embeddings=None if mpe is None else _int("max_position_embeddings", 1),
                 source=json.loads(json.dumps(d)))
         return c._with_rope(source)
@@ -206,16 +206,8 @@ def load_eagle3_config(path: Path, target_num_layers: int | None = None) -> Eagl
     Raises:
         DraftConfigError: a missing file, bad JSON, or a field :meth:`Eagle3Config.from_dict` refuses.
     """
-    path = Path(path)
-    f = path / "config.json" if path.is_dir() else path
-    if not f.is_file():
-        raise DraftConfigError(f"no EAGLE-3 draft config at {f}: pass a DeepSpec checkpoint folder holding "
-                               "config.json and model.safetensors")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftConfigError(f"{f}: not valid JSON ({e})") from None
-    return Eagle3Config.from_dict(d, source=str(f), target_num_layers=target_num_layers)
+    d, source = read_config_json(path, "EAGLE-3")
+    return Eagle3Config.from_dict(d, source=source, target_num_layers=target_num_layers)
 
 
 class Eagle3Cache:
@@ -451,15 +443,7 @@ def load_eagle3_checkpoint(path: Path, *, dtype=torch.float32, target_num_layers
             raise DraftConfigError(f"{path}: tensor {n!r} has shape {tuple(tensors[n].shape)}, the config implies "
                                    f"{tuple(shape)}")
     sd = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in tensors.items()}
-    with torch.device("meta"):
-        model = Eagle3DraftModel(c)
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise DraftConfigError(f"{path}: the checkpoint does not fill the drafter its config describes: {e}") from None
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise DraftConfigError(f"{path}: drafter tensor(s) {left[:6]} were not filled by the checkpoint")
+    model = assign_state(lambda: Eagle3DraftModel(c), sd, path)
     model.draft_vocab_ids = vocab_ids
     return model
 

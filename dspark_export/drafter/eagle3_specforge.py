@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dspark_export.drafter.config import DraftConfigError, _activation, _rope_parameters, bool_field, int_field
+from dspark_export.drafter.config_fields import DraftConfigError, activation, bool_field, int_field, rope_parameters
 from dspark_export.drafter.families import IGNORED_FIELDS, QWEN3
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -140,7 +140,7 @@ def specforge_fields(d: dict, source: str, target_num_layers: int | None = None)
     draft_vocab = _int("draft_vocab_size") if d.get("draft_vocab_size") is not None else vocab
     if draft_vocab > vocab:
         raise _fail(source, f"draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
-    rope = _rope_parameters(d, QWEN3, source)
+    rope = rope_parameters(d, QWEN3, source)
     if rope["rope_type"] not in ROPE_TYPES:
         raise _fail(source, f"rope_type {rope['rope_type']!r} is not implemented for the {ARCHITECTURE} layer: "
                             f"SpecForge's own rotary tables compute transformers' frequencies for {list(ROPE_TYPES)} "
@@ -148,7 +148,7 @@ def specforge_fields(d: dict, source: str, target_num_layers: int | None = None)
     mpe, th, eps = d.get("max_position_embeddings"), d.get("target_hidden_size"), d["rms_norm_eps"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         raise _fail(source, f"rms_norm_eps must be a positive number, got {eps!r}")
-    act = _activation(d.get("hidden_act", "silu"), "hidden_act", source)
+    act = activation(d.get("hidden_act", "silu"), "hidden_act", source)
     return dict(hidden_size=hidden, intermediate_size=_int("intermediate_size"), num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, rms_norm_eps=float(eps),
                 target_layer_ids=_layer_ids(d, source, target_num_layers), ttt_length=DEFAULT_TTT_LENGTH,

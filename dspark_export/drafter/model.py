@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_export.drafter.config import QWEN3, DSparkConfig, rotary_table
+from dspark_export.drafter.config import QWEN3, DSparkConfig
+from dspark_export.drafter.config_fields import rotary_table
 from dspark_export.drafter.ffn import DraftMLP, DraftMoE
 
 
