@@ -192,10 +192,14 @@ class Eagle3Drafter(Drafter):
         S, W = valid.shape[1], len(work)
         d, fdim = self.graph.spec.dims.hidden_size, self.graph.spec.inputs[0].shape[-1]
         groups = context_groups([b - a for a, b in news], 1)
-        n_all = max(b - a for a, b in news)
-        out_kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
-                   np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in kv]
-        out_valid = np.zeros((W, S + n_all), dtype=bool)
+        one = len(groups) == 1  # the steady round: one call, its K/V kept as the graph returns it
+        if one:
+            groups = [list(range(W))]
+        else:  # the merged K/V the calls write their rows into
+            n_all = max(b - a for a, b in news)
+            out_kv = [(np.zeros(k.shape[:2] + (S + n_all,) + k.shape[3:], dtype=k.dtype),
+                       np.zeros(v.shape[:2] + (S + n_all,) + v.shape[3:], dtype=v.dtype)) for k, v in kv]
+            out_valid = np.zeros((W, S + n_all), dtype=bool)
         state = np.zeros((W, d), dtype=np.float32)
         logits = None
         for g in groups:
@@ -217,12 +221,15 @@ class Eagle3Drafter(Drafter):
             causal = np.tril(np.ones((n, n), dtype=bool))
             mask = np.concatenate([np.broadcast_to(past_valid[:, None, :], (len(g), n, S)),
                                    new_valid[:, None, :] & causal[None]], axis=2)[:, None]
-            past = [(k[idx], v[idx]) for k, v in kv]
+            past = kv if one else [(k[idx], v[idx]) for k, v in kv]
             st, lg, present = self.graph.run(feats, np.zeros((len(g), n, d), dtype=np.float32), toks, pos,
                                              np.ascontiguousarray(mask), at, past)
             if logits is None:
                 logits = np.zeros((W, lg.shape[-1]), dtype=lg.dtype)
             state[idx], logits[idx] = st[np.arange(len(g)), at], lg
+            if one:
+                self.ctx.write(rows, present, np.concatenate([past_valid, new_valid], axis=1))
+                return state, logits
             for (ok, ov), (pk, pv) in zip(out_kv, present):
                 ok[idx, :, : S + n], ov[idx, :, : S + n] = pk, pv
             out_valid[idx, :S] = past_valid
