@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_runtime.decoding import sampling
+from dspark_runtime.decoding import truncation
 from dspark_runtime.decoding.acceptance import rejection_accept
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
 from benchmarks.sampling_bench import lm_head_logits, reference_process_logits as reference
@@ -57,7 +57,7 @@ def test_matches_full_sort_reference(vocab, kind):
 def test_top_p_candidate_doubling_matches_reference(monkeypatch, start):
     """A small TOP_P_START: more than 2 * start candidates send a row to the binned search, fewer to the
     candidate sort; the doubling itself is pinned by the whole-row fallback test."""
-    monkeypatch.setattr(sampling, "TOP_P_START", start)
+    monkeypatch.setattr(truncation, "TOP_P_START", start)
     for kind in ("normal", "ties", "neginf", "flat"):
         x = _logits(kind, rows=5, vocab=400, seed=start)
         for top_p in (0.3, 0.9, 0.999999):
@@ -120,7 +120,7 @@ def test_other_dtypes_and_extreme_temperatures_match_reference():
 
 def test_batched_rows_equal_single_rows_whatever_the_search_depth(monkeypatch):
     """Rows decided at different candidate sizes in one call give what each gives alone."""
-    monkeypatch.setattr(sampling, "TOP_P_START", 4)
+    monkeypatch.setattr(truncation, "TOP_P_START", 4)
     x = np.concatenate([_logits(k, rows=2, vocab=800, seed=3) for k in ("spiky", "normal", "flat", "neginf")])
     x = x.reshape(2, 4, 800)
     params = SamplingParams(1.0, top_p=0.95)
@@ -180,8 +180,8 @@ def test_speculative_sampling_through_processed_distributions_is_lossless():
     assert chisquare(counts[support], p[support] * trials)[1] > 1e-3
 
 
-# The candidate cuts (top-k: group maxima, sampling._top_k_columns; top-p: probability cuts,
-# sampling._top_p_candidates) against the reference, bit for bit, on the cases that decide them.
+# The candidate cuts (top-k: group maxima, truncation._top_k_columns; top-p: probability cuts,
+# truncation._top_p_candidates) against the reference, bit for bit, on the cases that decide them.
 
 def assert_bit_exact(new: np.ndarray, ref: np.ndarray) -> None:
     assert new.dtype == np.float64 and new.shape == ref.shape
@@ -189,14 +189,14 @@ def assert_bit_exact(new: np.ndarray, ref: np.ndarray) -> None:
 
 
 def _spy(monkeypatch, name: str) -> list:
-    """Record the width (last axis) of every call of sampling.<name>."""
-    widths, real = [], getattr(sampling, name)
+    """Record the width (last axis) of every call of truncation.<name>."""
+    widths, real = [], getattr(truncation, name)
 
     def spy(values, *args):
         widths.append(np.shape(values)[-1])
         return real(values, *args)
 
-    monkeypatch.setattr(sampling, name, spy)
+    monkeypatch.setattr(truncation, name, spy)
     return widths
 
 
@@ -211,7 +211,7 @@ def test_verify_block_of_lm_head_logits_is_bit_exact_and_takes_the_candidate_pat
                    SamplingParams(1.0, top_k=50, top_p=0.9), SamplingParams(1.0, top_k=50),
                    SamplingParams(1.3)):
         assert_bit_exact(process_logits(x, params), reference(x, params))
-    assert nucleus_widths and max(nucleus_widths) <= 2 * sampling.TOP_P_START
+    assert nucleus_widths and max(nucleus_widths) <= 2 * truncation.TOP_P_START
     assert select_widths and max(select_widths) < vocab // 100
 
 
@@ -221,7 +221,7 @@ def test_top_p_cuts_at_every_tier_are_bit_exact(monkeypatch, kind, tail):
     """TOP_P_TAIL 1 and 64: the first cuts keep only tokens above (1 - top_p) / 2 (/ 128) and often fail,
     so later ones (16 times the tail each, the last the vocabulary) decide; 10**9: a single cut. Tiny
     top_p, top_p near 1 and, for integer logits, ties at the cut."""
-    monkeypatch.setattr(sampling, "TOP_P_TAIL", tail)
+    monkeypatch.setattr(truncation, "TOP_P_TAIL", tail)
     x = _logits(kind, rows=4, vocab=6000, seed=tail % 97)
     for temperature in (1.0, 0.6):
         for top_p in (5e-324, 1e-12, 0.3, 0.9, 0.999, 1 - 1e-9):
@@ -234,7 +234,7 @@ def test_top_p_whole_row_fallback_when_the_cut_cannot_be_shown(monkeypatch, star
     """top_p within the rounding margin of 1 (and a row mostly -inf): no candidate cut can show the
     nucleus inside it, so the whole divided row is searched (with start 16, by the doubling search);
     still the reference's bits."""
-    monkeypatch.setattr(sampling, "TOP_P_START", start)
+    monkeypatch.setattr(truncation, "TOP_P_START", start)
     widths = _spy(monkeypatch, "_nucleus")
     x = np.concatenate([_logits("normal", rows=2, vocab=3000, seed=4), _logits("neginf", rows=2, vocab=3000, seed=4)])
     for top_p in (1 - 1e-13, float(np.nextafter(1.0, 0.0))):
@@ -294,20 +294,20 @@ def test_binned_nucleus_on_wide_candidate_sets_is_bit_exact(monkeypatch):
     """Nuclei of thousands of tokens (N(0, 3^2) logits at temperature 1, 2 x 151,936) and, with a small
     TOP_P_START, every kind of row: the candidates are cut by value bins, not sorted."""
     results = []
-    real = sampling._binned_nucleus
+    real = truncation._binned_nucleus
 
     def spy(probs, *args):
         results.append(real(probs, *args))
         return results[-1]
 
-    monkeypatch.setattr(sampling, "_binned_nucleus", spy)
+    monkeypatch.setattr(truncation, "_binned_nucleus", spy)
     x = _logits("normal", rows=2, vocab=151_936, seed=12)
     params = SamplingParams(1.0, top_p=0.9)
     probs = process_logits(x, params)
     assert_bit_exact(probs, reference(x, params))
     assert len(results) == 2 and all(r is not None and r.size > 1000 for r in results)
     assert (np.count_nonzero(probs, axis=-1) > 1000).all()
-    monkeypatch.setattr(sampling, "TOP_P_START", 4)
+    monkeypatch.setattr(truncation, "TOP_P_START", 4)
     results.clear()
     for kind in ("normal", "ties", "neginf", "flat", "spiky"):
         x = _logits(kind, rows=3, vocab=4000, seed=13)
@@ -321,7 +321,7 @@ def test_binned_nucleus_on_wide_candidate_sets_is_bit_exact(monkeypatch):
 def test_binned_nucleus_defers_a_running_sum_at_top_p_to_the_exact_search(monkeypatch):
     """Eight equal tokens (probability 1/8 exactly) at top_p 0.5: the fourth one's running sum is exactly
     top_p, inside the rounding margin, so the bins cannot decide and the exact search keeps four."""
-    monkeypatch.setattr(sampling, "TOP_P_START", 2)
+    monkeypatch.setattr(truncation, "TOP_P_START", 2)
     widths = _spy(monkeypatch, "_nucleus")
     x = np.full((1, 1000), -np.inf, dtype=np.float32)
     x[0, [3, 50, 51, 400, 401, 700, 998, 999]] = 2.5
