@@ -23,7 +23,13 @@ DATA.npz: ``ids`` int32 [n], ``mask`` uint8 [n] (loss positions), ``starts`` int
 ``held_ids``/``held_mask``/``held_starts`` (held-out, never trained on); ``draft_vocab_ids`` int64 [V_d] and
 ``config`` (the bytes of a drafter ``config.json``: the architecture to train, e.g. the shipped drafter's, so the
 result drops into an engine with ``dspark-export add-draft``); optionally ``prompts`` (the bytes of a JSON list of
-[source, key, text], ``scripts/gpu_draft_data.py --answer-prompts``). Training starts from scratch.
+[source, key, text], ``scripts/gpu_draft_data.py --answer-prompts``).
+
+Training starts from scratch, or with ``--init CKPT`` from an earlier run's weights (a checkpoint of DATA's ``config``
+and draft vocabulary, e.g. what the previous GPU session brought back), under a fresh schedule and optimizer. The
+checkpoint is written in Hugging Face shards of at most ``--shard-mib`` MiB (``model-0000i-of-0000n.safetensors`` +
+``model.safetensors.index.json``; 0: one ``model.safetensors``), so a machine that returns small files only can hand
+every piece back; ``dspark-export add-draft`` and ``--init`` read the folder as it is.
 """
 from __future__ import annotations
 
@@ -170,6 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-feature-gib", type=float, default=None,
                     help="host memory for the features (default: 80%% of the machine's); training sequences past it "
                          "are dropped, last first, with a message")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this drafter checkpoint (DATA's config and draft vocabulary) instead of scratch")
+    ap.add_argument("--shard-mib", type=float, default=15.0,
+                    help="write the checkpoint in shards of at most this many MiB (0: one file)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (tests; hours for a real target)")
     a = ap.parse_args(argv)
 
@@ -189,6 +199,14 @@ def main(argv=None) -> int:
     cfg = DSparkConfig.from_dict(json.loads(bytes(z["config"]).decode()))
     train_seqs = split(z["ids"], z["mask"], z["starts"])
     held_seqs = split(z["held_ids"], z["held_mask"], z["held_starts"])
+    if a.init is not None:  # a checkpoint of another architecture is refused before the target loads
+        from dspark_export.drafter.checkpoint import check_same_config
+        from dspark_export.drafter.config import DraftConfigError
+        try:
+            check_same_config(cfg, a.init)
+        except DraftConfigError as e:
+            sys.exit(f"--init {a.init}: {e}; make DATA with gpu_draft_data.py --drafter pointing at that checkpoint, "
+                     "or train from scratch")
     rep = {"train_sequences": len(train_seqs), "train_tokens": int(len(z["ids"])),
            "train_loss_tokens": int(z["mask"].sum()), "heldout_sequences": len(held_seqs)}
 
@@ -262,6 +280,16 @@ def main(argv=None) -> int:
     vocab = torch.as_tensor(z["draft_vocab_ids"])
     model.draft_vocab_ids.copy_(vocab)
     model.init_from_target(emb, head)
+    if a.init is not None:
+        from dspark_export.drafter.checkpoint import load_weights_into
+        from dspark_export.drafter.config import DraftConfigError
+        try:
+            load_weights_into(model, a.init, target_embed=emb, target_lm_head=head)
+        except DraftConfigError as e:
+            sys.exit(f"--init {a.init}: {e}; make DATA with gpu_draft_data.py --drafter pointing at that checkpoint, "
+                     "or train from scratch")
+        rep["init"] = str(a.init)
+        log(f"weights from {a.init}")
     target_head = head[vocab].clone()
     del emb, head
     store = MemoryStore(feats)
@@ -284,6 +312,10 @@ def main(argv=None) -> int:
     log(f"training for at most {budget:.0f} s: {s}")
     r = train(store, model, target_head, a.out, s, gamma=cfg.block_size, mask_token=cfg.mask_token_id, log=log)
     rep["train"] = r
+    if a.shard_mib > 0:  # the same weights, in pieces a small-file transfer can carry
+        from dspark_export.drafter.checkpoint import save_checkpoint
+        save_checkpoint(model, a.out, shard_bytes=int(a.shard_mib * 2**20))
+    rep["checkpoint_files"] = {f.name: f.stat().st_size for f in sorted(a.out.glob("*.safetensors"))}
     rep["machine"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     rep["total_s"] = time.perf_counter() - T0
     (a.out / "gpu_train_report.json").write_text(json.dumps(rep, indent=2) + "\n")

@@ -12,12 +12,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
 
 from dspark_export.drafter.config import GEMMA4, DraftConfigError, DSparkConfig, load_config
 from dspark_export.drafter.model import DSparkDraftModel
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 
 
 def expected_shapes(c: DSparkConfig, include_frozen: bool = True) -> dict:
@@ -112,11 +114,16 @@ def _unexpected_hint(names: list, c: DSparkConfig) -> str:
     return "; ".join(hints)
 
 
-def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float16, include_frozen: bool = False) -> Path:
+def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float16, include_frozen: bool = False,
+                    shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the DeepSpec layout; returns the folder.
 
     ``include_frozen=False`` omits the frozen copies of the target's embedding and LM head (recorded as
     ``frozen_from_target``; loading then needs the target). Floating tensors are stored as ``dtype``.
+    ``shard_bytes``: split the weights into Hugging Face shards of at most that many bytes
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; a tensor larger than that gets a file
+    of its own), e.g. to bring a checkpoint back from a machine that returns small files only. Weight files of an
+    earlier save in the folder (sharded or not) are removed first (huggingface_hub ``save_torch_state_dict``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +135,8 @@ def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float
     for n in names:
         t = state[n].detach().cpu().contiguous()
         tensors[n] = t.to(dtype) if t.is_floating_point() else t
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_torch_state_dict(tensors, out_dir, max_shard_size=int(shard_bytes) if shard_bytes else "100GB",
+                          metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
     return out_dir
 
@@ -155,9 +163,23 @@ def read_tensors(path: Path) -> dict:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise DraftConfigError(f"{path}: no *.safetensors weights next to config.json")
-    tensors = {}
+    index = Path(path) / INDEX_NAME
+    if index.is_file():  # sharded: every shard the index names must be there
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as e:
+            raise DraftConfigError(f"{index}: not a safetensors index (a 'weight_map' of tensor -> file): {e}") from None
+        lacking = sorted(named - {f.name for f in files})
+        if lacking:
+            raise DraftConfigError(f"{path}: shard(s) {lacking} named by {INDEX_NAME} are missing; copy every "
+                                   "model-*-of-*.safetensors piece of the checkpoint into the folder")
+    tensors, source = {}, {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        for name, t in load_file(str(f)).items():
+            if name in tensors:
+                raise DraftConfigError(f"{path}: tensor {name} is in both {source[name]} and {f.name}; remove the "
+                                       "weight files of another save (a checkpoint is model.safetensors or its shards)")
+            tensors[name], source[name] = t, f.name
     return tensors
 
 
@@ -218,3 +240,26 @@ def load_checkpoint(path: Path, *, target_embed=None, target_lm_head=None, dtype
     model = assign_state(lambda: DSparkDraftModel(c), sd, path)
     model.config.frozen_from_target = not has_frozen
     return model
+
+
+def load_weights_into(model: DSparkDraftModel, path: Path, *, target_embed=None, target_lm_head=None) -> None:
+    """Fill ``model`` with the weights of the drafter checkpoint at ``path`` (:func:`load_checkpoint`), e.g. to
+    continue training an earlier run's drafter. Raises DraftConfigError when the checkpoint's config differs from
+    ``model``'s (naming the fields) or its draft vocabulary does, or as :func:`load_checkpoint`."""
+    check_same_config(model.config, path)
+    init = load_checkpoint(path, target_embed=target_embed, target_lm_head=target_lm_head)
+    if model.draft_vocab_ids is not None and not torch.equal(init.draft_vocab_ids.cpu(), model.draft_vocab_ids.cpu()):
+        raise DraftConfigError(f"{path}: the checkpoint's draft vocabulary (draft_vocab_ids) differs from the "
+                               "drafter's")
+    model.load_state_dict(init.state_dict(), strict=True)
+
+
+def check_same_config(config: DSparkConfig, path: Path) -> None:
+    """Raise DraftConfigError naming the fields in which the ``config.json`` of the checkpoint at ``path`` differs from
+    ``config`` (``frozen_from_target`` aside: how the weights are stored, not what they compute)."""
+    want, got = config.to_dict(), load_config(Path(path)).to_dict()
+    differ = sorted(k for k in set(want) | set(got) if k != "frozen_from_target" and want.get(k) != got.get(k))
+    if differ:
+        raise DraftConfigError(f"{path}: the checkpoint's config differs from the drafter's in {differ} (drafter: "
+                               f"{ {k: want.get(k) for k in differ[:4]} }, checkpoint: "
+                               f"{ {k: got.get(k) for k in differ[:4]} })")

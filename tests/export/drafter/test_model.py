@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_export.drafter.config import DraftConfigError, DSparkConfig
-from dspark_export.drafter.checkpoint import expected_shapes, load_checkpoint, save_checkpoint
+from dspark_export.drafter.checkpoint import expected_shapes, load_checkpoint, load_weights_into, save_checkpoint
 from dspark_export.drafter.model import DSparkDraftModel, block_mask
 
 # A hand-specified DeepSpec config: a (tiny) copy of a Qwen3 target config plus the DSpark fields.
@@ -68,6 +68,60 @@ def test_checkpoint_without_frozen_copies_needs_the_target(tmp_path):
     back = load_checkpoint(tmp_path, target_embed=m.embed_tokens.weight.detach(),
                            target_lm_head=m.lm_head.weight.detach())
     assert torch.equal(back.fc.weight, m.fc.weight)
+
+
+def test_sharded_checkpoint_round_trips_and_replaces_an_earlier_save(tmp_path):
+    """shard_bytes splits the weights into Hugging Face shards no larger than asked (but a bigger tensor, alone),
+    removes the unsharded file of an earlier save, and loads back bit-exact; a missing shard or a stale extra file
+    is refused by name."""
+    m = _random_model(DEEPSPEC_CONFIG)
+    save_checkpoint(m, tmp_path, dtype=torch.float32, include_frozen=True)
+    assert (tmp_path / "model.safetensors").is_file()
+    save_checkpoint(m, tmp_path, dtype=torch.float32, include_frozen=True, shard_bytes=8192)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    biggest = max(p.numel() * 4 for p in m.state_dict().values())
+    for f in shards:
+        assert f.stat().st_size <= max(8192, biggest) + 4096, f.name  # + the safetensors header
+    back = load_checkpoint(tmp_path)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    import shutil
+    stale = tmp_path / "stale"
+    shutil.copytree(tmp_path, stale)
+    shutil.copy(shards[0], stale / "model.safetensors")
+    with pytest.raises(DraftConfigError, match="is in both"):
+        load_checkpoint(stale)
+    shards[-1].unlink()
+    with pytest.raises(DraftConfigError, match=f"{shards[-1].name}.*are missing"):
+        load_checkpoint(tmp_path)
+
+
+def test_load_weights_into_continues_an_earlier_drafter_and_refuses_another(tmp_path):
+    """An earlier run's checkpoint fills a drafter of the same config and draft vocabulary; another width or
+    vocabulary is refused naming it."""
+    cfg = dict(DEEPSPEC_CONFIG, draft_vocab_size=40)
+    m = _random_model(cfg, seed=1)
+    target_head = torch.randn(97, 32)  # the target's LM head; the drafter's holds its draft vocabulary's rows
+    with torch.no_grad():
+        m.draft_vocab_ids.copy_(torch.arange(40) * 2)
+        m.lm_head.weight.copy_(target_head[m.draft_vocab_ids])
+    save_checkpoint(m, tmp_path / "a", dtype=torch.float32)
+    frozen = dict(target_embed=m.embed_tokens.weight.detach(), target_lm_head=target_head)
+    fresh = _random_model(cfg, seed=2)
+    with torch.no_grad():
+        fresh.draft_vocab_ids.copy_(m.draft_vocab_ids)
+    assert not torch.equal(fresh.fc.weight, m.fc.weight)
+    load_weights_into(fresh, tmp_path / "a", **frozen)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, fresh.state_dict()[k]), k
+    wider = _random_model(dict(cfg, intermediate_size=64))
+    with pytest.raises(DraftConfigError, match="intermediate_size"):
+        load_weights_into(wider, tmp_path / "a", **frozen)
+    other_vocab = _random_model(cfg)  # draft_vocab_ids 0..39
+    with pytest.raises(DraftConfigError, match="draft vocabulary"):
+        load_weights_into(other_vocab, tmp_path / "a", **frozen)
 
 
 @pytest.mark.parametrize("field,value,msg", [
