@@ -105,7 +105,7 @@ def ttt_loss(model, batch, target_head, ttt_length: int, decay: float = STEP_LOS
         full = torch.stack(scored, -1).all(-1)
         chain = torch.stack(matches, -1).int().cumprod(-1).sum(-1)
         tau = float((1 + chain[full].float()).mean()) if bool(full.any()) else float("nan")
-    return total, {"loss": float(total), "acc_pos": acc, "n": counts, "tau_greedy": tau}
+    return total, {"loss": float(total.detach()), "acc_pos": acc, "n": counts, "tau_greedy": tau}
 
 
 class Eagle3Objective(Objective):

@@ -35,7 +35,7 @@ class TrainSettings:
 
     lr: float = 6e-4
     weight_decay: float = 0.0
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # at most a tenth of the run (:meth:`warmup`)
     anchors_per_seq: int = 32
     max_seq_len: int = 1024  # training crop (a random window of a longer sequence)
     eval_seq_len: int = 1024  # held-out crop (fixed, so runs with another training crop compare)
@@ -65,6 +65,17 @@ class TrainSettings:
         if self.epochs is None:
             return self.max_steps
         return max(1, min(self.max_steps, math.ceil(self.epochs * n_train / self.seqs_per_step)))
+
+    def warmup(self, total: int) -> int:
+        """Linear warmup steps of a ``total``-step run: ``warmup_steps``, but at most a tenth of the run (at least
+        1), so a short run (an expensive objective on a CPU budget) still reaches its peak learning rate."""
+        return max(1, min(self.warmup_steps, total // 10))
+
+    def lr_at(self, step: int, total: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based) of a ``total``-step run: linear warmup
+        (:meth:`warmup`), then cosine to 0 by ``total``."""
+        lr = self.lr * min(1.0, (step + 1) / self.warmup(total))
+        return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
 
 
 def bf16_native(flags=None) -> bool:
@@ -381,8 +392,7 @@ def optimize(store: FeatureStore, model, objective: Objective, out_dir: Path, s:
     bar = tqdm(total=total, initial=step, desc=objective.name, file=sys.stderr, mininterval=10)
     model.train()
     while step < total and time.perf_counter() - t0 < s.time_budget_s:
-        lr = s.lr * min(1.0, (step + 1) / s.warmup_steps)
-        lr *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))  # cosine to 0 over the run
+        lr = s.lr_at(step, total)
         for g in opt.param_groups:
             g["lr"] = lr
         rng = np.random.default_rng([s.seed, 1 << 20, step])

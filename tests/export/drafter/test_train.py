@@ -1,5 +1,6 @@
 """Pure pieces of the drafter training pipeline: anchors, blocks, vocabulary, prompt splits."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ pytest.importorskip("torch")
 
 from dspark_export.drafter.data import CALIB_SPLIT, TRAIN_SPLIT, interleave, split_prompts  # noqa: E402
 from dspark_export.drafter.features import choose_draft_vocab  # noqa: E402
-from dspark_export.drafter.train import block_batch, sample_anchors  # noqa: E402
+from dspark_export.drafter.train import TrainSettings, block_batch, sample_anchors  # noqa: E402
 
 
 def test_anchors_need_the_anchor_and_its_next_token_in_the_loss_mask():
@@ -454,3 +455,16 @@ def test_answer_prompts_writes_greedy_answers_and_keyed_samples(tiny_pair, tmp_p
     torch.manual_seed(0)
     answer_prompts(model, tok, todo[:1], out2, max_new_tokens=6, samples=3, temperature=1.0)
     assert done_keys(out2) == {"gsm8k:1", "gsm8k:1#1", "gsm8k:1#2"}
+
+
+def test_learning_rate_schedule_warms_up_for_at_most_a_tenth_of_the_run():
+    """Linear warmup then cosine to 0: 50 warmup steps in a long run, a tenth of a short one (a 45-step run
+    reaches its peak learning rate instead of ending inside the warmup)."""
+    s = TrainSettings(lr=1e-3)
+    assert s.warmup(558) == 50 and s.warmup(45) == 4 and s.warmup(5) == 1
+    short = [s.lr_at(k, 45) for k in range(45)]
+    assert max(short) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 45)))
+    assert short.index(max(short)) == 3 and short[0] == pytest.approx(1e-3 / 4)
+    assert all(a >= b for a, b in zip(short[3:], short[4:])) and s.lr_at(45, 45) == 0.0
+    assert s.lr_at(49, 558) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 49 / 558)))
+    assert s.lr_at(24, 558) == pytest.approx(1e-3 * 25 / 50 * 0.5 * (1 + math.cos(math.pi * 24 / 558)))
