@@ -1,6 +1,7 @@
-"""Train the DSpark drafter on one NVIDIA GPU, from the target's GGUF and token sequences, in one process.
+"""Train a DSpark, DFlash or EAGLE-3 drafter on one NVIDIA GPU from the target's GGUF and token sequences.
 
     python scripts/gpu_train_draft.py --gguf TARGET.gguf --data DATA.npz --out OUT_DIR [--minutes 5] [--deadline-s S]
+        [--method eagle3] [--init CKPT]
 
 From the repository root with the project installed (``pip install -e .``), or with ``PYTHONPATH=.`` (a GPU machine).
 
@@ -14,10 +15,13 @@ has the target as a GGUF file and nothing else (no engine, no Hugging Face folde
    int4 engine packs, :mod:`dspark_export.precision.nbits`), on the GPU in float32 with TF32 matrix products;
 2. features: one teacher-forced pass over every sequence (batched by length, right-padded) keeping the
    ``target_layer_ids`` features and the final normed hidden state in fp16 host memory;
-3. training: :func:`dspark_export.drafter.train.train` on the GPU (``TrainSettings.device``), bf16 autocast, until
-   ``--minutes`` or ``--deadline-s`` (seconds since start) run out, the held-out sequences evaluated every
-   ``--eval-every`` steps; the checkpoint (``config.json`` + ``model.safetensors``, the DeepSpec layout) and a
-   report (``gpu_train_report.json``: tokens, seconds and tokens/s per stage, held-out acceptance by position).
+3. training: :func:`dspark_export.drafter.train.optimize` on the GPU (``TrainSettings.device``), bf16 autocast,
+   with the DSpark objective (``--method dspark``: DATA's ``config``, DSpark or DFlash) or EAGLE-3's (``--method
+   eagle3``: one layer fusing the same target layers, ``--ttt-length`` steps, a head over DATA's draft vocabulary),
+   until ``--minutes`` or ``--deadline-s`` (seconds since start) run out, the held-out sequences evaluated every
+   ``--eval-every`` steps; the checkpoint (``config.json`` + weights: DeepSpec's layout, SpecForge's for EAGLE-3)
+   and a report (``gpu_train_report.json``: tokens, seconds and tokens/s per stage, held-out acceptance by
+   position).
 
 DATA.npz: ``ids`` int32 [n], ``mask`` uint8 [n] (loss positions), ``starts`` int64 [s+1] (training sequences);
 ``held_ids``/``held_mask``/``held_starts`` (held-out, never trained on); ``draft_vocab_ids`` int64 [V_d] and
@@ -112,16 +116,15 @@ def features(model, seqs: list, layer_ids: list, max_batch_tokens: int) -> list:
     return out
 
 
-def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
-    """Training steps per second of ``s`` (the same batch shapes as :func:`train`), timed on a copy of ``model``."""
+def step_rate(model, objective, store, s, n: int = 12) -> float:
+    """Training steps per second of ``objective`` (the same batch shapes as the training loop), timed on a copy of
+    ``model``."""
     import copy
     import torch
-    from dspark_export.drafter.train import _to, _window, block_batch, dspark_loss, sample_anchors
+    from dspark_export.drafter.train import _to, _window
     dev = torch.device(s.device)
     m = copy.deepcopy(model)
-    t2d = m.target_to_draft().cpu()
     m.to(dev).train()
-    th = target_head.to(dev)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-6)
     rng = np.random.default_rng(7)
     t = None
@@ -130,16 +133,13 @@ def step_rate(model, target_head, store, s, cfg, n: int = 12) -> float:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-        seqs, ans = [], []
-        for i in rng.integers(0, len(store) - s.eval_seqs, s.seqs_per_step):
-            ids, msk, f, l = _window(store, int(i), rng, s.max_seq_len)
-            an = sample_anchors(msk, s.anchors_per_seq, rng)
-            if len(an):
-                seqs.append((ids, msk, f, l))
-                ans.append(an)
-        batch = _to(block_batch(seqs, ans, cfg.block_size, cfg.mask_token_id, t2d), dev)
+        seqs = [_window(store, int(i), rng, s.max_seq_len)
+                for i in rng.integers(0, len(store) - s.eval_seqs, s.seqs_per_step)]
+        batch = objective.batch(seqs, rng)
+        if batch is None:
+            continue
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=s.bf16):
-            loss, _ = dspark_loss(m, batch, th, s, cfg.block_size)
+            loss, _ = objective.loss(m, _to(batch, dev))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -176,6 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-feature-gib", type=float, default=None,
                     help="host memory for the features (default: 80%% of the machine's); training sequences past it "
                          "are dropped, last first, with a message")
+    ap.add_argument("--method", choices=("dspark", "eagle3"), default="dspark",
+                    help="dspark: DATA's config (DSpark or DFlash); eagle3: an EAGLE-3 drafter over the same target "
+                         "layers and draft vocabulary (SpecForge layout)")
+    ap.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: draft steps trained (and drafted per round)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start from this drafter checkpoint (DATA's config and draft vocabulary) instead of scratch")
     ap.add_argument("--shard-mib", type=float, default=15.0,
@@ -184,9 +188,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import torch
-    from dspark_export.drafter.train import TrainSettings, train
+    from dspark_export.drafter.checkpoint import save_checkpoint
     from dspark_export.drafter.config import DSparkConfig
+    from dspark_export.drafter.eagle3_specforge import save_specforge_checkpoint
+    from dspark_export.drafter.eagle3_train import Eagle3Objective, new_eagle3_drafter
     from dspark_export.drafter.model import DSparkDraftModel
+    from dspark_export.drafter.train import DSparkObjective, TrainSettings, optimize
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -199,6 +206,8 @@ def main(argv=None) -> int:
     cfg = DSparkConfig.from_dict(json.loads(bytes(z["config"]).decode()))
     train_seqs = split(z["ids"], z["mask"], z["starts"])
     held_seqs = split(z["held_ids"], z["held_mask"], z["held_starts"])
+    if a.init is not None and a.method != "dspark":
+        sys.exit("--init continues a DSpark / DFlash drafter (DATA's config); an EAGLE-3 run starts from scratch")
     if a.init is not None:  # a checkpoint of another architecture is refused before the target loads
         from dspark_export.drafter.checkpoint import check_same_config
         from dspark_export.drafter.config import DraftConfigError
@@ -243,6 +252,7 @@ def main(argv=None) -> int:
         rep["train_sequences"], rep["train_tokens"] = len(train_seqs), int(sum(len(q[0]) for q in train_seqs))
         rep["train_loss_tokens"] = int(sum(int(q[1].sum()) for q in train_seqs))
         log(f"answers: {rep['answers']}")
+    target_config = target.config.to_dict()
     emb = target.model.embed_tokens.weight.detach().float().cpu()
     head = target.lm_head.weight.detach().float().cpu()
 
@@ -276,9 +286,13 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     torch.manual_seed(0)
-    model = DSparkDraftModel(cfg)
     vocab = torch.as_tensor(z["draft_vocab_ids"])
-    model.draft_vocab_ids.copy_(vocab)
+    if a.method == "eagle3":
+        model = new_eagle3_drafter(target_config, list(cfg.target_layer_ids), a.ttt_length, cfg.intermediate_size,
+                                   vocab.numpy())
+    else:
+        model = DSparkDraftModel(cfg)
+        model.draft_vocab_ids.copy_(vocab)
     model.init_from_target(emb, head)
     if a.init is not None:
         from dspark_export.drafter.checkpoint import load_weights_into
@@ -290,12 +304,15 @@ def main(argv=None) -> int:
                      "or train from scratch")
         rep["init"] = str(a.init)
         log(f"weights from {a.init}")
-    target_head = head[vocab].clone()
-    del emb, head
     store = MemoryStore(feats)
     s = TrainSettings(lr=a.lr, ce_alpha=a.ce_weight, max_seq_len=a.crop, seqs_per_step=a.seqs_per_step,
                       anchors_per_seq=a.anchors, max_steps=a.steps, eval_every=a.eval_every,
                       eval_seqs=len(held_seqs), save_every_s=1e9, bf16=True, device=dev)
+    if a.method == "eagle3":  # its head's rows of the draft vocabulary are taken from the full head it is given
+        objective = Eagle3Objective(model, head.to(dev), s, store)
+    else:
+        objective = DSparkObjective(model, head[vocab].to(dev), s, cfg.block_size, cfg.mask_token_id)
+    del emb, head
     def left() -> float:
         b = a.minutes * 60
         return b if a.deadline_s is None else min(b, a.deadline_s - (time.perf_counter() - T0))
@@ -304,17 +321,20 @@ def main(argv=None) -> int:
         sys.exit(f"no time left to train ({left():.0f} s after loading, answers and features): raise --deadline-s or "
                  "--minutes, or give less data")
     if a.fit_steps:  # size the cosine schedule to the budget: time a few steps on a throwaway copy first
-        rate = step_rate(model, target_head, store, s, cfg)
+        rate = step_rate(model, objective, store, s)
         s.max_steps = max(10, min(a.steps, int(0.92 * left() * rate)))
         rep["timed_steps_per_s"] = rate
         log(f"{rate:.2f} steps/s -> {s.max_steps} steps")
     s.time_budget_s = budget = left()
     log(f"training for at most {budget:.0f} s: {s}")
-    r = train(store, model, target_head, a.out, s, gamma=cfg.block_size, mask_token=cfg.mask_token_id, log=log)
+    r = optimize(store, model, objective, a.out, s, log=log)
     rep["train"] = r
-    if a.shard_mib > 0:  # the same weights, in pieces a small-file transfer can carry
-        from dspark_export.drafter.checkpoint import save_checkpoint
-        save_checkpoint(model, a.out, shard_bytes=int(a.shard_mib * 2**20))
+    rep["method"] = a.method
+    shard = int(a.shard_mib * 2**20) if a.shard_mib > 0 else None  # pieces a small-file transfer can carry
+    if a.method == "eagle3":  # fp16 as the DSpark checkpoint (the training loop wrote fp32)
+        save_specforge_checkpoint(model, a.out, dtype=torch.float16, shard_bytes=shard)
+    else:
+        save_checkpoint(model, a.out, shard_bytes=shard)
     rep["checkpoint_files"] = {f.name: f.stat().st_size for f in sorted(a.out.glob("*.safetensors"))}
     rep["machine"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     rep["total_s"] = time.perf_counter() - T0

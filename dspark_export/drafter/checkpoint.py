@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from dspark_export.drafter.config import GEMMA4, DraftConfigError, DSparkConfig, load_config
 from dspark_export.drafter.model import DSparkDraftModel
 
-WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 
 
@@ -120,10 +119,8 @@ def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float
 
     ``include_frozen=False`` omits the frozen copies of the target's embedding and LM head (recorded as
     ``frozen_from_target``; loading then needs the target). Floating tensors are stored as ``dtype``.
-    ``shard_bytes``: split the weights into Hugging Face shards of at most that many bytes
-    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; a tensor larger than that gets a file
-    of its own), e.g. to bring a checkpoint back from a machine that returns small files only. Weight files of an
-    earlier save in the folder (sharded or not) are removed first (huggingface_hub ``save_torch_state_dict``).
+    ``shard_bytes``: Hugging Face shards of at most that many bytes (:func:`write_weights`), e.g. to bring a
+    checkpoint back from a machine that returns small files only.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,10 +132,18 @@ def save_checkpoint(model: DSparkDraftModel, out_dir: Path, *, dtype=torch.float
     for n in names:
         t = state[n].detach().cpu().contiguous()
         tensors[n] = t.to(dtype) if t.is_floating_point() else t
-    save_torch_state_dict(tensors, out_dir, max_shard_size=int(shard_bytes) if shard_bytes else "100GB",
-                          metadata={"format": "pt"})
+    write_weights(tensors, out_dir, shard_bytes)
     (out_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
     return out_dir
+
+
+def write_weights(tensors: dict, out_dir: Path, shard_bytes: int | None = None) -> None:
+    """Write a checkpoint's ``tensors`` (name -> CPU tensor) into ``out_dir``: one ``model.safetensors``, or with
+    ``shard_bytes`` Hugging Face shards of at most that many bytes (``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json``; a larger tensor alone in its file), after removing the weight files of an
+    earlier save (huggingface_hub ``save_torch_state_dict``). Every drafter family's checkpoint is written here."""
+    save_torch_state_dict(tensors, out_dir, max_shard_size=int(shard_bytes) if shard_bytes else "100GB",
+                          metadata={"format": "pt"})
 
 
 def assign_state(build, sd: dict, path):
@@ -168,7 +173,8 @@ def read_tensors(path: Path) -> dict:
         try:
             named = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, AttributeError) as e:
-            raise DraftConfigError(f"{index}: not a safetensors index (a 'weight_map' of tensor -> file): {e}") from None
+            raise DraftConfigError(f"{index}: not a safetensors index (a 'weight_map' of tensor -> file): "
+                                   f"{e}") from None
         lacking = sorted(named - {f.name for f in files})
         if lacking:
             raise DraftConfigError(f"{path}: shard(s) {lacking} named by {INDEX_NAME} are missing; copy every "

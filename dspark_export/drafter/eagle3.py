@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from safetensors.torch import save_file
 
 from dspark_export.drafter import eagle3_specforge as specforge
-from dspark_export.drafter.checkpoint import assign_state, read_tensors
+from dspark_export.drafter.checkpoint import assign_state, read_tensors, write_weights
 from dspark_export.drafter.config_fields import (DraftConfigError, activation, bool_field, int_field, read_config_json,
                                                  rope_parameters, rotary_table)
 from dspark_export.drafter.families import CONDITIONAL_FIELDS, IGNORED_FIELDS, QWEN3
@@ -62,7 +61,6 @@ REFUSED_FIELDS = {
                         f"loads as [{specforge.ARCHITECTURE!r}]; DeepSpec's layout has a full-vocabulary lm_head",
 }
 VOCAB_MAP_TENSORS = ("d2t", "t2d")
-WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass
@@ -469,9 +467,11 @@ def eagle3_config_for(target_config: dict, target_layer_ids, ttt_length: int = 7
     return Eagle3Config.from_dict(cfg, source="EAGLE-3 config for the target")
 
 
-def save_eagle3_checkpoint(model: Eagle3DraftModel, out_dir: Path, *, dtype=torch.float32) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in DeepSpec's layout (every tensor, floating ones as ``dtype``),
-    loadable by :func:`load_eagle3_checkpoint`; returns the folder. Raises DraftConfigError for another layout."""
+def save_eagle3_checkpoint(model: Eagle3DraftModel, out_dir: Path, *, dtype=torch.float32,
+                           shard_bytes: int | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in DeepSpec's layout (every tensor, floating ones as ``dtype``;
+    ``shard_bytes``: in shards, :func:`~dspark_export.drafter.checkpoint.write_weights`), loadable by
+    :func:`load_eagle3_checkpoint`; returns the folder. Raises DraftConfigError for another layout."""
     if model.config.architecture != ARCHITECTURE:
         raise DraftConfigError(f"save_eagle3_checkpoint writes DeepSpec's layout, not {model.config.architecture}")
     out_dir = Path(out_dir)
@@ -479,6 +479,6 @@ def save_eagle3_checkpoint(model: Eagle3DraftModel, out_dir: Path, *, dtype=torc
     want = expected_eagle3_shapes(model.config)
     state = model.state_dict()
     tensors = {n: state[n].detach().cpu().to(dtype).contiguous() for n in want}
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_weights(tensors, out_dir, shard_bytes)
     (out_dir / "config.json").write_text(json.dumps(model.config.source, indent=2) + "\n")
     return out_dir

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dspark_export.drafter.checkpoint import write_weights
 from dspark_export.drafter.config_fields import DraftConfigError, activation, bool_field, int_field, rope_parameters
 from dspark_export.drafter.families import IGNORED_FIELDS, QWEN3
 
@@ -228,8 +228,12 @@ def specforge_config_for(target_config: dict, target_layer_ids, draft_vocab_size
     """A SpecForge-layout ``config.json`` dict for a drafter of the target ``target_config`` (its ``config.json``):
     one Llama layer of the target's width and heads (``intermediate_size`` defaults to the target's), fusing
     ``target_layer_ids`` (our convention = SpecForge's ``eagle_config`` ids), an LM head over ``draft_vocab_size``
-    tokens. Its rotary table is the target's (``rope_theta``, and ``rope_scaling`` where the target has one)."""
+    tokens. Its rotary table is the target's (``rope_theta``, and ``rope_scaling`` where the target has one, read from
+    ``rope_theta`` / ``rope_scaling`` or transformers 5's ``rope_parameters``). Raises DraftConfigError for a RoPE the
+    drafter layer does not implement."""
     t = target_config
+    # the target's RoPE as transformers 4 (rope_theta, rope_scaling) or 5 (rope_parameters) writes it
+    rope = rope_parameters(t, QWEN3, "target config")
     cfg = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": t["hidden_size"],
            "intermediate_size": intermediate_size or t["intermediate_size"], "num_hidden_layers": 1,
            "num_attention_heads": t["num_attention_heads"],
@@ -237,20 +241,21 @@ def specforge_config_for(target_config: dict, target_layer_ids, draft_vocab_size
            "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
            "vocab_size": t["vocab_size"], "draft_vocab_size": int(draft_vocab_size),
            "target_hidden_size": t["hidden_size"], "rms_norm_eps": t["rms_norm_eps"],
-           "hidden_act": t.get("hidden_act", "silu"), "rope_theta": float(t.get("rope_theta", 10000.0)),
+           "hidden_act": t.get("hidden_act", "silu"), "rope_theta": float(rope["rope_theta"]),
            "max_position_embeddings": t.get("max_position_embeddings"), "tie_word_embeddings": False,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(x) for x in target_layer_ids],
                             "use_aux_hidden_state": True}}
-    if t.get("rope_scaling"):
-        cfg["rope_scaling"] = t["rope_scaling"]
+    if rope["rope_type"] != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return cfg
 
 
-def save_specforge_checkpoint(model, out_dir: Path, *, dtype=torch.float32) -> Path:
+def save_specforge_checkpoint(model, out_dir: Path, *, dtype=torch.float32, shard_bytes: int | None = None) -> Path:
     """Write a SpecForge-layout drafter (an :class:`~dspark_export.drafter.eagle3.Eagle3DraftModel` whose config is
     SpecForge's) as SpecForge's exporter does: ``midlayer.*``, ``lm_head`` over the draft vocabulary, ``d2t`` (target
     id − draft id) and ``t2d`` (the draft tokens), no ``embed_tokens`` (the target's frozen table is used), floating
-    tensors as ``dtype``. Returns the folder. Raises DraftConfigError for another layout or without a map."""
+    tensors as ``dtype`` (``shard_bytes``: in shards, :func:`~dspark_export.drafter.checkpoint.write_weights`).
+    Returns the folder. Raises DraftConfigError for another layout or without a map."""
     c = model.config
     if c.architecture != ARCHITECTURE or model.draft_vocab_ids is None:
         raise DraftConfigError(f"save_specforge_checkpoint writes the {ARCHITECTURE} layout with a draft vocabulary, "
@@ -264,7 +269,6 @@ def save_specforge_checkpoint(model, out_dir: Path, *, dtype=torch.float32) -> P
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     tensors["t2d"] = t2d
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    write_weights({k: v.contiguous() for k, v in tensors.items()}, out_dir, shard_bytes)
     (out_dir / "config.json").write_text(json.dumps(c.source, indent=2) + "\n")
     return out_dir

@@ -182,6 +182,30 @@ class Eagle3Objective(Objective):
         (save_eagle3_checkpoint if model.draft_vocab_ids is None else save_specforge_checkpoint)(model, out_dir)
 
 
+def new_eagle3_drafter(target_config: dict, target_layer_ids, ttt_length: int, intermediate_size: int | None = None,
+                       vocab=None):
+    """A fresh EAGLE-3 drafter for the target ``target_config`` (its ``config.json`` dict) fusing decoder layers
+    ``target_layer_ids``, ``ttt_length`` draft steps, MLP width ``intermediate_size`` (None: the target's): with a
+    draft vocabulary ``vocab`` (int64 target ids) in the SpecForge / vLLM layout (a head over those tokens only),
+    without one in DeepSpec's (full vocabulary). Its embedding and LM head still need the target's weights
+    (``init_from_target``). Raises DraftConfigError for a target config the layer cannot follow."""
+    import dataclasses
+
+    import torch
+
+    from dspark_export.drafter.eagle3 import Eagle3Config, Eagle3DraftModel, eagle3_config_for
+    from dspark_export.drafter.eagle3_specforge import specforge_config_for
+
+    if vocab is None:
+        return Eagle3DraftModel(eagle3_config_for(target_config, target_layer_ids, ttt_length, intermediate_size))
+    c = Eagle3Config.from_dict(specforge_config_for(target_config, target_layer_ids, len(vocab), intermediate_size),
+                               source="SpecForge-layout EAGLE-3 config",
+                               target_num_layers=target_config["num_hidden_layers"])
+    model = Eagle3DraftModel(dataclasses.replace(c, ttt_length=ttt_length))
+    model.draft_vocab_ids = torch.as_tensor(np.asarray(vocab, dtype=np.int64))
+    return model
+
+
 def train_eagle3(store, model, target_head, out_dir: Path, s: TrainSettings, *, columns=None, log=print,
                  resume: Path | None = None) -> dict:
     """Train ``model`` (an EAGLE-3 drafter, its embedding and LM head frozen copies of the target's) on ``store``:

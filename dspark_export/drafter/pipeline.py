@@ -449,12 +449,9 @@ def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab
     its head covers those tokens only and it is written in the SpecForge / vLLM layout (``d2t`` / ``t2d``: a head
     ~10x smaller to read at every draft step); without one (``--draft-vocab 0``), DeepSpec's layout with the full
     vocabulary. Returns its report plus "seconds_this_call"."""
-    import dataclasses
-
     import torch
 
-    from dspark_export.drafter.eagle3 import Eagle3Config, Eagle3DraftModel, eagle3_config_for
-    from dspark_export.drafter.eagle3_specforge import specforge_config_for
+    from dspark_export.drafter.eagle3_train import new_eagle3_drafter
     from dspark_export.drafter.graph import target_frozen_weights
 
     layers = [x for x in p.feature_layers if x >= 0]
@@ -462,13 +459,7 @@ def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab
         raise DSparkError(f"the features hold layers {list(p.feature_layers)}; an EAGLE-3 drafter fuses decoder "
                           "layers (>= 0): extract features of some (--reuse-data from a run that has them)")
     torch.manual_seed(s.seed)
-    if vocab is None:
-        model = Eagle3DraftModel(eagle3_config_for(cfg, layers, p.ttt_length, p.intermediate_size))
-    else:
-        c = Eagle3Config.from_dict(specforge_config_for(cfg, layers, len(vocab), p.intermediate_size),
-                                   source="SpecForge-layout EAGLE-3 config", target_num_layers=cfg["num_hidden_layers"])
-        model = Eagle3DraftModel(dataclasses.replace(c, ttt_length=p.ttt_length))
-        model.draft_vocab_ids = torch.as_tensor(np.asarray(vocab, dtype=np.int64))
+    model = new_eagle3_drafter(cfg, layers, p.ttt_length, p.intermediate_size, vocab)
     emb, head = target_frozen_weights(target_dir)
     model.init_from_target(emb, head)
     del emb

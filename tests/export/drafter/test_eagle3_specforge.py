@@ -342,3 +342,22 @@ def test_graph_matches_torch(ckpt, tmp_path):
     saved = np.load(tmp_path / "out" / DRAFT_VOCAB_FILE, allow_pickle=False)
     assert saved.dtype == np.int64 and saved.tolist() == ids.tolist()
     assert res["config"]["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+@pytest.mark.parametrize("target_rope,theta,scaling", [
+    ({"rope_theta": 1e6}, 1e6, None),  # transformers 4's config.json
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}, 1e6, None),  # transformers 5's
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, 5e5,
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}),
+])
+def test_specforge_config_for_takes_the_targets_rope(target_rope, theta, scaling):
+    """A drafter made for a target rotates as the target does, whichever way its config.json writes RoPE (a
+    transformers 5 config has no top-level rope_theta: it must not fall back to 10,000)."""
+    from dspark_export.drafter.eagle3_specforge import specforge_config_for
+    t = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 320, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, **target_rope}
+    cfg = specforge_config_for(t, [0, 1], 96)
+    assert cfg["rope_theta"] == theta
+    assert cfg.get("rope_scaling") == scaling
