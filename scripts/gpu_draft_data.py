@@ -49,14 +49,15 @@ def code_files(seed: int = 1) -> list:
 
 def new_prompts(work: Path, n: int) -> list:
     """Up to ``n`` training prompts [(source, key, text)] that the run did not answer (so none of its held-out
-    answers is answered again): the training split and ShareGPT first turns, code-weighted
+    answers is answered again): the training split, ShareGPT first turns and code tasks, code-weighted
     (:func:`dspark_export.drafter.data.training_prompt_list`). Never an evaluation or calibration prompt; the user
     turn of a held-out teacher-forced ShareGPT chat can be among them (its answer is then the target's, not the
     held-out one)."""
     from dspark_export.drafter.data import done_keys, training_prompt_list
 
     done = done_keys(work / "answers.jsonl")
-    return [p for p in training_prompt_list(n_sharegpt=n + len(done)) if p[1] not in done][:n]
+    pool = training_prompt_list(n_sharegpt=n + len(done), n_code_tasks=n + len(done))
+    return [p for p in pool if p[1] not in done][:n]
 
 
 def pack(seqs: list) -> tuple:

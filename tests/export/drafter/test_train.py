@@ -72,7 +72,7 @@ def test_engine_answers_are_the_engines_greedy_output_and_resume(tiny_engine_dir
 
     prompts = [("mbpp", "mbpp:1", "Write a function that adds two numbers."), ("gsm8k", "gsm8k:1", "What is 7 * 6?"),
                ("sharegpt", "sharegpt:1", "Say hello."), ("math500", "math500:1", "Solve x + 2 = 5.")]
-    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0, n_code_tasks=0: prompts)
     out = tmp_path / "answers.jsonl"
     r = draft_data.generate_answers_engine(tiny_engine_dir, out, max_new_tokens=10, max_batch=2, group=2, limit=3,
                                            threads=1, log=lambda *a: None)
@@ -217,17 +217,23 @@ def test_seed_answers_import_only_missing_training_prompts(tmp_path):
     rec = lambda k: json.dumps({"key": k, "source": k.split(":")[0], "ids": [1, 2, 3], "prompt_len": 2})  # noqa: E731
     src = tmp_path / "seed.jsonl.gz"
     with gzip.open(src, "wt") as f:
-        f.write("\n".join(rec(k) for k in ("gsm8k:1", "mbpp:3", "sharegpt:abc")) + "\n")
+        f.write("\n".join(rec(k) for k in ("gsm8k:1", "mbpp:3", "sharegpt:QWJhYvA_0", "code-task:shlex.quote")) + "\n")
     answers = tmp_path / "work" / "answers.jsonl"
     answers.parent.mkdir()
     answers.write_text(rec("mbpp:3") + "\n")
-    assert import_answers(src, answers) == 2
-    assert [json.loads(x)["key"] for x in answers.read_text().splitlines()] == ["mbpp:3", "gsm8k:1", "sharegpt:abc"]
+    assert import_answers(src, answers) == 3
+    assert [json.loads(x)["key"] for x in answers.read_text().splitlines()] == ["mbpp:3", "gsm8k:1",
+                                                                                "sharegpt:QWJhYvA_0",
+                                                                                "code-task:shlex.quote"]
     assert import_answers(src, answers) == 0  # idempotent
     bad = tmp_path / "bad.jsonl"
     bad.write_text(rec("gsm8k:950") + "\n")  # gsm8k 901-1000 is the calibration split
     with pytest.raises(DSparkError, match="line 1: 'gsm8k:950' is not a training prompt"):
         import_answers(bad, answers)
+    for key in ("sharegpt:no-such-record", "code-task:shlex.no_such_function", "sharegpt:PIwT1bi_0"):
+        bad.write_text(rec(key) + "\n")  # the last one shares a run of words with a held-out prompt
+        with pytest.raises(DSparkError, match=f"'{key}' is not a training prompt"):
+            import_answers(bad, answers)
     bad.write_text('{"key": "gsm8k:2"}\n')
     with pytest.raises(DSparkError, match="line 1: not an answer record"):
         import_answers(bad, answers)
@@ -242,7 +248,7 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
 
     prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)] + \
               [("gsm8k", f"gsm8k:{i}", f"What is {i} * 6?") for i in range(1, 4)]
-    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0, n_code_tasks=0: prompts)
     p = PipelineSettings(answer_tokens=16, answer_batch=2, sharegpt_prompts=0, stdlib_tokens=800, sharegpt_tokens=0,
                          max_seq_len=256, feature_layers=(-1, 0), draft_vocab_size=64, intermediate_size=32,
                          block_size=4, markov_rank=8,
@@ -346,7 +352,7 @@ def test_feature_token_cap_sizes_a_run_in_progress_until_training_starts(tiny_en
     from dspark_runtime.errors import DSparkError
 
     prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 4)]
-    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0: prompts)
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0, n_code_tasks=0: prompts)
     monkeypatch.setattr(draft_pipeline, "extract_features_ort",
                         partial(draft_features.extract_features_ort, shard_tokens=150))
     p = PipelineSettings(answer_tokens=16, answer_batch=2, sharegpt_prompts=0, stdlib_tokens=1200, sharegpt_tokens=0,
