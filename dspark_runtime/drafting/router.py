@@ -12,6 +12,7 @@ confidences (the output is the target's argmax whatever is proposed)."""
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,11 +21,13 @@ import numpy as np
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.drafting.drafters import NgramMatch, ngram_match
 from dspark_runtime.drafting.learned_acceptance import LearnedAcceptance, NgramConfidence
-from dspark_runtime.scheduling.round_cost import round_cost_table
+from dspark_runtime.scheduling.cost_table import cost_table_at
+from dspark_runtime.scheduling.round_cost import round_cost_table, table_draft_seconds
 from dspark_runtime.scheduling.verify_length import schedule_greedy
 
 NGRAM = "ngram"
 NGRAM_MAX_LENGTH = 16  # the longest n-gram continuation proposed when scheduled
+DRAFT_TIME_WEIGHT = 0.3  # weight of a drafter's newest pass in its measured drafting time (exponential average)
 
 
 def router_priors(entry: dict | None, inner_name: str, max_strength: float | None = 32.0) -> dict:
@@ -135,7 +138,10 @@ class Router(Drafter):
     With ``others`` (more model drafters: the EAGLE-3 drafter beside the DSpark one), each round first picks, per
     request, the model drafter whose learned acceptance (its own statistics, prior ``others_stats``) scores best
     (ties: ``inner`` first), then routes between it and the n-gram continuation as above; each model drafter runs one
-    pass for the rows that chose it.
+    pass for the rows that chose it. With a cost table, each model drafter's rounds are priced with its own drafting
+    time: the table's profiled pass (one drafter's) scaled by the drafter's measured passes relative to it
+    (:meth:`draft_scale`; 1 until its second pass, the first being a warm-up), so a drafter that accepts a little
+    more but drafts twice as slowly loses where the time does not pay.
 
     Args:
         inner: the model drafter (not n-gram lookup).
@@ -149,6 +155,7 @@ class Router(Drafter):
         cost_table: the manifest's cost table dict (scheduled mode: score by expected tokens/s), or None.
         attended_positions: the target runner's ``attended_positions`` (the cost table's context, as the loop reads
             it), or None: the longest request's cached positions.
+        clock: seconds, monotonic (the drafting passes are timed with it when there are several model drafters).
     Raises ValueError for an n-gram inner, bad n-gram lengths or an unknown mode.
     """
 
@@ -161,7 +168,7 @@ class Router(Drafter):
                  recalibration_strength: float | None = 2.0, skip_ratio: float | None = 2.0,
                  ngram_max_length: int = NGRAM_MAX_LENGTH, cost_table: dict | None = None,
                  attended_positions: Callable | None = None, others: tuple = (),
-                 others_stats: dict | None = None):
+                 others_stats: dict | None = None, clock: Callable[[], float] = time.perf_counter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if mode not in ("auto", "prior"):
@@ -188,6 +195,9 @@ class Router(Drafter):
         self.ngram_max_length = int(ngram_max_length)
         self.cost_table = cost_table
         self.attended_positions = attended_positions
+        self.clock = clock
+        self._passes = {name: 0 for name in self.models}  # drafting passes run, per model drafter
+        self._draft_scale: dict = {}  # model drafter -> measured pass / profiled pass (after its warm-up pass)
         self._state: dict = {}
 
     @property
@@ -221,6 +231,23 @@ class Router(Drafter):
         st = self._state.get(rid)
         return {k: dict(v) for k, v in st.sources.items()} if st is not None else {}
 
+    def draft_scale(self, name: str) -> float:
+        """Model drafter ``name``'s measured drafting pass relative to the cost table's profiled one (1.0 until it
+        has been timed; only timed with several model drafters and a cost table)."""
+        return self._draft_scale.get(name, 1.0)
+
+    def _timed(self, name: str, seconds: float, rows: int, table) -> None:
+        """Fold one pass of ``name`` over ``rows`` requests (``seconds``) into its drafting-time scale, against the
+        profiled pass at that many rows of ``table`` (the cost table at the round's context); the first pass of
+        each drafter (allocations, caches) is not counted."""
+        self._passes[name] += 1
+        profiled = table_draft_seconds(table, rows)
+        if self._passes[name] < 2 or profiled <= 0:
+            return
+        ratio = seconds / profiled
+        old = self._draft_scale.get(name)
+        self._draft_scale[name] = ratio if old is None else (1 - DRAFT_TIME_WEIGHT) * old + DRAFT_TIME_WEIGHT * ratio
+
     def recalibration(self, rid) -> float:
         """rho = (A + k) / (P + k) of request ``rid`` (1.0 when the recalibration is off)."""
         k, st = self.recalibration_strength, self._state[rid]
@@ -229,23 +256,25 @@ class Router(Drafter):
     # -- one round
 
     def propose_batch(self, reqs: list, gammas: list, only=None) -> list:
-        cost = None
+        costs, table = {name: None for name in self.models}, None
         if self.cost_table is not None:
             # at the positions the round's pass reads: the target runner's count (as the loop's scheduler), else the
             # longest request's cached positions (its prompt and output but the anchor)
             ctx = (self.attended_positions([r.rid for r in reqs]) if self.attended_positions is not None
                    else max(len(r.prompt) + len(r.out) - 1 for r in reqs))
-            cost = round_cost_table(self.cost_table, len(reqs), context=ctx)
+            costs = {name: round_cost_table(self.cost_table, len(reqs), context=ctx, draft_scale=self.draft_scale(name))
+                     for name in self.models}
+            table = cost_table_at(self.cost_table, ctx)
         plans, need = {}, {name: set() for name in self.models}
         for r, g in zip(reqs, gammas):
             if only is not None and r.rid not in only:
                 continue
             st = self._state[r.rid]
             m = ngram_match(np.asarray(r.prompt + r.out, dtype=np.int64), g, self.max_ngram, self.min_ngram)
-            model = self._best_model(st, g, cost)
+            model = self._best_model(st, g, costs)
             g_in = min(g, model.block_size) if model.block_size else g
             d = route(m, st.confidence, st.model_stats[model.name].survival(0, g_in), greedy=r.params.greedy,
-                      inner_confident=bool(model.confident), cost=cost, **self.rule)
+                      inner_confident=bool(model.confident), cost=costs[model.name], **self.rule)
             plans[r.rid] = (d, model)
             if d.choice != NGRAM:
                 need[model.name].add(r.rid)
@@ -254,8 +283,11 @@ class Router(Drafter):
             if rids:
                 model = self.models[name]
                 caps = [min(g, model.block_size) if model.block_size else g for g in gammas]
-                drafted.update((r.rid, p) for r, p in zip(reqs, model.propose_batch(reqs, caps, only=rids))
-                               if r.rid in rids)
+                t0 = self.clock()
+                props = model.propose_batch(reqs, caps, only=rids)
+                if table is not None and len(self.models) > 1:
+                    self._timed(name, self.clock() - t0, len(rids), table)
+                drafted.update((r.rid, p) for r, p in zip(reqs, props) if r.rid in rids)
         out = []
         for r in reqs:
             d, model = plans.get(r.rid, (None, None))
@@ -270,7 +302,8 @@ class Router(Drafter):
                 else:
                     surv_in = st.model_stats[model.name].survival(0, len(p.tokens))
                 if d.choice is None:  # greedy: this round's calibrated, recalibrated survival
-                    d.scores["inner"] = expected_score(np.minimum(1.0, self.recalibration(r.rid) * surv_in), cost)
+                    d.scores["inner"] = expected_score(np.minimum(1.0, self.recalibration(r.rid) * surv_in),
+                                                       costs[model.name])
                     d.choice = NGRAM if d.scores["ngram"] >= d.scores["inner"] else "inner"
             if d.choice == NGRAM:
                 prop = Proposal(list(d.match.tokens), None, np.asarray(d.survival_ngram, dtype=np.float64))
@@ -284,15 +317,16 @@ class Router(Drafter):
             out.append(prop)
         return out
 
-    def _best_model(self, st: _RouteState, gamma: int, cost) -> Drafter:
+    def _best_model(self, st: _RouteState, gamma: int, costs: dict) -> Drafter:
         """The model drafter whose learned acceptance over its first min(γ, block) positions scores best for this
-        request (:func:`expected_score`; ties: the first in ``models``)."""
+        request (:func:`expected_score` under its own round cost ``costs[name]``, or None: expected accepted tokens;
+        ties: the first in ``models``)."""
         if len(self.models) == 1:
             return self.inner
         best, score = None, None
         for name, m in self.models.items():
             sc = expected_score(st.model_stats[name].survival(0, min(gamma, m.block_size) if m.block_size else gamma),
-                                cost)
+                                costs[name])
             if score is None or sc > score:
                 best, score = m, sc
         return best

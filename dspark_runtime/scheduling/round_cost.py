@@ -151,12 +151,14 @@ class CostTable:
         return cls(tokens=tuple(data["tokens"]), seconds=tuple(data["seconds"]))
 
 
-def round_cost_table(table: Mapping[str, Any], rows: int, context: float | None = None) -> CostTable:
+def round_cost_table(table: Mapping[str, Any], rows: int, context: float | None = None,
+                     draft_scale: float = 1.0) -> CostTable:
     """The per-round :class:`CostTable` for ``rows`` requests from a manifest ``cost_table`` dict: t_draft at that
-    many rows (``draft_rows``/``t_draft_rows`` when profiled, else the single-row ``t_draft``) plus the
-    verifier's t_verify(B), at ``context`` cached positions (the round's longest request; the table's context
-    buckets interpolated by :func:`cost_table_at`; None or a table without buckets:
-    the stored reference costs). Tables without the split use their stored ``seconds``. Pure function.
+    many rows (``draft_rows``/``t_draft_rows`` when profiled, else the single-row ``t_draft``) times
+    ``draft_scale`` (another drafter's pass relative to the profiled one, >= 0) plus the verifier's t_verify(B), at
+    ``context`` cached positions (the round's longest request; the table's context buckets interpolated by
+    :func:`cost_table_at`; None or a table without buckets: the stored reference costs). Tables without the split
+    use their stored ``seconds``. Pure function.
 
     Raises:
         ValueError: a malformed table or ``context`` (see :class:`CostTable` and ``cost_table_at``).
@@ -164,7 +166,7 @@ def round_cost_table(table: Mapping[str, Any], rows: int, context: float | None 
     table = cost_table_at(table, context)
     if "t_verify" not in table:
         return CostTable.from_dict(table)
-    t_draft = table_draft_seconds(table, rows)
+    t_draft = draft_scale * table_draft_seconds(table, rows)
     return CostTable(tuple(table["tokens"]), tuple(t_draft + t for t in table["t_verify"]))
 
 

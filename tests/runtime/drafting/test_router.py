@@ -532,3 +532,48 @@ def test_strong_ngram_match_skips_the_drafting_pass():
         r.cost_table = {"tokens": [1, 2, 3, 4], "seconds": [1.0, 1.1, 1.2, 1.3]}
         _propose(r, _begun(r, _req(ctx)), 3)
         assert r.inner.calls == calls
+
+
+class _ClockedDrafter(FakeDSpark):
+    """A FakeDSpark whose every pass advances a shared fake clock by ``seconds``."""
+
+    def __init__(self, name, clock, seconds, **kw):
+        super().__init__(**kw)
+        self.name, self.clock, self.seconds = name, clock, seconds
+
+    def propose_batch(self, reqs, gammas, only=None):
+        self.clock[0] += self.seconds
+        return super().propose_batch(reqs, gammas, only)
+
+
+def test_model_drafters_are_priced_with_their_own_measured_drafting_time():
+    """Two model drafters: "eagle3" accepts a little more (learned 0.55 vs 0.5 per position) but its passes take 5x
+    the profiled drafting time. Unmeasured, it wins on acceptance; after its warm-up pass and one timed pass its
+    rounds are priced at 5x the drafting time and the router sends the faster "dspark" instead. Without a cost
+    table nothing is timed and acceptance alone decides."""
+    clock = [0.0]
+    table = {"tokens": [1, 2, 3, 4], "t_verify": [0.020, 0.022, 0.024, 0.026], "t_draft": 0.010}
+    fast = _ClockedDrafter("dspark", clock, 0.010, block_size=3)
+    slow = _ClockedDrafter("eagle3", clock, 0.050, block_size=3)
+    router = Router(fast, others=(slow,), inner_stats=LearnedAcceptance((0.5,)),
+                    others_stats={"eagle3": LearnedAcceptance((0.55,))}, cost_table=table, mode="prior",
+                    confidence=NgramConfidence(prior_mean=(0.01,)), clock=lambda: clock[0])
+    req = _begun(router, _req([1, 2, 3]))  # no n-gram match: a model drafter every round
+    picks = []
+    for _ in range(4):
+        _propose(router, req, 3)
+        picks.append(router.state(0).source)
+    assert picks == ["eagle3", "eagle3", "dspark", "dspark"]
+    assert router.draft_scale("eagle3") == pytest.approx(5.0) and router.draft_scale("dspark") == pytest.approx(1.0)
+    # the exponential average follows a drafter whose passes get cheaper
+    slow.seconds = 0.010
+    router._timed("eagle3", 0.010, 1, table)
+    assert router.draft_scale("eagle3") == pytest.approx(0.7 * 5.0 + 0.3 * 1.0)
+    untimed = Router(fast, others=(slow,), inner_stats=LearnedAcceptance((0.5,)),
+                     others_stats={"eagle3": LearnedAcceptance((0.55,))}, mode="prior",
+                     confidence=NgramConfidence(prior_mean=(0.01,)), clock=lambda: clock[0])
+    req = _begun(untimed, _req([1, 2, 3]))
+    for _ in range(3):
+        _propose(untimed, req, 3)
+        assert untimed.state(0).source == "eagle3"
+    assert untimed.draft_scale("eagle3") == 1.0

@@ -213,8 +213,8 @@ def test_the_router_scores_at_the_positions_the_loop_reads(monkeypatch):
     from tests.fixtures.toy import BigramTarget
 
     seen, real = [], sched.round_cost_table
-    monkeypatch.setattr(sched, "round_cost_table", lambda t, rows, context=None: seen.append(context)
-                        or real(t, rows, context))
+    monkeypatch.setattr(sched, "round_cost_table", lambda t, rows, context=None, **kw: seen.append(context)
+                        or real(t, rows, context, **kw))
     router = Router(FakeDSpark(q=[0.5, 0.1, 0.2, 0.2], high=0.9, low=0.1, block_size=2, first=0.9),
                     confidence=NgramConfidence(prior_mean=(0.7, 0.7, 0.95)), inner_stats=LearnedAcceptance((0.8,)),
                     cost_table=TABLE)
