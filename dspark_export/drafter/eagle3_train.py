@@ -175,11 +175,15 @@ class Eagle3Objective(Objective):
                 "heldout_tau_greedy": float(np.mean(taus)) if taus else float("nan")}
 
     def save(self, model, out_dir: Path) -> None:
-        """DeepSpec's layout, or SpecForge's for a drafter with a reduced vocabulary."""
+        """DeepSpec's layout, or SpecForge's for a drafter with a reduced vocabulary; fp16 like the DSpark drafter's
+        checkpoints (the training state keeps fp32)."""
+        import torch
+
         from dspark_export.drafter.eagle3 import save_eagle3_checkpoint
         from dspark_export.drafter.eagle3_specforge import save_specforge_checkpoint
 
-        (save_eagle3_checkpoint if model.draft_vocab_ids is None else save_specforge_checkpoint)(model, out_dir)
+        save = save_eagle3_checkpoint if model.draft_vocab_ids is None else save_specforge_checkpoint
+        save(model, out_dir, dtype=torch.float16)
 
 
 def new_eagle3_drafter(target_config: dict, target_layer_ids, ttt_length: int, intermediate_size: int | None = None,
