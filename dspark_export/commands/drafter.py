@@ -34,7 +34,8 @@ from dspark_export.paths import cache_root
 @click.option("--compile/--no-compile", "compile_into", default=True, show_default=True,
               help="Compile the trained drafter into --engine and calibrate it (the last stage).")
 @click.option("--seed-answers", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
-              help="Answers of an earlier run (its answers.jsonl, or .jsonl.gz) to start from; only the prompts they "
+              help="Answers of an earlier run (its answers.jsonl, or .jsonl.gz) to start from (with --answer-prompts N, "
+                   "its first N records); only the prompts they "
                    "lack are answered.")
 @click.option("--answer-prompts", type=int, default=None,
               help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts).")

@@ -212,7 +212,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     answers = work_dir / "answers.jsonl"
     st = state.stage("answers")
     if seed_answers is not None and not st["done"]:
-        n_seed = import_answers(Path(seed_answers), answers)
+        n_seed = import_answers(Path(seed_answers), answers, limit=p.answer_prompts)
         st["seeded"] = st.get("seeded", 0) + n_seed
         state.save()
         log(f"[1/5] {n_seed} answers imported from {seed_answers}")
@@ -392,12 +392,14 @@ def _reuse_data(src: dict, src_dir: Path, state: RunState, work_dir: Path, log) 
         f"{feats.resolve()})")
 
 
-def import_answers(src: Path, answers: Path) -> int:
+def import_answers(src: Path, answers: Path, limit: int | None = None) -> int:
     """Append to ``answers`` the records of ``src`` (JSONL, gzip when it ends in .gz; the format of
     :func:`dspark_export.drafter.data.generate_answers_engine`) whose key it lacks; returns how many. Records whose
     key is not a training prompt that passes the contamination check (every prompt of
     :func:`dspark_export.drafter.data.training_prompt_list`) are refused, so a file can never bring a calibration or
-    evaluation prompt, or a copy of one, in.
+    evaluation prompt, or a copy of one, in. ``limit``: the answers file holds at most that many records afterwards
+    (the run's ``answer_prompts``; the file's records in order, so a longer file seeds a smaller run with the same
+    answers as before it grew).
     Raises DSparkError naming the file and line of a malformed record."""
     allowed = {k for _, k, _ in answers_data.training_prompt_list(n_sharegpt=EVERY, n_code_tasks=EVERY)}
     have = done_keys(answers)
@@ -417,7 +419,7 @@ def import_answers(src: Path, answers: Path) -> int:
                 raise DSparkError(f"{src} line {i}: {key!r} is not a training prompt; answers files may only hold "
                                   "the training split, ShareGPT and code-task prompts that pass the contamination "
                                   "check (dspark_export.drafter.prompt_overlap)")
-            if key not in have:
+            if key not in have and (limit is None or len(have) < limit):
                 have.add(key)
                 new.append(line if line.endswith("\n") else line + "\n")
     answers.parent.mkdir(parents=True, exist_ok=True)

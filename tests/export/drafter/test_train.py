@@ -226,6 +226,9 @@ def test_seed_answers_import_only_missing_training_prompts(tmp_path):
                                                                                 "sharegpt:QWJhYvA_0",
                                                                                 "code-task:shlex.quote"]
     assert import_answers(src, answers) == 0  # idempotent
+    small = tmp_path / "small" / "answers.jsonl"
+    assert import_answers(src, small, limit=2) == 2  # --answer-prompts 2: the file's first two records
+    assert [json.loads(x)["key"] for x in small.read_text().splitlines()] == ["gsm8k:1", "mbpp:3"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(rec("gsm8k:950") + "\n")  # gsm8k 901-1000 is the calibration split
     with pytest.raises(DSparkError, match="line 1: 'gsm8k:950' is not a training prompt"):
