@@ -35,10 +35,10 @@ from dspark_export.paths import cache_root
               help="Compile the trained drafter into --engine and calibrate it (the last stage).")
 @click.option("--seed-answers", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="Answers of an earlier run (its answers.jsonl, or .jsonl.gz) to start from (with --answer-prompts N, "
-                   "its first N records); only the prompts they "
-                   "lack are answered.")
+                   "its first N records); only the prompts they lack are answered.")
 @click.option("--answer-prompts", type=int, default=None,
-              help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts).")
+              help="Training prompts the target answers (default: the whole training split + the ShareGPT prompts + "
+                   "the code tasks).")
 @click.option("--sharegpt-prompts", type=int, default=500, show_default=True,
               help="ShareGPT first turns among the prompts the target answers.")
 @click.option("--code-task-prompts", type=click.IntRange(min=0), default=2000, show_default=True,
