@@ -19,6 +19,7 @@ from dspark_runtime.engine import Engine
 
 from dspark_export.drafter.code_tasks import stdlib_code_tasks
 from dspark_export.drafter.prompt_overlap import DEFAULT_N, OverlapIndex
+from dspark_export.fit.compare import EVAL_SPLIT
 from dspark_export.paths import prompt_file
 
 # dspark_export/data/prompts/README.md: the drafter-training split (0-based, end exclusive).
@@ -94,8 +95,6 @@ def interleave(groups: dict, pattern: list) -> list:
 def held_out_index(n: int = DEFAULT_N) -> OverlapIndex:
     """The n-grams of every turn of the evaluation split (:data:`dspark_export.fit.compare.EVAL_SPLIT`) and the
     calibration split (:data:`CALIB_SPLIT`): what no training prompt may share."""
-    from dspark_export.fit.compare import EVAL_SPLIT
-
     texts = []
     for split in (EVAL_SPLIT, CALIB_SPLIT):
         for name, (a, b) in split.items():
