@@ -16,7 +16,7 @@ from pathlib import Path
 
 # Folders of the standard library that are tests, demos, tooling or vendored code, not library functions.
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages", "venv", "pydoc_data",
-              "tkinter", "__pycache__", "config-3.11-x86_64-linux-gnu", "__phello__"}
+              "tkinter", "__pycache__", "__phello__"}
 _TEMPLATES = (
     "Write a Python function `{sig}` that does the following:\n\n{doc}",
     "Implement `{sig}` in Python.\n\n{doc}",
@@ -31,7 +31,8 @@ def _summary(doc: str) -> str:
 
 def _modules(root: Path) -> list:
     files = sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))
-    return [p for p in files if not (set(p.relative_to(root).parts[:-1]) & _SKIP_DIRS)
+    dirs = lambda p: p.relative_to(root).parts[:-1]  # noqa: E731
+    return [p for p in files if not (set(dirs(p)) & _SKIP_DIRS) and not any(d.startswith("config-") for d in dirs(p))
             and not p.name.startswith(("_", "test"))]
 
 

@@ -262,9 +262,9 @@ class Router(Drafter):
             # longest request's cached positions (its prompt and output but the anchor)
             ctx = (self.attended_positions([r.rid for r in reqs]) if self.attended_positions is not None
                    else max(len(r.prompt) + len(r.out) - 1 for r in reqs))
-            costs = {name: round_cost_table(self.cost_table, len(reqs), context=ctx, draft_scale=self.draft_scale(name))
+            table = cost_table_at(self.cost_table, ctx)  # interpolated once; round_cost_table reads it as is
+            costs = {name: round_cost_table(table, len(reqs), context=ctx, draft_scale=self.draft_scale(name))
                      for name in self.models}
-            table = cost_table_at(self.cost_table, ctx)
         plans, need = {}, {name: set() for name in self.models}
         for r, g in zip(reqs, gammas):
             if only is not None and r.rid not in only:
