@@ -3,16 +3,28 @@
 The packaged training split holds only 180 code prompts (MBPP), too few for the answers to cover the code domain the
 drafter is evaluated on. Each public function or method of the standard library with a docstring becomes one task:
 its signature and the docstring's first paragraph, asking for an implementation. Only the prompt comes from the
-library; the answer is the target's own (:mod:`dspark_export.drafter.data`). Keys are ``code-task:<module>.<name>``,
-stable across Python patch releases as long as the function exists.
+library; the answer is the target's own (:mod:`dspark_export.drafter.data`). Keys are ``code-task:<module>.<name>``.
+
+The list is packaged (``dspark_export/data/code-tasks.jsonl``, scanned from one Python version's standard
+library), not scanned at run time: every Python version then offers the same prompts, and an answers file made on one
+resolves its keys on another (each minor version adds and removes functions and rewrites docstrings).
 """
 from __future__ import annotations
 
 import ast
+import json
 import random
 import re
+import sys
 import sysconfig
 from pathlib import Path
+
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.paths import PACKAGE_DIR
+
+#: the packaged task list: one JSON object a line, {"key", "signature", "summary"} (:func:`scan_stdlib`)
+CODE_TASKS_FILE = PACKAGE_DIR / "data" / "code-tasks.jsonl"
 
 # Folders of the standard library that are tests, demos, tooling or vendored code, not library functions.
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages", "venv", "pydoc_data",
@@ -36,12 +48,12 @@ def _modules(root: Path) -> list:
             and not p.name.startswith(("_", "test"))]
 
 
-def stdlib_code_tasks(limit: int, seed: int = 0) -> list:
-    """[(key, prompt)] of up to ``limit`` code tasks, shuffled with ``seed`` (the same list on every run of one
-    Python version). A task: a public function or public-class method (a first ``self``/``cls`` dropped) with a
-    docstring whose first paragraph is 40-400 ASCII characters; its prompt asks for the function from its signature
-    and that paragraph, in one of three phrasings chosen by the task's position."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def scan_stdlib(root: Path | None = None) -> list:
+    """The code tasks of the standard library at ``root`` (default: the running Python's), in scan order:
+    [{"key", "signature", "summary"}] for every public function or public-class method (a first ``self``/``cls``
+    dropped) with a docstring whose first paragraph is 40-400 ASCII characters. What the packaged list
+    (:data:`CODE_TASKS_FILE`) holds, written by ``python -m dspark_export.drafter.code_tasks``."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
     tasks, seen = [], set()
     for path in _modules(root):
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
@@ -69,7 +81,32 @@ def stdlib_code_tasks(limit: int, seed: int = 0) -> list:
             if key in seen:
                 continue  # a redefinition (property setter, platform branch): the first one only
             seen.add(key)
-            tasks.append((key, f"{fn.name}({ast.unparse(args)})", text))
+            tasks.append({"key": key, "signature": f"{fn.name}({ast.unparse(args)})", "summary": text})
+    return tasks
+
+
+def write_code_tasks(path: Path = CODE_TASKS_FILE, root: Path | None = None) -> int:
+    """Write :func:`scan_stdlib` of ``root`` to ``path`` (JSONL, one task a line); returns the number of tasks."""
+    tasks = scan_stdlib(root)
+    Path(path).write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return len(tasks)
+
+
+def stdlib_code_tasks(limit: int, seed: int = 0) -> list:
+    """[(key, prompt)] of up to ``limit`` code tasks from the packaged list (:data:`CODE_TASKS_FILE`: the same
+    tasks on every Python version), shuffled with ``seed``; a task's prompt asks for the function from its
+    signature and docstring summary, in one of three phrasings chosen by its position. Raises DSparkError when the
+    packaged list is missing or malformed."""
+    try:
+        tasks = [json.loads(line) for line in CODE_TASKS_FILE.read_text().splitlines() if line.strip()]
+        tasks = [(t["key"], t["signature"], t["summary"]) for t in tasks]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DSparkError(f"{CODE_TASKS_FILE}: the packaged code-task list is missing or malformed ({e}); reinstall "
+                          "dspark, or rewrite it with `python -m dspark_export.drafter.code_tasks`") from None
     random.Random(seed).shuffle(tasks)
     return [(key, _TEMPLATES[i % len(_TEMPLATES)].format(sig=sig, doc=doc))
             for i, (key, sig, doc) in enumerate(tasks[:limit])]
+
+
+if __name__ == "__main__":
+    print(f"{write_code_tasks()} code tasks from Python {sys.version.split()[0]}'s standard library -> {CODE_TASKS_FILE}")

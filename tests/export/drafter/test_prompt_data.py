@@ -1,9 +1,13 @@
 """The drafter's training prompts: the contamination check (prompt_overlap) and the standard-library code tasks."""
+import gzip
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 
-from dspark_export.drafter.code_tasks import stdlib_code_tasks
+from dspark_export.drafter import code_tasks
+from dspark_export.drafter.code_tasks import CODE_TASKS_FILE, scan_stdlib, stdlib_code_tasks, write_code_tasks
 from dspark_export.drafter.data import EVERY, held_out_index, training_prompt_list
 from dspark_export.drafter.prompt_overlap import MIN_RUN, OverlapIndex, words
 from dspark_export.fit.compare import EVAL_SPLIT
@@ -80,3 +84,53 @@ def test_code_tasks_are_deterministic_unique_and_name_their_signature():
     assert "quote(s)" in quote and "shell" in quote.lower()
     assert all(not k.split(":", 1)[1].split(".")[-1].startswith("_") for k, _ in tasks)
     assert not any("(self" in t for _, t in tasks)
+
+
+def test_code_tasks_come_from_the_packaged_list_not_the_running_python(monkeypatch, tmp_path):
+    # every Python version must offer the same prompts (3.12 lacks distutils, 3.13 cgi, ...): the running
+    # standard library is never read
+    before = stdlib_code_tasks(EVERY)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert stdlib_code_tasks(EVERY) == before
+    listed = [json.loads(line)["key"] for line in CODE_TASKS_FILE.read_text().splitlines()]
+    assert sorted(listed) == sorted(k for k, _ in before)
+
+
+def test_scan_and_write_a_standard_library(tmp_path):
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "textops.py").write_text(
+        'def shout(text, times=2):\n    """Return the text in upper case, repeated the given number of times."""\n\n'
+        'def _hidden(x):\n    """A private helper that is never offered as a task to anyone."""\n\n'
+        'class Box:\n    def open(self, lid=True):\n        """Open the box and return whether its lid came off cleanly."""\n'
+        '    def close(self):\n        """Short."""\n')
+    (lib / "pkg" / "tools.py").write_text('def tidy(rows):\n    """Sort the rows by their first column and drop '
+                                             'exact duplicates."""\n')
+    (lib / "test_things.py").write_text('def check(x):\n    """A test helper that must be skipped by the scan."""\n')
+    tasks = scan_stdlib(lib)
+    assert tasks == [  # the top-level modules first, then the packages' (their __init__ files are skipped)
+        {"key": "code-task:textops.shout", "signature": "shout(text, times=2)",
+         "summary": "Return the text in upper case, repeated the given number of times."},
+        {"key": "code-task:textops.Box.open", "signature": "open(lid=True)",
+         "summary": "Open the box and return whether its lid came off cleanly."},
+        {"key": "code-task:pkg.tools.tidy", "signature": "tidy(rows)",
+         "summary": "Sort the rows by their first column and drop exact duplicates."}]
+    out = tmp_path / "tasks.jsonl"
+    assert write_code_tasks(out, lib) == 3
+    assert [json.loads(line) for line in out.read_text().splitlines()] == tasks
+
+
+def test_a_missing_packaged_list_is_a_clear_error(monkeypatch, tmp_path):
+    from dspark_runtime.errors import DSparkError
+    monkeypatch.setattr(code_tasks, "CODE_TASKS_FILE", tmp_path / "none.jsonl")
+    with pytest.raises(DSparkError, match="code-task list is missing or malformed"):
+        stdlib_code_tasks(5)
+
+
+def test_the_committed_answers_resolve_in_the_prompt_pool():
+    # an answers file may only hold keys of the checked pool (pipeline.import_answers): the committed one must
+    # resolve on every Python version, which the packaged code-task list guarantees
+    path = Path(__file__).parents[3] / "engines/drafters/data/qwen2.5-coder-1.5b-int4-answers.jsonl.gz"
+    keys = [json.loads(line)["key"] for line in gzip.open(path, "rt")]
+    pool = {k for _, k, _ in training_prompt_list(n_sharegpt=EVERY, n_code_tasks=EVERY)}
+    assert len(keys) > 1000 and not [k for k in keys if k not in pool]
