@@ -63,17 +63,29 @@ def category(ev: dict, weighted: set, head: str | None) -> str:
     return op
 
 
+def call(session, spec, feeds: dict) -> None:
+    """One step as the runtime makes it: a scatter graph with slot outputs writes its slot buffers in place
+    (dspark_runtime.backends.ort.run_writing_slots), any other graph computes every declared output."""
+    from dspark_runtime.backends.ort import run_writing_slots
+    from dspark_runtime.engine_dir.graphspec import slot_bindings
+
+    slots = slot_bindings(spec)
+    if slots:
+        run_writing_slots(session, feeds, [n for n in spec.output_names if n not in set(slots.values())], slots)
+    else:
+        session.run(spec.output_names, feeds)
+
+
 def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: int) -> float:
     """Median wall time of one step on a session set up as the runtime's (dspark_runtime.backends.ort.OrtDecoder)."""
     from dspark_runtime.backends.ort import OrtDecoder
 
     dec = OrtDecoder(graph, spec, threads=threads, precision="any").activate()
-    outs = spec.output_names
-    dec.session.run(outs, feeds)
+    call(dec.session, spec, feeds)
     walls = []
     for _ in range(repeats):
         t = time.perf_counter()
-        dec.session.run(outs, feeds)
+        call(dec.session, spec, feeds)
         walls.append(time.perf_counter() - t)
     dec.deactivate()
     return statistics.median(walls) * 1000
@@ -89,12 +101,11 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
     sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     feeds = _feeds(spec, past, q)
-    outs = spec.output_names
-    sess.run(outs, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
+    call(sess, spec, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
     walls = []
     for _ in range(repeats):
         t = time.perf_counter()
-        sess.run(outs, feeds)
+        call(sess, spec, feeds)
         walls.append(time.perf_counter() - t)
     trace_file = Path(sess.end_profiling())
     trace = json.loads(trace_file.read_text())
@@ -187,11 +198,11 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
             feeds = {k: _feeds(spec, past, q, last_logits=last_logits) for k, (_, spec) in decs.items()}
             walls = {k: [] for k in decs}
             for k, (dec, spec) in decs.items():
-                dec.session.run(spec.output_names, feeds[k])  # warm-up
+                call(dec.session, spec, feeds[k])  # warm-up
             for _ in range(repeats):
                 for k, (dec, spec) in decs.items():
                     t = time.perf_counter()
-                    dec.session.run(spec.output_names, feeds[k])
+                    call(dec.session, spec, feeds[k])
                     walls[k].append(time.perf_counter() - t)
             rows.append({"past": past, "q": q, "ms": [round(statistics.median(walls[k]) * 1000, 2) for k in decs]})
     return rows

@@ -93,19 +93,22 @@ class _ExplicitCache:
 class _ScatterCache:
     """The *scatter* layout's cache (docs in :mod:`dspark_runtime.engine_dir.graphspec`): writes the new keys/values into the
     past slot buffers at each row's positions and attends over the whole buffers; the graph's K/V outputs are the
-    new entries only."""
+    new entries (``present``) and the written buffers (``slots``, which the runtime binds to the past inputs' memory
+    so the write happens in place)."""
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor):
         self.past = past
         self.position_ids = position_ids  # [b, q]
         self.present: list = [None] * len(past)
+        self.slots: list = [None] * len(past)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         pk, pv = self.past[layer_idx]
         b, h, q, d = key_states.shape
         idx = self.position_ids[:, None, :, None].expand(b, h, q, d)
         self.present[layer_idx] = (key_states, value_states)
-        return pk.scatter(2, idx, key_states), pv.scatter(2, idx, value_states)
+        self.slots[layer_idx] = (pk.scatter(2, idx, key_states), pv.scatter(2, idx, value_states))
+        return self.slots[layer_idx]
 
 
 # Model types whose eager attention is plain softmax(q k^T * scaling + mask) v over repeated KV heads
@@ -196,7 +199,7 @@ def export_attention(model) -> str | None:
 
 
 class DecoderWrapper(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, *past_flat) -> (logits, [features], *present_flat).
+    """forward(input_ids, position_ids, attention_mask, *past_flat) -> (logits, [features], *present_flat[, *slots_flat]).
 
     Shapes and dtypes follow :func:`dspark_runtime.engine_dir.graphspec.causal_lm_spec`. The boolean mask is
     turned into an additive float mask (0 where True, the dtype's minimum where False).
@@ -231,6 +234,9 @@ class DecoderWrapper(nn.Module):
             outs.append(torch.cat([feats[i] for i in self.dims.feature_layers], dim=-1))
         for k, v in cache.present:
             outs += [k, v]
+        if self.kv_layout == KV_LAYOUT_SCATTER:
+            for k, v in cache.slots:
+                outs += [k, v]
         return tuple(outs)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, GraphSpec, past_names, present_names
+from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, GraphSpec, past_names, present_names, slot_bindings
 from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
 
 
@@ -21,12 +21,16 @@ class StepOutput:
 
     logits:   float32 [batch, q_len, vocab]
     features: float32 [batch, q_len, m * hidden] or None (graphs without feature layers)
-    kv:       list per layer of (key, value), float32 [batch, kv_heads, past_len + q_len, head_dim]
+    kv:       list per layer of (key, value), float32 [batch, kv_heads, past_len + q_len, head_dim] (the scatter
+              layout: the new entries, [batch, kv_heads, q_len, head_dim])
+    kv_written: the graph wrote the new entries into the caller's past arrays themselves (a scatter-layout graph
+              with slot outputs, every past array C-contiguous float32 and writable); False: they are unchanged
     """
 
     logits: np.ndarray
     features: np.ndarray | None
     kv: list
+    kv_written: bool = False
 
 
 # Precisions built for GPUs. ONNX Runtime's CPU provider executes them correctly but slowly, so running
@@ -142,8 +146,38 @@ def check_precision_for_providers(precision: str, providers, allow_slow_precisio
                       "--allow-slow-precision`) to run it on the CPU anyway")
 
 
+def run_writing_slots(session, feeds: dict, out_names: list, slots: dict) -> tuple:
+    """Run ``session`` on ``feeds`` with each output ``slots[name]`` bound to the memory of input ``name`` (IOBinding):
+    a scatter graph's ScatterElements then writes the new entries into the caller's slot buffers in place instead of
+    copying every buffer per call. An input array of ``slots`` that is not C-contiguous, float32 and writable is bound
+    as a contiguous copy (the caller's array is then unchanged). Returns (the outputs ``out_names``, numpy, in
+    order; whether every one of those inputs was written in place)."""
+    import onnxruntime as ort
+
+    bind = session.io_binding()
+    for name, value in feeds.items():
+        if name not in slots:
+            bind.bind_cpu_input(name, np.ascontiguousarray(value))
+    for name in out_names:
+        bind.bind_output(name)
+    written, held = True, []
+    for name, out in slots.items():
+        a = feeds[name]
+        if not (a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float32):
+            a, written = np.array(a, dtype=np.float32, order="C"), False
+        value = ort.OrtValue.ortvalue_from_numpy(a)  # wraps the array's memory, no copy
+        held.append(a)
+        bind.bind_ortvalue_input(name, value)
+        bind.bind_ortvalue_output(out, value)
+    session.run_with_iobinding(bind)
+    got = bind.get_outputs()
+    return [got[i].numpy() for i in range(len(out_names))], written
+
+
 class OrtDecoder:
-    """Runs a ``causal_lm`` graph (growing KV layout) with ONNX Runtime.
+    """Runs a ``causal_lm`` graph with ONNX Runtime: the growing KV layout (past in, present out), or the scatter
+    layout (slot buffers in, new entries out; graphs with slot outputs write the new entries into the given buffers
+    in place, :attr:`StepOutput.kv_written`).
 
     Args:
         path: the ``.onnx`` file (external weights beside it).
@@ -166,9 +200,17 @@ class OrtDecoder:
         self.session = None
         self._past = past_names(spec.dims.num_layers)
         self._present = present_names(spec.dims.num_layers)
-        self._out_names = spec.output_names
+        # scatter graphs exported with the written slot buffers as outputs: the K/V write happens in place
+        self._slots = slot_bindings(spec)
+        self._out_names = [n for n in spec.output_names if n not in set(self._slots.values())]
         self._has_features = "features" in self._out_names
         self.takes_logits_from = LOGITS_FROM in spec.input_names  # graphs exported before it compute every position
+
+    @property
+    def writes_kv_in_place(self) -> bool:
+        """Whether :meth:`step` writes the new entries into the given past arrays (a scatter graph with slot
+        outputs); the caller must then pass no rows it does not want written."""
+        return bool(self._slots)
 
     def activate(self) -> "OrtDecoder":
         """Create the inference session (loads weights). Idempotent."""
@@ -228,8 +270,20 @@ class OrtDecoder:
         elif logits_from:
             raise DSparkError(f"graph {self.path.name} computes the logits of every position (exported before "
                               f"{LOGITS_FROM!r}); call it with logits_from=0")
-        outs, new_kv = self.run_with_kv(feeds, kv, 2 if self._has_features else 1)
-        return StepOutput(outs[0], outs[1] if self._has_features else None, new_kv)
+        first = 2 if self._has_features else 1
+        if self._slots:
+            outs, written = self._run_writing_slots(feeds, kv)
+        else:
+            outs, written = self.run_with_kv(feeds, kv, first)[0], False
+        new_kv = [(outs[first + 2 * i], outs[first + 2 * i + 1]) for i in range(self.spec.dims.num_layers)]
+        return StepOutput(outs[0], outs[1] if self._has_features else None, new_kv, written)
+
+    def _run_writing_slots(self, feeds: dict, kv: list) -> tuple:
+        """One call of a scatter graph with slot outputs (:func:`run_writing_slots`); returns (the outputs but the
+        slots, in the spec's order; whether every past array was written in place)."""
+        for names, arrays in zip(self._past, kv):
+            feeds.update(zip(names, arrays))
+        return run_writing_slots(self.session, feeds, self._out_names, self._slots)
 
     def run_with_kv(self, feeds: dict, kv: list, first: int) -> tuple:
         """Run the session on ``feeds`` plus the past ``kv`` (per layer (key, value), made contiguous here); returns

@@ -126,11 +126,27 @@ def new_names(num_layers: int) -> list[tuple[str, str]]:
     return [(f"new.{i}.key", f"new.{i}.value") for i in range(num_layers)]
 
 
+def slot_names(num_layers: int) -> list[tuple[str, str]]:
+    """Names of the scatter layout's written slot buffers, ``[(slots.0.key, slots.0.value), ...]``."""
+    return [(f"slots.{i}.key", f"slots.{i}.value") for i in range(num_layers)]
+
+
+def slot_bindings(spec: GraphSpec) -> dict:
+    """{past input name: slot output name} of a scatter graph exported with its written slot buffers as outputs, the
+    pairs a call binds to one memory (:func:`dspark_runtime.backends.ort.run_writing_slots`); {} for any other graph."""
+    if spec.dims is None or spec.kv_layout != KV_LAYOUT_SCATTER:
+        return {}
+    outs = set(spec.output_names)
+    return {p: s for ps, ss in zip(past_names(spec.dims.num_layers), slot_names(spec.dims.num_layers))
+            for p, s in zip(ps, ss) if s in outs}
+
+
 def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> GraphSpec:
     """Declare the decoder graph (verifier or draft LM) for ``dims``.
 
     ``kv_layout``: "growing" (past in, past + new out), "capacity" (cache buffers in, new entries
-    out) or "scatter" (slot buffers in, new entries written into them inside the graph, new entries out). Raises
+    out) or "scatter" (slot buffers in, new entries written into them inside the graph, new entries and the written
+    buffers out). Raises
     ValueError for another layout. The tensors::
 
     Decoder graph ("causal_lm", docs/design.md section 2, *growing* KV layout)
@@ -182,15 +198,21 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
     outputs
       logits          float32 [batch, logits_len, vocab]   logits_len = q_len - logits_from
       features        as above (every position)
-      new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries; the runtime writes them into its
-                                                                     buffers at the same positions
+      new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries
+      slots.{i}.key/value float32 [batch, kv_heads, slots, head_dim] the slot buffers with the new entries written in
+                                     (the ScatterElements' results). The runtime binds each to its past input's memory
+                                     (IOBinding), so ONNX Runtime writes the new entries into the runtime's buffers in
+                                     place instead of copying every buffer per call. Graphs exported before them lack
+                                     them: the runtime then writes the new entries into its buffers itself.
     """
     if kv_layout == KV_LAYOUT_CAPACITY:
         return _causal_lm_capacity_spec(dims)
     if kv_layout == KV_LAYOUT_SCATTER:
         spec = _causal_lm_layout_spec(dims, KV_LAYOUT_SCATTER, mask_len=SLOTS, cache_len=SLOTS, out_len=Q_LEN,
                                       out_names=new_names(dims.num_layers))
-        outputs = (TensorSpec("logits", "float32", (BATCH, LOGITS_LEN, dims.vocab_size)), *spec.outputs[1:])
+        slots = tuple(TensorSpec(n, "float32", (BATCH, dims.num_kv_heads, SLOTS, dims.head_dim))
+                      for pair in slot_names(dims.num_layers) for n in pair)
+        outputs = (TensorSpec("logits", "float32", (BATCH, LOGITS_LEN, dims.vocab_size)), *spec.outputs[1:], *slots)
         return GraphSpec(spec.kind, spec.kv_layout, (*spec.inputs, TensorSpec(LOGITS_FROM, "int64", (1,))), outputs,
                          dims)
     if kv_layout != KV_LAYOUT_GROWING:

@@ -185,11 +185,16 @@ class ScatterRunner(BatchRunner):
             self._resize(max(cap, bp), max(self.slots, -(-need // SLOT_STEP) * SLOT_STEP))
             cap = self._kv[0][0].shape[0]
         rows = np.array([self._row[rid] for rid, _ in segs])
-        if rows[-1] - rows[0] == b - 1:  # a contiguous range of rows (dummy rows beside it): views, no copy
-            lo = min(int(rows[0]), cap - bp)
+        lo = min(int(rows[0]), cap - bp)
+        # a contiguous range of rows: views, no copy — unless a dummy row beside them holds a request outside the
+        # call (a graph that writes its slots in place would write the dummy row's entries into that request's row)
+        held = set(self._row.values()) - {int(r) for r in rows} if self.backend.writes_kv_in_place else set()
+        if rows[-1] - rows[0] == b - 1 and not held.intersection(range(lo, lo + bp)):
             at = rows - lo  # each request's index in the call
             kv = [(k[lo:lo + bp], v[lo:lo + bp]) for k, v in self._kv]
+            views = True
         else:  # a gathered copy; dummy rows repeat the last request's row
+            views = False
             at = np.arange(b)
             idx = np.concatenate([rows, np.full(bp - b, rows[-1])])
             kv = [(k[idx], v[idx]) for k, v in self._kv]
@@ -206,11 +211,13 @@ class ScatterRunner(BatchRunner):
             start = min(len(t) for _, t in segs) - 1
         out = self.backend.step(ids, pos, mask, kv, logits_from=start) if start else self.backend.step(ids, pos, mask, kv)
         results = [None] * b
+        written = views and out.kv_written  # the graph wrote the new entries into this runner's buffers itself
         for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
             q, n0, row = len(toks), self._length[rid], rows[j]
-            for (k, v), (nk, nv) in zip(self._kv, out.kv):
-                k[row, :, n0:n0 + q] = nk[r, :, :q]
-                v[row, :, n0:n0 + q] = nv[r, :, :q]
+            if not written:
+                for (k, v), (nk, nv) in zip(self._kv, out.kv):
+                    k[row, :, n0:n0 + q] = nk[r, :, :q]
+                    v[row, :, n0:n0 + q] = nv[r, :, :q]
             if out.features is not None:
                 self._store_features(rid, n0, out.features[r, :q])
             self._length[rid] = n0 + q

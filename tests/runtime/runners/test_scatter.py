@@ -263,3 +263,67 @@ def test_a_graph_without_logits_from_refuses_it(graphs):
     ids = np.array([[5, 6]], np.int64)
     with pytest.raises(DSparkError, match="logits_from=0"):
         be.step(ids, np.array([[0, 1]], np.int64), np.ones((1, 1, 2, 2), bool), be.empty_kv(1), logits_from=1)
+
+
+@pytest.mark.parametrize("key", ["scatter", "scatter-int4"])
+def test_slot_outputs_write_the_cache_in_place_with_the_same_results(graphs, key):
+    """A scatter graph with slot outputs writes the new entries into the runner's buffers itself (ScatterElements
+    bound to the past inputs' memory): the same logits, features and cache, bit for bit, as the same graph run
+    without them (the runner writing the new entries back), over batched steps with dummy rows, a request outside
+    the call beside them, rollbacks and a non-contiguous call; in place whenever the call's rows are a view."""
+    from dataclasses import replace
+
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.engine_dir.graphspec import slot_names
+    from dspark_runtime.runners.scatter import ScatterRunner
+
+    spec, path = graphs[key]
+    slots = {n for pair in slot_names(spec.dims.num_layers) for n in pair}
+    assert slots <= set(spec.output_names)
+    copying = OrtDecoder(path, replace(spec, outputs=tuple(t for t in spec.outputs if t.name not in slots)),
+                         threads=1).activate()
+    in_place = OrtDecoder(path, spec, threads=1).activate()
+    assert in_place.writes_kv_in_place and not copying.writes_kv_in_place
+    calls = []  # (rows x query rows, the call's K/V were views of the runner's buffers, the graph wrote them)
+    real = in_place.step
+
+    def spy(ids, pos, mask, kv, **k):
+        out = real(ids, pos, mask, kv, **k)
+        calls.append((ids.shape, np.shares_memory(kv[0][0], sr._kv[0][0]), out.kv_written))
+        return out
+
+    in_place.step = spy
+    runs = []
+    for be in (copying, in_place):
+        r = np.random.default_rng(4)
+        sr = ScatterRunner(be, row_multiple=2)
+        logits = []
+        for rid, n in (("a", 9), ("b", 4), ("c", 13), ("d", 6)):
+            sr.add(rid)
+            logits.append(sr.prefill(rid, [int(t) for t in r.integers(1, 300, n)]))
+        plan = [("abc", 1), ("abcd", 3), ("ab", 2), ("d", 1), ("bcd", 1)]
+        for i, (rids, q) in enumerate(plan):
+            segs = [(rid, [int(t) for t in r.integers(1, 300, q + (j % 2 if i else 0))]) for j, rid in enumerate(rids)]
+            logits += sr.step(segs)
+            if i == 1:
+                for rid in "ac":
+                    sr.rollback(rid, sr.length(rid) - 2)
+            if i == 2:
+                sr.remove("a")  # rows of b, c, d stay; a new request takes a's row: "bcd" + "e" not contiguous
+                sr.add("e")
+                logits.append(sr.prefill("e", [int(t) for t in r.integers(1, 300, 5)]))
+                logits += sr.step([("e", [7]), ("c", [8, 9])])
+        caches = {rid: sr.export_kv(rid, 0, sr.length(rid)) for rid in sr.requests}
+        runs.append((logits, caches, {rid: np.array(sr.features(rid)) for rid in sr.requests}))
+    in_place.step = real
+    (l0, c0, f0), (l1, c1, f1) = runs
+    for a, b in zip(l0, l1):
+        np.testing.assert_array_equal(b, a)
+    assert c0.keys() == c1.keys()
+    for rid in c0:
+        for (k0, v0), (k1, v1) in zip(c0[rid][0], c1[rid][0]):
+            np.testing.assert_array_equal(k1, k0)
+            np.testing.assert_array_equal(v1, v0)
+        np.testing.assert_array_equal(f1[rid], f0[rid])
+    assert calls[4] == ((4, 1), False, True)  # "abc" + a dummy row: d's row beside them, so a gathered copy
+    assert ((4, 4), True, True) in calls  # "abcd": a view of the buffers, written in place
