@@ -155,12 +155,13 @@ def run_writing_slots(session, feeds: dict, out_names: list, slots: dict) -> tup
     import onnxruntime as ort
 
     bind = session.io_binding()
+    written, held = True, []  # held: every bound array stays referenced until the run is over
     for name, value in feeds.items():
         if name not in slots:
-            bind.bind_cpu_input(name, np.ascontiguousarray(value))
+            held.append(np.ascontiguousarray(value))
+            bind.bind_cpu_input(name, held[-1])
     for name in out_names:
         bind.bind_output(name)
-    written, held = True, []
     for name, out in slots.items():
         a = feeds[name]
         if not (a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float32):
