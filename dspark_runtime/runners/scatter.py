@@ -2,8 +2,10 @@
 same graph call for one request or many, and a request's logits bit-identical whatever else shares the call (its keys
 are one contiguous block at offset 0 followed by masked slots, exactly what a call of it alone sees; docs/design.md
 section 2). Buffers: per layer (key, value) float32 ``[rows, kv_heads, slots, head_dim]``; a call passes the rows it
-steps (a view of a contiguous range, else a gathered copy) and writes the returned new entries back at their slots;
-rolling back only moves a length. Slots grow in steps of :data:`SLOT_STEP`, rows double when requests join. Row
+steps (a view of a contiguous range, else a gathered copy) and writes the returned new entries back at their slots —
+unless the graph wrote them into the view itself (slot outputs, :attr:`OrtDecoder.writes_kv_in_place
+<dspark_runtime.backends.ort.OrtDecoder.writes_kv_in_place>`; a view is then never passed with another request's row
+in it as a dummy row); rolling back only moves a length. Slots grow in steps of :data:`SLOT_STEP`, rows double when requests join. Row
 padding: a call's ``batch x Q`` query rows are padded to a multiple of ``row_multiple``
 (:mod:`dspark_runtime.machine.row_invariance`) by the cheaper of a longer ``Q`` or dummy batch rows
 (:func:`padded_shape`); a request's logits are the same either way.
