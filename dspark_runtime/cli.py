@@ -10,6 +10,7 @@ import click
 import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
+from dspark_runtime.engine_dir.graphspec import slot_bindings
 from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.engine_dir.speculation import speculation_summary
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
@@ -214,7 +215,9 @@ def info(engine_dir):
         click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB  layers={d.num_layers} "
                    f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
                    f"feature_layers={list(d.feature_layers)}  KV layout {g.spec.kv_layout}"
-                   + ("  (one batch row per request: served output == solo output)"
+                   + ("  (one batch row per request: served output == solo output; "
+                      + ("K/V written in place)" if slot_bindings(g.spec) else
+                         "K/V buffers copied every call: rebuild the engine to write them in place)")
                       if g.spec.kv_layout == "scatter" else ""))
         reports = g.validation or {}
         if reports and not all(isinstance(v, dict) for v in reports.values()):

@@ -293,6 +293,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("KV layout scatter") == 2  # target and draft
+    assert info.output.count("K/V written in place") == 2  # built with the slot outputs
     # gguf asked for where the model has no GGUF: a clear error
     from dspark_export.precision.quantizers import resolve_int4_source
 
