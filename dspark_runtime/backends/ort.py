@@ -256,7 +256,9 @@ class OrtDecoder:
 
         input_ids, position_ids: int64 [batch, q_len]; attention_mask: bool
         [batch, 1, q_len, past_len + q_len]; kv: per layer (key, value) float32
-        [batch, kv_heads, past_len, head_dim] (made contiguous here if they are views); logits_from: the first query
+        [batch, kv_heads, past_len, head_dim] (made contiguous here if they are views; a scatter graph with slot
+        outputs writes the new entries into them in place when they are C-contiguous, :attr:`StepOutput.kv_written`
+        says so); logits_from: the first query
         position whose logits come back (``takes_logits_from`` graphs; the logits are then
         [batch, q_len - logits_from, vocab]), 0 = all. Raises DSparkError for logits_from > 0 on a graph without
         the input, or outside 0..q_len - 1.
