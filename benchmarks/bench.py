@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                     help="drafter(s) for the speculative modes, comma-separated: auto (what `dspark generate` "
                          "runs by default), dspark, lm, ngram, router, each "
                          "optionally with its own draft length (dspark:scheduled, lm:3); each runs on every "
-                         "prompt next to the same target-only run")
+                         "prompt next to the same target-only run. none: target-only (NAME/none: another "
+                         "engine's target-only against this one's, a before/after of two builds)")
     ap.add_argument("--engine-as", action="append", default=[], metavar="NAME=DIR",
                     help="another engine of the same target (e.g. one holding an older DSpark drafter), loaded beside "
                          "--engine; a --draft entry NAME/dspark:7 runs on it, against --engine's target-only run "
@@ -89,9 +90,9 @@ def main(argv=None) -> int:
         name, _, ln = spec.partition(":")
         lengths[d] = (name, dl if not ln else (ln if ln in ("auto", "scheduled") else int(ln)))
         engine_of[d] = others.get(where) if where else eng
-    bad = [d for d in drafters if lengths[d][0] not in ("auto", "dspark", "eagle3", "lm", "ngram", "router")]
+    bad = [d for d in drafters if lengths[d][0] not in ("auto", "dspark", "eagle3", "lm", "ngram", "router", "none")]
     if bad or not drafters:
-        print(f"error: unknown drafter(s) {bad}; use auto, dspark, eagle3, lm, ngram, router", file=sys.stderr)
+        print(f"error: unknown drafter(s) {bad}; use auto, dspark, eagle3, lm, ngram, router, none", file=sys.stderr)
         return 2
     unknown = [d for d in drafters if engine_of[d] is None]
     if unknown:
@@ -105,7 +106,9 @@ def main(argv=None) -> int:
         base = eng.generate(prompt, max_new_tokens=a.max_new_tokens, draft=None)
         for drafter in drafters:
             try:
-                spec = engine_of[drafter].generate(prompt, max_new_tokens=a.max_new_tokens, draft=lengths[drafter][0],
+                name = lengths[drafter][0]
+                spec = engine_of[drafter].generate(prompt, max_new_tokens=a.max_new_tokens,
+                                                   draft=None if name == "none" else name,
                                     draft_length=lengths[drafter][1], draft_confidence=a.draft_confidence)
             except DSparkError as e:
                 print(f"error: {e}", file=sys.stderr)

@@ -56,7 +56,7 @@ def scan_stdlib(root: Path | None = None) -> list:
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
     tasks, seen = [], set()
     for path in _modules(root):
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):

@@ -203,7 +203,8 @@ class OrtDecoder:
         self._present = present_names(spec.dims.num_layers)
         # scatter graphs exported with the written slot buffers as outputs: the K/V write happens in place
         self._slots = slot_bindings(spec)
-        self._out_names = [n for n in spec.output_names if n not in set(self._slots.values())]
+        slot_outputs = set(self._slots.values())
+        self._out_names = [n for n in spec.output_names if n not in slot_outputs]
         self._has_features = "features" in self._out_names
         self.takes_logits_from = LOGITS_FROM in spec.input_names  # graphs exported before it compute every position
 

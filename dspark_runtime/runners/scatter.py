@@ -190,8 +190,8 @@ class ScatterRunner(BatchRunner):
         lo = min(int(rows[0]), cap - bp)
         # a contiguous range of rows: views, no copy — unless a dummy row beside them holds a request outside the
         # call (a graph that writes its slots in place would write the dummy row's entries into that request's row)
-        held = set(self._row.values()) - {int(r) for r in rows} if self.backend.writes_kv_in_place else set()
-        if rows[-1] - rows[0] == b - 1 and not held.intersection(range(lo, lo + bp)):
+        held = (set(self._row.values()) - {int(r) for r in rows}) if bp > b and self.backend.writes_kv_in_place else ()
+        if rows[-1] - rows[0] == b - 1 and not any(lo <= r < lo + bp for r in held):
             at = rows - lo  # each request's index in the call
             kv = [(k[lo:lo + bp], v[lo:lo + bp]) for k, v in self._kv]
             views = True

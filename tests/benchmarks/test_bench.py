@@ -39,3 +39,17 @@ def test_engine_as_refusals_name_the_fix(bench, tiny_dspark, tmp_path, capsys, a
                      "--out", str(tmp_path / "b.json"), "--draft", "dspark:3", *args])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_none_runs_another_engines_target_only_as_a_before_after(bench, tiny_dspark, tiny_engine_with_dspark,
+                                                                 tmp_path):
+    out = tmp_path / "ab.json"
+    rc = bench.main(["--engine", str(tiny_dspark[0]), "--engine-as", f"old={tiny_engine_with_dspark}",
+                     "--draft", "old/none", "--humaneval", "2", "--mt-bench", "0", "--max-new-tokens", "12",
+                     "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    d = rep["summary"]["drafters"]["old/none"]
+    assert d["n"] == 2 and d["identical"] == 2  # the same target graph: the same output
+    for r in rep["rows"]:
+        assert r["proposed"] == 0 and r["accepted"] == 0 and r["speculative_tps"] > 0  # nothing drafted
