@@ -162,12 +162,14 @@ def _draft_feeds(spec, past: int, q: int, rng) -> dict:
     return feeds
 
 
-def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False) -> dict:
+def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False, padding_rows: int = 0) -> dict:
     """Random inputs of one step: q new tokens after ``past`` cached positions (values do not change the cost).
     Scatter-layout graphs get slot buffers as the runtime sizes them (dspark_runtime.runners.scatter: past + q rounded up to
     SLOT_STEP slots, the rest masked); a graph with ``logits_from`` gets 0 (every position's logits, a verify pass)
-    or, with ``last_logits``, q - 1 (a prompt chunk: its last position's)."""
-    from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, past_names
+    or, with ``last_logits``, q - 1 (a prompt chunk: its last position's); a graph with ``logits_to`` gets
+    q - ``padding_rows`` (a call whose last positions are row padding, its LM head on the real ones: the runtime's
+    ``head_skips_padding``), at least 1."""
+    from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO, past_names
     from dspark_runtime.runners.scatter import SLOT_STEP
 
     d = spec.dims
@@ -187,11 +189,13 @@ def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False) ->
             feeds[n] = rng.standard_normal((1, d.num_kv_heads, cache, d.head_dim)).astype(np.float32) * 0.1
     if LOGITS_FROM in spec.input_names:
         feeds[LOGITS_FROM] = np.array([q - 1 if last_logits else 0], np.int64)
+    if LOGITS_TO in spec.input_names:
+        feeds[LOGITS_TO] = np.array([q if last_logits else max(1, q - padding_rows)], np.int64)
     return feeds
 
 
 def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int,
-            last_logits: bool = False) -> list:
+            last_logits: bool = False, padding_rows: int = 0) -> list:
     """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
     process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
     from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
@@ -204,7 +208,8 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
     rows = []
     for past in pasts:
         for q in qs:
-            feeds = {k: _feeds(spec, past, q, last_logits=last_logits) for k, (_, spec) in decs.items()}
+            feeds = {k: _feeds(spec, past, q, last_logits=last_logits, padding_rows=padding_rows)
+                     for k, (_, spec) in decs.items()}
             walls = {k: [] for k in decs}
             for k, (dec, spec) in decs.items():
                 call(dec.session, spec, feeds[k])  # warm-up
@@ -231,11 +236,16 @@ def main(argv=None) -> int:
     ap.add_argument("--last-logits", action="store_true",
                     help="time prompt-chunk calls: graphs with the logits_from input compute the last position's "
                          "logits only (others, exported before it, every position's)")
+    ap.add_argument("--padding-rows", type=int, default=0,
+                    help="time calls whose last N positions are row padding: graphs with the logits_to input run "
+                         "the LM head on the others only (the runtime's head_skips_padding; others on every position)")
     a = ap.parse_args(argv)
+    if a.padding_rows < 0:
+        ap.error("--padding-rows must be >= 0")
     if a.against:
         engines = [a.engine] + a.against
         rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
-                       [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits)
+                       [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits, a.padding_rows)
         print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e.name[:24]:>24s}" for e in engines)
               + "  change vs the first")
         for r in rows:

@@ -266,7 +266,8 @@ def info(engine_dir):
         click.echo(f"  row padding: none; the probe ({ri.get('date', '?')}) found no padding that makes the target "
                    "row-count invariant on that machine")
     elif ri:
-        click.echo(f"  row padding: target calls padded to a multiple of {ri.get('row_multiple') or 1} row(s) "
+        head = ", the LM head on the real rows only" if ri.get("head_skips_padding") else ""
+        click.echo(f"  row padding: target calls padded to a multiple of {ri.get('row_multiple') or 1} row(s){head} "
                    f"(probed {ri.get('date', '?')} on {ri.get('machine', '?')}, {ri.get('threads', '?')} threads, "
                    f"onnxruntime {ri.get('onnxruntime', '?')})")
     else:

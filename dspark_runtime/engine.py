@@ -27,7 +27,7 @@ from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
-from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, target_sha256
+from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, head_skips_padding, target_sha256
 from dspark_runtime.machine.load_checks import row_multiple as load_row_multiple
 from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_row_multiple
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
@@ -80,6 +80,8 @@ class Engine:
         self._runners: dict = {}
         self._solo_runners: dict = {}  # graph key -> the decoding loop's runner for one request (loop_runner)
         self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)
+        # the target's LM head on a padded call's real rows only, where the stored probe found that exact
+        self.head_skips_padding = head_skips_padding(manifest, self.backend, row_multiple)
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
         check_int8_weights(manifest, self.dir, self.backend)
         self.default_draft_length = manifest.speculation.draft_length or 5
@@ -239,8 +241,16 @@ class Engine:
             backend.set_rows(1)
             self._runners.pop(key, None)
         if key not in self._runners:
-            self._runners[key] = decoder_runner(backend, row_multiple=self.row_multiple if key == "target" else 1)
+            self._runners[key] = self._padded(key, decoder_runner(
+                backend, row_multiple=self.row_multiple if key == "target" else 1))
         return self._runners[key]
+
+    def _padded(self, key: str, runner):
+        """``runner`` with the target's padding settings beyond ``row_multiple`` (its LM head on the real rows only,
+        :attr:`head_skips_padding`, where the runner can); other graphs' runners as they are."""
+        if key == "target" and runner.can_skip_padding_head:
+            runner.head_skips_padding = self.head_skips_padding
+        return runner
 
     def loop_runner(self, key: str, max_requests: int = 1, keep_features: bool = True):
         """The runner the decoding loop drives for graph ``key``: for one request the graph's one-sequence runner
@@ -252,8 +262,9 @@ class Engine:
             self._check_trt_rows(max_requests)
             return batch_runner(self._backends[key], max_requests=max_requests, keep_features=keep_features)
         if max_requests > 1:
-            return batch_runner(self._backends[key].activate(), row_multiple=self.row_multiple if key == "target" else 1,
-                                max_requests=max_requests)
+            return self._padded(key, batch_runner(self._backends[key].activate(),
+                                                  row_multiple=self.row_multiple if key == "target" else 1,
+                                                  max_requests=max_requests))
         r = self._solo_runners.get(key)
         if r is None:
             r = self._solo_runners[key] = SequenceRunner(self.runner(key))
@@ -303,7 +314,8 @@ class Engine:
         """Measure the smallest row multiple that makes the target graph row-count invariant here
         (:func:`~dspark_runtime.machine.row_invariance.probe_row_multiple` on ``tokens`` random ids after a random
         ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe, which needs ``onnx`` and catches
-        the rare differences of quantized graphs) and use it from now on (``self.row_multiple``). When no candidate
+        the rare differences of quantized graphs) and use it from now on (``self.row_multiple``,
+        ``self.head_skips_padding``). When no candidate
         is invariant the padding stays 1 and the result's ``row_multiple`` is None. Returns the probe's dict plus
         "backend" and "target_sha256". Raises InputError on the TensorRT backend (padding is refused there)."""
         if self.backend != "ort":
@@ -328,7 +340,8 @@ class Engine:
         if note:
             res["note"] = note
         self.row_multiple = res["row_multiple"] or 1
-        self.runner("target").row_multiple = self.row_multiple
+        self.head_skips_padding = bool(res["head_skips_padding"])
+        self._padded("target", self.runner("target")).row_multiple = self.row_multiple
         return res
 
     def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,

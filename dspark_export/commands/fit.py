@@ -90,7 +90,8 @@ def _echo_profile(t: dict, row_probe_only: bool) -> None:
             diffs += "; fp32 kernels " + ", ".join(f"x{m}: {d:.3g}" for m, d in
                                                    probe["kernel_max_abs_difference"].items())
         if probe["row_multiple"]:
-            click.echo(f"row invariance: target calls padded to a multiple of {probe['row_multiple']} row(s) "
+            head = ", the LM head on the real rows only" if probe.get("head_skips_padding") else ""
+            click.echo(f"row invariance: target calls padded to a multiple of {probe['row_multiple']} row(s){head} "
                        f"(max |difference| across call sizes {diffs})")
         else:
             click.echo(f"row invariance: NOT reached by padding (max |difference| {diffs}); speculative output may "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dspark_runtime.backends.ort import OrtDecoder
-from dspark_runtime.engine_dir.graphspec import (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, LOGITS_FROM, DecoderDims, GraphSpec,
+from dspark_runtime.engine_dir.graphspec import (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, LOGITS_FROM, LOGITS_TO, DecoderDims, GraphSpec,
                                       causal_lm_spec, past_names)
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.runners.scatter import ScatterRunner
@@ -285,7 +285,7 @@ def export_decoder(model, dims: DecoderDims, out_path: Path, kv_layout: str = KV
         raise DSparkError(f"the exporter writes the growing or scatter KV layout, not {kv_layout!r} (the capacity "
                           "layout is made from a growing graph by `dspark-export build-trt`)")
     spec = causal_lm_spec(dims, kv_layout)
-    traced = [t for t in spec.inputs if t.name != LOGITS_FROM]  # added after the trace (add_logits_from)
+    traced = [t for t in spec.inputs if t.name not in (LOGITS_FROM, LOGITS_TO)]  # added after the trace
     wrapper = DecoderWrapper(model, dims, kv_layout).eval()
     args = _example_inputs(dims, TRACE_BATCH, TRACE_Q, TRACE_PAST, kv_layout=kv_layout)
     dyn = torch.export.Dim.DYNAMIC
@@ -315,24 +315,26 @@ def export_decoder(model, dims: DecoderDims, out_path: Path, kv_layout: str = KV
     proto = prog.model_proto  # a new proto each time it is read
     del prog
     if LOGITS_FROM in spec.input_names:
-        add_logits_from(proto)
+        add_logits_range(proto)
     save_graph(proto, spec, out_path)
     del proto
     print(f"  exported {out_path.name} in {time.perf_counter() - t0:.1f}s")
     return spec
 
 
-def add_logits_from(proto: onnx.ModelProto) -> None:
-    """Give a decoder graph the ``logits_from`` input (int64 [1], :mod:`dspark_runtime.engine_dir.graphspec`): a ``Slice`` of
-    the LM head's input to query positions ``logits_from..`` (axis 1), so a prompt chunk computes the logits of its
-    last position only (the LM head is ~12% of a 64-token pass of the 1.5B int4 target; docs/serving.md). The head
-    is found from the ``logits`` output back along first inputs to the first MatMul / Gemm / MatMulNBits; only it
-    is rewired. In place. Raises DSparkError when the graph has no such path or already has the input."""
+def add_logits_range(proto: onnx.ModelProto) -> None:
+    """Give a decoder graph the ``logits_from`` and ``logits_to`` inputs (int64 [1] each,
+    :mod:`dspark_runtime.engine_dir.graphspec`): a ``Slice`` of the LM head's input to query positions
+    ``logits_from..logits_to - 1`` (axis 1), so a prompt chunk computes the logits of its last position only (the LM
+    head is ~12% of a 64-token pass of the 1.5B int4 target; docs/serving.md) and a call padded for row invariance
+    those of its real positions only. The head is found from the ``logits`` output back along first inputs to the
+    first MatMul / Gemm / MatMulNBits; only it is rewired. In place. Raises DSparkError when the graph has no such
+    path or already has the inputs."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = proto.graph
-    if any(i.name == LOGITS_FROM for i in g.input):
-        raise DSparkError(f"the graph already has a {LOGITS_FROM!r} input")
+    if any(i.name in (LOGITS_FROM, LOGITS_TO) for i in g.input):
+        raise DSparkError(f"the graph already has a {LOGITS_FROM!r} / {LOGITS_TO!r} input")
     prod = {o: n for n in g.node for o in n.output}
     head, chain = prod.get("logits"), []
     while head is not None and head.op_type not in ("MatMul", "Gemm", "MatMulNBits"):
@@ -341,13 +343,12 @@ def add_logits_from(proto: onnx.ModelProto) -> None:
     if head is None:
         raise DSparkError("no LM head MatMul found on the path to the graph's 'logits' output")
     x = head.input[0]
-    ends, axes = f"{LOGITS_FROM}_ends", f"{LOGITS_FROM}_axes"
-    g.initializer.extend([numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), ends),
-                          numpy_helper.from_array(np.array([1], np.int64), axes)])
-    g.input.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
+    axes = f"{LOGITS_FROM}_axes"
+    g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), axes))
+    g.input.extend([helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in (LOGITS_FROM, LOGITS_TO)])
     sliced = f"{x}_{LOGITS_FROM}"
     at = list(g.node).index(head)
-    g.node.insert(at, helper.make_node("Slice", [x, LOGITS_FROM, ends, axes], [sliced], name=f"{LOGITS_FROM}_slice"))
+    g.node.insert(at, helper.make_node("Slice", [x, LOGITS_FROM, LOGITS_TO, axes], [sliced], name=f"{LOGITS_FROM}_slice"))
     head.input[0] = sliced
     stale = {o for n in (head, *chain) for o in n.output}  # their recorded shapes had q_len positions
     keep = [vi for vi in g.value_info if vi.name not in stale]

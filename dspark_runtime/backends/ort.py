@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, GraphSpec, past_names, present_names, slot_bindings
+from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO, GraphSpec, past_names, present_names, slot_bindings
 from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
 
 
@@ -207,6 +207,7 @@ class OrtDecoder:
         self._out_names = [n for n in spec.output_names if n not in slot_outputs]
         self._has_features = "features" in self._out_names
         self.takes_logits_from = LOGITS_FROM in spec.input_names  # graphs exported before it compute every position
+        self.takes_logits_to = LOGITS_TO in spec.input_names  # ... and before this, every position from logits_from on
 
     @property
     def writes_kv_in_place(self) -> bool:
@@ -252,28 +253,35 @@ class OrtDecoder:
         return [(z, z) for _ in range(d.num_layers)]
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             kv: list, logits_from: int = 0) -> StepOutput:
+             kv: list, logits_from: int = 0, logits_to: int | None = None) -> StepOutput:
         """Run the graph once.
 
         input_ids, position_ids: int64 [batch, q_len]; attention_mask: bool
         [batch, 1, q_len, past_len + q_len]; kv: per layer (key, value) float32
         [batch, kv_heads, past_len, head_dim] (made contiguous here if they are views; a scatter graph with slot
         outputs writes the new entries into them in place when they are C-contiguous, :attr:`StepOutput.kv_written`
-        says so); logits_from: the first query
-        position whose logits come back (``takes_logits_from`` graphs; the logits are then
-        [batch, q_len - logits_from, vocab]), 0 = all. Raises DSparkError for logits_from > 0 on a graph without
-        the input, or outside 0..q_len - 1.
+        says so); logits_from, logits_to: the query positions whose logits come back, logits_from..logits_to - 1
+        (``takes_logits_from`` / ``takes_logits_to`` graphs; the logits are then [batch, logits_to - logits_from,
+        vocab]); 0 and None = all. Raises DSparkError for a range the graph does not take (logits_from > 0 or
+        logits_to < q_len without the input) or an empty or out-of-range one.
         """
         if self.session is None:
             self.activate()
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        q_len = input_ids.shape[1]
+        end = q_len if logits_to is None else logits_to
+        if not 0 <= logits_from < end <= q_len:
+            raise DSparkError(f"logits of positions {logits_from}..{end - 1} asked of a call of {q_len} positions")
         if self.takes_logits_from:
-            if not 0 <= logits_from < input_ids.shape[1]:
-                raise DSparkError(f"logits_from {logits_from} is outside the call's {input_ids.shape[1]} positions")
             feeds[LOGITS_FROM] = np.array([logits_from], np.int64)
         elif logits_from:
             raise DSparkError(f"graph {self.path.name} computes the logits of every position (exported before "
                               f"{LOGITS_FROM!r}); call it with logits_from=0")
+        if self.takes_logits_to:
+            feeds[LOGITS_TO] = np.array([end], np.int64)
+        elif end < q_len:
+            raise DSparkError(f"graph {self.path.name} computes the logits up to the call's last position (exported "
+                              f"before {LOGITS_TO!r}); call it with logits_to=None")
         first = 2 if self._has_features else 1
         if self._slots:
             outs, written = self._run_writing_slots(feeds, kv)

@@ -23,7 +23,8 @@ CAPACITY, KV_LEN = "capacity", "kv_len"
 ARGMAX = "argmax"  # the capacity layout's (TensorRT's) extra output: argmax of the logits, int64 [batch, q_len]
 SLOTS = "slots"
 LOGITS_FROM = "logits_from"  # the scatter decoder's input: the first query position the LM head runs on
-LOGITS_LEN = "logits_len"  # ... and its logits' position axis (q_len - logits_from)
+LOGITS_TO = "logits_to"  # ... and the query position it stops before
+LOGITS_LEN = "logits_len"  # ... and its logits' position axis (logits_to - logits_from)
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,12 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
       input_ids, position_ids  int64 [batch, q_len]        position_ids < slots
       attention_mask  bool    [batch, 1, q_len, slots]
       past.{i}.key/value float32 [batch, kv_heads, slots, head_dim]  slot buffers (slot = position)
-      logits_from     int64   [1]   the LM head runs on query positions logits_from.. of every row (0: all; a prompt
-                                    chunk needs its last position only). Graphs exported before it lack it: all positions
+      logits_from     int64   [1]   the LM head runs on query positions logits_from..logits_to - 1 of every row
+      logits_to       int64   [1]   (0, q_len: all; a prompt chunk needs its last position only, a padded call its
+                                    real positions). Graphs exported before them lack them: all positions (before
+                                    logits_to alone: logits_from..q_len - 1)
     outputs
-      logits          float32 [batch, logits_len, vocab]   logits_len = q_len - logits_from
+      logits          float32 [batch, logits_len, vocab]   logits_len = logits_to - logits_from
       features        as above (every position)
       new.{i}.key/value float32 [batch, kv_heads, q_len, head_dim]   the new entries
       slots.{i}.key/value float32 [batch, kv_heads, slots, head_dim] the slot buffers with the new entries written in
@@ -213,8 +216,8 @@ def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> Gra
         slots = tuple(TensorSpec(n, "float32", (BATCH, dims.num_kv_heads, SLOTS, dims.head_dim))
                       for pair in slot_names(dims.num_layers) for n in pair)
         outputs = (TensorSpec("logits", "float32", (BATCH, LOGITS_LEN, dims.vocab_size)), *spec.outputs[1:], *slots)
-        return GraphSpec(spec.kind, spec.kv_layout, (*spec.inputs, TensorSpec(LOGITS_FROM, "int64", (1,))), outputs,
-                         dims)
+        head_range = (TensorSpec(LOGITS_FROM, "int64", (1,)), TensorSpec(LOGITS_TO, "int64", (1,)))
+        return GraphSpec(spec.kind, spec.kv_layout, (*spec.inputs, *head_range), outputs, dims)
     if kv_layout != KV_LAYOUT_GROWING:
         raise ValueError(f"unknown KV layout {kv_layout!r}; choose one of {KV_LAYOUTS}")
     return _causal_lm_layout_spec(dims, KV_LAYOUT_GROWING, mask_len=TOTAL_LEN, cache_len=PAST_LEN,

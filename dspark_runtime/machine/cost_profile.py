@@ -146,7 +146,9 @@ def _fresh(runner):
     scatter layout's :class:`~dspark_runtime.runners.scatter.ScatterSequence`, possibly grown by earlier, longer sequences), so
     each context bucket reads its own width; ``runner`` itself otherwise."""
     if isinstance(runner, ScatterSequence):
-        return ScatterSequence(runner.backend, row_multiple=runner.row_multiple)
+        fresh = ScatterSequence(runner.backend, row_multiple=runner.row_multiple)
+        fresh.head_skips_padding = runner.head_skips_padding
+        return fresh
     return runner
 
 

@@ -45,6 +45,15 @@ def row_multiple(manifest: Manifest, engine_dir: Path, backend: str, given: int 
     return given
 
 
+def head_skips_padding(manifest: Manifest, backend: str, given_row_multiple: int | None) -> bool:
+    """Whether the target's LM head may skip padding positions (:attr:`~dspark_runtime.runners.base.BatchRunner.
+    head_skips_padding`): the stored row probe found it invariant, and that probe's padding is the one in use (no
+    ``given_row_multiple``, the probe made for this backend and this target graph)."""
+    probe = manifest.speculation.row_invariance or {}
+    return (given_row_multiple is None and probe.get("backend", "ort") == backend and bool(probe.get("row_multiple"))
+            and probe.get("target_sha256") in (None, target_sha256(manifest)) and bool(probe.get("head_skips_padding")))
+
+
 def check_int8_weights(manifest: Manifest, engine_dir: Path, backend: str) -> None:
     """Warn (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when an INT8 graph holds 8-bit U8S8 weights
     (``reduce_range`` False in its quantization record) and this CPU's u8·s8 kernel saturates

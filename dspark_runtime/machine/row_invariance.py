@@ -121,19 +121,23 @@ def probe_row_multiple(runner, prompt: list, cont: list, *, candidates=CANDIDATE
                        kernel_check=None) -> dict:
     """Find the smallest row multiple m (from ``candidates``) that makes ``runner``'s graph row-count
     invariant on this machine: ``cont`` teacher-forced after ``prompt`` in calls of every size in
-    ``blocks``, each call padded to a multiple of m, gives bitwise-identical logits and KV cache.
+    ``blocks``, each call padded to a multiple of m, gives bitwise-identical logits and KV cache. Where the runner
+    ``can_skip_padding_head``, each m > 1 is tried first with the LM head on the real positions only
+    (``head_skips_padding``: the head then runs on 1..max(blocks) rows, so it is kept only where the head is
+    row-count invariant too), then on every padded position.
 
     Args:
-        runner: a DecoderRunner (its ``row_multiple`` is restored afterwards).
+        runner: a DecoderRunner (its ``row_multiple`` and ``head_skips_padding`` are restored afterwards).
         prompt, cont: token ids (list[int]); ``cont`` should hold >= max(blocks) tokens (a few dozen:
             differences can appear anywhere, the probe finds the usual kernel paths within ~16 tokens).
-    Returns {"row_multiple": m or None when no candidate is invariant, "max_abs_difference": {str(m):
-    float, largest difference from the block-1 run over all block sizes}, "blocks": list, "tokens":
-    len(cont)}. Raises ValueError when ``cont`` is shorter than the largest block.
+    Returns {"row_multiple": m or None when no candidate is invariant, "head_skips_padding": bool,
+    "max_abs_difference": {str(m) (head on every row) or f"{m}:real-rows-head": float, largest difference from
+    the block-1 run over all block sizes}, "blocks": list, "tokens": len(cont)}. Raises ValueError when ``cont`` is
+    shorter than the largest block.
     """
     if len(cont) < max(blocks):
         raise ValueError(f"the probe needs at least {max(blocks)} continuation tokens, got {len(cont)}")
-    saved = runner.row_multiple
+    saved = runner.row_multiple, runner.head_skips_padding
     diffs, kdiffs, found = {}, {}, None
     try:
         for m in candidates:
@@ -142,16 +146,22 @@ def probe_row_multiple(runner, prompt: list, cont: list, *, candidates=CANDIDATE
                 if kdiffs[str(m)] != 0.0:
                     continue
             runner.row_multiple = m
-            ref = teacher_force(runner, prompt, cont, blocks[0])
-            worst = max(max_difference(ref, teacher_force(runner, prompt, cont, b)) for b in blocks[1:])
-            diffs[str(m)] = worst
-            if worst == 0.0:
-                found = m
+            for skip in ((True, False) if m > 1 and runner.can_skip_padding_head else (False,)):
+                runner.head_skips_padding = skip
+                ref = teacher_force(runner, prompt, cont, blocks[0])
+                worst = max(max_difference(ref, teacher_force(runner, prompt, cont, b)) for b in blocks[1:])
+                diffs[f"{m}:real-rows-head" if skip else str(m)] = worst
+                if worst == 0.0:
+                    found = (m, skip)
+                    break
+            if found:
                 break
     finally:
-        runner.row_multiple = saved
+        runner.row_multiple, runner.head_skips_padding = saved
         runner.reset()
-    res = {"row_multiple": found, "max_abs_difference": diffs, "blocks": list(blocks), "tokens": len(cont)}
+    m, skip = found or (None, False)
+    res = {"row_multiple": m, "head_skips_padding": skip, "max_abs_difference": diffs, "blocks": list(blocks),
+           "tokens": len(cont)}
     if kernel_check is not None:
         res["kernel_max_abs_difference"] = kdiffs
     return res

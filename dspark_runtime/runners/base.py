@@ -46,9 +46,16 @@ class BatchRunner(ABC):
         can_import_kv: ``export_kv`` / ``import_kv`` of cached positions work (the prefix cache).
         fixed_call_shapes: every call runs at a fixed shape, so a prompt is best fed whole ``max_chunk`` chunks.
         batch_invariant: a request's logits do not depend on the requests sharing its calls.
+        can_skip_padding_head: ``head_skips_padding`` may be set (the graph takes ``logits_to``).
+
+    Settings: ``row_multiple`` (above); ``head_skips_padding``: the LM head runs on a padded call's real query
+    positions only (where the row probe found the head row-count invariant,
+    :mod:`dspark_runtime.machine.row_invariance`).
     """
 
     row_multiple = 1
+    head_skips_padding = False
+    can_skip_padding_head = False
     max_chunk = PREFILL_CHUNK
     step_hints = False
     keep_features = True
@@ -157,9 +164,11 @@ class BatchRunner(ABC):
 class SequenceDecoder(ABC):
     """One sequence over a decoder graph: ``step(tokens)`` feeds tokens after the cached ones and returns logits
     float32 [q, vocab]; ``rollback``, ``reset``, ``prefill``; ``length`` and ``features`` (float32 [length, F] or
-    None). Capabilities as :class:`BatchRunner`'s (``step_hints``: ``step`` takes ``last_only``)."""
+    None). Capabilities and settings as :class:`BatchRunner`'s (``step_hints``: ``step`` takes ``last_only``)."""
 
     row_multiple = 1
+    head_skips_padding = False
+    can_skip_padding_head = False
     max_chunk = PREFILL_CHUNK
     step_hints = False
     can_import_kv = False

@@ -8,7 +8,8 @@ unless the graph wrote them into the view itself (slot outputs, :attr:`OrtDecode
 in it as a dummy row); rolling back only moves a length. Slots grow in steps of :data:`SLOT_STEP`, rows double when requests join. Row
 padding: a call's ``batch x Q`` query rows are padded to a multiple of ``row_multiple``
 (:mod:`dspark_runtime.machine.row_invariance`) by the cheaper of a longer ``Q`` or dummy batch rows
-(:func:`padded_shape`); a request's logits are the same either way.
+(:func:`padded_shape`); a request's logits are the same either way. With ``head_skips_padding`` (graphs taking
+``logits_to``) the LM head skips the padding positions of a longer ``Q``.
 """
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ class ScatterRunner(BatchRunner):
         self._layers = d.num_layers
         self._kv = self._alloc(0, 0)
         self._row: dict = {}     # rid -> row
+        self._head_skips_padding = False
+
+    @property
+    def can_skip_padding_head(self) -> bool:
+        """Whether :attr:`head_skips_padding` may be set: the graph takes ``logits_to``."""
+        return self.backend.takes_logits_to
+
+    @property
+    def head_skips_padding(self) -> bool:
+        """The LM head runs on the real query positions of a call padded to a longer ``Q`` only (set it where the
+        row probe found the head row-count invariant). Raises DSparkError when set on a graph without ``logits_to``."""
+        return self._head_skips_padding
+
+    @head_skips_padding.setter
+    def head_skips_padding(self, on: bool) -> None:
+        if on and not self.can_skip_padding_head:
+            raise DSparkError(f"graph {self.backend.path.name} runs its LM head on every query position (exported "
+                              "before the logits_to input); rebuild the engine to skip the padding positions")
+        self._head_skips_padding = bool(on)
 
     def _alloc(self, rows: int, slots: int) -> list:
         kv, d = self._shape
@@ -168,7 +188,8 @@ class ScatterRunner(BatchRunner):
 
         Returns float32 [q_r, vocab] logits per segment, in order; when every segment's request is in ``last_only``
         (prompt chunks) and the graph takes ``logits_from``, [1, vocab]: its last position's only, and the LM head
-        runs on the positions from the shortest segment's last one on. ``argmax_for`` is accepted for the loop's
+        runs on the positions from the shortest segment's last one on (with :attr:`head_skips_padding`, up to the
+        longest segment's last one). ``argmax_for`` is accepted for the loop's
         interface and ignored. Raises DSparkError for an unknown or repeated request, an empty segment, or a request
         growing past ``max_slots``.
         """
@@ -208,10 +229,14 @@ class ScatterRunner(BatchRunner):
             pos[r] = np.arange(self._length[rid], self._length[rid] + qq)
         slot = np.arange(self.slots)
         mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
-        start = 0  # the first query position whose logits are computed
+        head = {}  # the query positions the LM head runs on, where not all
         if last_only and self.backend.takes_logits_from and all(r in last_only for r, _ in segs):
-            start = min(len(t) for _, t in segs) - 1
-        out = self.backend.step(ids, pos, mask, kv, logits_from=start) if start else self.backend.step(ids, pos, mask, kv)
+            head["logits_from"] = min(len(t) for _, t in segs) - 1
+        longest = max(len(t) for _, t in segs)
+        if self._head_skips_padding and longest < qq:
+            head["logits_to"] = longest
+        start = head.get("logits_from", 0)
+        out = self.backend.step(ids, pos, mask, kv, **head)
         results = [None] * b
         written = views and out.kv_written  # the graph wrote the new entries into this runner's buffers itself
         for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
@@ -270,6 +295,19 @@ class ScatterSequence(SequenceDecoder):
         if int(m) < 1:
             raise DSparkError(f"row_multiple must be a positive integer (1 = no padding), got {m!r}")
         self.slots.row_multiple = int(m)
+
+    @property
+    def can_skip_padding_head(self) -> bool:
+        return self.slots.can_skip_padding_head
+
+    @property
+    def head_skips_padding(self) -> bool:
+        """:attr:`ScatterRunner.head_skips_padding` of this sequence (settable)."""
+        return self.slots.head_skips_padding
+
+    @head_skips_padding.setter
+    def head_skips_padding(self, on: bool) -> None:
+        self.slots.head_skips_padding = on
 
     @property
     def features(self) -> np.ndarray | None:

@@ -39,3 +39,16 @@ def test_against_times_two_engines_alternately(tiny_engine_dir, tmp_path):
     assert all(len(row["ms"]) == 2 and all(v > 0 for v in row["ms"]) for row in rep["rows"])
     assert rep["engines"] == [str(tiny_engine_dir)] * 2
     assert "change" in r.stdout
+
+
+def test_feeds_say_which_positions_the_lm_head_runs_on(tiny_scatter_engine_dir):
+    """A scatter graph's head range: every position by default, the last with --last-logits, the real positions with
+    --padding-rows (at least one)."""
+    from dspark_runtime.engine_dir.manifest import load_manifest
+
+    spec = load_manifest(tiny_scatter_engine_dir, verify=False).graphs["target"].spec
+    head = lambda **kw: [int(step_profile._feeds(spec, 8, 4, **kw)[n][0]) for n in ("logits_from", "logits_to")]  # noqa: E731
+    assert head() == [0, 4]
+    assert head(last_logits=True) == [3, 4]
+    assert head(padding_rows=1) == [0, 3]
+    assert head(padding_rows=9) == [0, 1]

@@ -92,6 +92,35 @@ def test_probe_finds_the_smallest_invariant_multiple(kind, expected):
     assert r.row_multiple == 3 and r.length == 0  # restored
 
 
+class HeadRowsRunner(DecoderRunner):
+    """A DecoderRunner over :class:`ParityBackend` (odd calls off by 1e-5, so padding to 2 is needed) that can run
+    its LM head on a padded call's real rows only: the logits then get ``head_eps`` when the real rows are odd, as
+    an LM head kernel with a separate odd-row path would."""
+
+    can_skip_padding_head = True
+
+    def __init__(self, head_eps: float):
+        super().__init__(ParityBackend(eps=1e-5))
+        self.head_eps = head_eps
+
+    def step(self, tokens):
+        out = super().step(tokens)
+        return out + np.float32(self.head_eps) if self.head_skips_padding and len(tokens) % 2 else out
+
+
+@pytest.mark.parametrize("head_eps, skip", [(0.0, True), (1e-6, False)])
+def test_probe_keeps_the_lm_head_on_real_rows_only_where_it_is_invariant(head_eps, skip):
+    r = HeadRowsRunner(head_eps)
+    res = probe_row_multiple(r, [1, 2, 3], list(range(4, 24)))
+    assert res["row_multiple"] == 2 and res["head_skips_padding"] is skip
+    d = res["max_abs_difference"]
+    assert d["1"] > 0 and d["2:real-rows-head"] == pytest.approx(head_eps, abs=1e-7)
+    assert ("2" not in d) if skip else d["2"] == 0.0  # the head on every row is tried only when needed
+    assert r.row_multiple == 1 and r.head_skips_padding is False  # restored
+    plain = probe_row_multiple(DecoderRunner(ParityBackend(eps=1e-5)), [1, 2, 3], list(range(4, 24)))
+    assert plain["head_skips_padding"] is False and "2:real-rows-head" not in plain["max_abs_difference"]
+
+
 def test_probe_reports_none_when_padding_cannot_help():
     class Noisy(ParityBackend):
         def step(self, ids, pos, mask, kv):
@@ -158,6 +187,41 @@ def test_row_multiple_from_the_manifest_and_bad_values(tiny_engine_dir, tmp_path
             Engine.load(d, row_multiple=bad)
 
 
+def test_the_lm_head_on_real_rows_from_the_manifest(tiny_scatter_engine_dir, tmp_path):
+    """A stored probe with ``head_skips_padding`` sets it on the target's runners (one request and a batch; not the
+    draft LM's), only while the probe's own padding is used (not a caller's row_multiple, not another target graph's
+    probe); the padded speculative output still equals padded target-only."""
+    import shutil
+    import warnings
+
+    from dspark_runtime import Engine
+
+    d = tmp_path / "e"
+    shutil.copytree(tiny_scatter_engine_dir, d)
+    m = json.loads((d / "manifest.json").read_text())
+    sha = m["graphs"]["target"]["files"][0]["sha256"]
+    m["speculation"]["row_invariance"] = {"row_multiple": 2, "head_skips_padding": True, "backend": "ort",
+                                          "target_sha256": sha}
+    (d / "manifest.json").write_text(json.dumps(m))
+    eng = Engine.load(d)
+    assert eng.head_skips_padding and eng.runner("target").head_skips_padding
+    assert eng.loop_runner("target", max_requests=2).head_skips_padding
+    assert not eng.runner("draft").head_skips_padding
+    prompt = "Write a function that sorts a list of numbers. " * 3
+    ref = eng.generate(prompt, max_new_tokens=24, draft=None)
+    spec = eng.generate(prompt, max_new_tokens=24, draft="lm", draft_length=2)
+    assert len(ref.token_ids) == 24 and eng.runner("target").head_skips_padding
+    ids = list(range(40, 80))
+    if probe_row_multiple(eng.runner("target"), ids[:16], ids[16:], candidates=(2,))["head_skips_padding"]:
+        assert spec.token_ids == ref.token_ids  # where this CPU's fp32 head is row-count invariant (the probe says)
+    assert not Engine.load(d, row_multiple=2).head_skips_padding
+    m["speculation"]["row_invariance"]["target_sha256"] = "0" * 64
+    (d / "manifest.json").write_text(json.dumps(m))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not Engine.load(d).head_skips_padding
+
+
 def test_profile_probes_and_stores_the_row_multiple(tiny_engine_dir, tmp_path):
     import shutil
 
@@ -171,6 +235,7 @@ def test_profile_probes_and_stores_the_row_multiple(tiny_engine_dir, tmp_path):
     assert probe == t["row_invariance"]
     m = probe["row_multiple"]
     assert m in (1, 2, 4, 8) and probe["max_abs_difference"][str(m)] == 0.0 and probe["backend"] == "ort"
+    assert probe["head_skips_padding"] is False  # a growing-layout graph: its head runs on every row
     assert probe["threads"] >= 1 and probe["onnxruntime"] and probe["machine"]
     assert Engine.load(d).row_multiple == m
 

@@ -255,6 +255,79 @@ def test_prompt_chunks_compute_only_their_last_positions_logits(graphs, key):
         np.testing.assert_array_equal(last.features(rid)[: full.length(rid)], full.features(rid))
 
 
+@pytest.mark.parametrize("key", ["scatter", "scatter-int4"])
+def test_the_head_skips_padding_positions_with_the_same_cache(graphs, key):
+    """``head_skips_padding``: a call padded to a longer Q runs the LM head on its real positions only
+    (``logits_to`` = the longest segment), alone and in a batch padded along Q; a call padded with dummy batch rows or
+    not padded passes no ``logits_to``. The cache and features are bit-identical to the head on every position, the
+    logits equal up to the head's own row-count rounding (the row probe keeps the setting only where they are
+    bit-identical too)."""
+    from dspark_runtime.runners.scatter import ScatterRunner
+
+    be = _backend(graphs, key)
+    assert be.takes_logits_to
+    seen = []
+    real = be.step
+
+    def spy(*a, **k):
+        seen.append((a[0].shape, k.get("logits_to")))
+        return real(*a, **k)
+
+    every, real_rows = ScatterRunner(be, row_multiple=2), ScatterRunner(be, row_multiple=2)
+    real_rows.head_skips_padding = True
+    calls = [[("a", [12])], [("a", [13, 14])], [("a", [15, 16, 17])],  # alone: Q 1 -> 2, 2, 3 -> 4
+             [("a", [18]), ("b", [19, 20, 21]), ("c", [22, 23])],          # 3 rows of Q 3 -> 3 x 4
+             [("a", [24]), ("b", [25]), ("c", [26])]]                      # 3 rows of Q 1 -> a dummy 4th row
+    want, got = [], []
+    for sr in (every, real_rows):
+        for rid in "abc":
+            sr.add(rid)
+            sr.prefill(rid, PROMPT[: 5 + len(sr.requests)])
+    be.step = spy
+    try:
+        for segs in calls:
+            want.append(every.step(segs))
+            n = len(seen)
+            got.append(real_rows.step(segs))
+            assert len(seen) == n + 1
+    finally:
+        del be.step
+    assert [s for s in seen[1::2]] == [((1, 2), 1), ((1, 2), None), ((1, 4), 3), ((3, 4), 3), ((4, 1), None)]
+    assert all(t is None for _, t in seen[0::2])  # the default runs the head on every position
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+    for rid in "abc":
+        assert every.length(rid) == real_rows.length(rid)
+        np.testing.assert_array_equal(real_rows.features(rid), every.features(rid))
+        for (k0, v0), (k1, v1) in zip(every.export_kv(rid, 0, every.length(rid))[0],
+                                      real_rows.export_kv(rid, 0, real_rows.length(rid))[0]):
+            np.testing.assert_array_equal(k1, k0)
+            np.testing.assert_array_equal(v1, v0)
+
+
+def test_a_graph_without_logits_to_cannot_skip_the_padding_head(graphs):
+    from dataclasses import replace
+
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.engine_dir.graphspec import LOGITS_TO
+    from dspark_runtime.runners.scatter import ScatterRunner, ScatterSequence
+
+    spec, path = graphs["scatter"]
+    older = replace(spec, inputs=tuple(t for t in spec.inputs if t.name != LOGITS_TO))  # as exported before it
+    be = OrtDecoder(path, older, threads=1)
+    assert be.takes_logits_from and not be.takes_logits_to
+    sr = ScatterRunner(be, row_multiple=2)
+    assert not sr.can_skip_padding_head and not ScatterSequence(be).can_skip_padding_head
+    sr.head_skips_padding = False
+    with pytest.raises(DSparkError, match="rebuild the engine"):
+        sr.head_skips_padding = True
+    ids = np.array([[5, 6]], np.int64)
+    with pytest.raises(DSparkError, match="logits_to=None"):
+        be.step(ids, np.array([[0, 1]], np.int64), np.ones((1, 1, 2, 2), bool), be.empty_kv(1), logits_to=1)
+
+
 def test_a_graph_without_logits_from_refuses_it(graphs):
     from dspark_runtime.errors import DSparkError
 
