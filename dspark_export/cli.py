@@ -20,7 +20,8 @@ def cli():
 
 
 for _command in (models.fetch, models.list_models, models.list_recipes,
-                 engine.build, engine.build_trt_cmd, engine.build_cuda_cmd, engine.add_draft, engine.pack,
+                 engine.build, engine.build_trt_cmd, engine.build_cuda_cmd, engine.add_draft,
+                 engine.add_prompt_graph_cmd, engine.pack,
                  drafter.train_draft,
                  fit.calibrate, fit.profile, fit.compare,
                  precision.calibrate_quant, precision.quantize):

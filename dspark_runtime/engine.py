@@ -23,7 +23,7 @@ from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSpark
 from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
-from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
+from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, Manifest, load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
@@ -47,7 +47,7 @@ class Engine:
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
                  backend: str = "ort", allow_slow_precision: bool = False, row_multiple: int | None = None,
-                 placement: str | dict | None = None):
+                 placement: str | dict | None = None, prompt_graph: bool = True):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -82,6 +82,10 @@ class Engine:
         self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)
         # the target's LM head on a padded call's real rows only, where the stored probe found that exact
         self.head_skips_padding = head_skips_padding(manifest, self.backend, row_multiple)
+        # the graph key prompt chunks run on (the target's prompt graph, on the CPU beside a CPU target), or None
+        self.prompt_graph = (PROMPT_GRAPH if prompt_graph and PROMPT_GRAPH in manifest.graphs
+                             and self.placement["target"] == self.placement[PROMPT_GRAPH] == "cpu"
+                             and manifest.graphs["target"].spec.kv_layout == "scatter" else None)
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
         check_int8_weights(manifest, self.dir, self.backend)
         self.default_draft_length = manifest.speculation.draft_length or 5
@@ -145,7 +149,7 @@ class Engine:
              verify: bool = True, rehash: bool = False, backend: str = "ort",
              allow_slow_precision: bool = False, row_multiple: int | None = None,
              shared_thread_pool: bool = False, placement: str | dict | None = None,
-             prefix_cache_mb: float = 0) -> "Engine":
+             prefix_cache_mb: float = 0, prompt_graph: bool = True) -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -167,6 +171,8 @@ class Engine:
         trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
         for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
         ``prefix_cache_mb``: the prefix KV cache's memory bound in MiB, 0 = off (:meth:`enable_prefix_cache`).
+        ``prompt_graph``: run prompt chunks on the engine's prompt graph where it has one (``dspark-export
+        add-prompt-graph``; a CPU target of the scatter layout), in every decoding mode alike; False: on the target.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -178,7 +184,7 @@ class Engine:
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         eng = cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                  backend, allow_slow_precision, row_multiple, placement)
+                  backend, allow_slow_precision, row_multiple, placement, prompt_graph)
         eng.enable_prefix_cache(prefix_cache_mb)
         return eng
 
@@ -241,15 +247,20 @@ class Engine:
             backend.set_rows(1)
             self._runners.pop(key, None)
         if key not in self._runners:
-            self._runners[key] = self._padded(key, decoder_runner(
+            self._runners[key] = self._target_settings(key, decoder_runner(
                 backend, row_multiple=self.row_multiple if key == "target" else 1))
         return self._runners[key]
 
-    def _padded(self, key: str, runner):
-        """``runner`` with the target's padding settings beyond ``row_multiple`` (its LM head on the real rows only,
-        :attr:`head_skips_padding`, where the runner can); other graphs' runners as they are."""
-        if key == "target" and runner.can_skip_padding_head:
+    def _target_settings(self, key: str, runner):
+        """``runner`` with the target's settings beyond ``row_multiple``, where the runner takes them: its LM head on
+        the real rows only (:attr:`head_skips_padding`) and prompt chunks on the prompt graph (:attr:`prompt_graph`);
+        other graphs' runners as they are."""
+        if key != "target":
+            return runner
+        if runner.can_skip_padding_head:
             runner.head_skips_padding = self.head_skips_padding
+        if self.prompt_graph is not None and runner.takes_prompt_graph:
+            runner.prompt_backend = self._backends[self.prompt_graph].activate()
         return runner
 
     def loop_runner(self, key: str, max_requests: int = 1, keep_features: bool = True):
@@ -262,7 +273,7 @@ class Engine:
             self._check_trt_rows(max_requests)
             return batch_runner(self._backends[key], max_requests=max_requests, keep_features=keep_features)
         if max_requests > 1:
-            return self._padded(key, batch_runner(self._backends[key].activate(),
+            return self._target_settings(key, batch_runner(self._backends[key].activate(),
                                                   row_multiple=self.row_multiple if key == "target" else 1,
                                                   max_requests=max_requests))
         r = self._solo_runners.get(key)
@@ -341,7 +352,7 @@ class Engine:
             res["note"] = note
         self.row_multiple = res["row_multiple"] or 1
         self.head_skips_padding = bool(res["head_skips_padding"])
-        self._padded("target", self.runner("target")).row_multiple = self.row_multiple
+        self._target_settings("target", self.runner("target")).row_multiple = self.row_multiple
         return res
 
     def profile(self, *, max_tokens: int | None = None, context: int = 256, repeats: int = 3,

@@ -269,7 +269,8 @@ class DecodingLoop:
         self.prefilling.append(req)
 
     def _store_prefix(self, req: Request) -> None:
-        """Store the full blocks of ``req``'s cached positions (prompt and committed tokens) in the prefix cache."""
+        """Store the full blocks of ``req``'s cached positions (prompt and committed tokens; the prompt's only where
+        prompts run on their own graph, whose entries a later prompt computes alike) in the prefix cache."""
         rid = req.rid
 
         def export(start: int, end: int) -> tuple:
@@ -277,6 +278,8 @@ class DecodingLoop:
             return payload, payload_bytes(payload)
 
         n = self.target.length(rid)
+        if self.target.prompts_apart:
+            n = min(n, len(req.prompt))
         self.prefix_cache.insert((req.prompt + req.out)[:n], "target", export)
 
     def _leave(self, req: Request) -> None:

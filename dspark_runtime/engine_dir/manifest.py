@@ -22,6 +22,7 @@ from dspark_runtime.errors import ManifestError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+PROMPT_GRAPH = "target_prompt"  # the graph key (role "prompt") of the target's prompt graph, where an engine has one
 
 
 @dataclass

@@ -148,6 +148,7 @@ def _fresh(runner):
     if isinstance(runner, ScatterSequence):
         fresh = ScatterSequence(runner.backend, row_multiple=runner.row_multiple)
         fresh.head_skips_padding = runner.head_skips_padding
+        fresh.prompt_backend = runner.prompt_backend
         return fresh
     return runner
 

@@ -47,6 +47,9 @@ class BatchRunner(ABC):
         fixed_call_shapes: every call runs at a fixed shape, so a prompt is best fed whole ``max_chunk`` chunks.
         batch_invariant: a request's logits do not depend on the requests sharing its calls.
         can_skip_padding_head: ``head_skips_padding`` may be set (the graph takes ``logits_to``).
+        takes_prompt_graph: ``prompt_backend`` may be set (prompt chunks on a prompt graph: the scatter runners).
+        prompts_apart: prompt chunks run on another graph than decoding (a prompt graph), so a prompt's cached
+            positions differ from what decoding the same tokens caches (the prefix cache keeps prompt positions only).
 
     Settings: ``row_multiple`` (above); ``head_skips_padding``: the LM head runs on a padded call's real query
     positions only (where the row probe found the head row-count invariant,
@@ -56,6 +59,8 @@ class BatchRunner(ABC):
     row_multiple = 1
     head_skips_padding = False
     can_skip_padding_head = False
+    takes_prompt_graph = False
+    prompts_apart = False
     max_chunk = PREFILL_CHUNK
     step_hints = False
     keep_features = True
@@ -169,6 +174,8 @@ class SequenceDecoder(ABC):
     row_multiple = 1
     head_skips_padding = False
     can_skip_padding_head = False
+    takes_prompt_graph = False
+    prompts_apart = False
     max_chunk = PREFILL_CHUNK
     step_hints = False
     can_import_kv = False

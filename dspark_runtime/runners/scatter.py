@@ -64,6 +64,7 @@ class ScatterRunner(BatchRunner):
         self._kv = self._alloc(0, 0)
         self._row: dict = {}     # rid -> row
         self._head_skips_padding = False
+        self._prompt_backend = None
 
     @property
     def can_skip_padding_head(self) -> bool:
@@ -82,6 +83,27 @@ class ScatterRunner(BatchRunner):
             raise DSparkError(f"graph {self.backend.path.name} runs its LM head on every query position (exported "
                               "before the logits_to input); rebuild the engine to skip the padding positions")
         self._head_skips_padding = bool(on)
+
+    @property
+    def prompt_backend(self):
+        """The backend prompt chunks run on (segments in a call's ``last_only``), or None: the target's. A prompt
+        graph (:mod:`dspark_export.precision.prompt_graph`) has the target's interface; a call mixing prompt chunks
+        and other segments runs as two calls, so a prompt's positions are computed by the prompt graph whatever
+        shares the round. Raises DSparkError when set to a graph of another interface."""
+        return self._prompt_backend
+
+    @prompt_backend.setter
+    def prompt_backend(self, be) -> None:
+        if be is not None and (be.spec.kv_layout != "scatter" or be.spec.dims != self.backend.spec.dims):
+            raise DSparkError(f"the prompt graph {be.path.name} does not share the target's scatter interface "
+                              f"({be.spec.kv_layout}, {be.spec.dims}); rebuild it from this engine's target")
+        self._prompt_backend = be
+
+    @property
+    def prompts_apart(self) -> bool:
+        """Whether prompt positions are computed by another graph than the positions decoded after them (their
+        cached entries then differ from what decoding the same tokens would cache)."""
+        return self._prompt_backend is not None
 
     def _alloc(self, rows: int, slots: int) -> list:
         kv, d = self._shape
@@ -181,6 +203,7 @@ class ScatterRunner(BatchRunner):
         return int(sum(k.nbytes + v.nbytes for k, v in self._kv))
 
     step_hints = True  # step() takes last_only (and argmax_for, ignored: the logits come back) from the loop
+    takes_prompt_graph = True
 
     # -- the graph call
     def step(self, segments: list, argmax_for=(), last_only=()) -> list:
@@ -196,6 +219,19 @@ class ScatterRunner(BatchRunner):
         if not segments:
             return []
         self._check_segments(segments)
+        backend = self.backend
+        if self.prompt_backend is not None and last_only:
+            prompt = [i for i, (rid, _) in enumerate(segments) if rid in last_only]
+            if prompt and len(prompt) < len(segments):  # a mixed call: prompt chunks and the rest apart
+                rest = [i for i in range(len(segments)) if i not in set(prompt)]
+                back = [None] * len(segments)
+                for idx, out in ((prompt, self.step([segments[i] for i in prompt], last_only=last_only)),
+                                 (rest, self.step([segments[i] for i in rest]))):
+                    for i, o in zip(idx, out):
+                        back[i] = o
+                return back
+            if prompt:
+                backend = self.prompt_backend
         order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
         segs = [segments[i] for i in order]
         b = len(segs)
@@ -211,7 +247,7 @@ class ScatterRunner(BatchRunner):
         lo = min(int(rows[0]), cap - bp)
         # a contiguous range of rows: views, no copy — unless a dummy row beside them holds a request outside the
         # call (a graph that writes its slots in place would write the dummy row's entries into that request's row)
-        held = (set(self._row.values()) - {int(r) for r in rows}) if bp > b and self.backend.writes_kv_in_place else ()
+        held = (set(self._row.values()) - {int(r) for r in rows}) if bp > b and backend.writes_kv_in_place else ()
         if rows[-1] - rows[0] == b - 1 and not any(lo <= r < lo + bp for r in held):
             at = rows - lo  # each request's index in the call
             kv = [(k[lo:lo + bp], v[lo:lo + bp]) for k, v in self._kv]
@@ -230,13 +266,13 @@ class ScatterRunner(BatchRunner):
         slot = np.arange(self.slots)
         mask = slot[None, None, None, :] <= pos[:, None, :, None]  # causal within the row; other rows never seen
         head = {}  # the query positions the LM head runs on, where not all
-        if last_only and self.backend.takes_logits_from and all(r in last_only for r, _ in segs):
+        if last_only and backend.takes_logits_from and all(r in last_only for r, _ in segs):
             head["logits_from"] = min(len(t) for _, t in segs) - 1
         longest = max(len(t) for _, t in segs)
         if self._head_skips_padding and longest < qq:
             head["logits_to"] = longest
         start = head.get("logits_from", 0)
-        out = self.backend.step(ids, pos, mask, kv, **head)
+        out = backend.step(ids, pos, mask, kv, **head)
         results = [None] * b
         written = views and out.kv_written  # the graph wrote the new entries into this runner's buffers itself
         for j, (r, (rid, toks)) in enumerate(zip(at, segs)):
@@ -310,6 +346,19 @@ class ScatterSequence(SequenceDecoder):
         self.slots.head_skips_padding = on
 
     @property
+    def prompt_backend(self):
+        """:attr:`ScatterRunner.prompt_backend` of this sequence (settable)."""
+        return self.slots.prompt_backend
+
+    @prompt_backend.setter
+    def prompt_backend(self, be) -> None:
+        self.slots.prompt_backend = be
+
+    @property
+    def prompts_apart(self) -> bool:
+        return self.slots.prompts_apart
+
+    @property
     def features(self) -> np.ndarray | None:
         return self.slots.features(self._RID)
 
@@ -325,6 +374,7 @@ class ScatterSequence(SequenceDecoder):
         self.slots.rollback(self._RID, 0)
 
     step_hints = True  # step() takes last_only
+    takes_prompt_graph = True
 
     def step(self, tokens, last_only: bool = False) -> np.ndarray:
         """Feed ``tokens`` (q >= 1) after the cached ones; returns logits float32 [q, vocab] ([1, vocab], the last

@@ -175,6 +175,10 @@ class SequenceRunner(BatchRunner):
     def can_import_kv(self) -> bool:
         return self.runner.can_import_kv
 
+    @property
+    def prompts_apart(self) -> bool:
+        return self.runner.prompts_apart
+
     def prefill(self, rid, tokens: list, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """The held request's prompt through the runner's own chunked prefill; the last position's logits [vocab]."""
         self._check_segments([(rid, tokens)])

@@ -1,0 +1,191 @@
+"""The integer-GEMM prompt graph of an int4 target: the same graph with every weight ``MatMulNBits`` (and its block-sum
+correction) but the LM head's replaced by ``MatMulInteger`` on uint8 activations quantized per row and the weight
+the int4 graph represents re-quantized per output column to signed 7- or 8-bit integers, rescaled to float.
+
+Why (docs/precision.md, "Prompt chunks on an integer GEMM"): prompt chunks are compute-bound, and ONNX Runtime's
+u8·s8 GEMM runs them ~2x faster than ``MatMulNBits`` on an AVX2 CPU (more with VNNI/AMX), while its int32 accumulation
+is exact, so a row's result does not depend on the rows it is computed with (prompt chunks of any size, alone or
+batched, agree bit for bit). The runtime runs prompt chunks on it and every other call on the target graph
+(:mod:`dspark_runtime.runners.scatter`), in every decoding mode alike, so speculative output still equals target-only.
+
+Per row ``x`` of a projection's input: ``s = max|x| / 127``, ``xu = round(x / s) + 128`` (uint8, the zero point 128
+a scalar as ``MatMulInteger`` takes it), ``y = (xu − 128)·Wq · s · ws`` with ``Wq`` int8 ``[K, N]`` and ``ws`` float32
+``[N]`` (``max|W[:, n]| / (2^(bits−1) − 1)``). ``weight_bits`` 7 where this CPU's u8·s8 kernel saturates
+(:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`), else 8.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb
+from dspark_export.precision.nbits import NBitsWeight
+
+_NBITS = "MatMulNBits"
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _zero_points(arr: np.ndarray | None, bits: int, n: int, kb: int) -> np.ndarray:
+    """MatMulNBits' zero points as uint8 ``[N, K/block]`` (4-bit: two per byte, low nibble first, each column padded
+    to whole bytes; absent: the kernel's default 2^(bits-1))."""
+    if arr is None:
+        return np.full((n, kb), 2 ** (bits - 1), np.uint8)
+    if bits == 8:
+        return arr.reshape(n, kb)
+    p = arr.reshape(n, -1)
+    z = np.empty((n, p.shape[1] * 2), np.uint8)
+    z[:, 0::2], z[:, 1::2] = p & 0x0F, p >> 4
+    return z[:, :kb]
+
+
+def represented_weight(node, array, correction: np.ndarray | None) -> np.ndarray:
+    """The weight a MatMulNBits node (plus its block-sum ``correction`` float32 [K/block, N], or None) computes with:
+    float32 [K, N]. ``array``: initializer name -> its numpy array."""
+    a = _attrs(node)
+    n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
+    kb = k // block
+    zp = array(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    w = NBitsWeight(bits, block, array(node.input[1]).reshape(n, kb, block * bits // 8),
+                    array(node.input[2]).reshape(n, kb).astype(np.float32), _zero_points(zp, bits, n, kb),
+                    correction)
+    return w.dequantize()
+
+
+def column_int8(w: np.ndarray, bits: int) -> tuple:
+    """``w`` float32 [K, N] as signed ``bits``-bit integers per output column: (int8 [K, N], float32 scales [N])."""
+    top = 2 ** (bits - 1) - 1
+    scale = (np.maximum(np.abs(w).max(axis=0), 1e-30) / top).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -top, top).astype(np.int8)
+    return q, scale
+
+
+def _lm_head(graph):
+    prod = {o: n for n in graph.node for o in n.output}
+    node = prod.get("logits")
+    while node is not None and node.op_type not in ("MatMul", "Gemm", _NBITS):
+        node = prod.get(node.input[0]) if node.input else None
+    return node
+
+
+def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, log=print) -> dict:
+    """Write ``dst`` (+ ``dst.data``): the prompt graph of the int4 graph ``src`` (module docstring), streaming one
+    weight at a time. Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept (the LM head),
+    "weight_bits", "integer_weight_bytes", "seconds", "peak_rss_gb"}. Raises DSparkError when ``src`` has no
+    MatMulNBits to replace or ``weight_bits`` is not 7 or 8."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if weight_bits not in (7, 8):
+        raise DSparkError(f"weight_bits must be 7 or 8, got {weight_bits!r}")
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    proto = onnx.load(str(src), load_external_data=False)
+    g = proto.graph
+    reader = ExternalData(src.parent)
+    inits = {t.name: t for t in g.initializer}
+
+    def array(name: str) -> np.ndarray:
+        t = inits[name]
+        return np.frombuffer(reader.read(t), helper.tensor_dtype_to_np_dtype(t.data_type)).reshape(tuple(t.dims))
+
+    head = _lm_head(g)
+    prod = {o: n for n in g.node for o in n.output}
+    cons: dict = {}
+    for n in g.node:
+        for i in n.input:
+            cons.setdefault(i, []).append(n)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    consts = [numpy_helper.from_array(v, k) for k, v in (
+        ("__prompt_c127", np.array(127, np.float32)), ("__prompt_c128", np.array(128, np.float32)),
+        ("__prompt_tiny", np.array(1e-30, np.float32)), ("__prompt_z128", np.array(128, np.uint8)),
+        ("__prompt_axis_last", np.array([-1], np.int64)))]
+    quantized: dict = {}  # activation -> (uint8 tensor, per-row scale)
+    replace: dict = {}  # id(node) -> the nodes at its place
+    drop: set = set()
+    new_inits, replaced, kept, nbytes = [], 0, 0, 0
+    with ExternalWriter(dst) as writer:
+        for node in list(g.node):
+            if node.op_type != _NBITS or node.input[1] not in inits:
+                continue
+            if node is head:
+                kept += 1
+                continue
+            out, corr, y = node.output[0], None, node.output[0]
+            subs = [c for c in cons.get(out, []) if c.op_type == "Sub" and c.input[0] == out]
+            if subs and len(cons[out]) == 1:
+                cnode = prod.get(subs[0].input[1])
+                if cnode is not None and cnode.op_type == "MatMul" and cnode.input[1] in inits:
+                    corr = array(cnode.input[1]).astype(np.float32)
+                elif cnode is not None and cnode.op_type == _NBITS and cnode.input[1] in inits:
+                    corr = represented_weight(cnode, array, None)
+                if corr is not None:
+                    y = subs[0].output[0]
+                    drop.update({id(subs[0]), id(cnode)})
+            wq, ws = column_int8(represented_weight(node, array, corr), weight_bits)
+            name = node.name or out
+            new_inits += [writer.put([wq], f"{name}_prompt_Wq", TensorProto.INT8, wq.shape),
+                          writer.put([ws], f"{name}_prompt_ws", TensorProto.FLOAT, ws.shape)]
+            nbytes += wq.nbytes
+            x, nodes, mk = node.input[0], [], helper.make_node
+            if x not in quantized:
+                b = f"{x}_prompt"
+                reduce = (mk("ReduceMax", [b + "_abs", "__prompt_axis_last"], [b + "_max"], keepdims=1) if opset >= 18
+                          else mk("ReduceMax", [b + "_abs"], [b + "_max"], axes=[-1], keepdims=1))
+                nodes += [mk("Abs", [x], [b + "_abs"]), reduce,
+                          mk("Div", [b + "_max", "__prompt_c127"], [b + "_s0"]),
+                          mk("Max", [b + "_s0", "__prompt_tiny"], [b + "_scale"]),
+                          mk("Div", [x, b + "_scale"], [b + "_xs"]), mk("Round", [b + "_xs"], [b + "_xr"]),
+                          mk("Add", [b + "_xr", "__prompt_c128"], [b + "_xo"]),
+                          mk("Cast", [b + "_xo"], [b + "_u8"], to=TensorProto.UINT8)]
+                quantized[x] = (b + "_u8", b + "_scale")
+            xu, s = quantized[x]
+            nodes += [mk("MatMulInteger", [xu, f"{name}_prompt_Wq", "__prompt_z128"], [f"{name}_prompt_acc"]),
+                      mk("Cast", [f"{name}_prompt_acc"], [f"{name}_prompt_accf"], to=TensorProto.FLOAT),
+                      mk("Mul", [f"{name}_prompt_accf", s], [f"{name}_prompt_rows"]),
+                      mk("Mul", [f"{name}_prompt_rows", f"{name}_prompt_ws"], [y])]
+            replace[id(node)] = nodes
+            replaced += 1
+        if not replaced:
+            raise DSparkError(f"{src} has no weight MatMulNBits to replace (is it an int4 graph?)")
+        body = []
+        for node in g.node:
+            if id(node) not in drop:
+                body.extend(replace.get(id(node), [node]))
+        _prune(g, body)
+        read = {i for n in g.node for i in n.input}
+        kept_inits = [writer.copy(t, reader) for t in g.initializer if t.name in read]
+    reader.close()
+    del g.initializer[:]
+    g.initializer.extend(kept_inits + [t for t in consts + new_inits if t.name in read])
+    live = {o for n in g.node for o in n.output}
+    vis = [vi for vi in g.value_info if vi.name in live]
+    del g.value_info[:]
+    g.value_info.extend(vis)
+    onnx.save_model(proto, str(dst))
+    rep = {"replaced": replaced, "kept": kept, "weight_bits": weight_bits, "integer_weight_bytes": nbytes,
+           "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
+    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept (the LM head); "
+        f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
+    return rep
+
+
+def _prune(graph, body: list) -> None:
+    """Set ``graph``'s nodes to ``body`` minus the nodes nothing reads (the block sums of replaced corrections)."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in body for i in n.input} | outputs
+        live = [n for n in body if any(o in read for o in n.output)]
+        if len(live) == len(body):
+            break
+        body = live
+    del graph.node[:]
+    graph.node.extend(body)
