@@ -15,7 +15,7 @@ from dspark_runtime.machine.kernel_probe import u8s8_saturates
 from dspark_runtime.runners.scatter import ScatterRunner
 
 from dspark_export.engine_dir.transaction import engine_transaction
-from dspark_export.precision.prompt_graph import integer_prompt_graph
+from dspark_export.precision.prompt_graph import KEEP_MODULES, integer_prompt_graph
 
 VALIDATION_TOKENS = 64  # one prompt chunk of random ids compared with the target graph's logits
 
@@ -36,11 +36,12 @@ def compare_prompt_graph(target_path: Path, prompt_path: Path, spec, threads: in
             "argmax_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
 
 
-def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, log=print):
+def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=KEEP_MODULES, log=print):
     """Write the prompt graph of ``engine_dir``'s target (``target_prompt.onnx`` + ``.data``) and register it as graph
     ``target_prompt``, replacing any previous one, in one transaction. ``weight_bits``: 7 or 8; None: 7 where this
     CPU's u8·s8 kernel saturates, else 8 (:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`; a graph built
-    with 8-bit weights is wrong on a saturating CPU). Returns the new Manifest. Raises DSparkError when the target is
+    with 8-bit weights is wrong on a saturating CPU). ``keep``: module-name regexes of projections left on the int4
+    kernel (default :data:`~dspark_export.precision.prompt_graph.KEEP_MODULES`). Returns the new Manifest. Raises DSparkError when the target is
     not an int4 graph of the scatter KV layout."""
     m = load_manifest(engine_dir, verify=False)
     t = m.graphs["target"]
@@ -49,9 +50,11 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, log=print
                           f"target is {t.precision}, {t.spec.kv_layout} (rebuild with `dspark-export build` defaults)")
     if weight_bits is None:
         weight_bits = 7 if u8s8_saturates() else 8
+    keep = tuple(keep)
     with engine_transaction(engine_dir) as txn:
         name = f"{PROMPT_GRAPH}.onnx"
-        rep = integer_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, weight_bits=weight_bits, log=log)
+        rep = integer_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, weight_bits=weight_bits,
+                                   keep=keep, log=log)
         check = compare_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, t.spec)
         log(f"[{PROMPT_GRAPH}] vs the target graph on {VALIDATION_TOKENS} prompt positions: argmax agreement "
             f"{check['argmax_agreement']:.0%}, rel L2 {check['rel_l2']:.4f}, max |dlogits| {check['max_abs_logit_diff']:.2f}")
@@ -60,7 +63,9 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, log=print
             files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data")], spec=t.spec,
             validation={"int8": check}, model_config=t.model_config,
             quantization={"method": f"prompt graph of the int4 target: MatMulInteger, uint8 activations per row, "
-                                    f"the target's weights in {weight_bits}-bit columns (the LM head kept)",
+                                    f"the target's weights in {weight_bits}-bit columns; the LM head and "
+                                    f"{', '.join(keep) or 'no other projection'} kept on MatMulNBits",
+                          "keep": list(keep),
                           "source_sha256": t.files[0].sha256, **rep})
         txn.commit(m)
     return m

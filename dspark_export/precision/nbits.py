@@ -242,9 +242,15 @@ def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: in
     else:
         raise DSparkError(f"no float-weight int4 algorithm {algorithm!r}; choose rtn or hqq")
     try:
-        q = mnq.MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
+        model = onnx.load(str(src))
+        traced = {nd.name: list(nd.metadata_props) for nd in model.graph.node if nd.op_type == "MatMul"}
+        q = mnq.MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
                                      accuracy_level=accuracy_level, algo_config=cfg)
         q.process()
+        for nd in q.model.model.graph.node:  # keep the torch module each node was traced from (it names it `<MatMul>_Q4`)
+            meta = traced.get(nd.name.rsplit("_Q", 1)[0]) if nd.op_type == "MatMulNBits" else None
+            if meta and not nd.metadata_props:
+                nd.metadata_props.extend(meta)
         for p in (dst, dst.with_name(dst.name + ".data")):
             if p.exists():
                 p.unlink()

@@ -15,6 +15,7 @@ a scalar as ``MatMulInteger`` takes it), ``y = (xu − 128)·Wq · s · ws`` wit
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -22,10 +23,13 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, module_name, peak_rss_gb
 from dspark_export.precision.nbits import NBitsWeight
 
 _NBITS = "MatMulNBits"
+# projections left on MatMulNBits: their inputs (the SwiGLU product) carry per-channel activation outliers up to
+# ~400x the median channel, which one scale per row cannot hold (docs/precision.md); MatMulNBits scales blocks of 32
+KEEP_MODULES = (r"(^|\.)mlp\.down_proj$",)
 
 
 def _attrs(node) -> dict:
@@ -76,9 +80,10 @@ def _lm_head(graph):
     return node
 
 
-def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, log=print) -> dict:
+def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=KEEP_MODULES, log=print) -> dict:
     """Write ``dst`` (+ ``dst.data``): the prompt graph of the int4 graph ``src`` (module docstring), streaming one
-    weight at a time. Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept (the LM head),
+    weight at a time; the LM head and the projections whose module name matches a regex of ``keep`` stay
+    MatMulNBits. Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept,
     "weight_bits", "integer_weight_bytes", "seconds", "peak_rss_gb"}. Raises DSparkError when ``src`` has no
     MatMulNBits to replace or ``weight_bits`` is not 7 or 8."""
     import onnx
@@ -116,7 +121,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, log=print) -
         for node in list(g.node):
             if node.op_type != _NBITS or node.input[1] not in inits:
                 continue
-            if node is head:
+            if node is head or any(re.search(k, module_name(node)) for k in keep):
                 kept += 1
                 continue
             out, corr, y = node.output[0], None, node.output[0]
@@ -173,7 +178,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, log=print) -
     onnx.save_model(proto, str(dst))
     rep = {"replaced": replaced, "kept": kept, "weight_bits": weight_bits, "integer_weight_bytes": nbytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept (the LM head); "
+    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept; "
         f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep
 

@@ -94,6 +94,8 @@ def test_add_prompt_graph_registers_it(int4_engine):
     g, t = m.graphs[PROMPT_GRAPH], m.graphs["target"]
     assert g.role == "prompt" and g.precision == "int8" and g.spec == t.spec
     assert g.quantization["source_sha256"] == t.files[0].sha256 and g.quantization["weight_bits"] in (7, 8)
+    layers = t.spec.dims.num_layers  # the LM head and every layer's MLP down projection stay MatMulNBits
+    assert g.quantization["kept"] == layers + 1 and g.quantization["keep"] == [r"(^|\.)mlp\.down_proj$"]
     v = g.validation["int8"]
     assert 0.5 <= v["argmax_agreement"] <= 1 and 0 < v["rel_l2"] < 0.5
 
