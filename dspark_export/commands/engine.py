@@ -18,7 +18,7 @@ from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION
 from dspark_export.engine_dir.add_draft import add_dspark_draft, dspark_checkpoint
 from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft, is_eagle3_checkpoint
 from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
-from dspark_export.precision.prompt_graph import KEEP_MODULES
+from dspark_export.precision.prompt_graph import OUTLIER_RATIO
 from dspark_export.engine_dir.build import Recipe, build_engine
 from dspark_export.engine_dir.trt_build import TrtBuildSettings, build_trt
 from dspark_export.graphs.device import build_cuda
@@ -204,18 +204,21 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
 @click.option("--weight-bits", type=click.Choice(["auto", "7", "8"]), default="auto", show_default=True,
               help="Integer weight bits: auto = 7 where this CPU's u8·s8 kernel saturates (AVX2 without VNNI), else 8. "
                    "A graph with 8-bit weights computes wrong results on a saturating CPU.")
-@click.option("--keep-int4", default=",".join(KEEP_MODULES), show_default=True,
-              help="Module-name regexes (comma-separated; '' for none) of projections left on the int4 kernel: the MLP "
-                   "down projection's input carries activation outliers a per-row scale cannot hold (replacing it too: "
-                   "~2x faster prompt chunks instead of ~1.4x, lower fidelity; docs/precision.md).")
-def add_prompt_graph_cmd(engine_dir, weight_bits, keep_int4):
+@click.option("--keep-int4", default="", show_default=True,
+              help="Module-name regexes (comma-separated) of projections left on the int4 kernel (e.g. "
+                   "'mlp\\.down_proj$'), slower prompt chunks for a prompt closer to the target's.")
+@click.option("--outlier-ratio", type=click.FloatRange(min=0), default=OUTLIER_RATIO, show_default=True,
+              help="Input channels whose maximum over 8 calibration-split prompts exceeds this many times the median "
+                   "channel's are computed apart in fp32 (0: none): a per-row scale cannot hold them.")
+def add_prompt_graph_cmd(engine_dir, weight_bits, keep_int4, outlier_ratio):
     """Add the integer-GEMM prompt graph of ENGINE_DIR's int4 target: prompt chunks then run on MatMulInteger
     (uint8 activations per row, the target's weights in 7/8-bit columns), ~2x faster than the int4 kernels on an AVX2
     CPU, in every decoding mode alike (speculative output still equals target-only); decoding stays on the target. The
     prompt's positions are computed less exactly than by the int4 graph (docs/precision.md, "Prompt chunks on an
     integer GEMM": measured top-1 agreement and outputs). Costs ~1 GB more on disk and in memory for a 1.5B model."""
     keep = [k for k in keep_int4.split(",") if k.strip()]
-    m = add_prompt_graph(engine_dir, None if weight_bits == "auto" else int(weight_bits), keep=keep, log=click.echo)
+    m = add_prompt_graph(engine_dir, None if weight_bits == "auto" else int(weight_bits), keep=keep,
+                         outlier_ratio=outlier_ratio, log=click.echo)
     g = m.graphs["target_prompt"]
     click.echo(f"{engine_dir}: prompt graph {g.model_file} ({sum(f.size for f in g.files) / 2**30:.2f} GiB); "
                "`dspark generate` / `dspark serve` run prompt chunks on it")

@@ -10,14 +10,18 @@ import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, FileEntry, GraphEntry, load_manifest
+from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.kernel_probe import u8s8_saturates
 from dspark_runtime.runners.scatter import ScatterRunner
 
 from dspark_export.engine_dir.transaction import engine_transaction
-from dspark_export.precision.prompt_graph import KEEP_MODULES, integer_prompt_graph
+from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibration_token_ids
+from dspark_export.precision.prompt_graph import (OUTLIER_MOST, OUTLIER_RATIO, channel_maxima, integer_prompt_graph,
+                                                  outlier_channels)
 
 VALIDATION_TOKENS = 64  # one prompt chunk of random ids compared with the target graph's logits
+CALIBRATION_PROMPTS = 8  # calibration-split prompts (256 tokens at most) whose activations pick the outlier channels
 
 
 def compare_prompt_graph(target_path: Path, prompt_path: Path, spec, threads: int = 2, seed: int = 0) -> dict:
@@ -36,12 +40,15 @@ def compare_prompt_graph(target_path: Path, prompt_path: Path, spec, threads: in
             "argmax_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
 
 
-def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=KEEP_MODULES, log=print):
+def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), outlier_ratio: float = OUTLIER_RATIO,
+                     log=print):
     """Write the prompt graph of ``engine_dir``'s target (``target_prompt.onnx`` + ``.data``) and register it as graph
     ``target_prompt``, replacing any previous one, in one transaction. ``weight_bits``: 7 or 8; None: 7 where this
     CPU's u8·s8 kernel saturates, else 8 (:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`; a graph built
     with 8-bit weights is wrong on a saturating CPU). ``keep``: module-name regexes of projections left on the int4
-    kernel (default :data:`~dspark_export.precision.prompt_graph.KEEP_MODULES`). Returns the new Manifest. Raises DSparkError when the target is
+    kernel. ``outlier_ratio``: input channels whose maximum over :data:`CALIBRATION_PROMPTS` calibration-split
+    prompts exceeds this many times the median channel's run apart in fp32 (at most
+    :data:`~dspark_export.precision.prompt_graph.OUTLIER_MOST` per activation; 0: none). Returns the new Manifest. Raises DSparkError when the target is
     not an int4 graph of the scatter KV layout."""
     m = load_manifest(engine_dir, verify=False)
     t = m.graphs["target"]
@@ -51,10 +58,16 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=KEEP
     if weight_bits is None:
         weight_bits = 7 if u8s8_saturates() else 8
     keep = tuple(keep)
+    src = Path(engine_dir) / t.model_file
+    outliers = None
+    if outlier_ratio:
+        tok = Tokenizer(Path(engine_dir) / m.tokenizer["dir"])
+        maxima = channel_maxima(src, t.spec, calibration_token_ids(tok, CALIBRATION_PROMPTS))
+        outliers = {a: outlier_channels(v, outlier_ratio) for a, v in maxima.items()}
     with engine_transaction(engine_dir) as txn:
         name = f"{PROMPT_GRAPH}.onnx"
-        rep = integer_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, weight_bits=weight_bits,
-                                   keep=keep, log=log)
+        rep = integer_prompt_graph(src, txn.stage / name, weight_bits=weight_bits, keep=keep, outliers=outliers,
+                                   log=log)
         check = compare_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, t.spec)
         log(f"[{PROMPT_GRAPH}] vs the target graph on {VALIDATION_TOKENS} prompt positions: argmax agreement "
             f"{check['argmax_agreement']:.0%}, rel L2 {check['rel_l2']:.4f}, max |dlogits| {check['max_abs_logit_diff']:.2f}")
@@ -66,6 +79,8 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=KEEP
                                     f"the target's weights in {weight_bits}-bit columns; the LM head and "
                                     f"{', '.join(keep) or 'no other projection'} kept on MatMulNBits",
                           "keep": list(keep),
+                          "outliers": {"ratio": outlier_ratio, "most": OUTLIER_MOST,
+                                       "prompts": f"{CALIBRATION_NOTE}; first {CALIBRATION_PROMPTS}"},
                           "source_sha256": t.files[0].sha256, **rep})
         txn.commit(m)
     return m

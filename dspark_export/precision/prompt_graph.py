@@ -21,15 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, module_name, peak_rss_gb
+from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, peak_rss_gb,
+                                          session_over_weights)
 from dspark_export.precision.nbits import NBitsWeight
 
 _NBITS = "MatMulNBits"
-# projections left on MatMulNBits: their inputs (the SwiGLU product) carry per-channel activation outliers up to
-# ~400x the median channel, which one scale per row cannot hold (docs/precision.md); MatMulNBits scales blocks of 32
-KEEP_MODULES = (r"(^|\.)mlp\.down_proj$",)
+# input channels whose calibration maximum exceeds OUTLIER_RATIO x the median channel's run apart in fp32 (at most
+# OUTLIER_MOST per activation), so one scale per row covers the rest (LLM.int8()'s decomposition, made static so a
+# row's result still does not depend on its call); measured choice: docs/precision.md
+OUTLIER_RATIO, OUTLIER_MOST = 3.0, 512
 
 
 def _attrs(node) -> dict:
@@ -80,10 +83,64 @@ def _lm_head(graph):
     return node
 
 
-def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=KEEP_MODULES, log=print) -> dict:
+def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) -> dict:
+    """max |x| per input channel of every weight MatMulNBits input of the scatter-layout int4 graph ``graph_path``,
+    over prompt chunks of ``token_lists`` (each fed whole from an empty cache: calibration-split prompts,
+    :func:`~dspark_export.precision.activation_ranges.calibration_token_ids`). Returns {activation: float32 [K]}.
+    The graph's weights are read in place (a weightless copy with the reductions added)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    proto = onnx.load(str(graph_path), load_external_data=False)
+    inits = {t.name for t in proto.graph.initializer}
+    acts = sorted({n.input[0] for n in proto.graph.node if n.op_type == _NBITS and n.input[1] in inits})
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    proto.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "__cm_axes"))
+    outs = []
+    for i, a in enumerate(acts):  # the decoder's activations are [batch, q, K]: reduce the first two axes
+        mk = helper.make_node
+        red = (mk("ReduceMax", [f"__cm_abs_{i}", "__cm_axes"], [f"__cm_{i}"], keepdims=0) if opset >= 18
+               else mk("ReduceMax", [f"__cm_abs_{i}"], [f"__cm_{i}"], axes=[0, 1], keepdims=0))
+        proto.graph.node.extend([mk("Abs", [a], [f"__cm_abs_{i}"]), red])
+        proto.graph.output.append(helper.make_tensor_value_info(f"__cm_{i}", TensorProto.FLOAT, None))
+        outs.append(f"__cm_{i}")
+    sess = session_over_weights(proto, Path(graph_path).parent, threads)
+    d = spec.dims
+    best = [None] * len(acts)
+    for ids in token_lists:
+        q = len(ids)
+        slots = -(-q // 128) * 128
+        feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": np.arange(q, dtype=np.int64)[None],
+                 "attention_mask": np.tril(np.ones((q, slots), bool))[None, None]}
+        names = {t.name for t in sess.get_inputs()}
+        if LOGITS_FROM in names:
+            feeds[LOGITS_FROM] = np.array([q - 1], np.int64)
+        if LOGITS_TO in names:
+            feeds[LOGITS_TO] = np.array([q], np.int64)
+        for i in range(d.num_layers):
+            for kv in ("key", "value"):
+                feeds[f"past.{i}.{kv}"] = np.zeros((1, d.num_kv_heads, slots, d.head_dim), np.float32)
+        for j, m in enumerate(sess.run(outs, feeds)):
+            best[j] = m if best[j] is None else np.maximum(best[j], m)
+    return dict(zip(acts, best))
+
+
+def outlier_channels(maxima: np.ndarray, ratio: float = OUTLIER_RATIO, most: int = OUTLIER_MOST) -> np.ndarray:
+    """The input channels computed apart in fp32: those whose calibration maximum exceeds ``ratio`` times the median
+    channel's, at most ``most`` (the largest first), sorted: int64 [n]."""
+    idx = np.flatnonzero(maxima > ratio * np.median(maxima))
+    if len(idx) > most:
+        idx = idx[np.argsort(maxima[idx])[::-1][:most]]
+    return np.sort(idx).astype(np.int64)
+
+
+def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), outliers=None,
+                         log=print) -> dict:
     """Write ``dst`` (+ ``dst.data``): the prompt graph of the int4 graph ``src`` (module docstring), streaming one
     weight at a time; the LM head and the projections whose module name matches a regex of ``keep`` stay
-    MatMulNBits. Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept,
+    MatMulNBits. ``outliers``: {activation: int64 input channels} (:func:`outlier_channels`) computed apart, in fp32
+    with the represented weight's rows (the integer path sees those channels as 0 and its column scales leave
+    their rows out). Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept, "outlier_channels": total,
     "weight_bits", "integer_weight_bytes", "seconds", "peak_rss_gb"}. Raises DSparkError when ``src`` has no
     MatMulNBits to replace or ``weight_bits`` is not 7 or 8."""
     import onnx
@@ -116,7 +173,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=KEEP_MO
     quantized: dict = {}  # activation -> (uint8 tensor, per-row scale)
     replace: dict = {}  # id(node) -> the nodes at its place
     drop: set = set()
-    new_inits, replaced, kept, nbytes = [], 0, 0, 0
+    new_inits, replaced, kept, nbytes, n_apart = [], 0, 0, 0, 0
     with ExternalWriter(dst) as writer:
         for node in list(g.node):
             if node.op_type != _NBITS or node.input[1] not in inits:
@@ -135,28 +192,48 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=KEEP_MO
                 if corr is not None:
                     y = subs[0].output[0]
                     drop.update({id(subs[0]), id(cnode)})
-            wq, ws = column_int8(represented_weight(node, array, corr), weight_bits)
+            w = represented_weight(node, array, corr)
+            x, nodes, mk = node.input[0], [], helper.make_node
+            apart = np.asarray((outliers or {}).get(x, ()), np.int64)
             name = node.name or out
+            if len(apart):
+                new_inits.append(writer.put([w[apart]], f"{name}_prompt_Wout", TensorProto.FLOAT, w[apart].shape))
+                w = w.copy()
+                w[apart] = 0.0
+            wq, ws = column_int8(w, weight_bits)
             new_inits += [writer.put([wq], f"{name}_prompt_Wq", TensorProto.INT8, wq.shape),
                           writer.put([ws], f"{name}_prompt_ws", TensorProto.FLOAT, ws.shape)]
             nbytes += wq.nbytes
-            x, nodes, mk = node.input[0], [], helper.make_node
             if x not in quantized:
                 b = f"{x}_prompt"
+                xin = x
+                if len(apart):  # the outlier channels: gathered for the fp32 product, zeroed for the integer one
+                    mask = np.ones(w.shape[0], np.float32)
+                    mask[apart] = 0.0
+                    new_inits += [writer.put([mask], b + "_mask", TensorProto.FLOAT, mask.shape),
+                                  numpy_helper.from_array(apart, b + "_apart")]
+                    nodes += [mk("Mul", [x, b + "_mask"], [b + "_in"]),
+                              mk("Gather", [x, b + "_apart"], [b + "_out"], axis=-1)]
+                    xin = b + "_in"
+                    n_apart += len(apart)
                 reduce = (mk("ReduceMax", [b + "_abs", "__prompt_axis_last"], [b + "_max"], keepdims=1) if opset >= 18
                           else mk("ReduceMax", [b + "_abs"], [b + "_max"], axes=[-1], keepdims=1))
-                nodes += [mk("Abs", [x], [b + "_abs"]), reduce,
+                nodes += [mk("Abs", [xin], [b + "_abs"]), reduce,
                           mk("Div", [b + "_max", "__prompt_c127"], [b + "_s0"]),
                           mk("Max", [b + "_s0", "__prompt_tiny"], [b + "_scale"]),
-                          mk("Div", [x, b + "_scale"], [b + "_xs"]), mk("Round", [b + "_xs"], [b + "_xr"]),
+                          mk("Div", [xin, b + "_scale"], [b + "_xs"]), mk("Round", [b + "_xs"], [b + "_xr"]),
                           mk("Add", [b + "_xr", "__prompt_c128"], [b + "_xo"]),
                           mk("Cast", [b + "_xo"], [b + "_u8"], to=TensorProto.UINT8)]
                 quantized[x] = (b + "_u8", b + "_scale")
             xu, s = quantized[x]
+            y_int = f"{name}_prompt_int" if len(apart) else y
             nodes += [mk("MatMulInteger", [xu, f"{name}_prompt_Wq", "__prompt_z128"], [f"{name}_prompt_acc"]),
                       mk("Cast", [f"{name}_prompt_acc"], [f"{name}_prompt_accf"], to=TensorProto.FLOAT),
                       mk("Mul", [f"{name}_prompt_accf", s], [f"{name}_prompt_rows"]),
-                      mk("Mul", [f"{name}_prompt_rows", f"{name}_prompt_ws"], [y])]
+                      mk("Mul", [f"{name}_prompt_rows", f"{name}_prompt_ws"], [y_int])]
+            if len(apart):
+                nodes += [mk("MatMul", [f"{x}_prompt_out", f"{name}_prompt_Wout"], [f"{name}_prompt_fp32"]),
+                          mk("Add", [y_int, f"{name}_prompt_fp32"], [y])]
             replace[id(node)] = nodes
             replaced += 1
         if not replaced:
@@ -176,9 +253,11 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=KEEP_MO
     del g.value_info[:]
     g.value_info.extend(vis)
     onnx.save_model(proto, str(dst))
-    rep = {"replaced": replaced, "kept": kept, "weight_bits": weight_bits, "integer_weight_bytes": nbytes,
+    rep = {"replaced": replaced, "kept": kept, "outlier_channels": n_apart, "weight_bits": weight_bits,
+           "integer_weight_bytes": nbytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept; "
+    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept, "
+        f"{n_apart} outlier input channels in fp32; "
         f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep
 

@@ -73,6 +73,50 @@ def test_a_projection_computes_the_per_row_integer_product_of_the_represented_we
         integer_prompt_graph(src, tmp_path / "bad.onnx", weight_bits=4)
 
 
+def test_outlier_channels_run_apart_in_fp32(tmp_path):
+    """Channels named in ``outliers`` leave the integer product (zeroed there, their weight rows out of the column
+    scales) and are multiplied in fp32: the output is the integer product of the rest plus the fp32 product of
+    those channels; a huge activation in an outlier channel no longer coarsens the others' quantization."""
+    import onnxruntime as ort
+
+    from dspark_export.precision.nbits import NBitsWeight, pack_codes
+    from dspark_export.precision.prompt_graph import column_int8, integer_prompt_graph, outlier_channels
+
+    rng = np.random.default_rng(1)
+    k, n, blk = 64, 40, 32
+    w = NBitsWeight(4, blk, pack_codes(rng.integers(0, 16, (n, k)).astype(np.uint8), 4, blk),
+                    rng.uniform(0.01, 0.05, (n, k // blk)).astype(np.float32), np.full((n, k // blk), 8, np.uint8),
+                    rng.uniform(0, 0.2, (k // blk, n)).astype(np.float32))
+    src = _nbits_graph(tmp_path, w, k)
+    x = rng.standard_normal((1, 6, k)).astype(np.float32)
+    x[..., 5] *= 300.0  # an outlier channel
+    maxima = np.abs(x).max(axis=(0, 1))
+    apart = outlier_channels(maxima, ratio=3.0, most=4)
+    assert 5 in apart and len(apart) <= 4
+    rel = {}
+    for name, outl in (("apart", {"x": apart}), ("plain", None)):
+        rep = integer_prompt_graph(src, tmp_path / f"{name}.onnx", weight_bits=7, outliers=outl, log=lambda *a: None)
+        assert rep["outlier_channels"] == (len(apart) if outl else 0)
+        got = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        full = w.dequantize()
+        rel[name] = np.linalg.norm(got - x @ full) / np.linalg.norm(x @ full)
+        if outl:
+            rest = full.copy()
+            rest[apart] = 0.0
+            wq, ws = column_int8(rest, 7)
+            xin = x.copy()
+            xin[..., apart] = 0.0
+            s = np.maximum(np.abs(xin).max(-1, keepdims=True) / np.float32(127), np.float32(1e-30))
+            want = ((np.rint(xin / s).astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * s) * ws
+            want = want + x[..., apart] @ full[apart]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert rel["apart"] < rel["plain"] / 3
+    m = np.array([1.0, 1.2, 0.9, 50.0, 1.1, 30.0, 4.0])
+    assert outlier_channels(m, ratio=3.0, most=8).tolist() == [3, 5, 6]
+    assert outlier_channels(m, ratio=3.0, most=2).tolist() == [3, 5]  # the largest kept
+
+
 @pytest.fixture(scope="module")
 def int4_engine(tiny_pair, tmp_path_factory):
     """The tiny pair built int4 (scatter KV layout) with its prompt graph added (read only)."""
@@ -94,8 +138,9 @@ def test_add_prompt_graph_registers_it(int4_engine):
     g, t = m.graphs[PROMPT_GRAPH], m.graphs["target"]
     assert g.role == "prompt" and g.precision == "int8" and g.spec == t.spec
     assert g.quantization["source_sha256"] == t.files[0].sha256 and g.quantization["weight_bits"] in (7, 8)
-    layers = t.spec.dims.num_layers  # the LM head and every layer's MLP down projection stay MatMulNBits
-    assert g.quantization["kept"] == layers + 1 and g.quantization["keep"] == [r"(^|\.)mlp\.down_proj$"]
+    q = g.quantization
+    assert q["kept"] == 1 and q["keep"] == [] and q["outliers"]["ratio"] == 3.0  # the LM head stays MatMulNBits
+    assert q["outlier_channels"] > 0
     v = g.validation["int8"]
     assert 0.5 <= v["argmax_agreement"] <= 1 and 0 < v["rel_l2"] < 0.5
 
