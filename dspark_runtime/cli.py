@@ -11,7 +11,7 @@ import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
 from dspark_runtime.engine_dir.graphspec import slot_bindings
-from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, load_manifest
 from dspark_runtime.engine_dir.speculation import speculation_summary
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS, cpu_difference, cpu_features, shared_pool_default
@@ -219,6 +219,9 @@ def info(engine_dir):
                       + ("K/V written in place)" if slot_bindings(g.spec) else
                          "K/V buffers copied every call: rebuild the engine to write them in place)")
                       if g.spec.kv_layout == "scatter" else ""))
+        if k == PROMPT_GRAPH:
+            click.echo("    prompt chunks run on this graph, in every decoding mode (`dspark-export add-prompt-graph`; "
+                       "Engine.load(prompt_graph=False) runs them on the target)")
         reports = g.validation or {}
         if reports and not all(isinstance(v, dict) for v in reports.values()):
             reports = {g.precision: reports}  # engines built before validation was keyed by precision

@@ -131,7 +131,8 @@ def int4_engine(tiny_pair, tmp_path_factory):
     return out
 
 
-def test_add_prompt_graph_registers_it(int4_engine):
+def test_add_prompt_graph_registers_it(int4_engine, capsys):
+    from dspark_runtime.cli import main
     from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, load_manifest
 
     m = load_manifest(int4_engine)  # every file checked
@@ -141,6 +142,11 @@ def test_add_prompt_graph_registers_it(int4_engine):
     q = g.quantization
     assert q["kept"] == 1 and q["keep"] == [] and q["outliers"]["ratio"] == 3.0  # the LM head stays MatMulNBits
     assert q["outlier_channels"] > 0
+    try:
+        main(["info", "--engine", str(int4_engine)])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    assert "prompt chunks run on this graph" in capsys.readouterr().out
     v = g.validation["int8"]
     assert 0.5 <= v["argmax_agreement"] <= 1 and 0 < v["rel_l2"] < 0.5
 
