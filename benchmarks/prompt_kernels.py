@@ -11,7 +11,7 @@ AVX2 without VNNI), 8-bit ones otherwise. Random Gaussian weights and activation
 encodings on such data, not of a model's logits. Prints a table; ``--json PATH`` writes every number.
 
     python -m benchmarks.prompt_kernels
-    python -m benchmarks.prompt_kernels --m 1,64,256 --json results/prompt-kernels.json
+    python -m benchmarks.prompt_kernels --json results/prompt-kernels-qwen2.5-coder-1.5b-mlp.json
 """
 from __future__ import annotations
 
