@@ -7,11 +7,9 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
 from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
-from dspark_runtime.backends.placement import (PROVIDERS, format_placement, parse_placement,
+from dspark_runtime.backends.placement import (PROVIDERS, engine_placement, format_placement,
                                               trt_engines_run)
 from dspark_runtime.backends.trt.decoder import TrtDecoder
 from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
@@ -29,7 +27,7 @@ from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
 from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, head_skips_padding, target_sha256
 from dspark_runtime.machine.load_checks import row_multiple as load_row_multiple
-from dspark_runtime.machine.row_invariance import kernel_row_difference, probe_row_multiple
+from dspark_runtime.machine.row_invariance import probe_target_rows
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
 from dspark_runtime.runners.factory import batch_runner, decoder_runner
 from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner
@@ -54,7 +52,7 @@ class Engine:
         self.tokenizer = Tokenizer(self.dir / tok["dir"])
         self.eos_ids = list(tok.get("eos_token_ids", []))
         self._grammars = None  # the GrammarCompiler, built on the first constrained request
-        self.placement = self._placement(placement, backend, providers)
+        self.placement = engine_placement(self.dir, manifest, placement, backend, providers)
         self._backends = {
             key: GRAPH_BACKENDS.get(g.spec.kind, OrtDecoder)(
                 self.dir / g.model_file, g.spec, threads=threads,
@@ -96,23 +94,6 @@ class Engine:
                                                                                d.draft_graph, d.draft_kind)
         self.prefix_cache = None  # a PrefixCache shared by this engine's decoding loops (enable_prefix_cache)
         self.last_batch_stats = None  # aggregate BatchStats of the last generate_batch
-
-    def _placement(self, placement, backend: str, providers) -> dict:
-        """{graph key: place} (:mod:`dspark_runtime.backends.placement`) from ``placement`` or the older ``backend``
-        ("trt" = every graph with a TensorRT engine on it). Raises InputError for an unknown backend, both given,
-        ``providers`` beside a placement, or a placement :func:`parse_placement` refuses."""
-        if backend not in ("ort", "trt"):
-            raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
-        if placement is not None and backend != "ort":
-            raise InputError("give either backend='trt' or a placement (placement='trt' is the same), not both")
-        if placement is not None and providers:
-            raise InputError("give either ONNX Runtime providers (one list for every graph) or a placement, not both")
-        kinds = {k: g.spec.kind for k, g in self.manifest.graphs.items()}
-        trt = set(trt_engines_run(self.manifest))
-        if backend == "trt" and "target" not in trt:
-            raise InputError(f"{self.dir} has no TensorRT engine for the target (capacity KV layout); build one with "
-                             f"`dspark-export build-trt {self.dir}` or use backend='ort'")
-        return parse_placement("trt" if backend == "trt" else placement, kinds, trt)
 
     def _use_tensorrt(self) -> None:
         """Run the graphs placed on ``trt`` on their TensorRT engines (:func:`~dspark_runtime.backends.placement.
@@ -323,33 +304,16 @@ class Engine:
     def probe_row_invariance(self, *, prompt_tokens: int = 48, tokens: int = 24, seed: int = 0,
                              kernels: bool = True) -> dict:
         """Measure the smallest row multiple that makes the target graph row-count invariant here
-        (:func:`~dspark_runtime.machine.row_invariance.probe_row_multiple` on ``tokens`` random ids after a random
-        ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe, which needs ``onnx`` and catches
-        the rare differences of quantized graphs) and use it from now on (``self.row_multiple``,
-        ``self.head_skips_padding``). When no candidate
-        is invariant the padding stays 1 and the result's ``row_multiple`` is None. Returns the probe's dict plus
+        (:func:`~dspark_runtime.machine.row_invariance.probe_target_rows`) and use it from now on
+        (``self.row_multiple``, ``self.head_skips_padding``). When no candidate is invariant the padding stays 1 and the result's ``row_multiple`` is None. Returns the probe's dict plus
         "backend" and "target_sha256". Raises InputError on the TensorRT backend (padding is refused there)."""
         if self.backend != "ort":
             raise InputError("the row probe is for the ONNX Runtime backend (TensorRT runs unpadded); load with "
                              "backend='ort'")
-        rng = np.random.default_rng(seed)
-        hi = min(self.manifest.graphs["target"].spec.dims.vocab_size, 30000)
-        ids = rng.integers(0, hi, size=prompt_tokens + tokens).tolist()
-        check, note = None, None
-        if kernels:  # the kernel probe runs ONNX Runtime's CPU kernels
-            try:
-                import onnx  # noqa: F401  (builds the probe graph; the export extra)
-
-                threads = self._backends["target"].threads
-                check = lambda m: kernel_row_difference(m, threads)  # noqa: E731
-            except ImportError:
-                note = ("kernel probe skipped: the onnx package is not installed (pip install onnx); the graph probe "
-                        "alone can miss the rare differences of quantized graphs")
-        res = probe_row_multiple(self.runner("target"), ids[:prompt_tokens], ids[prompt_tokens:], kernel_check=check)
-        res["backend"] = self.backend
-        res["target_sha256"] = target_sha256(self.manifest)
-        if note:
-            res["note"] = note
+        res = probe_target_rows(self.runner("target"), self.manifest.graphs["target"].spec.dims.vocab_size,
+                                self._backends["target"].threads, prompt_tokens=prompt_tokens, tokens=tokens,
+                                seed=seed, kernels=kernels)
+        res.update(backend=self.backend, target_sha256=target_sha256(self.manifest))
         self.row_multiple = res["row_multiple"] or 1
         self.head_skips_padding = bool(res["head_skips_padding"])
         self._target_settings("target", self.runner("target")).row_multiple = self.row_multiple

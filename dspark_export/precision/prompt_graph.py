@@ -107,12 +107,12 @@ def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) 
     sess = session_over_weights(proto, Path(graph_path).parent, threads)
     d = spec.dims
     best = [None] * len(acts)
+    names = {t.name for t in sess.get_inputs()}
     for ids in token_lists:
         q = len(ids)
         slots = -(-q // 128) * 128
         feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": np.arange(q, dtype=np.int64)[None],
                  "attention_mask": np.tril(np.ones((q, slots), bool))[None, None]}
-        names = {t.name for t in sess.get_inputs()}
         if LOGITS_FROM in names:
             feeds[LOGITS_FROM] = np.array([q - 1], np.int64)
         if LOGITS_TO in names:

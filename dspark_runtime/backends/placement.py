@@ -100,3 +100,22 @@ def trt_engines_run(manifest) -> dict:
                        and engines[n.format(key)].graph == key), None)
             for key, g in manifest.graphs.items()}
     return {k: e for k, e in pick.items() if e is not None}
+
+
+def engine_placement(engine_dir, manifest, placement, backend: str, providers) -> dict:
+    """{graph key: place} of an engine (``manifest`` of ``engine_dir``) from ``placement`` or the older ``backend``
+    ("trt" = every graph with a TensorRT engine on it). Raises InputError for an unknown backend, both given,
+    ``providers`` beside a placement, ``backend="trt"`` without a target engine, or a placement
+    :func:`parse_placement` refuses."""
+    if backend not in ("ort", "trt"):
+        raise InputError(f"unknown backend {backend!r}: use 'ort' (ONNX Runtime) or 'trt' (TensorRT)")
+    if placement is not None and backend != "ort":
+        raise InputError("give either backend='trt' or a placement (placement='trt' is the same), not both")
+    if placement is not None and providers:
+        raise InputError("give either ONNX Runtime providers (one list for every graph) or a placement, not both")
+    kinds = {k: g.spec.kind for k, g in manifest.graphs.items()}
+    trt = set(trt_engines_run(manifest))
+    if backend == "trt" and "target" not in trt:
+        raise InputError(f"{engine_dir} has no TensorRT engine for the target (capacity KV layout); build one with "
+                         f"`dspark-export build-trt {engine_dir}` or use backend='ort'")
+    return parse_placement("trt" if backend == "trt" else placement, kinds, trt)

@@ -165,3 +165,26 @@ def probe_row_multiple(runner, prompt: list, cont: list, *, candidates=CANDIDATE
     if kernel_check is not None:
         res["kernel_max_abs_difference"] = kdiffs
     return res
+
+
+def probe_target_rows(runner, vocab_size: int, threads: int, *, prompt_tokens: int = 48, tokens: int = 24,
+                      seed: int = 0, kernels: bool = True) -> dict:
+    """:func:`probe_row_multiple` on a target ``runner`` with ``tokens`` random ids (below min(vocab_size, 30000))
+    after a random ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe
+    (:func:`kernel_row_difference` on ``threads``), which needs ``onnx`` and catches the rare differences of
+    quantized graphs — without onnx the result's "note" says it was skipped. Returns the probe's dict."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, min(vocab_size, 30000), size=prompt_tokens + tokens).tolist()
+    check, note = None, None
+    if kernels:  # the kernel probe runs ONNX Runtime's CPU kernels
+        try:
+            import onnx  # noqa: F401  (builds the probe graph; the export extra)
+
+            check = lambda m: kernel_row_difference(m, threads)  # noqa: E731
+        except ImportError:
+            note = ("kernel probe skipped: the onnx package is not installed (pip install onnx); the graph probe "
+                    "alone can miss the rare differences of quantized graphs")
+    res = probe_row_multiple(runner, ids[:prompt_tokens], ids[prompt_tokens:], kernel_check=check)
+    if note:
+        res["note"] = note
+    return res

@@ -223,7 +223,7 @@ class ScatterRunner(BatchRunner):
         if self.prompt_backend is not None and last_only:
             prompt = [i for i, (rid, _) in enumerate(segments) if rid in last_only]
             if prompt and len(prompt) < len(segments):  # a mixed call: prompt chunks and the rest apart
-                rest = [i for i in range(len(segments)) if i not in set(prompt)]
+                rest = [i for i, (rid, _) in enumerate(segments) if rid not in last_only]
                 back = [None] * len(segments)
                 for idx, out in ((prompt, self.step([segments[i] for i in prompt], last_only=last_only)),
                                  (rest, self.step([segments[i] for i in rest]))):
