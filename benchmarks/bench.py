@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mt-bench", type=int, default=10)
     ap.add_argument("--gsm8k", type=int, default=0)
     ap.add_argument("--mbpp", type=int, default=0)
+    ap.add_argument("--long", type=int, default=0,
+                    help="prompts of benchmarks/data/long-prompts.jsonl (514-988 tokens: time to first token)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-length", default=None, help="gamma for every drafter without its own (an integer >= 1), "
                     "'auto' or 'scheduled' (Algorithm 1; needs `dspark-export profile` on the engine)")
@@ -40,6 +42,9 @@ def main(argv=None) -> int:
                     help="another engine of the same target (e.g. one holding an older DSpark drafter), loaded beside "
                          "--engine; a --draft entry NAME/dspark:7 runs on it, against --engine's target-only run "
                          "(the outputs must still equal it). Repeatable")
+    ap.add_argument("--prompts", action="append", default=[], metavar="[NAME=]PLACE",
+                    help="where an engine runs prompt chunks (Engine.load(prompts=...): auto, target, prompt-graph, "
+                         "openvino): PLACE for --engine, NAME=PLACE for an --engine-as engine. Repeatable")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--show-text", action="store_true", help="print each speculative completion")
     ap.add_argument("--out", default=None, help="JSON output path (default results/bench-<engine>.json)")
@@ -61,8 +66,13 @@ def main(argv=None) -> int:
     from dspark_runtime.backends.ort import shared_pool_default
     from dspark_runtime.engine import DEFAULT_THREADS
 
+    places = {}  # engine name ("" = --engine) -> its prompt place
+    for p in a.prompts:
+        name, sep, place = p.rpartition("=")
+        places[name] = place
     try:
-        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS, shared_thread_pool=shared_pool_default())
+        eng = Engine.load(a.engine, threads=a.threads or DEFAULT_THREADS, shared_thread_pool=shared_pool_default(),
+                          prompts=places.pop("", "auto"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,13 +84,16 @@ def main(argv=None) -> int:
             return 2
         try:
             others[name] = Engine.load(path, threads=a.threads or DEFAULT_THREADS,
-                                       shared_thread_pool=shared_pool_default())
+                                       shared_thread_pool=shared_pool_default(), prompts=places.pop(name, "auto"))
         except DSparkError as e:
             print(f"error: --engine-as {spec!r}: {e}", file=sys.stderr)
             return 2
+    if places:
+        print(f"error: --prompts names engine(s) {sorted(places)} not given with --engine-as", file=sys.stderr)
+        return 2
     dl = a.draft_length if a.draft_length in (None, "auto", "scheduled") else int(a.draft_length)
     jobs = [(ds, p) for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
-                                  ("mbpp", a.mbpp)) for p in load_prompts(ds, n)]
+                                  ("mbpp", a.mbpp), ("long", a.long)) for p in load_prompts(ds, n)]
     drafters = [d.strip() for d in a.draft.split(",") if d.strip()]
     # an entry may carry its own draft length: "dspark:scheduled", "lm:3"
     # and may name another engine (--engine-as): "v1/dspark:7"
@@ -167,14 +180,17 @@ def main(argv=None) -> int:
                   "draft_ms_per_round": statistics.mean(r["draft_ms_per_round"] for r in rs),
                   "accepted_by_position": by_position(rs),
                   "identical": sum(r["identical"] for r in rs), "n": len(rs),
-                  "draft_sources": _sum_sources(rs)}
+                  "draft_sources": _sum_sources(rs),
+                  "ttft_ms_median": statistics.median(r["ttft_ms_speculative"] for r in rs)}
     first = per[drafters[0]]
     summary = {
         "engine": str(a.engine), "engines_as": dict(s.partition("=")[::2] for s in a.engine_as), "machine": machine(), "threads": a.threads or DEFAULT_THREADS,
         "max_new_tokens": a.max_new_tokens, "draft_length": dl or "engine default", "drafter": a.draft,
         "draft_confidence": a.draft_confidence,
         "prompts": {ds: n for ds, n in (("humaneval", a.humaneval), ("mt-bench", a.mt_bench), ("gsm8k", a.gsm8k),
-                                         ("mbpp", a.mbpp)) if n},
+                                         ("mbpp", a.mbpp), ("long", a.long)) if n},
+        "prompt_places": {"": eng.prompts, **{k: e.prompts for k, e in others.items()}},
+        "ttft_ms_target_only_median": statistics.median(r["ttft_ms_target_only"] for r in base_rows),
         "split": "evaluation (dspark_export/data/prompts/README.md)",
         "target_only_tps": agg(base_rows, "target_only_tps"), "speculative_tps": first["speculative_tps"],
         "ratio": first["ratio"], "tau_mean": first["tau_mean"], "acceptance_rate_mean": first["acceptance_rate_mean"],
@@ -182,13 +198,14 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(f"\n{len(base_rows)} prompts, {a.max_new_tokens} new tokens max, greedy, on {summary['machine']}, "
-          f"{summary['threads']} threads; target-only {summary['target_only_tps']:.2f} tok/s")
+          f"{summary['threads']} threads; target-only {summary['target_only_tps']:.2f} tok/s, median TTFT "
+          f"{summary['ttft_ms_target_only_median']:.0f} ms")
     for d, v in per.items():
         print(f"{d:16}: {v['speculative_tps']:.2f} tok/s | ratio {v['ratio']:.2f}x | tau {v['tau_mean']:.2f} "
               f"{ {k: round(t, 2) for k, t in v['tau_by_dataset'].items()} } | acceptance "
               f"{v['acceptance_rate_mean']:.0%} | drafting {v['draft_ms_per_round']:.1f} ms/round | by position "
               f"{v['accepted_by_position']} | identical "
-              f"{v['identical']}/{v['n']}" + (f" | sources {v['draft_sources']}" if v["draft_sources"] else ""))
+              f"{v['identical']}/{v['n']} | median TTFT {v['ttft_ms_median']:.0f} ms" + (f" | sources {v['draft_sources']}" if v["draft_sources"] else ""))
     out = Path(a.out) if a.out else RESULTS / f"bench-{Path(a.engine).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")

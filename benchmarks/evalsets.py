@@ -10,8 +10,12 @@ RESULTS = ROOT / "results"  # the default output folder of every benchmark (resu
 PROMPTS = ROOT / "dspark_export" / "data" / "prompts"  # the package data (dspark_export.paths.prompts_dir)
 # Evaluation split (dspark_export/data/prompts/README.md): all of humaneval and mt-bench; gsm8k 1001-1319;
 # mbpp 201-257.
-EVAL_START = {"humaneval": 0, "mt-bench": 0, "gsm8k": 1000, "mbpp": 200, "aime25": 0, "math500": 400}
-EVAL_END = {"humaneval": None, "mt-bench": None, "gsm8k": 1319, "mbpp": 257, "aime25": None, "math500": 500}
+EVAL_START = {"humaneval": 0, "mt-bench": 0, "gsm8k": 1000, "mbpp": 200, "aime25": 0, "math500": 400, "long": 0}
+EVAL_END = {"humaneval": None, "mt-bench": None, "gsm8k": 1319, "mbpp": 257, "aime25": None, "math500": 500,
+            "long": None}
+# prompt sets of the benchmarks only, outside the package data: "long", 4 code-review prompts of 514-988 tokens
+# (CPython 3.11 modules, the source named in each line) for time to first token on long prompts
+BENCH_PROMPTS = {"long": ROOT / "benchmarks" / "data" / "long-prompts.jsonl"}
 
 
 def machine() -> str:
@@ -23,7 +27,7 @@ def machine() -> str:
 
 def load_prompts(dataset: str, n: int) -> list:
     """First turns of the first ``n`` evaluation-split prompts of ``dataset``."""
-    lines = (PROMPTS / f"{dataset}.jsonl").read_text().splitlines()
+    lines = BENCH_PROMPTS.get(dataset, PROMPTS / f"{dataset}.jsonl").read_text().splitlines()
     start, end = EVAL_START[dataset], EVAL_END[dataset] or len(lines)
     return [json.loads(l)["turns"][0] for l in lines[start:min(start + n, end)]]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
+from dspark_runtime.backends.prompt_place import PROMPT_PLACES
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
 from dspark_runtime.engine_dir.graphspec import slot_bindings
@@ -104,6 +105,10 @@ def cli():
                    "trt-ep: ONNX Runtime providers, cuda/trt-ep need onnxruntime-gpu in place of onnxruntime; "
                    "trt: the engine's TensorRT engine). Default: every graph on the CPU; --backend trt = --placement "
                    "trt. Not yet verified on a GPU.")
+@click.option("--prompts", type=click.Choice(list(PROMPT_PLACES)), default="auto", show_default=True,
+              help="Where prompt chunks run, in every decoding mode alike: target; prompt-graph (the engine's, "
+                   "`dspark-export add-prompt-graph`); openvino (the target on ONNX Runtime's OpenVINO provider, Intel "
+                   "CPUs, pip install 'dspark[openvino]'); auto = prompt-graph where the engine has one, else target.")
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
 @click.option("--allow-slow-precision", is_flag=True,
               help="Run fp8/fp16 graphs (built for GPUs) on ONNX Runtime's CPU provider anyway (6-10x slower than fp32).")
@@ -126,14 +131,15 @@ def cli():
               help="A JSON Schema file: the output is JSON that satisfies it (needs `pip install 'dspark[grammar]'`).")
 @click.option("--json-object", is_flag=True, help="The output is a JSON object (any; needs the grammar extra).")
 def generate(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, draft_length, draft_confidence,
-             draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, placement, stream,
-             allow_slow_precision, profile_on_load, row_multiple, presence_penalty, frequency_penalty,
+             draft_confidence_rule, stop, raw, draft, no_speculation, as_json, threads, backend, placement, prompts,
+             stream, allow_slow_precision, profile_on_load, row_multiple, presence_penalty, frequency_penalty,
              repetition_penalty, logprobs, json_schema, json_object):
     """Generate a completion for --prompt."""
     response_format = _response_format(json_schema, json_object)
     eng = dspark_runtime.Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
                                      backend=backend, shared_thread_pool=shared_pool_default(), placement=placement,
-                                     allow_slow_precision=allow_slow_precision, row_multiple=row_multiple)
+                                     allow_slow_precision=allow_slow_precision, row_multiple=row_multiple,
+                                     prompts=prompts)
     if profile_on_load:
         t = eng.profile()
         click.echo(f"profiled on load: t_draft {t['t_draft'] * 1e3:.0f} ms, t_verify B=1 {t['t_verify'][0] * 1e3:.0f} ms"
@@ -221,7 +227,7 @@ def info(engine_dir):
                       if g.spec.kv_layout == "scatter" else ""))
         if k == PROMPT_GRAPH:
             click.echo("    prompt chunks run on this graph, in every decoding mode (`dspark-export add-prompt-graph`; "
-                       "Engine.load(prompt_graph=False) runs them on the target)")
+                       "`--prompts target` runs them on the target)")
         reports = g.validation or {}
         if reports and not all(isinstance(v, dict) for v in reports.values()):
             reports = {g.precision: reports}  # engines built before validation was keyed by precision
@@ -347,6 +353,8 @@ def unpack(tarball, dest):
 @click.option("--placement", default=None,
               help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep, trt). Not yet "
                    "verified on a GPU.")
+@click.option("--prompts", type=click.Choice(list(PROMPT_PLACES)), default="auto", show_default=True,
+              help="Where prompt chunks run (as `dspark generate --prompts`).")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve on Ray Serve (pip install 'dspark[ray]'): the same app in --replicas replicas, each loading "
                    "the engine (docs/serving.md, 'Scale-out on Ray Serve').")
@@ -362,7 +370,7 @@ def unpack(tarball, dest):
                    "default: start a new local one on this machine for this command.")
 def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, draft_confidence, prefill_budget,
           prefix_cache_mb, threads, max_context, default_max_tokens, model_name, shutdown_timeout, log_level, backend,
-          placement, use_ray, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address):
+          placement, prompts, use_ray, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address):
     """Serve an OpenAI-compatible HTTP API (completions, chat, /metrics) with continuous batching; with --ray,
     in several replicas on Ray Serve."""
     prefill_budget = _prefill_budget(prefill_budget)
@@ -382,7 +390,8 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
                    draft_length=draft_length, draft_confidence=draft_confidence, threads=threads,
                    prefill_budget=prefill_budget, prefix_cache_mb=float(prefix_cache_mb),
                    max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
-                   shutdown_timeout=shutdown_timeout, placement=placement, replicas=replicas, autoscale=autoscale,
+                   shutdown_timeout=shutdown_timeout, placement=placement, prompts=prompts, replicas=replicas,
+                   autoscale=autoscale,
                    target_ongoing_requests=target_ongoing_requests, replica_cpus=replica_cpus,
                    ray_address=ray_address)
         return
@@ -396,7 +405,7 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
     _check_port_free(host, port)  # before the engine loads, not after
     eng = dspark_runtime.Engine.load(engine_dir, threads=DEFAULT_THREADS if threads is None else threads,
                                      shared_thread_pool=shared_pool_default(), placement=placement,
-                                     prefix_cache_mb=prefix_cache_mb)
+                                     prefix_cache_mb=prefix_cache_mb, prompts=prompts)
     _serve(eng, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level,
            draft=None if draft == "none" else draft, draft_length=dl, draft_confidence=draft_confidence,
            max_batch=max_batch, max_queue=max_queue, max_context=max_context,

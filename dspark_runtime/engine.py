@@ -11,6 +11,7 @@ from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
 from dspark_runtime.backends.ort_cuda import OrtDeviceDecoder
 from dspark_runtime.backends.placement import (PROVIDERS, engine_placement, format_placement,
                                               trt_engines_run)
+from dspark_runtime.backends.prompt_place import PromptChunkBackend, resolve_prompt_place
 from dspark_runtime.backends.trt.decoder import TrtDecoder
 from dspark_runtime.backends.trt.dspark_graph import TrtDSparkGraph
 from dspark_runtime.decoding.loop import DecodingLoop
@@ -21,7 +22,7 @@ from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSpark
 from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
-from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, Manifest, load_manifest
+from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
@@ -45,7 +46,7 @@ class Engine:
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int = DEFAULT_THREADS, providers=None,
                  backend: str = "ort", allow_slow_precision: bool = False, row_multiple: int | None = None,
-                 placement: str | dict | None = None, prompt_graph: bool = True):
+                 placement: str | dict | None = None, prompts: str = "auto"):
         self.dir = Path(engine_dir)
         self.manifest = manifest
         tok = manifest.tokenizer
@@ -80,10 +81,10 @@ class Engine:
         self.row_multiple = load_row_multiple(manifest, self.dir, self.backend, row_multiple, threads)
         # the target's LM head on a padded call's real rows only, where the stored probe found that exact
         self.head_skips_padding = head_skips_padding(manifest, self.backend, row_multiple)
-        # the graph key prompt chunks run on (the target's prompt graph, on the CPU beside a CPU target), or None
-        self.prompt_graph = (PROMPT_GRAPH if prompt_graph and PROMPT_GRAPH in manifest.graphs
-                             and self.placement["target"] == self.placement[PROMPT_GRAPH] == "cpu"
-                             and manifest.graphs["target"].spec.kv_layout == "scatter" else None)
+        # where prompt chunks run: "target", "prompt-graph" (graph target_prompt) or "openvino" (the target graph on
+        # ONNX Runtime's OpenVINO provider, checked chunk- and batch-invariant on first use)
+        self.prompts = resolve_prompt_place(prompts, manifest, self.placement)
+        self._prompt_chunks = PromptChunkBackend(self.prompts, self.dir, manifest, self._backends, threads)
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
         check_int8_weights(manifest, self.dir, self.backend)
         self.default_draft_length = manifest.speculation.draft_length or 5
@@ -130,7 +131,7 @@ class Engine:
              verify: bool = True, rehash: bool = False, backend: str = "ort",
              allow_slow_precision: bool = False, row_multiple: int | None = None,
              shared_thread_pool: bool = False, placement: str | dict | None = None,
-             prefix_cache_mb: float = 0, prompt_graph: bool = True) -> "Engine":
+             prefix_cache_mb: float = 0, prompts: str = "auto") -> "Engine":
         """Load ``engine_dir`` through its manifest. A ``*.tar.gz`` from ``dspark-export pack`` is unpacked
         (once, into ``$DSPARK_CACHE/engines``; every file checked against the manifest's sha256) and loaded.
 
@@ -152,8 +153,10 @@ class Engine:
         trt-ep, trt; default every graph on the CPU; ``backend="trt"`` is ``placement="trt"``); raises InputError
         for a placement it refuses (an unknown graph or place, ``trt`` without a TensorRT engine).
         ``prefix_cache_mb``: the prefix KV cache's memory bound in MiB, 0 = off (:meth:`enable_prefix_cache`).
-        ``prompt_graph``: run prompt chunks on the engine's prompt graph where it has one (``dspark-export
-        add-prompt-graph``; a CPU target of the scatter layout), in every decoding mode alike; False: on the target.
+        ``prompts``: where prompt chunks run, in every decoding mode alike (:mod:`dspark_runtime.backends.prompt_place`):
+        "target", "prompt-graph" (``dspark-export add-prompt-graph``), "openvino" (the target on ONNX Runtime's
+        OpenVINO provider, Intel CPUs, ``pip install 'dspark[openvino]'``), "auto" (the prompt graph where the engine
+        has one, else the target); raises InputError for a choice this engine cannot run.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -165,7 +168,7 @@ class Engine:
         if is_tarball(engine_dir):
             engine_dir = unpacked_dir(engine_dir)
         eng = cls(Path(engine_dir), load_manifest(engine_dir, verify=verify, rehash=rehash), threads, providers,
-                  backend, allow_slow_precision, row_multiple, placement, prompt_graph)
+                  backend, allow_slow_precision, row_multiple, placement, prompts)
         eng.enable_prefix_cache(prefix_cache_mb)
         return eng
 
@@ -234,14 +237,14 @@ class Engine:
 
     def _target_settings(self, key: str, runner):
         """``runner`` with the target's settings beyond ``row_multiple``, where the runner takes them: its LM head on
-        the real rows only (:attr:`head_skips_padding`) and prompt chunks on the prompt graph (:attr:`prompt_graph`);
+        the real rows only (:attr:`head_skips_padding`) and prompt chunks where :attr:`prompts` says;
         other graphs' runners as they are."""
         if key != "target":
             return runner
         if runner.can_skip_padding_head:
             runner.head_skips_padding = self.head_skips_padding
-        if self.prompt_graph is not None and runner.takes_prompt_graph:
-            runner.prompt_backend = self._backends[self.prompt_graph].activate()
+        if self.prompts != "target" and runner.takes_prompt_graph:
+            runner.prompt_backend = self._prompt_chunks.get(self.row_multiple)
         return runner
 
     def loop_runner(self, key: str, max_requests: int = 1, keep_features: bool = True):

@@ -167,3 +167,17 @@ def pytest_terminal_summary(terminalreporter):
             f"cc {','.join(get('compute_capabilities')):16s} "
             + (f"{size / 1e6:5.1f} MB " if size else "") +
             f"build {get('build_seconds'):5.2f} s  peak RSS {get('peak_rss_bytes') / 2**20:6.0f} MiB")
+
+
+@pytest.fixture(scope="session")
+def int4_engine(tiny_pair, tmp_path_factory):
+    """The tiny pair built int4 (scatter KV layout) with its prompt graph added (read only)."""
+    from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
+    from dspark_export.engine_dir.build import Recipe, build_engine
+
+    tdir, ddir = tiny_pair
+    out = tmp_path_factory.mktemp("engines-prompt") / "tiny"
+    build_engine(Recipe(name="tiny", target=str(tdir), draft=str(ddir), precision="int4", target_feature_layers=[-1, 0],
+                        draft_length=3), out, isolate=False, log=lambda *a: None)
+    add_prompt_graph(out, log=lambda *a: None)
+    return out

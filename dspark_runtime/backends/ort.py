@@ -190,6 +190,12 @@ class OrtDecoder:
             ``activate`` raises DSparkError saying why (see :func:`check_precision_for_providers`).
     """
 
+    #: as a prompt backend (:attr:`~dspark_runtime.runners.scatter.ScatterRunner.prompt_backend`): whether each call
+    #: must hold one request with its LM head on one position, and the fewest query positions a call computes
+    #: (shorter ones padded); kernels whose results depend on the call's rows otherwise (OpenVINO's) need them
+    prompt_calls_alone = False
+    min_query_rows = 1
+
     def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
                  precision: str = "fp32", allow_slow_precision: bool = False):
         self.path = Path(path)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_runtime.backends.ort import session_options
+from dspark_runtime.errors import DSparkError
+from dspark_runtime.runners.scatter import ScatterRunner
 
 #: multiples tried by :func:`probe_row_multiple`, smallest first
 CANDIDATES = (1, 2, 4, 8)
@@ -188,3 +190,40 @@ def probe_target_rows(runner, vocab_size: int, threads: int, *, prompt_tokens: i
     if note:
         res["note"] = note
     return res
+
+
+#: the prompt the invariance check feeds, and the chunkings of it compared with one call of all of it: an even split,
+#: a remainder shorter than ``min_query_rows``, a short first chunk
+PROBE_TOKENS = 24
+PROBE_CHUNKINGS = ((16, 8), (21, 3), (5, 19))
+
+
+def check_prompt_chunks_invariant(target_backend, prompt_backend, row_multiple: int = 1) -> None:
+    """Raise DSparkError unless ``prompt_backend`` computes a prompt's positions bit for bit alike however the prompt
+    is chunked: :data:`PROBE_TOKENS` token ids of a fixed prompt in one call against each of
+    :data:`PROBE_CHUNKINGS`, compared on every layer's keys and values and on the last position's logits, through a
+    :class:`~dspark_runtime.runners.scatter.ScatterRunner` over ``target_backend`` (padding to ``row_multiple`` rows as
+    the engine does) with ``prompt_backend`` set. (A backend whose calls hold one request each, as the OpenVINO one,
+    never shares a call, so the batch needs no check.)"""
+    vocab = target_backend.spec.dims.vocab_size
+    ids = [int(i) for i in np.random.default_rng(7).integers(vocab // 8, vocab // 2, PROBE_TOKENS)]
+
+    def prompt_in(chunks) -> tuple:
+        r = ScatterRunner(target_backend, row_multiple=row_multiple)
+        r.prompt_backend = prompt_backend
+        r.add(0)
+        at, last = 0, None
+        for n in chunks:
+            last = r.step([(0, ids[at:at + n])], last_only={0})[0]
+            at += n
+        return np.asarray(last[-1]), r.export_kv(0, 0, PROBE_TOKENS)[0]
+
+    ref_logits, ref_kv = prompt_in([PROBE_TOKENS])
+    for chunks in PROBE_CHUNKINGS:
+        logits, kv = prompt_in(chunks)
+        if not (np.array_equal(logits, ref_logits)
+                and all(np.array_equal(a, b) for pa, pb in zip(kv, ref_kv) for a, b in zip(pa, pb))):
+            raise DSparkError(f"{prompt_backend.path.name} on {prompt_backend.providers[0]} computes a "
+                              f"{PROBE_TOKENS}-token prompt fed in chunks of {' + '.join(map(str, chunks))} tokens "
+                              "differently from one call on this machine, so speculative output could differ from "
+                              "target-only output; run prompt chunks on the target (--prompts target)")

@@ -89,7 +89,10 @@ class ScatterRunner(BatchRunner):
         """The backend prompt chunks run on (segments in a call's ``last_only``), or None: the target's. A prompt
         graph (:mod:`dspark_export.precision.prompt_graph`) has the target's interface; a call mixing prompt chunks
         and other segments runs as two calls, so a prompt's positions are computed by the prompt graph whatever
-        shares the round. Raises DSparkError when set to a graph of another interface."""
+        shares the round. A backend with ``prompt_calls_alone`` gets one request per call and its LM head on that
+        request's last position only; every prompt call has at least the backend's ``min_query_rows`` query positions.
+        Raises DSparkError when set to a graph of another interface, or to a ``prompt_calls_alone`` backend whose graph
+        does not take ``logits_from`` and ``logits_to``."""
         return self._prompt_backend
 
     @prompt_backend.setter
@@ -97,6 +100,10 @@ class ScatterRunner(BatchRunner):
         if be is not None and (be.spec.kv_layout != "scatter" or be.spec.dims != self.backend.spec.dims):
             raise DSparkError(f"the prompt graph {be.path.name} does not share the target's scatter interface "
                               f"({be.spec.kv_layout}, {be.spec.dims}); rebuild it from this engine's target")
+        if be is not None and be.prompt_calls_alone and not (be.takes_logits_from and be.takes_logits_to):
+            raise DSparkError(f"prompt chunks on {be.providers[0]} need a target graph that computes the logits of "
+                              f"one position (inputs logits_from and logits_to); {be.path.name} was exported before "
+                              "them: rebuild the engine (`dspark-export build`)")
         self._prompt_backend = be
 
     @property
@@ -232,10 +239,12 @@ class ScatterRunner(BatchRunner):
                 return back
             if prompt:
                 backend = self.prompt_backend
+                if backend.prompt_calls_alone and len(segments) > 1:
+                    return [self.step([seg], last_only=last_only)[0] for seg in segments]
         order = sorted(range(len(segments)), key=lambda i: self._row[segments[i][0]])
         segs = [segments[i] for i in order]
         b = len(segs)
-        bp, qq = padded_shape(b, max(len(t) for _, t in segs), self.row_multiple)
+        bp, qq = padded_shape(b, max(backend.min_query_rows, *(len(t) for _, t in segs)), self.row_multiple)
         need = max(self._length[rid] + qq for rid, _ in segs)
         if self.max_slots is not None and max(self._length[rid] + len(t) for rid, t in segs) > self.max_slots:
             raise DSparkError(f"a request would hold more than {self.max_slots} positions (the context limit)")
@@ -269,7 +278,7 @@ class ScatterRunner(BatchRunner):
         if last_only and backend.takes_logits_from and all(r in last_only for r, _ in segs):
             head["logits_from"] = min(len(t) for _, t in segs) - 1
         longest = max(len(t) for _, t in segs)
-        if self._head_skips_padding and longest < qq:
+        if (self._head_skips_padding or backend.prompt_calls_alone) and longest < qq:
             head["logits_to"] = longest
         start = head.get("logits_from", 0)
         out = backend.step(ids, pos, mask, kv, **head)

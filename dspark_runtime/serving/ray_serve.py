@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
+from dspark_runtime.backends.prompt_place import PROMPT_PLACES
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.sysinfo import shared_pool_default
 
@@ -52,7 +53,8 @@ class RayServeSettings:
     requests may finish when a replica stops), ``prefill_budget`` (prompt tokens fed per round while others decode,
     an integer >= 1 or "auto"), ``prefix_cache_mb`` (each replica's prefix KV cache bound in MiB, 0 = off).
     Engine (:meth:`engine_kwargs`, as ``dspark serve`` loads it): ``threads`` (ONNX Runtime intra-op threads per
-    replica; default: ``replica_cpus`` rounded, at least 1), ``placement``, ``prefix_cache_mb``.
+    replica; default: ``replica_cpus`` rounded, at least 1), ``placement``, ``prompts`` (where prompt chunks run:
+    auto, target, prompt-graph, openvino), ``prefix_cache_mb``.
 
     Deployment: ``num_replicas`` (fixed count), or ``min_replicas`` and ``max_replicas`` together (autoscaling,
     with ``target_ongoing_requests`` in flight per replica as the target, default ``max_batch``; min 0 scales to
@@ -76,6 +78,7 @@ class RayServeSettings:
     shutdown_timeout: float = 30.0
     threads: int | None = None
     placement: str | None = None
+    prompts: str = "auto"
     prefill_budget: int | str = "auto"
     prefix_cache_mb: float = 0.0
     num_replicas: int = 1
@@ -111,6 +114,7 @@ class RayServeSettings:
         for name, low in (("max_context", 2), ("threads", 1), ("max_ongoing_requests", 1)):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= low), f"{name} must be an integer >= {low}, got {v!r}")
+        need(self.prompts in PROMPT_PLACES, f"prompts must be one of {', '.join(PROMPT_PLACES)}, got {self.prompts!r}")
         need(self.prefill_budget == "auto" or (is_int(self.prefill_budget) and self.prefill_budget >= 1),
              f"prefill_budget must be a positive integer (prompt tokens per round) or 'auto', got "
              f"{self.prefill_budget!r}")
@@ -171,11 +175,11 @@ class RayServeSettings:
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of :meth:`~dspark_runtime.engine.Engine.load` besides the path, as ``dspark serve``
-        loads its engine: ``threads`` (:attr:`replica_threads`), ``placement``, ``prefix_cache_mb``, and
+        loads its engine: ``threads`` (:attr:`replica_threads`), ``placement``, ``prompts``, ``prefix_cache_mb``, and
         ``shared_thread_pool`` (:func:`~dspark_runtime.machine.sysinfo.shared_pool_default`, read on the replica's
         node)."""
         return dict(threads=self.replica_threads, shared_thread_pool=shared_pool_default(), placement=self.placement,
-                    prefix_cache_mb=float(self.prefix_cache_mb))
+                    prompts=self.prompts, prefix_cache_mb=float(self.prefix_cache_mb))
 
     def deployment_options(self) -> dict:
         """Keyword arguments of ``serve.deployment`` / ``Deployment.options``."""

@@ -117,20 +117,6 @@ def test_outlier_channels_run_apart_in_fp32(tmp_path):
     assert outlier_channels(m, ratio=3.0, most=2).tolist() == [3, 5]  # the largest kept
 
 
-@pytest.fixture(scope="module")
-def int4_engine(tiny_pair, tmp_path_factory):
-    """The tiny pair built int4 (scatter KV layout) with its prompt graph added (read only)."""
-    from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
-    from dspark_export.engine_dir.build import Recipe, build_engine
-
-    tdir, ddir = tiny_pair
-    out = tmp_path_factory.mktemp("engines-prompt") / "tiny"
-    build_engine(Recipe(name="tiny", target=str(tdir), draft=str(ddir), precision="int4", target_feature_layers=[-1, 0],
-                        draft_length=3), out, isolate=False, log=lambda *a: None)
-    add_prompt_graph(out, log=lambda *a: None)
-    return out
-
-
 def test_add_prompt_graph_registers_it(int4_engine, capsys):
     from dspark_runtime.cli import main
     from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, load_manifest
@@ -201,14 +187,14 @@ def test_speculative_output_equals_target_only_with_the_prompt_graph(int4_engine
     from dspark_runtime import Engine
 
     eng = Engine.load(int4_engine, row_multiple=2)
-    assert eng.prompt_graph == "target_prompt" and eng.runner("target").prompt_backend is not None
+    assert eng.prompts == "prompt-graph" and eng.runner("target").prompt_backend is not None
     prompt = "Write a function that sorts a list of numbers. " * 3
     ref = eng.generate(prompt, max_new_tokens=32, draft=None)
     assert eng.generate(prompt, max_new_tokens=32, draft=draft, draft_length=3).token_ids == ref.token_ids
     batch = eng.generate_batch([prompt, "Name three colours."], max_new_tokens=32, draft=draft)
     assert batch[0].token_ids == ref.token_ids  # served beside another request == solo
-    off = Engine.load(int4_engine, row_multiple=2, prompt_graph=False)
-    assert off.prompt_graph is None and off.runner("target").prompt_backend is None
+    off = Engine.load(int4_engine, row_multiple=2, prompts="target")
+    assert off.prompts == "target" and off.runner("target").prompt_backend is None
     assert len(off.generate(prompt, max_new_tokens=32, draft=None).token_ids) == 32
 
 
@@ -229,7 +215,7 @@ def test_the_prefix_cache_keeps_prompt_positions_only_with_a_prompt_graph(int4_e
     again = eng.generate(prompt, raw=True, max_new_tokens=3 * block, draft=None)
     assert again.token_ids == first.token_ids  # its prompt fed from the cached blocks (never the last token)
     assert again.stats.cached_tokens == (n_prompt - 1) // block * block
-    plain = Engine.load(int4_engine, row_multiple=2, prefix_cache_mb=64, prompt_graph=False)
+    plain = Engine.load(int4_engine, row_multiple=2, prefix_cache_mb=64, prompts="target")
     plain.generate(prompt, raw=True, max_new_tokens=3 * block, draft=None)
     assert len(plain.prefix_cache) > held  # decoded positions are stored too without a prompt graph
 

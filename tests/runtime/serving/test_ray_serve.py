@@ -167,12 +167,12 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
     main(["serve", "--ray", "--engine", str(tmp_path), "--prefill-budget", "12", "--prefix-cache-mb", "3",
           "--max-batch", "5", "--max-queue", "7", "--draft", "ngram", "--draft-length", "4", "--threads", "2",
           "--max-context", "512", "--default-max-tokens", "9", "--model-name", "m", "--shutdown-timeout", "4",
-          "--placement", "cpu", "--replicas", "2", "--replica-cpus", "2", "--port", "8123"])
+          "--placement", "cpu", "--prompts", "target", "--replicas", "2", "--replica-cpus", "2", "--port", "8123"])
     s = got["settings"]
     assert (s.prefill_budget, s.prefix_cache_mb, s.max_batch, s.max_queue, s.draft, s.draft_length, s.threads) == \
         (12, 3.0, 5, 7, "ngram", 4, 2)
-    assert (s.max_context, s.default_max_tokens, s.model_name, s.shutdown_timeout, s.placement) == \
-        (512, 9, "m", 4.0, "cpu")
+    assert (s.max_context, s.default_max_tokens, s.model_name, s.shutdown_timeout, s.placement, s.prompts) == \
+        (512, 9, "m", 4.0, "cpu", "target")
     assert (s.num_replicas, s.replica_cpus, got["run"]["port"]) == (2, 2.0, 8123)
     main(["serve", "--ray", "--engine", str(tmp_path), "--backend", "trt"])
     assert got["settings"].placement == "trt"
@@ -194,6 +194,7 @@ def test_dspark_serve_ray_passes_prefill_budget_and_prefix_cache_to_the_settings
     assert app.state.replica_id == "r-1"
     path, kw = loads[0]
     assert path == s.engine and kw["prefix_cache_mb"] == 3.0 and kw["threads"] == 2 and kw["placement"] == "cpu"
+    assert kw["prompts"] == "target"
     assert "shared_thread_pool" in kw
     eng, akw = apps[0]
     assert eng == "ENGINE" and akw["prefill_budget"] == 12 and akw["max_batch"] == 5 and akw["max_queue"] == 7
