@@ -7,6 +7,7 @@ process (a before/after of two builds). ``--role dspark``: the DSpark drafter's 
 
     python -m benchmarks.step_profile --engine engines/qwen2.5-coder-1.5b-int4 --past 256,1024,2048 --q 1,2,8
     python -m benchmarks.step_profile --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
+    python -m benchmarks.step_profile --engine E --against E::target_prompt --against E::openvino --past 0 --q 128,512 --last-logits
 """
 from __future__ import annotations
 
@@ -197,14 +198,21 @@ def _feeds(spec, past: int, q: int, seed: int = 0, last_logits: bool = False, pa
 def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threads: int,
             last_logits: bool = False, padding_rows: int = 0) -> list:
     """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
-    process on the shared thread pool (the CLI's setting). Returns rows {past, q, ms: [ms per engine, in order]}."""
+    process on the shared thread pool (the CLI's setting). An engine given as ``DIR::KEY`` times its graph ``KEY``
+    instead (``DIR::target_prompt``: its prompt graph), as ``DIR::openvino`` its ``role`` graph on ONNX Runtime's
+    OpenVINO provider (``--prompts openvino``). Returns rows {past, q, ms: [ms per engine, in order]}."""
     from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
+    from dspark_runtime.backends.ort_openvino import OrtOpenVinoDecoder
 
     enable_shared_thread_pool(threads)
     decs = {}
     for i, e in enumerate(engines):
-        g = load_manifest(e, verify=False).graphs[role]
-        decs[i] = (OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any").activate(), g.spec)
+        path, _, how = str(e).partition("::")
+        e = Path(path)
+        g = load_manifest(e, verify=False).graphs[role if how in ("", "openvino") else how]
+        dec = (OrtOpenVinoDecoder(e / g.model_file, g.spec, threads=threads) if how == "openvino"
+               else OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any"))
+        decs[i] = (dec.activate(), g.spec)
     rows = []
     for past in pasts:
         for q in qs:
@@ -231,8 +239,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--against", type=Path, action="append",
-                    help="another engine (repeatable): interleaved wall-time comparison, no profile")
+    ap.add_argument("--against", action="append",
+                    help="another engine (repeatable): interleaved wall-time comparison, no profile; DIR::KEY times "
+                         "its graph KEY (DIR::target_prompt: the prompt graph), DIR::openvino the --role graph on "
+                         "ONNX Runtime's OpenVINO provider")
     ap.add_argument("--last-logits", action="store_true",
                     help="time prompt-chunk calls: graphs with the logits_from input compute the last position's "
                          "logits only (others, exported before it, every position's)")
@@ -243,16 +253,16 @@ def main(argv=None) -> int:
     if a.padding_rows < 0:
         ap.error("--padding-rows must be >= 0")
     if a.against:
-        engines = [a.engine] + a.against
+        engines = [str(a.engine)] + a.against
         rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
                        [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits, a.padding_rows)
-        print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e.name[:24]:>24s}" for e in engines)
+        print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e[-24:]:>24s}" for e in engines)
               + "  change vs the first")
         for r in rows:
             m0 = r["ms"][0]
             print(f"{r['past']:5d} {r['q']:3d} " + " ".join(f"{m:21.1f} ms" for m in r["ms"]) + "  "
                   + " ".join(f"{m / m0 - 1:+.0%}" for m in r["ms"][1:]), flush=True)
-        out = {"engines": [str(e) for e in engines], "role": a.role, "machine": machine_description(),
+        out = {"engines": engines, "role": a.role, "machine": machine_description(),
                "threads": a.threads, "repeats": a.repeats, "rows": rows}
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ def test_engine_as_runs_another_engines_drafter_beside_this_one(bench, tiny_dspa
 @pytest.mark.parametrize("args, message", [
     (["--engine-as", "old"], "give NAME=DIR"),
     (["--draft", "new/dspark:3"], "not given with --engine-as"),
+    (["--prompts", "other=target"], "--prompts names engine(s) ['other']"),
 ])
 def test_engine_as_refusals_name_the_fix(bench, tiny_dspark, tmp_path, capsys, args, message):
     rc = bench.main(["--engine", str(tiny_dspark[0]), "--humaneval", "1", "--mt-bench", "0", "--max-new-tokens", "4",
@@ -53,3 +54,21 @@ def test_none_runs_another_engines_target_only_as_a_before_after(bench, tiny_dsp
     assert d["n"] == 2 and d["identical"] == 2  # the same target graph: the same output
     for r in rep["rows"]:
         assert r["proposed"] == 0 and r["accepted"] == 0 and r["speculative_tps"] > 0  # nothing drafted
+
+
+def test_prompts_sets_each_engines_prompt_place_and_long_reads_the_long_prompts(bench, int4_engine, tmp_path):
+    """--prompts PLACE / NAME=PLACE reach Engine.load and the summary; --long runs the long-prompt set (a prompt of
+    the tiny engine's 512 positions at most would not hold them: one prompt, cut by the engine's context limit, is
+    enough to see the set read); the prompt graph's target-only output is reported against the target's."""
+    from benchmarks.evalsets import load_prompts
+
+    long = load_prompts("long", 4)
+    assert len(long) == 4 and all(p.startswith("Review the following Python module") for p in long)
+    out = tmp_path / "p.json"
+    rc = bench.main(["--engine", str(int4_engine), "--prompts", "target", "--engine-as", f"pg={int4_engine}",
+                     "--prompts", "pg=prompt-graph", "--draft", "pg/none", "--humaneval", "2", "--mt-bench", "0",
+                     "--max-new-tokens", "8", "--out", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["prompt_places"] == {"": "target", "pg": "prompt-graph"}
+    assert s["ttft_ms_target_only_median"] > 0 and s["drafters"]["pg/none"]["ttft_ms_median"] > 0
