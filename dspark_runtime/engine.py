@@ -22,6 +22,7 @@ from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSpark
 from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
+from dspark_runtime.engine_dir.graphspec import attention_rows_per_query
 from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
@@ -313,9 +314,10 @@ class Engine:
         if self.backend != "ort":
             raise InputError("the row probe is for the ONNX Runtime backend (TensorRT runs unpadded); load with "
                              "backend='ort'")
-        res = probe_target_rows(self.runner("target"), self.manifest.graphs["target"].spec.dims.vocab_size,
-                                self._backends["target"].threads, prompt_tokens=prompt_tokens, tokens=tokens,
-                                seed=seed, kernels=kernels)
+        t = self.manifest.graphs["target"]
+        res = probe_target_rows(self.runner("target"), t.spec.dims.vocab_size, self._backends["target"].threads,
+                                prompt_tokens=prompt_tokens, tokens=tokens, seed=seed, kernels=kernels,
+                                attention_rows=attention_rows_per_query(t.model_config or {}))
         res.update(backend=self.backend, target_sha256=target_sha256(self.manifest))
         self.row_multiple = res["row_multiple"] or 1
         self.head_skips_padding = bool(res["head_skips_padding"])

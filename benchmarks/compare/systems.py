@@ -23,7 +23,8 @@ class System:
       hf:     assistant (bool: --draft as ``assistant_model``), prompt_lookup_num_tokens (int),
               generate_kwargs (dict, passed to ``generate`` as is).
       dspark: draft (None | "lm" | "ngram" | any name ``Engine.generate(draft=)`` accepts),
-              draft_length (int | "auto" | "scheduled"), engine (a directory overriding --engine).
+              draft_length (int | "auto" | "scheduled"), engine (a directory overriding --engine), prompts (where
+              prompt chunks run: ``Engine.load(prompts=)``, default "auto").
       openvino-genai (peer openvino): prompt_lookup ({"num_assistant_tokens", "max_ngram_size"}), draft (true: the
               --draft model's OpenVINO export as draft_model; {"num_assistant_tokens": N} to set its length).
     """
@@ -49,6 +50,13 @@ SYSTEMS = {s.name: s for s in [
     # our default configuration: whatever `--draft auto` picks on --engine (Engine.auto_draft), its default length
     System("dspark-auto", "dspark", {"draft": "auto"}, "DSpark runtime, --draft auto (the engine's default "
            "drafter and draft length)"),
+    # prompt chunks on ONNX Runtime's OpenVINO provider (`--prompts openvino`: Intel CPUs, the openvino extra); the
+    # speculative one is compared with its own target-only system (the prompt's numerics are OpenVINO's)
+    System("dspark-target-openvino", "dspark", {"draft": None, "prompts": "openvino"},
+           "DSpark runtime, target only, prompt chunks on ONNX Runtime's OpenVINO provider (--prompts openvino)"),
+    System("dspark-auto-openvino", "dspark", {"draft": "auto", "prompts": "openvino"},
+           "DSpark runtime, --draft auto, prompt chunks on ONNX Runtime's OpenVINO provider (--prompts openvino)",
+           baseline="dspark-target-openvino"),
     # the fp32 graph of the same weights: the reference every other system's greedy agreement is measured against
     System("dspark-fp32", "dspark", {"draft": None, "engine": "engines/qwen2.5-coder-1.5b-fp32"},
            "DSpark runtime, fp32 target only (engines/qwen2.5-coder-1.5b-fp32: `dspark-export build "

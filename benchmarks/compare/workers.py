@@ -168,7 +168,7 @@ def _dspark_worker(job: dict, emit) -> dict:
     from dspark_runtime.backends.ort import shared_pool_default
 
     eng = Engine.load(opts.get("engine") or job["engine"], threads=job["threads"],
-                      shared_thread_pool=shared_pool_default())
+                      shared_thread_pool=shared_pool_default(), prompts=opts.get("prompts", "auto"))
     draft = opts.get("draft")
     eng.batch(draft=draft, max_batch=1)  # activates the target and draft sessions, so their creation is load time
     load_s = time.perf_counter() - t0

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from dspark_runtime.backends.ort import OrtDecoder
-from dspark_runtime.engine_dir.graphspec import (KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, LOGITS_FROM, LOGITS_TO, DecoderDims, GraphSpec,
-                                      causal_lm_spec, past_names)
+from dspark_runtime.engine_dir.graphspec import (GQA_MODEL_TYPES, KV_LAYOUT_GROWING, KV_LAYOUT_SCATTER, LOGITS_FROM,
+                                                 LOGITS_TO, DecoderDims, GraphSpec, attention_rows_per_query,
+                                                 causal_lm_spec, past_names)
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.runners.scatter import ScatterRunner
 
@@ -113,7 +114,6 @@ class _ScatterCache:
 
 # Model types whose eager attention is plain softmax(q k^T * scaling + mask) v over repeated KV heads
 # (no softcapping, no sinks): for them the export uses the grouped form below, the same function.
-GQA_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 GQA_ATTENTION = "dspark_gqa"
 
 
@@ -191,8 +191,8 @@ def export_attention(model) -> str | None:
     """The attention function the export uses for ``model``: the grouped form for the model types in
     :data:`GQA_MODEL_TYPES` whose heads are grouped (None: the model's own eager attention)."""
     cfg = model.config
-    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if cfg.model_type not in GQA_MODEL_TYPES or heads == kv:
+    if attention_rows_per_query({"model_type": cfg.model_type, "num_attention_heads": cfg.num_attention_heads,
+                                 "num_key_value_heads": getattr(cfg, "num_key_value_heads", None)}) == 1:
         return None
     _register_gqa()
     return GQA_ATTENTION

@@ -25,6 +25,21 @@ SLOTS = "slots"
 LOGITS_FROM = "logits_from"  # the scatter decoder's input: the first query position the LM head runs on
 LOGITS_TO = "logits_to"  # ... and the query position it stops before
 LOGITS_LEN = "logits_len"  # ... and its logits' position axis (logits_to - logits_from)
+#: model types whose decoder graphs run attention per KV head on its query heads stacked as rows (the export's
+#: grouped form, dspark_export.graphs.decoder.grouped_query_attention), where they have fewer KV heads than heads
+GQA_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+def attention_rows_per_query(model_config: dict) -> int:
+    """Rows each attention MatMul of an exported decoder graph computes per query position, from the model's Hugging
+    Face config (``model_type``, ``num_attention_heads``, ``num_key_value_heads``): the query heads per KV head in
+    the grouped form (:data:`GQA_MODEL_TYPES` with fewer KV heads than heads), else 1 (the model's own attention,
+    one row per head). A one-token call of Qwen2.5-1.5B (12 heads, 2 KV heads) multiplies 6 rows by the keys."""
+    heads = int(model_config.get("num_attention_heads") or 1)
+    kv = int(model_config.get("num_key_value_heads") or heads)
+    if model_config.get("model_type") not in GQA_MODEL_TYPES or heads == kv:
+        return 1
+    return heads // kv
 
 
 @dataclass(frozen=True)

@@ -88,16 +88,21 @@ def kernel_probe_session(threads: int, *, hidden: int = 1536, heads: int = 2, he
     return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
 
 
-def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1) -> float:
+def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks=PROBE_BLOCKS, seed: int = 1,
+                          attention_rows: int = 1) -> float:
     """Max |difference| of the per-row results of :func:`kernel_probe_session`'s kernels when ``rows`` random
     rows are fed in calls of every size in ``blocks``, each call padded to a multiple of ``multiple`` rows
-    (0.0 = the kernels are row-count invariant at that padding on this machine, with ``threads``)."""
+    (0.0 = the kernels are row-count invariant at that padding on this machine, with ``threads``).
+    ``attention_rows``: rows the graph's attention MatMuls compute per query position
+    (:func:`~dspark_runtime.engine_dir.graphspec.attention_rows_per_query`: its query heads per KV head stacked as
+    rows), so a call of n positions multiplies ``attention_rows * n`` rows by the keys, as in the graph."""
     sess = kernel_probe_session(threads)
     rng = np.random.default_rng(seed)
     hidden = sess.get_inputs()[0].shape[-1]
     heads, head_dim = sess.get_inputs()[1].shape[1], sess.get_inputs()[1].shape[-1]
+    g = int(attention_rows)
     x = rng.standard_normal((rows, hidden)).astype(np.float32)
-    q = rng.standard_normal((heads, rows, head_dim)).astype(np.float32)
+    q = rng.standard_normal((heads, rows, g, head_dim)).astype(np.float32)
 
     def run(block):
         ys, os_ = [], []
@@ -106,9 +111,9 @@ def kernel_row_difference(multiple: int, threads: int, *, rows: int = 24, blocks
             pad = padded_rows(n, multiple) - n
             xi = np.concatenate([x[s:s + n], np.repeat(x[s + n - 1:s + n], pad, axis=0)])
             qi = np.concatenate([q[:, s:s + n], np.repeat(q[:, s + n - 1:s + n], pad, axis=1)], axis=1)
-            y, o = sess.run(["y", "o"], {"x": xi[None], "q": qi[None]})
+            y, o = sess.run(["y", "o"], {"x": xi[None], "q": qi.reshape(heads, (n + pad) * g, head_dim)[None]})
             ys.append(y[0, :n])
-            os_.append(o[0, :, :n])
+            os_.append(o[0].reshape(heads, n + pad, g, head_dim)[:, :n])
         return np.concatenate(ys), np.concatenate(os_, axis=1)
 
     ref = run(blocks[0])
@@ -170,11 +175,12 @@ def probe_row_multiple(runner, prompt: list, cont: list, *, candidates=CANDIDATE
 
 
 def probe_target_rows(runner, vocab_size: int, threads: int, *, prompt_tokens: int = 48, tokens: int = 24,
-                      seed: int = 0, kernels: bool = True) -> dict:
+                      seed: int = 0, kernels: bool = True, attention_rows: int = 1) -> dict:
     """:func:`probe_row_multiple` on a target ``runner`` with ``tokens`` random ids (below min(vocab_size, 30000))
     after a random ``prompt_tokens``-token prompt; with ``kernels`` also the fp32 kernel probe
-    (:func:`kernel_row_difference` on ``threads``), which needs ``onnx`` and catches the rare differences of
-    quantized graphs — without onnx the result's "note" says it was skipped. Returns the probe's dict."""
+    (:func:`kernel_row_difference` on ``threads``, its attention at the graph's ``attention_rows`` per position),
+    which needs ``onnx`` and catches the rare differences of quantized graphs — without onnx the result's "note"
+    says it was skipped. Returns the probe's dict."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, min(vocab_size, 30000), size=prompt_tokens + tokens).tolist()
     check, note = None, None
@@ -182,7 +188,7 @@ def probe_target_rows(runner, vocab_size: int, threads: int, *, prompt_tokens: i
         try:
             import onnx  # noqa: F401  (builds the probe graph; the export extra)
 
-            check = lambda m: kernel_row_difference(m, threads)  # noqa: E731
+            check = lambda m: kernel_row_difference(m, threads, attention_rows=attention_rows)  # noqa: E731
         except ImportError:
             note = ("kernel probe skipped: the onnx package is not installed (pip install onnx); the graph probe "
                     "alone can miss the rare differences of quantized graphs")

@@ -292,3 +292,34 @@ def test_quantize_drops_the_source_engines_probe_and_cost_table(tiny_engine_dir,
     spec = json.loads((tmp_path / "q" / "manifest.json").read_text())["speculation"]
     assert "row_invariance" not in spec and "cost_table" not in spec
     assert any("dropped speculation.row_invariance" in x for x in logs)
+
+
+def test_the_kernel_probe_multiplies_the_graphs_attention_rows():
+    """The grouped export stacks a KV head's query heads as rows, so a call of n positions runs attention MatMuls of
+    g * n rows (Qwen2.5-1.5B: 6 at one position): the kernel probe feeds its attention the same rows, and compares
+    each position's rows across call sizes."""
+    import dspark_runtime.machine.row_invariance as ri
+    from dspark_runtime.engine_dir.graphspec import attention_rows_per_query
+
+    assert attention_rows_per_query({"model_type": "qwen2", "num_attention_heads": 12, "num_key_value_heads": 2}) == 6
+    assert attention_rows_per_query({"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 32}) == 1
+    assert attention_rows_per_query({"model_type": "gpt2", "num_attention_heads": 12}) == 1  # its own attention
+    real = ri.kernel_probe_session(1)
+    seen = []
+
+    class Recording:
+        def get_inputs(self):
+            return real.get_inputs()
+
+        def run(self, names, feeds):
+            seen.append((feeds["x"].shape[1], feeds["q"].shape[2]))
+            return real.run(names, feeds)
+
+    orig = ri.kernel_probe_session
+    ri.kernel_probe_session = lambda threads: Recording()
+    try:
+        diff = ri.kernel_row_difference(2, 1, rows=6, blocks=(1, 3), attention_rows=3)
+    finally:
+        ri.kernel_probe_session = orig
+    assert seen == [(2, 6)] * 6 + [(4, 12)] * 2  # 1 position padded to 2 -> 6 attention rows; 3 padded to 4 -> 12
+    assert diff >= 0.0
