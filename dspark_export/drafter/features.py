@@ -18,10 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.backends.ort import OrtDecoder
+from dspark_runtime.backends.ort_openvino import OrtOpenVinoDecoder
 from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.runners.factory import decoder_runner
 
+#: where the engine's target graph computes training features (:func:`extract_features_ort`)
+FEATURE_PROVIDERS = ("cpu", "openvino")
 MASK_TOKEN_CANDIDATES = ("<|box_start|>", "<|quad_start|>", "<|vision_pad|>", "<|fim_pad|>")
 
 
@@ -209,16 +212,23 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
 
 
 def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft_vocab, *, shard_tokens: int = 16384,
-                         threads: int = 2, time_budget_s: float | None = None, max_tokens: int | None = None) -> dict:
-    """Like :func:`extract_features`, but runs the engine's compiled target graph (ONNX Runtime, fp32: the
-    deployed arithmetic) and stores the target logits over the draft vocabulary instead of the final hidden
+                         threads: int = 2, time_budget_s: float | None = None, max_tokens: int | None = None,
+                         provider: str = "cpu") -> dict:
+    """Like :func:`extract_features`, but runs the engine's compiled target graph (ONNX Runtime: the deployed
+    weights) and stores the target logits over the draft vocabulary instead of the final hidden
     state: ``tlogits.npy`` fp16 [n, V_d] (``draft_vocab`` int64 [V_d], ascending target ids).
 
     On a CPU this is faster than a torch fp32 forward, and it spares training the LM-head product for p_t.
+    ``provider``: "cpu" (ONNX Runtime's CPU provider: the deployed arithmetic) or "openvino" (its OpenVINO provider,
+    :class:`~dspark_runtime.backends.ort_openvino.OrtOpenVinoDecoder`: bf16 on AMX, other numerics; Intel CPUs).
+    Raises DSparkError for another provider, or where OpenVINO is missing.
     """
     m = load_manifest(engine_dir, verify=False)
     g = m.graphs["target"]
-    backend = OrtDecoder(Path(engine_dir) / g.model_file, g.spec, threads=threads)
+    if provider not in FEATURE_PROVIDERS:
+        raise DSparkError(f"features run on one of {list(FEATURE_PROVIDERS)}, not {provider!r}")
+    backend = (OrtOpenVinoDecoder if provider == "openvino" else OrtDecoder)(Path(engine_dir) / g.model_file, g.spec,
+                                                                             threads=threads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = np.asarray(draft_vocab, np.int64)

@@ -43,6 +43,9 @@ class PipelineSettings:
     stdlib_tokens: int = 40000
     sharegpt_tokens: int = 40000
     feature_tokens: int | None = None  # the features stage stops after the shards holding this many tokens (None: all)
+    # where the engine's target graph computes the features: "cpu" (ONNX Runtime's CPU provider, the deployed
+    # arithmetic) or "openvino" (its OpenVINO provider: bf16 on AMX, Intel CPUs; other numerics, docs/drafter.md)
+    features_on: str = "cpu"
     max_seq_len: int = 1024
     feature_layers: tuple = (1, 13, 25)
     draft_vocab_size: int = 16384
@@ -63,7 +66,7 @@ class PipelineSettings:
 # The settings that decide a run's data (answers, sequences, features): a run started with ``reuse_data`` takes
 # them from the run whose data it reuses.
 DATA_FIELDS = ("answer_prompts", "answer_tokens", "answer_batch", "sharegpt_prompts", "code_task_prompts",
-               "stdlib_tokens", "sharegpt_tokens", "feature_tokens", "max_seq_len", "feature_layers",
+               "stdlib_tokens", "sharegpt_tokens", "feature_tokens", "features_on", "max_seq_len", "feature_layers",
                "draft_vocab_size")
 STATE_FILE = "state.json"  # the run's settings and each stage's progress, in the work directory
 STAGES = ("answers", "sequences", "features", "train", "calibrate")
@@ -275,7 +278,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
             if (feat_dir / "draft_vocab.npy").exists():
                 vocab = np.load(feat_dir / "draft_vocab.npy")  # the vocabulary the cached logits were stored over
             r = extract_features_ort(engine_dir, seqs, feat_dir, vocab, time_budget_s=left(),
-                                     max_tokens=p.feature_tokens)
+                                     max_tokens=p.feature_tokens, provider=p.features_on)
         else:
             r = extract_features(target_dir, seqs, feat_dir, list(p.feature_layers), time_budget_s=left(),
                                  dtype="float32", max_tokens=p.feature_tokens)

@@ -477,3 +477,36 @@ def test_learning_rate_schedule_warms_up_for_at_most_a_tenth_of_the_run():
     assert all(a >= b for a, b in zip(short[3:], short[4:])) and s.lr_at(45, 45) == 0.0
     assert s.lr_at(49, 558) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 49 / 558)))
     assert s.lr_at(24, 558) == pytest.approx(1e-3 * 25 / 50 * 0.5 * (1 + math.cos(math.pi * 24 / 558)))
+
+
+def test_features_on_openvino_are_close_to_the_cpu_graphs_and_the_choice_is_checked(int4_engine, tmp_path):
+    """extract_features_ort(provider="openvino") runs the engine's int4 target graph on ONNX Runtime's OpenVINO
+    provider: the same shards, features and logits close to the CPU provider's (other numerics: bf16 on AMX); an
+    unknown provider is refused, and `train-draft --features-on openvino` without --engine is refused with the fix."""
+    from click.testing import CliRunner
+
+    from dspark_export.cli import cli as main
+    from dspark_export.drafter.features import FeatureStore, extract_features_ort
+    from dspark_runtime.backends.ort_openvino import openvino_cpu_devices
+    from dspark_runtime.errors import DSparkError
+
+    seqs = [(np.arange(5, 45, dtype=np.int32), np.ones(40, np.uint8)), (np.arange(50, 80, dtype=np.int32),
+                                                                          np.ones(30, np.uint8))]
+    vocab = np.arange(0, 64, dtype=np.int64)
+    with pytest.raises(DSparkError, match="not 'gpu'"):
+        extract_features_ort(int4_engine, seqs, tmp_path / "x", vocab, provider="gpu")
+    r = CliRunner().invoke(main, ["train-draft", "--out", str(tmp_path / "c"), "--features-on", "openvino"])
+    assert r.exit_code == 2 and "give --engine ENGINE" in r.output
+    try:
+        openvino_cpu_devices()
+    except DSparkError as e:
+        pytest.skip(f"no OpenVINO device here: {e}")
+    got = {}
+    for provider in ("cpu", "openvino"):
+        out = tmp_path / provider
+        assert extract_features_ort(int4_engine, seqs, out, vocab, provider=provider)["tokens"] == 70
+        store = FeatureStore(out)
+        got[provider] = [tuple(np.asarray(a, np.float32) for a in store.get(i)[2:]) for i in range(2)]
+    for (fc, lc), (fo, lo) in zip(got["cpu"], got["openvino"]):
+        assert 0 < np.linalg.norm(fo - fc) / np.linalg.norm(fc) < 0.1  # close, not the same arithmetic
+        assert np.mean(lo.argmax(-1) == lc.argmax(-1)) > 0.8
