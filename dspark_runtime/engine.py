@@ -83,7 +83,7 @@ class Engine:
         # the target's LM head on a padded call's real rows only, where the stored probe found that exact
         self.head_skips_padding = head_skips_padding(manifest, self.backend, row_multiple)
         # where prompt chunks run: "target", "prompt-graph" (graph target_prompt) or "openvino" (the target graph on
-        # ONNX Runtime's OpenVINO provider, checked chunk- and batch-invariant on first use)
+        # ONNX Runtime's OpenVINO provider, checked chunking-invariant on first use)
         self.prompts = resolve_prompt_place(prompts, manifest, self.placement)
         self._prompt_chunks = PromptChunkBackend(self.prompts, self.dir, manifest, self._backends, threads)
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)

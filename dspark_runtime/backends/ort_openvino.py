@@ -22,6 +22,7 @@ from dspark_runtime.errors import DSparkError
 
 OPENVINO_EP = "OpenVINOExecutionProvider"
 OPENVINO_INSTALL = "pip install 'dspark[openvino]' (the onnxruntime-ep-openvino plugin)"
+_REGISTERED = False  # the plugin's library is registered with this process's ONNX Runtime (once per process)
 
 
 def openvino_cpu_devices() -> list:
@@ -35,9 +36,11 @@ def openvino_cpu_devices() -> list:
     except ImportError as e:
         raise DSparkError(f"prompt chunks on OpenVINO need the OpenVINO plugin of ONNX Runtime: {OPENVINO_INSTALL} "
                           f"({e})") from e
-    if not any(d.ep_name == OPENVINO_EP for d in ort.get_ep_devices()):
+    global _REGISTERED
+    if not _REGISTERED and not any(d.ep_name == OPENVINO_EP for d in ort.get_ep_devices()):
         try:
             ort.register_execution_provider_library(OPENVINO_EP, plugin.get_library_path())
+            _REGISTERED = True
         except Exception as e:  # a plugin built for another onnxruntime
             raise DSparkError(f"ONNX Runtime {ort.__version__} could not load the OpenVINO plugin ({e}); install the "
                               f"plugin version this onnxruntime takes: {OPENVINO_INSTALL}") from e

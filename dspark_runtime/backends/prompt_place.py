@@ -58,8 +58,8 @@ class PromptChunkBackend:
             self._openvino = OrtOpenVinoDecoder(Path(engine_dir) / t.model_file, t.spec, threads, t.precision)
 
     def get(self, row_multiple: int):
-        """The activated backend, or None for "target". The OpenVINO one is checked chunk- and batch-invariant on its
-        first activation, with the target's calls padded to ``row_multiple`` rows (raises DSparkError where it is
+        """The activated backend, or None for "target". The OpenVINO one is checked chunking-invariant on its first
+        activation (its calls hold one request each: the batch cannot change them), with the target's calls padded to ``row_multiple`` rows (raises DSparkError where it is
         not, and drops the session)."""
         if self.place == "target":
             return None
