@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 import dspark_runtime  # dspark_runtime.Engine is imported on first use (PEP 562): `dspark --help` stays cheap
-from dspark_runtime.backends.prompt_place import PROMPT_PLACES
+from dspark_runtime.backends.prompt_place import PROMPT_PLACES, PROMPT_PLACES_HELP
 from dspark_runtime.engine_dir.artifact import is_tarball
 from dspark_runtime.engine_dir.artifact import unpack as unpack_tarball
 from dspark_runtime.engine_dir.graphspec import slot_bindings
@@ -106,9 +106,7 @@ def cli():
                    "trt: the engine's TensorRT engine). Default: every graph on the CPU; --backend trt = --placement "
                    "trt. Not yet verified on a GPU.")
 @click.option("--prompts", type=click.Choice(list(PROMPT_PLACES)), default="auto", show_default=True,
-              help="Where prompt chunks run, in every decoding mode alike: target; prompt-graph (the engine's, "
-                   "`dspark-export add-prompt-graph`); openvino (the target on ONNX Runtime's OpenVINO provider, Intel "
-                   "CPUs, pip install 'dspark[openvino]'); auto = prompt-graph where the engine has one, else target.")
+              help=PROMPT_PLACES_HELP)
 @click.option("--stream/--no-stream", default=True, help="Print text as it is generated (not with --json).")
 @click.option("--allow-slow-precision", is_flag=True,
               help="Run fp8/fp16 graphs (built for GPUs) on ONNX Runtime's CPU provider anyway (6-10x slower than fp32).")
@@ -354,7 +352,7 @@ def unpack(tarball, dest):
               help="Where each graph runs (as `dspark generate --placement`; cpu, cuda, trt-ep, trt). Not yet "
                    "verified on a GPU.")
 @click.option("--prompts", type=click.Choice(list(PROMPT_PLACES)), default="auto", show_default=True,
-              help="Where prompt chunks run (as `dspark generate --prompts`).")
+              help=PROMPT_PLACES_HELP)
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve on Ray Serve (pip install 'dspark[ray]'): the same app in --replicas replicas, each loading "
                    "the engine (docs/serving.md, 'Scale-out on Ray Serve').")

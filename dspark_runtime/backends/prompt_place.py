@@ -15,6 +15,11 @@ from dspark_runtime.errors import DSparkError, InputError
 
 #: auto: the prompt graph where the engine has one (a CPU target of the scatter layout), else the target
 PROMPT_PLACES = ("auto", "target", "prompt-graph", "openvino")
+#: what each choice means, for the CLI's --prompts
+PROMPT_PLACES_HELP = ("Where prompt chunks run, in every decoding mode alike: target; prompt-graph (the engine's, "
+                      "`dspark-export add-prompt-graph`); openvino (the target on ONNX Runtime's OpenVINO provider, "
+                      "Intel CPUs, pip install 'dspark[openvino]'); auto = prompt-graph where the engine has one, "
+                      "else target.")
 
 
 def resolve_prompt_place(prompts: str, manifest, placement: dict) -> str:
