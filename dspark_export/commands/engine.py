@@ -14,7 +14,7 @@ from dspark_runtime.engine_dir.artifact import pack as pack_engine
 from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION
+from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION, LM_HEAD_OPTION
 from dspark_export.engine_dir.add_draft import add_dspark_draft, dspark_checkpoint
 from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft, is_eagle3_checkpoint
 from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
@@ -43,6 +43,7 @@ from dspark_export.paths import recipe_names, resolve_recipe
 @click.option("--draft-length", type=int, default=None, help="Default draft tokens per round (gamma).")
 @FP8_WRITER_OPTION
 @INT4_SOURCE_OPTION
+@LM_HEAD_OPTION
 @click.option("--kv-layout", "kv_layout", type=click.Choice(["auto", "growing", "scatter"]), default=None,
               help="KV layout of the decoder graphs (default auto: scatter for int4 / int8-dynamic engines, growing "
                    "otherwise). scatter: one batch row per request, so `dspark serve` gives each request exactly its "
@@ -53,7 +54,7 @@ from dspark_export.paths import recipe_names, resolve_recipe
               help="onnx: ONNX graphs only. trt / both: the ONNX graphs (the CPU backend and the engines' source) plus "
                    "TensorRT engines built from them (options as `build-trt`, with its defaults).")
 def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, feature_layers, draft_length,
-          fp8_writer, int4_source, kv_layout, in_process, engine_format):
+          fp8_writer, int4_source, lm_head, kv_layout, in_process, engine_format):
     """Export, validate and describe an engine: RECIPE (a packaged recipe's name, e.g. qwen2.5-coder-1.5b, or a
     recipe file) or --target/--draft."""
     if recipe is not None:
@@ -76,6 +77,8 @@ def build(recipe, target, draft, name, out_dir, precision, calibration_prompts, 
         r.precision = precision
     if int4_source is not None:
         r.int4_source = int4_source
+    if lm_head is not None:
+        r.lm_head = lm_head
     if kv_layout is not None:
         r.kv_layout = kv_layout
     if calibration_prompts is not None:

@@ -10,6 +10,14 @@ FP8_WRITER_OPTION = click.option(
          "(memory-bounded QDQ writer; FP8 weights stored quantized, peak ~ the graph structure plus one weight), or "
          "auto (ModelOpt when installed and 8x the fp32 weights fit in the available memory, else stream).")
 
+# `build` and `quantize`: how an int4 graph's LM head is read (dspark_export.precision.nbits_head.resolve_lm_head)
+LM_HEAD_OPTION = click.option(
+    "--lm-head", "lm_head", type=click.Choice(["auto", "screened", "full"]), default=None,
+    help="The int4 LM head: screened (a 4-bit copy scores the vocabulary, the 64 best tokens of each position are "
+         "rescored from the exact 8-bit head: about half the head's bytes per step), full (the head as the int4 "
+         "source encodes it), auto (default: screened where the source keeps an 8-bit head, i.e. gguf and "
+         "gguf-compact; full otherwise).")
+
 # `build` and `quantize`: where int4 weights come from (dspark_export.precision.quantizers.resolve_int4_source)
 INT4_SOURCE_OPTION = click.option(
     "--int4-source", default=None, metavar="auto|gguf|gguf-compact|rtn|hqq",

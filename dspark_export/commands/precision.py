@@ -12,7 +12,7 @@ from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION
+from dspark_export.commands.options import FP8_WRITER_OPTION, INT4_SOURCE_OPTION, LM_HEAD_OPTION
 from dspark_export.precision.activation_ranges import (CALIBRATION_NOTE, CalibrationTable, calibrate_graph,
                                                        calibration_token_ids)
 from dspark_export.precision.quantize import quantize_engine
@@ -77,9 +77,12 @@ def calibrate_quant(engine_dir, role, out_path, n_prompts, verify_len):
                    "'' quantizes all.")
 @FP8_WRITER_OPTION
 @INT4_SOURCE_OPTION
-def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer, int4_source):
+@LM_HEAD_OPTION
+def quantize(engine_dir, out_dir, precision, calibration, calibration_prompts, exclude, fp8_writer, int4_source,
+             lm_head):
     """Quantize the fp32 graphs of a built ENGINE_DIR into a new engine directory, without re-exporting."""
     tables = {r: CalibrationTable.load(p) for r, p in _role_option(calibration, "--calibration").items()}
     excl = None if exclude is None else [x for x in exclude.split(",") if x.strip()]
     quantize_engine(engine_dir, out_dir, precision, calibration_prompts=calibration_prompts, tables=tables,
-                    exclude=excl, fp8_writer=fp8_writer, int4_source=int4_source or "auto", log=click.echo)
+                    exclude=excl, fp8_writer=fp8_writer, int4_source=int4_source or "auto",
+                    lm_head=lm_head or "auto", log=click.echo)

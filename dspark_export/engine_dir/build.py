@@ -31,6 +31,7 @@ from dspark_export.models.catalog import resolve_model
 from dspark_export.precision.activation_ranges import calibration_token_ids
 from dspark_export.precision.fp8 import check_fp8_writer
 from dspark_export.precision.nbits import INT4_SOURCES
+from dspark_export.precision.nbits_head import resolve_lm_head
 from dspark_export.precision.quantizers import CALIBRATED, PRECISIONS, quantize_graph, resolve_int4_source
 
 SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
@@ -60,6 +61,8 @@ class Recipe:
     # nothing is built from afterwards — growing otherwise (fp32 engines are what `quantize` and `build-trt` start
     # from, and static int8 / int8-trt / fp8 calibrate and run growing graphs)
     kv_layout: str = "auto"
+    # int4 graphs' LM head: "auto" | "screened" | "full" (dspark_export.precision.nbits_head.resolve_lm_head)
+    lm_head: str = "auto"
 
     @staticmethod
     def from_file(path: str | Path) -> "Recipe":
@@ -72,7 +75,7 @@ class Recipe:
         except (ValueError, TypeError) as e:
             raise DSparkError(f"recipe {path} is invalid ({e}); fields: name, target, draft, precision, "
                               "target_feature_layers, draft_length, calibration_prompts, int4_source, "
-                              "kv_layout") from e
+                              "kv_layout, lm_head") from e
 
     def precision_for(self, role: str) -> str:
         """The precision of graph ``role`` ("target" or "draft"); raises DSparkError on a bad spec."""
@@ -102,6 +105,7 @@ class Recipe:
                 raise DSparkError(f"the {role} graph is {p}, which needs the growing KV layout (its calibration and "
                                   "TensorRT paths run growing graphs); use kv_layout growing, or precision "
                                   f"{' / '.join(SCATTER_PRECISIONS)} with scatter")
+        resolve_lm_head(self.lm_head, "gguf")
         if not isinstance(self.draft_length, int) or self.draft_length < 1:
             raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
         if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:
@@ -125,7 +129,7 @@ def per_role(spec, role: str, default: str, what: str, example: str) -> str:
 
 def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids, precision: str = "fp32",
                  calibration_ids=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None,
-                 kv_layout: str = KV_LAYOUT_GROWING) -> dict:
+                 kv_layout: str = KV_LAYOUT_GROWING, lm_head: str = "auto") -> dict:
     """Export + validate one decoder graph in this process. Returns {"spec", "validation", "config",
     "quantization"}.
 
@@ -154,7 +158,7 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
         _move_graph(out_path, fp32_path)
         validation = {"fp32": validate_decoder(ref, dims, fp32_path, kv_layout=kv_layout).to_json()}
         quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
-                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf)
+                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf, lm_head=lm_head)
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement
@@ -183,13 +187,14 @@ def _move_graph(src: Path, dst: Path) -> None:
 
 def _export_graph_isolated(model_dir: Path, out_path: Path, feature_layers, validation_ids,
                            precision: str = "fp32", calibration_ids=None, fp8_writer: str = "auto",
-                           int4_source: str = "rtn", gguf=None, kv_layout: str = KV_LAYOUT_GROWING) -> dict:
+                           int4_source: str = "rtn", gguf=None, kv_layout: str = KV_LAYOUT_GROWING,
+                           lm_head: str = "auto") -> dict:
     """Run :func:`export_graph` in a fresh Python process (bounds peak memory to one model)."""
     args = json.dumps({"model_dir": str(model_dir), "out_path": str(out_path),
                        "feature_layers": list(feature_layers), "validation_ids": list(validation_ids),
                        "precision": precision, "calibration_ids": calibration_ids, "fp8_writer": fp8_writer,
                        "int4_source": int4_source, "gguf": None if gguf is None else str(gguf),
-                       "kv_layout": kv_layout})
+                       "kv_layout": kv_layout, "lm_head": lm_head})
     result_path = out_path.with_suffix(".export.json")
     proc = subprocess.run([sys.executable, "-m", "dspark_export.engine_dir.build", args, str(result_path)])
     if proc.returncode != 0 or not result_path.is_file():
@@ -301,7 +306,8 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
             source, gguf, why = resolve_int4_source(recipe.int4_source_for(role), role, mdir)
             log(f"[{role}] int4 weights from {source} ({why})")
         res = fn(mdir, stage / f"{role}.onnx", feats, val_ids, precision,
-                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf, recipe.kv_layout)
+                 calib_ids if precision in CALIBRATED else None, fp8_writer, source, gguf, recipe.kv_layout,
+                 recipe.lm_head)
         for prec, v in res["validation"].items():
             log(f"[{role}] {prec} graph vs torch: max |dlogits| prefill {v['prefill_max_abs_logit_diff']:.2e}, "
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
@@ -332,7 +338,8 @@ if __name__ == "__main__":  # worker for _export_graph_isolated
     try:
         r = export_graph(Path(a["model_dir"]), Path(a["out_path"]), a["feature_layers"], a["validation_ids"],
                          a.get("precision", "fp32"), a.get("calibration_ids"), a.get("fp8_writer", "auto"),
-                         a.get("int4_source", "rtn"), a.get("gguf"), a.get("kv_layout", KV_LAYOUT_GROWING))
+                         a.get("int4_source", "rtn"), a.get("gguf"), a.get("kv_layout", KV_LAYOUT_GROWING),
+                         a.get("lm_head", "auto"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

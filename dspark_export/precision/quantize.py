@@ -91,7 +91,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration_prompts: int = 16,
                     tables: dict | None = None, exclude=None, fp8_writer: str = "auto", int4_source: str = "auto",
-                    log=print):
+                    lm_head: str = "auto", log=print):
     """Write ``out_dir``: a copy of the built engine ``src_dir`` whose graphs have the precisions of
     ``precision`` (as ``dspark-export build --precision``: one for all, or ``target=int8,draft=int8``).
 
@@ -104,14 +104,15 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
     :func:`dspark_export.precision.quantizers.quantize_graph`; the record's ``"writer"`` says which one ran).
     ``int4_source``: ``"auto"`` | ``"gguf"`` | ``"rtn"`` | ``"hqq"`` for int4 graphs, one for all or per graph
     (``"target=gguf,draft=rtn"``; see :func:`dspark_export.precision.quantizers.resolve_int4_source`: the GGUF is
-    found from the graph's fetched model).
+    found from the graph's fetched model). ``lm_head``: ``"auto"`` | ``"screened"`` | ``"full"`` for int4 graphs
+    (:func:`dspark_export.precision.nbits_head.resolve_lm_head`).
     Returns the new Manifest. Raises DSparkError when ``out_dir`` is ``src_dir`` or a non-empty
     directory, when a graph to quantize is not fp32 or not a decoder (``causal_lm``), for a bad spec
     or an unknown fp8 writer.
     """
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     recipe = Recipe(name="-", target="-", precision=precision, calibration_prompts=calibration_prompts,
-                    int4_source=int4_source)
+                    int4_source=int4_source, lm_head=lm_head)
     recipe.validate()
     check_fp8_writer(fp8_writer)
     if out_dir.resolve() == src_dir.resolve():
@@ -172,7 +173,7 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
             log(f"[{role}] int4 weights from {source} ({why})")
         q = quantize_graph(src, dst, prec, spec=g.spec, calibration_ids=calib_ids,
                            table=(tables or {}).get(role), exclude=exclude, fp8_writer=fp8_writer,
-                           int4_source=source, gguf=gguf, log=log)
+                           int4_source=source, gguf=gguf, lm_head=recipe.lm_head, log=log)
         cand = OrtDecoder(dst, g.spec)
         agree = logit_agreement(OrtDecoder(src, g.spec), cand, [val_ids], verify_len=5)  # one graph at a time
         cand.deactivate()

@@ -25,6 +25,7 @@ from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibrat
 from dspark_export.precision.fp8 import choose_fp8_writer, quantize_fp8
 from dspark_export.precision.nbits import quantize_nbits_rtn
 from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
+from dspark_export.precision.nbits_head import resolve_lm_head, screen_lm_head
 from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
 
 GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
@@ -57,7 +58,8 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
-                   exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, log=print) -> dict:
+                   exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, lm_head: str = "auto",
+                   log=print) -> dict:
     """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
     ``quantization`` record.
 
@@ -78,7 +80,9 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     peak ≈ one weight); ``"gguf-compact"`` the same blocks in fewer bytes (its ``encoding="compact"``: 4-bit codes
     kept with the block minimum in 8 bits, other block types but the LM head's fitted in 4 bits); ``"rtn"`` / ``"hqq"``
     run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration
-    data.
+    data. ``lm_head`` (:func:`~dspark_export.precision.nbits_head.resolve_lm_head`): ``"screened"`` rewrites the
+    int4 graph's 8-bit LM head into a 4-bit screen plus exact rescoring of the best candidates
+    (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``).
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights; raises DSparkError when that cannot fit in this
     machine's RAM.
@@ -90,8 +94,12 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
             if gguf is None:
                 raise DSparkError("int4 from the GGUF needs the GGUF path")
             encoding = "exact" if int4_source == "gguf" else "compact"
-            return quantize_nbits_gguf(src, dst, gguf, encoding=encoding, log=log)
-        return quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
+            rep = quantize_nbits_gguf(src, dst, gguf, encoding=encoding, log=log)
+        else:
+            rep = quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
+        if resolve_lm_head(lm_head, int4_source) == "screened":
+            rep["lm_head"] = screen_lm_head(dst, log=log)
+        return rep
     writer = reason = None
     if precision == "fp8":
         writer, reason = choose_fp8_writer(src, fp8_writer, log=log)

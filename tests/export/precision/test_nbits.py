@@ -271,6 +271,8 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
     assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    # lm_head auto: the GGUF's 8-bit (Q6_K) head is screened; the draft's RTN head is 4-bit already
+    assert t.quantization["lm_head"]["candidates"] == 64 and "lm_head" not in d.quantization
     assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
     assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
@@ -292,6 +294,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert info.exit_code == 0, info.output
     assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
+    assert info.output.count("LM head screened in 4 bits, the best 64 rescored exactly") == 1  # the target only
     assert info.output.count("KV layout scatter") == 2  # target and draft
     assert info.output.count("K/V written in place") == 2  # built with the slot outputs
     # gguf asked for where the model has no GGUF: a clear error

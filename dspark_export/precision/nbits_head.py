@@ -1,0 +1,204 @@
+"""A screened LM head for int4 graphs (:func:`screen_lm_head`): a 4-bit copy of the head scores the vocabulary,
+and only the ``candidates`` best-scored tokens of each position are rescored exactly, in fp32, from the exact 8-bit
+head's own codes and scales (gathered per candidate); the exact scores overwrite the screen's at those tokens.
+
+Why: the LM head is the largest single weight a decoding step reads (the 1.5B Qwen's Q6_K head as 8-bit blocks of
+16: 306 MB of the exact graph's 1.42 GB), and a step is bound by the bytes it streams. The 4-bit screen reads about
+half of that; the rescoring reads ``candidates`` rows of the 8-bit head per position, which a step never streams
+whole (read only by ``Gather``). The logits of the top tokens are the exact head's weights times the fp32 hidden
+state (no int8 activations, unlike the kernel) whenever the exact top token is among the screen's ``candidates``
+(measured: docs/precision.md); the other logits are the screen's.
+
+Every op works per row (``MatMulNBits``, ``TopK``, ``Gather``, a batched fp32 ``MatMul``, ``ScatterElements``), so a
+row's logits do not depend on the call it is in: speculative output still equals target-only output.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.errors import DSparkError
+
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
+from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, fit_uint4_rows
+
+LM_HEADS = ("auto", "screened", "full")
+DEFAULT_CANDIDATES = 64  # tokens rescored exactly per position (chosen by measurement: docs/precision.md)
+SCREEN_BLOCK = 32  # the 4-bit screen's block along K (chosen by measurement: docs/precision.md)
+_ROW_CHUNK = 8192  # vocabulary rows fitted / compared per step
+
+
+def resolve_lm_head(requested: str, int4_source: str) -> str:
+    """``"screened"`` or ``"full"``: how the int4 graph written from ``int4_source`` reads its LM head. ``auto``:
+    screened where the source keeps the head in 8 bits (``gguf``, ``gguf-compact``: the GGUF's Q6_K head), full where
+    it is 4-bit already (``rtn``, ``hqq``). Raises DSparkError for a value outside :data:`LM_HEADS`."""
+    if requested not in LM_HEADS:
+        raise DSparkError(f"lm_head {requested!r} is not supported; choose one of {', '.join(LM_HEADS)}")
+    if requested == "auto":
+        return "screened" if int4_source in ("gguf", "gguf-compact") else "full"
+    return requested
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _read(t, reader) -> np.ndarray:
+    from onnx import helper
+
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    return np.frombuffer(reader.read(t), dtype).reshape([int(d) for d in t.dims])
+
+
+def head_rows(node, arrays: dict) -> np.ndarray:
+    """The weight a correction-free MatMulNBits node computes with, as rows: float32 ``[N, K]`` (one row per output
+    channel, i.e. per token for an LM head). ``arrays``: initializer name -> numpy array."""
+    a = _attrs(node)
+    k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+    kb = k // block
+    packed = arrays[node.input[1]].reshape(n, kb, -1)
+    scales = arrays[node.input[2]].reshape(n, kb).astype(np.float32)
+    if bits == 8:
+        q = packed.reshape(n, kb, block)
+    else:
+        q = np.empty((n, kb, block), np.uint8)
+        q[..., 0::2], q[..., 1::2] = packed & 0x0F, packed >> 4
+    if len(node.input) > 3 and node.input[3]:
+        zp = arrays[node.input[3]].reshape(n, -1)
+        if bits == 4:
+            z = np.empty((n, zp.shape[1] * 2), np.uint8)
+            z[:, 0::2], z[:, 1::2] = zp & 0x0F, zp >> 4
+            zp = z[:, :kb]
+    else:
+        zp = np.full((n, kb), 2 ** (bits - 1), np.uint8)
+    w = (q.astype(np.float32) - zp[..., None].astype(np.float32)) * scales[..., None]
+    return w.reshape(n, k)
+
+
+def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: int = SCREEN_BLOCK,
+                   log=print) -> dict:
+    """Rewrite the int4 graph ``path`` (+ its ``.data``) in place with a screened LM head (module docstring).
+
+    The head is the ``com.microsoft.MatMulNBits`` node writing the graph output ``logits`` (no block-sum
+    correction, no bias). Returns the manifest record: candidates, the screen's form and its relative L2 error,
+    the weight bytes a step reads in the head before and after. ``candidates`` above the vocabulary rescore it all.
+    Raises DSparkError when the graph has no such head, the head is not 8-bit, or ``candidates`` < 1.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    g = proto.graph
+    inits = {t.name: t for t in g.initializer}
+    prod = {o: n for n in g.node for o in n.output}
+    head = prod.get("logits")
+    if head is None or head.op_type != "MatMulNBits" or head.input[1] not in inits or len(head.input) > 4:
+        raise DSparkError(f"{path.name} has no MatMulNBits LM head writing 'logits' (an int4 graph of "
+                          "dspark-export is needed) — build the engine without the screened head")
+    a = _attrs(head)
+    k, vocab = a["K"], a["N"]
+    if candidates < 1:
+        raise DSparkError(f"the screened head needs at least one candidate per position, got {candidates}")
+    candidates = min(candidates, vocab)
+    if k % block:
+        raise DSparkError(f"the LM head's K={k} is not a multiple of the screen block {block}")
+    if a["bits"] != 8:
+        raise DSparkError(f"the LM head of {path.name} is {a['bits']}-bit already; only an 8-bit head is screened")
+    reader = ExternalData(path.parent)
+    arrays = {n: _read(inits[n], reader) for n in head.input[1:] if n}
+    rows = head_rows(head, arrays)
+    hblock, kb = a["block_size"], k // a["block_size"]
+    codes = arrays[head.input[1]].reshape(vocab, kb, hblock)
+    scales = arrays[head.input[2]].reshape(vocab, kb).astype(np.float32)
+    zp = (arrays[head.input[3]].reshape(vocab, kb) if len(head.input) > 3 and head.input[3]
+          else np.full((vocab, kb), 128, np.uint8))
+    zp_one = bool((zp == zp.flat[0]).all())
+    del arrays
+    x = head.input[0]
+    base = head.name or "lm_head"
+    screen = [fit_uint4_rows(rows[i:i + _ROW_CHUNK], block) for i in range(0, vocab, _ROW_CHUNK)]
+    head_bytes = sum(reader.nbytes(inits[n]) for n in head.input[1:] if n)
+    tmp = path.parent / f".screen-{os.getpid()}-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        with ExternalWriter(tmp / path.name) as writer:
+            drop = {n for n in head.input[1:] if n}
+            drop = {n for n in drop if all(n not in m.input for m in g.node if m is not head)}
+            new_inits = [writer.copy(t, reader) for t in g.initializer if t.name not in drop]
+            s0 = screen[0]
+            new_inits += [
+                writer.put((s.packed for s in screen), base + "_screen_Q", TensorProto.UINT8,
+                           (vocab, k // block, s0.packed.shape[2])),
+                writer.put((s.scales for s in screen), base + "_screen_scales", TensorProto.FLOAT,
+                           (vocab * (k // block),)),
+                writer.put([s.packed_zero_points() for s in screen], base + "_screen_zp", TensorProto.UINT8,
+                           (sum(s.packed_zero_points().size for s in screen),)),
+                # the exact head's 8-bit codes and scales, read per candidate by Gather (never streamed whole)
+                writer.put([codes], base + "_rows_Q", TensorProto.UINT8, (vocab, kb, hblock)),
+                writer.put([scales], base + "_rows_scales", TensorProto.FLOAT, (vocab, kb))]
+            if not zp_one:
+                new_inits.append(writer.put([zp], base + "_rows_zp", TensorProto.UINT8, (vocab, kb)))
+        reader.close()
+        consts = {"_candidates": np.array([candidates], np.int64), "_axis_last": np.array([-1], np.int64),
+                  "_rows_shape": np.array([0, 0, 0, k], np.int64)}
+        if zp_one:
+            consts["_rows_zp_f"] = np.array(float(zp.flat[0]), np.float32)
+        new_inits += [numpy_helper.from_array(v, base + n) for n, v in consts.items()]
+        mk = helper.make_node
+        s_out, idx, b = base + "_screen", base + "_candidate_ids", base
+        zp_f = b + "_rows_zp_f"
+        new_nodes = [
+            mk("MatMulNBits", [x, b + "_screen_Q", b + "_screen_scales", b + "_screen_zp"], [s_out],
+               name=b + "_screen_MatMulNBits", domain="com.microsoft", K=k, N=vocab, bits=4, block_size=block,
+               accuracy_level=a.get("accuracy_level", DEFAULT_ACCURACY_LEVEL)),
+            mk("TopK", [s_out, b + "_candidates"], [b + "_screen_top", idx], axis=-1, largest=1, sorted=0,
+               name=b + "_TopK"),
+            mk("Gather", [b + "_rows_Q", idx], [b + "_cand_q"], axis=0, name=b + "_rows_Gather"),
+            mk("Cast", [b + "_cand_q"], [b + "_cand_qf"], to=TensorProto.FLOAT, name=b + "_rows_Cast")]
+        if not zp_one:
+            new_nodes += [
+                mk("Gather", [b + "_rows_zp", idx], [b + "_cand_zp"], axis=0, name=b + "_zp_Gather"),
+                mk("Cast", [b + "_cand_zp"], [b + "_cand_zpf1"], to=TensorProto.FLOAT, name=b + "_zp_Cast"),
+                mk("Unsqueeze", [b + "_cand_zpf1", b + "_axis_last"], [zp_f], name=b + "_zp_Unsqueeze")]
+        new_nodes += [
+            mk("Sub", [b + "_cand_qf", zp_f], [b + "_cand_c"], name=b + "_rows_Sub"),
+            mk("Gather", [b + "_rows_scales", idx], [b + "_cand_s"], axis=0, name=b + "_scales_Gather"),
+            mk("Unsqueeze", [b + "_cand_s", b + "_axis_last"], [b + "_cand_s1"], name=b + "_scales_Unsqueeze"),
+            mk("Mul", [b + "_cand_c", b + "_cand_s1"], [b + "_cand_w"], name=b + "_rows_Mul"),
+            mk("Reshape", [b + "_cand_w", b + "_rows_shape"], [b + "_cand_rows"], name=b + "_rows_Reshape"),
+            mk("Unsqueeze", [x, b + "_axis_last"], [b + "_x_col"], name=b + "_x_Unsqueeze"),
+            mk("MatMul", [b + "_cand_rows", b + "_x_col"], [b + "_exact_col"], name=b + "_exact_MatMul"),
+            mk("Squeeze", [b + "_exact_col", b + "_axis_last"], [b + "_exact"], name=b + "_exact_Squeeze"),
+            mk("ScatterElements", [s_out, idx, b + "_exact"], ["logits"], axis=-1, name=b + "_ScatterElements"),
+        ]
+        new_nodes[0].metadata_props.extend(head.metadata_props)
+        nodes = []
+        for n in g.node:
+            nodes.extend(new_nodes if n is head else [n])
+        del g.node[:]
+        g.node.extend(nodes)
+        del g.initializer[:]
+        g.initializer.extend(new_inits)
+        onnx.save_model(proto, str(tmp / path.name))
+        os.replace(tmp / (path.name + ".data"), path.parent / (path.name + ".data"))
+        os.replace(tmp / path.name, path)
+    finally:
+        reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    screen_bytes = sum(s.packed.nbytes + s.scales.nbytes + s.packed_zero_points().nbytes for s in screen)
+    rel = float(np.sqrt(sum(float(((s.dequantize().T - rows[i:i + _ROW_CHUNK]) ** 2).sum())
+                            for s, i in zip(screen, range(0, vocab, _ROW_CHUNK)))
+                        / max(float((rows.astype(np.float64) ** 2).sum()), 1e-30)))
+    rec = {"candidates": candidates, "screen": f"4-bit blocks of {block}, fitted (integer zero points)",
+           "screen_rel_l2": round(rel, 6), "head_step_bytes": [head_bytes, screen_bytes]}
+    log(f"  screened LM head: 4-bit screen ({screen_bytes / 1e6:.0f} MB, rel L2 {rel:.4f}) + exact rescoring of "
+        f"{candidates} candidates from its own 8-bit rows "
+        f"(head {head_bytes / 1e6:.0f} -> {screen_bytes / 1e6:.0f} MB a step)")
+    return rec
