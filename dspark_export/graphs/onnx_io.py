@@ -4,8 +4,11 @@ one tensor at a time, and a session over a weightless graph that reads the origi
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +186,57 @@ class ExternalWriter:
         size = reader.nbytes(t)
         return self.put((np.frombuffer(reader.read(t, i, 64 << 20), np.uint8) for i in range(0, size, 64 << 20)),
                         t.name, t.data_type, t.dims)
+
+
+def node_attributes(node) -> dict:
+    """An ONNX node's attributes as {name: Python value}."""
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def read_initializer(t, reader: ExternalData) -> np.ndarray:
+    """Initializer ``t`` (of a graph loaded without its weights) as a numpy array of its shape and dtype."""
+    from onnx import helper
+
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    return np.frombuffer(reader.read(t), dtype).reshape([int(d) for d in t.dims])
+
+
+@dataclass
+class GraphRewrite:
+    """What :func:`rewrite_in_place` hands its caller: ``reader`` over the old weights, ``writer`` for the new
+    ``.data``; set ``proto`` to the rewritten graph (its initializers written through ``writer``) to commit it."""
+
+    reader: ExternalData
+    writer: ExternalWriter
+    proto: object = None
+
+
+@contextmanager
+def rewrite_in_place(path: Path, tag: str):
+    """Rewrite the ONNX graph ``path`` and its ``<name>.data`` in place, atomically per file: the new weights go to a
+    private folder beside ``path`` (``.<tag>-<pid>-<name>``); when the block ends with ``GraphRewrite.proto`` set,
+    the graph is saved there and both files replace the old ones; on an error or with ``proto`` unset the old
+    files stay as they were. The folder is removed whatever happens."""
+    import onnx
+
+    path = Path(path)
+    tmp = path.parent / f".{tag}-{os.getpid()}-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    rw = GraphRewrite(ExternalData(path.parent), ExternalWriter(tmp / path.name))
+    try:
+        with rw.writer:
+            yield rw
+        rw.reader.close()
+        if rw.proto is not None:
+            onnx.save_model(rw.proto, str(tmp / path.name))
+            os.replace(tmp / (path.name + ".data"), path.parent / (path.name + ".data"))
+            os.replace(tmp / path.name, path)
+    finally:
+        rw.reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _initializer_bytes(path: Path, counted) -> int:

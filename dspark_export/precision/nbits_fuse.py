@@ -11,8 +11,6 @@ it). The rewrite streams: weights are read per group and copied in chunks into a
 """
 from __future__ import annotations
 
-import os
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,7 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
+from dspark_export.graphs.onnx_io import node_attributes, read_initializer, rewrite_in_place
 
 
 @dataclass
@@ -32,12 +30,6 @@ class _Member:
     removed: list = field(default_factory=list)  # nodes replaced by the merged ones (correction, bias Add)
     corr_weight: str | None = None
     bias: str | None = None
-
-
-def _attrs(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _toposort(nodes: list, available: set) -> list:
@@ -95,7 +87,7 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
             continue
         if any(i and i not in inits for i in n.input[1:]):
             continue
-        a = _attrs(n)
+        a = node_attributes(n)
         m = _Member(n, int(a["N"]), n.output[0])
         cons = consumers[m.final]
         if m.final not in outputs and len(cons) == 1 and cons[0].op_type == "Sub" and cons[0].input[0] == m.final:
@@ -138,7 +130,7 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
             plan[base + "_bias"] = ([m.bias for m in ms], 0)
             if not ms[0].corr_weight:  # no correction: the kernel adds the bias (bit-identical to the Add)
                 fused_in += ["", base + "_bias"]
-        a = _attrs(first)
+        a = node_attributes(first)
         a["N"] = sum(m.n for m in ms)
         y = base + "_out"
         mm = helper.make_node("MatMulNBits", fused_in, [y], name=base, domain="com.microsoft", **a)
@@ -170,38 +162,17 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
     avail = {i.name for i in g.input} | set(inits) | {t.name for t in proto.graph.initializer}
     nodes = _toposort(nodes, avail)
 
-    tmp = path.parent / f".fuse-{os.getpid()}-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    reader = ExternalData(path.parent)
-    new_inits = []
-    try:
-        with ExternalWriter(tmp / path.name) as writer:
-            for t in list(proto.graph.initializer):
-                if t.name not in skip:
-                    new_inits.append(writer.copy(t, reader))
-            for name, (parts, axis) in plan.items():
-                out = np.concatenate([_read(inits[p], reader) for p in parts], axis=axis)
-                new_inits.append(writer.put([out], name, inits[parts[0]].data_type, out.shape))
-        reader.close()
+    with rewrite_in_place(path, "fuse") as rw:
+        new_inits = [rw.writer.copy(t, rw.reader) for t in list(proto.graph.initializer) if t.name not in skip]
+        for name, (parts, axis) in plan.items():
+            out = np.concatenate([read_initializer(inits[p], rw.reader) for p in parts], axis=axis)
+            new_inits.append(rw.writer.put([out], name, inits[parts[0]].data_type, out.shape))
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(new_inits)
-        onnx.save_model(proto, str(tmp / path.name))
-        os.replace(tmp / (path.name + ".data"), path.parent / (path.name + ".data"))
-        os.replace(tmp / path.name, path)
-    finally:
-        reader.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        rw.proto = proto
     after = (before[0] - sum(len(ms) - 1 for ms in merged), len(nodes))
     log(f"  merged {sum(len(ms) for ms in merged)} MatMulNBits reading a shared input into {len(merged)}: "
         f"{before[0]} -> {after[0]} MatMulNBits, {before[1]} -> {after[1]} nodes")
     return {"groups": len(merged), "matmul_nbits_nodes": [before[0], after[0]], "nodes": [before[1], after[1]]}
-
-
-def _read(t, reader) -> np.ndarray:
-    from onnx import helper
-
-    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-    return np.frombuffer(reader.read(t), dtype).reshape([int(d) for d in t.dims])

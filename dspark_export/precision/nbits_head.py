@@ -14,15 +14,13 @@ row's logits do not depend on the call it is in: speculative output still equals
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter
+from dspark_export.graphs.onnx_io import ExternalData, node_attributes, read_initializer, rewrite_in_place
 from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, fit_uint4_rows
 
 LM_HEADS = ("auto", "screened", "full")
@@ -42,23 +40,10 @@ def resolve_lm_head(requested: str, int4_source: str) -> str:
     return requested
 
 
-def _attrs(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _read(t, reader) -> np.ndarray:
-    from onnx import helper
-
-    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-    return np.frombuffer(reader.read(t), dtype).reshape([int(d) for d in t.dims])
-
-
 def head_rows(node, arrays: dict) -> np.ndarray:
     """The weight a correction-free MatMulNBits node computes with, as rows: float32 ``[N, K]`` (one row per output
     channel, i.e. per token for an LM head). ``arrays``: initializer name -> numpy array."""
-    a = _attrs(node)
+    a = node_attributes(node)
     k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
     kb = k // block
     packed = arrays[node.input[1]].reshape(n, kb, -1)
@@ -101,7 +86,7 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
     if head is None or head.op_type != "MatMulNBits" or head.input[1] not in inits or len(head.input) > 4:
         raise DSparkError(f"{path.name} has no MatMulNBits LM head writing 'logits' (an int4 graph of "
                           "dspark-export is needed) — build the engine without the screened head")
-    a = _attrs(head)
+    a = node_attributes(head)
     k, vocab = a["K"], a["N"]
     if candidates < 1:
         raise DSparkError(f"the screened head needs at least one candidate per position, got {candidates}")
@@ -111,7 +96,9 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
     if a["bits"] != 8:
         raise DSparkError(f"the LM head of {path.name} is {a['bits']}-bit already; only an 8-bit head is screened")
     reader = ExternalData(path.parent)
-    arrays = {n: _read(inits[n], reader) for n in head.input[1:] if n}
+    arrays = {n: read_initializer(inits[n], reader) for n in head.input[1:] if n}
+    head_bytes = sum(reader.nbytes(inits[n]) for n in head.input[1:] if n)
+    reader.close()
     rows = head_rows(head, arrays)
     hblock, kb = a["block_size"], k // a["block_size"]
     codes = arrays[head.input[1]].reshape(vocab, kb, hblock)
@@ -120,78 +107,36 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
           else np.full((vocab, kb), 128, np.uint8))
     zp_one = bool((zp == zp.flat[0]).all())
     del arrays
-    x = head.input[0]
-    base = head.name or "lm_head"
+    b = head.name or "lm_head"
     screen = [fit_uint4_rows(rows[i:i + _ROW_CHUNK], block) for i in range(0, vocab, _ROW_CHUNK)]
-    head_bytes = sum(reader.nbytes(inits[n]) for n in head.input[1:] if n)
-    tmp = path.parent / f".screen-{os.getpid()}-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        with ExternalWriter(tmp / path.name) as writer:
-            drop = {n for n in head.input[1:] if n}
-            drop = {n for n in drop if all(n not in m.input for m in g.node if m is not head)}
-            new_inits = [writer.copy(t, reader) for t in g.initializer if t.name not in drop]
-            s0 = screen[0]
-            new_inits += [
-                writer.put((s.packed for s in screen), base + "_screen_Q", TensorProto.UINT8,
-                           (vocab, k // block, s0.packed.shape[2])),
-                writer.put((s.scales for s in screen), base + "_screen_scales", TensorProto.FLOAT,
-                           (vocab * (k // block),)),
-                writer.put([s.packed_zero_points() for s in screen], base + "_screen_zp", TensorProto.UINT8,
-                           (sum(s.packed_zero_points().size for s in screen),)),
-                # the exact head's 8-bit codes and scales, read per candidate by Gather (never streamed whole)
-                writer.put([codes], base + "_rows_Q", TensorProto.UINT8, (vocab, kb, hblock)),
-                writer.put([scales], base + "_rows_scales", TensorProto.FLOAT, (vocab, kb))]
-            if not zp_one:
-                new_inits.append(writer.put([zp], base + "_rows_zp", TensorProto.UINT8, (vocab, kb)))
-        reader.close()
+    with rewrite_in_place(path, "screen") as rw:
+        drop = {n for n in head.input[1:] if n and all(n not in m.input for m in g.node if m is not head)}
+        new_inits = [rw.writer.copy(t, rw.reader) for t in g.initializer if t.name not in drop]
+        new_inits += [
+            rw.writer.put((s.packed for s in screen), b + "_screen_Q", TensorProto.UINT8,
+                          (vocab, k // block, screen[0].packed.shape[2])),
+            rw.writer.put((s.scales for s in screen), b + "_screen_scales", TensorProto.FLOAT, (vocab * (k // block),)),
+            rw.writer.put([s.packed_zero_points() for s in screen], b + "_screen_zp", TensorProto.UINT8,
+                          (sum(s.packed_zero_points().size for s in screen),)),
+            # the exact head's 8-bit codes and scales, read per candidate by Gather (never streamed whole)
+            rw.writer.put([codes], b + "_rows_Q", TensorProto.UINT8, (vocab, kb, hblock)),
+            rw.writer.put([scales], b + "_rows_scales", TensorProto.FLOAT, (vocab, kb))]
+        if not zp_one:
+            new_inits.append(rw.writer.put([zp], b + "_rows_zp", TensorProto.UINT8, (vocab, kb)))
         consts = {"_candidates": np.array([candidates], np.int64), "_axis_last": np.array([-1], np.int64),
                   "_rows_shape": np.array([0, 0, 0, k], np.int64)}
         if zp_one:
             consts["_rows_zp_f"] = np.array(float(zp.flat[0]), np.float32)
-        new_inits += [numpy_helper.from_array(v, base + n) for n, v in consts.items()]
-        mk = helper.make_node
-        s_out, idx, b = base + "_screen", base + "_candidate_ids", base
-        zp_f = b + "_rows_zp_f"
-        new_nodes = [
-            mk("MatMulNBits", [x, b + "_screen_Q", b + "_screen_scales", b + "_screen_zp"], [s_out],
-               name=b + "_screen_MatMulNBits", domain="com.microsoft", K=k, N=vocab, bits=4, block_size=block,
-               accuracy_level=a.get("accuracy_level", DEFAULT_ACCURACY_LEVEL)),
-            mk("TopK", [s_out, b + "_candidates"], [b + "_screen_top", idx], axis=-1, largest=1, sorted=0,
-               name=b + "_TopK"),
-            mk("Gather", [b + "_rows_Q", idx], [b + "_cand_q"], axis=0, name=b + "_rows_Gather"),
-            mk("Cast", [b + "_cand_q"], [b + "_cand_qf"], to=TensorProto.FLOAT, name=b + "_rows_Cast")]
-        if not zp_one:
-            new_nodes += [
-                mk("Gather", [b + "_rows_zp", idx], [b + "_cand_zp"], axis=0, name=b + "_zp_Gather"),
-                mk("Cast", [b + "_cand_zp"], [b + "_cand_zpf1"], to=TensorProto.FLOAT, name=b + "_zp_Cast"),
-                mk("Unsqueeze", [b + "_cand_zpf1", b + "_axis_last"], [zp_f], name=b + "_zp_Unsqueeze")]
-        new_nodes += [
-            mk("Sub", [b + "_cand_qf", zp_f], [b + "_cand_c"], name=b + "_rows_Sub"),
-            mk("Gather", [b + "_rows_scales", idx], [b + "_cand_s"], axis=0, name=b + "_scales_Gather"),
-            mk("Unsqueeze", [b + "_cand_s", b + "_axis_last"], [b + "_cand_s1"], name=b + "_scales_Unsqueeze"),
-            mk("Mul", [b + "_cand_c", b + "_cand_s1"], [b + "_cand_w"], name=b + "_rows_Mul"),
-            mk("Reshape", [b + "_cand_w", b + "_rows_shape"], [b + "_cand_rows"], name=b + "_rows_Reshape"),
-            mk("Unsqueeze", [x, b + "_axis_last"], [b + "_x_col"], name=b + "_x_Unsqueeze"),
-            mk("MatMul", [b + "_cand_rows", b + "_x_col"], [b + "_exact_col"], name=b + "_exact_MatMul"),
-            mk("Squeeze", [b + "_exact_col", b + "_axis_last"], [b + "_exact"], name=b + "_exact_Squeeze"),
-            mk("ScatterElements", [s_out, idx, b + "_exact"], ["logits"], axis=-1, name=b + "_ScatterElements"),
-        ]
+        new_inits += [numpy_helper.from_array(v, b + n) for n, v in consts.items()]
+        new_nodes = _screen_nodes(helper, TensorProto, head.input[0], b, k, vocab, block, zp_one,
+                                  a.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
         new_nodes[0].metadata_props.extend(head.metadata_props)
-        nodes = []
-        for n in g.node:
-            nodes.extend(new_nodes if n is head else [n])
+        nodes = [m for n in g.node for m in (new_nodes if n is head else [n])]
         del g.node[:]
         g.node.extend(nodes)
         del g.initializer[:]
         g.initializer.extend(new_inits)
-        onnx.save_model(proto, str(tmp / path.name))
-        os.replace(tmp / (path.name + ".data"), path.parent / (path.name + ".data"))
-        os.replace(tmp / path.name, path)
-    finally:
-        reader.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        rw.proto = proto
     screen_bytes = sum(s.packed.nbytes + s.scales.nbytes + s.packed_zero_points().nbytes for s in screen)
     rel = float(np.sqrt(sum(float(((s.dequantize().T - rows[i:i + _ROW_CHUNK]) ** 2).sum())
                             for s, i in zip(screen, range(0, vocab, _ROW_CHUNK)))
@@ -202,3 +147,34 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
         f"{candidates} candidates from its own 8-bit rows "
         f"(head {head_bytes / 1e6:.0f} -> {screen_bytes / 1e6:.0f} MB a step)")
     return rec
+
+
+def _screen_nodes(helper, TensorProto, x: str, b: str, k: int, vocab: int, block: int, zp_one: bool,
+                  accuracy_level: int) -> list:
+    """The nodes of a screened head over hidden state ``x`` [.., K] writing ``logits`` [.., vocab]; initializer
+    names start with ``b`` (see :func:`screen_lm_head`)."""
+    mk = helper.make_node
+    s_out, idx, zp_f = b + "_screen", b + "_candidate_ids", b + "_rows_zp_f"
+    nodes = [
+        mk("MatMulNBits", [x, b + "_screen_Q", b + "_screen_scales", b + "_screen_zp"], [s_out],
+           name=b + "_screen_MatMulNBits", domain="com.microsoft", K=k, N=vocab, bits=4, block_size=block,
+           accuracy_level=accuracy_level),
+        mk("TopK", [s_out, b + "_candidates"], [b + "_screen_top", idx], axis=-1, largest=1, sorted=0,
+           name=b + "_TopK"),
+        mk("Gather", [b + "_rows_Q", idx], [b + "_cand_q"], axis=0, name=b + "_rows_Gather"),
+        mk("Cast", [b + "_cand_q"], [b + "_cand_qf"], to=TensorProto.FLOAT, name=b + "_rows_Cast")]
+    if not zp_one:
+        nodes += [
+            mk("Gather", [b + "_rows_zp", idx], [b + "_cand_zp"], axis=0, name=b + "_zp_Gather"),
+            mk("Cast", [b + "_cand_zp"], [b + "_cand_zpf1"], to=TensorProto.FLOAT, name=b + "_zp_Cast"),
+            mk("Unsqueeze", [b + "_cand_zpf1", b + "_axis_last"], [zp_f], name=b + "_zp_Unsqueeze")]
+    return nodes + [
+        mk("Sub", [b + "_cand_qf", zp_f], [b + "_cand_c"], name=b + "_rows_Sub"),
+        mk("Gather", [b + "_rows_scales", idx], [b + "_cand_s"], axis=0, name=b + "_scales_Gather"),
+        mk("Unsqueeze", [b + "_cand_s", b + "_axis_last"], [b + "_cand_s1"], name=b + "_scales_Unsqueeze"),
+        mk("Mul", [b + "_cand_c", b + "_cand_s1"], [b + "_cand_w"], name=b + "_rows_Mul"),
+        mk("Reshape", [b + "_cand_w", b + "_rows_shape"], [b + "_cand_rows"], name=b + "_rows_Reshape"),
+        mk("Unsqueeze", [x, b + "_axis_last"], [b + "_x_col"], name=b + "_x_Unsqueeze"),
+        mk("MatMul", [b + "_cand_rows", b + "_x_col"], [b + "_exact_col"], name=b + "_exact_MatMul"),
+        mk("Squeeze", [b + "_exact_col", b + "_axis_last"], [b + "_exact"], name=b + "_exact_Squeeze"),
+        mk("ScatterElements", [s_out, idx, b + "_exact"], ["logits"], axis=-1, name=b + "_ScatterElements")]

@@ -24,7 +24,7 @@ import numpy as np
 from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, peak_rss_gb,
+from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, node_attributes, peak_rss_gb,
                                           session_over_weights)
 from dspark_export.precision.nbits import NBitsWeight
 
@@ -33,12 +33,6 @@ _NBITS = "MatMulNBits"
 # OUTLIER_MOST per activation), so one scale per row covers the rest (LLM.int8()'s decomposition, made static so a
 # row's result still does not depend on its call); measured choice: docs/precision.md
 OUTLIER_RATIO, OUTLIER_MOST = 3.0, 512
-
-
-def _attrs(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _zero_points(arr: np.ndarray | None, bits: int, n: int, kb: int) -> np.ndarray:
@@ -57,7 +51,7 @@ def _zero_points(arr: np.ndarray | None, bits: int, n: int, kb: int) -> np.ndarr
 def represented_weight(node, array, correction: np.ndarray | None) -> np.ndarray:
     """The weight a MatMulNBits node (plus its block-sum ``correction`` float32 [K/block, N], or None) computes with:
     float32 [K, N]. ``array``: initializer name -> its numpy array."""
-    a = _attrs(node)
+    a = node_attributes(node)
     n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
     kb = k // block
     zp = array(node.input[3]) if len(node.input) > 3 and node.input[3] else None
