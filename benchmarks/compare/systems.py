@@ -63,8 +63,9 @@ SYSTEMS = {s.name: s for s in [
            "engines/qwen2.5-coder-1.5b.json --precision fp32 --name qwen2.5-coder-1.5b-fp32`)"),
     # the exact GGUF re-pack (the int4 default before gguf-compact): target-only steps before/after in one run
     System("dspark-target-exact", "dspark", {"draft": None, "engine": "engines/qwen2.5-coder-1.5b-exact"},
-           "DSpark runtime, target only, int4 target re-packed exactly from the GGUF (engines/qwen2.5-coder-1.5b-exact: "
-           "`dspark-export build qwen2.5-coder-1.5b --int4-source target=gguf --name qwen2.5-coder-1.5b-exact`)"),
+           "DSpark runtime, target only, int4 target re-packed exactly from the GGUF with its LM head read whole "
+           "(engines/qwen2.5-coder-1.5b-exact: `dspark-export build qwen2.5-coder-1.5b --lm-head full --name "
+           "qwen2.5-coder-1.5b-exact`)"),
     System("dspark-lm", "dspark", {"draft": "lm", "draft_length": 3}, "DSpark runtime, draft LM, gamma 3"),
     System("dspark-ngram", "dspark", {"draft": "ngram", "draft_length": 4},
            "DSpark runtime, n-gram prompt lookup, gamma 4"),

@@ -104,8 +104,11 @@ def _llama_cpp_worker(job, emit) -> dict:
 
         draft = Recording()
     t0 = time.perf_counter()
+    # a draft model makes llama-cpp-python keep every position's logits, but it sizes that buffer from the
+    # logits_all argument (n_batch rows when False): prompts over n_batch tokens then fail, so ask for it outright
     llm = Llama(model_path=job["target_gguf"], n_ctx=job["n_ctx"], n_threads=job["threads"],
-                n_threads_batch=job["threads"], logits_all=False, draft_model=draft, seed=0, verbose=False)
+                n_threads_batch=job["threads"], logits_all=draft is not None, draft_model=draft, seed=0,
+                verbose=False)
     load_s = time.perf_counter() - t0
     vocab = llm._model.vocab
 
