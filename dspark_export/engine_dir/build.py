@@ -31,7 +31,7 @@ from dspark_export.models.catalog import resolve_model
 from dspark_export.precision.activation_ranges import calibration_token_ids
 from dspark_export.precision.fp8 import check_fp8_writer
 from dspark_export.precision.nbits import INT4_SOURCES
-from dspark_export.precision.nbits_head import resolve_lm_head
+from dspark_export.precision.nbits_head import LM_HEADS
 from dspark_export.precision.quantizers import CALIBRATED, PRECISIONS, quantize_graph, resolve_int4_source
 
 SCATTER_PRECISIONS = ("fp32", "int4", "int8-dynamic")  # precisions a scatter-layout graph is built in
@@ -105,7 +105,8 @@ class Recipe:
                 raise DSparkError(f"the {role} graph is {p}, which needs the growing KV layout (its calibration and "
                                   "TensorRT paths run growing graphs); use kv_layout growing, or precision "
                                   f"{' / '.join(SCATTER_PRECISIONS)} with scatter")
-        resolve_lm_head(self.lm_head, "gguf")
+        if self.lm_head not in LM_HEADS:
+            raise DSparkError(f"lm_head {self.lm_head!r} is not supported; choose one of {', '.join(LM_HEADS)}")
         if not isinstance(self.draft_length, int) or self.draft_length < 1:
             raise DSparkError(f"draft_length must be a positive integer, got {self.draft_length!r}")
         if not isinstance(self.calibration_prompts, int) or self.calibration_prompts < 1:

@@ -6,6 +6,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from dspark_export.engine_dir.build import Recipe  # noqa: E402
 from dspark_export.graphs.onnx_io import step_weight_bytes  # noqa: E402
 from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, add_ms_opset, nbits_nodes, pack_codes  # noqa: E402
 from dspark_export.precision.nbits_head import head_rows, resolve_lm_head, screen_lm_head  # noqa: E402
@@ -80,6 +81,8 @@ def test_head_rows_and_resolution_and_refusals(tmp_path):
     assert resolve_lm_head("auto", "rtn") == "full" and resolve_lm_head("full", "gguf") == "full"
     with pytest.raises(DSparkError, match="choose one of auto, screened, full"):
         resolve_lm_head("fast", "gguf")
+    with pytest.raises(DSparkError, match="lm_head 'fast' is not supported"):  # a recipe file's field, checked early
+        Recipe(name="x", target="y", lm_head="fast").validate()
     with pytest.raises(DSparkError, match="at least one candidate"):
         screen_lm_head(tmp_path / "h.onnx", candidates=0, log=lambda *a: None)
     head_graph(tmp_path / "h4.onnx", bits=4)
