@@ -20,10 +20,11 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import graph_weight_bytes, peak_rss_gb
+from dspark_export.graphs.onnx_io import graph_weight_bytes, node_attributes, peak_rss_gb
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
 INT4_SOURCES = ("auto", "gguf", "gguf-compact", "rtn", "hqq")
+GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
 DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
 CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (affine8_rows)
@@ -46,6 +47,26 @@ class NBitsWeight:
     scales: np.ndarray
     zero_points: np.ndarray
     correction: np.ndarray | None = None
+
+    @staticmethod
+    def from_node(node, array, correction: np.ndarray | None = None) -> "NBitsWeight":
+        """The weight a ``com.microsoft.MatMulNBits`` node holds. ``array``: initializer name -> its numpy array;
+        ``correction``: the node's block-sum correction float32 ``[K/block, N]``, or None. Absent zero points are the
+        kernel's default 2^(bits-1)."""
+        a = node_attributes(node)
+        n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
+        kb = k // block
+        if len(node.input) > 3 and node.input[3]:
+            zp = array(node.input[3])
+            if bits == 4:  # two per byte, low nibble first, each column padded to whole bytes
+                p = zp.reshape(n, -1)
+                zp = np.empty((n, p.shape[1] * 2), np.uint8)
+                zp[:, 0::2], zp[:, 1::2] = p & 0x0F, p >> 4
+            zp = zp.reshape(n, -1)[:, :kb]
+        else:
+            zp = np.full((n, kb), 2 ** (bits - 1), np.uint8)
+        return NBitsWeight(bits, block, array(node.input[1]).reshape(n, kb, block * bits // 8),
+                           array(node.input[2]).reshape(n, kb).astype(np.float32), zp, correction)
 
     @property
     def n(self) -> int:

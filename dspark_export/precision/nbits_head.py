@@ -21,7 +21,7 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import ExternalData, node_attributes, read_initializer, rewrite_in_place
-from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, fit_uint4_rows
+from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, GGUF_SOURCES, NBitsWeight, fit_uint4_rows
 
 LM_HEADS = ("auto", "screened", "full")
 DEFAULT_CANDIDATES = 64  # tokens rescored exactly per position (chosen by measurement: docs/precision.md)
@@ -36,33 +36,8 @@ def resolve_lm_head(requested: str, int4_source: str) -> str:
     if requested not in LM_HEADS:
         raise DSparkError(f"lm_head {requested!r} is not supported; choose one of {', '.join(LM_HEADS)}")
     if requested == "auto":
-        return "screened" if int4_source in ("gguf", "gguf-compact") else "full"
+        return "screened" if int4_source in GGUF_SOURCES else "full"
     return requested
-
-
-def head_rows(node, arrays: dict) -> np.ndarray:
-    """The weight a correction-free MatMulNBits node computes with, as rows: float32 ``[N, K]`` (one row per output
-    channel, i.e. per token for an LM head). ``arrays``: initializer name -> numpy array."""
-    a = node_attributes(node)
-    k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
-    kb = k // block
-    packed = arrays[node.input[1]].reshape(n, kb, -1)
-    scales = arrays[node.input[2]].reshape(n, kb).astype(np.float32)
-    if bits == 8:
-        q = packed.reshape(n, kb, block)
-    else:
-        q = np.empty((n, kb, block), np.uint8)
-        q[..., 0::2], q[..., 1::2] = packed & 0x0F, packed >> 4
-    if len(node.input) > 3 and node.input[3]:
-        zp = arrays[node.input[3]].reshape(n, -1)
-        if bits == 4:
-            z = np.empty((n, zp.shape[1] * 2), np.uint8)
-            z[:, 0::2], z[:, 1::2] = zp & 0x0F, zp >> 4
-            zp = z[:, :kb]
-    else:
-        zp = np.full((n, kb), 2 ** (bits - 1), np.uint8)
-    w = (q.astype(np.float32) - zp[..., None].astype(np.float32)) * scales[..., None]
-    return w.reshape(n, k)
 
 
 def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: int = SCREEN_BLOCK,
@@ -99,14 +74,12 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
     arrays = {n: read_initializer(inits[n], reader) for n in head.input[1:] if n}
     head_bytes = sum(reader.nbytes(inits[n]) for n in head.input[1:] if n)
     reader.close()
-    rows = head_rows(head, arrays)
-    hblock, kb = a["block_size"], k // a["block_size"]
-    codes = arrays[head.input[1]].reshape(vocab, kb, hblock)
-    scales = arrays[head.input[2]].reshape(vocab, kb).astype(np.float32)
-    zp = (arrays[head.input[3]].reshape(vocab, kb) if len(head.input) > 3 and head.input[3]
-          else np.full((vocab, kb), 128, np.uint8))
-    zp_one = bool((zp == zp.flat[0]).all())
+    exact = NBitsWeight.from_node(head, arrays.__getitem__)
     del arrays
+    rows = exact.dequantize().T  # [vocab, K]
+    hblock, kb = exact.block_size, k // exact.block_size
+    codes, scales, zp = exact.packed, exact.scales, exact.zero_points  # 8-bit: packed is the codes [vocab, kb, hblock]
+    zp_one = bool((zp == zp.flat[0]).all())
     b = head.name or "lm_head"
     screen = [fit_uint4_rows(rows[i:i + _ROW_CHUNK], block) for i in range(0, vocab, _ROW_CHUNK)]
     with rewrite_in_place(path, "screen") as rw:

@@ -24,7 +24,7 @@ import numpy as np
 from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, node_attributes, peak_rss_gb,
+from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, peak_rss_gb,
                                           session_over_weights)
 from dspark_export.precision.nbits import NBitsWeight
 
@@ -33,32 +33,6 @@ _NBITS = "MatMulNBits"
 # OUTLIER_MOST per activation), so one scale per row covers the rest (LLM.int8()'s decomposition, made static so a
 # row's result still does not depend on its call); measured choice: docs/precision.md
 OUTLIER_RATIO, OUTLIER_MOST = 3.0, 512
-
-
-def _zero_points(arr: np.ndarray | None, bits: int, n: int, kb: int) -> np.ndarray:
-    """MatMulNBits' zero points as uint8 ``[N, K/block]`` (4-bit: two per byte, low nibble first, each column padded
-    to whole bytes; absent: the kernel's default 2^(bits-1))."""
-    if arr is None:
-        return np.full((n, kb), 2 ** (bits - 1), np.uint8)
-    if bits == 8:
-        return arr.reshape(n, kb)
-    p = arr.reshape(n, -1)
-    z = np.empty((n, p.shape[1] * 2), np.uint8)
-    z[:, 0::2], z[:, 1::2] = p & 0x0F, p >> 4
-    return z[:, :kb]
-
-
-def represented_weight(node, array, correction: np.ndarray | None) -> np.ndarray:
-    """The weight a MatMulNBits node (plus its block-sum ``correction`` float32 [K/block, N], or None) computes with:
-    float32 [K, N]. ``array``: initializer name -> its numpy array."""
-    a = node_attributes(node)
-    n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
-    kb = k // block
-    zp = array(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-    w = NBitsWeight(bits, block, array(node.input[1]).reshape(n, kb, block * bits // 8),
-                    array(node.input[2]).reshape(n, kb).astype(np.float32), _zero_points(zp, bits, n, kb),
-                    correction)
-    return w.dequantize()
 
 
 def column_int8(w: np.ndarray, bits: int) -> tuple:
@@ -182,11 +156,11 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                 if cnode is not None and cnode.op_type == "MatMul" and cnode.input[1] in inits:
                     corr = array(cnode.input[1]).astype(np.float32)
                 elif cnode is not None and cnode.op_type == _NBITS and cnode.input[1] in inits:
-                    corr = represented_weight(cnode, array, None)
+                    corr = NBitsWeight.from_node(cnode, array).dequantize()
                 if corr is not None:
                     y = subs[0].output[0]
                     drop.update({id(subs[0]), id(cnode)})
-            w = represented_weight(node, array, corr)
+            w = NBitsWeight.from_node(node, array, corr).dequantize()
             x, nodes, mk = node.input[0], [], helper.make_node
             apart = np.asarray((outliers or {}).get(x, ()), np.int64)
             name = node.name or out

@@ -23,12 +23,11 @@ from dspark_runtime.errors import DSparkError
 from dspark_export.models.catalog import source_gguf
 from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibrate_graph
 from dspark_export.precision.fp8 import choose_fp8_writer, quantize_fp8
-from dspark_export.precision.nbits import quantize_nbits_rtn
+from dspark_export.precision.nbits import GGUF_SOURCES, quantize_nbits_rtn
 from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
 from dspark_export.precision.nbits_head import resolve_lm_head, screen_lm_head
 from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
 
-GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")  # the precisions whose activation ranges are measured on calibration prompts
 

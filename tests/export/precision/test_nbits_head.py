@@ -9,7 +9,7 @@ ort = pytest.importorskip("onnxruntime")
 from dspark_export.engine_dir.build import Recipe  # noqa: E402
 from dspark_export.graphs.onnx_io import step_weight_bytes  # noqa: E402
 from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, add_ms_opset, nbits_nodes, pack_codes  # noqa: E402
-from dspark_export.precision.nbits_head import head_rows, resolve_lm_head, screen_lm_head  # noqa: E402
+from dspark_export.precision.nbits_head import resolve_lm_head, screen_lm_head  # noqa: E402
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
 K, V = 64, 600
@@ -72,11 +72,11 @@ def test_screened_head_keeps_the_exact_top_tokens_row_for_row_and_reads_fewer_by
     assert ops.count("MatMulNBits") == 1 and "TopK" in ops and "ScatterElements" in ops
 
 
-def test_head_rows_and_resolution_and_refusals(tmp_path):
+def test_head_weight_from_its_node_and_resolution_and_refusals(tmp_path):
     w = head_graph(tmp_path / "h.onnx", seed=3)
     proto = onnx.load(str(tmp_path / "h.onnx"))
     arrays = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
-    assert np.array_equal(head_rows(proto.graph.node[0], arrays), w)
+    assert np.array_equal(NBitsWeight.from_node(proto.graph.node[0], arrays.__getitem__).dequantize().T, w)
     assert resolve_lm_head("auto", "gguf") == resolve_lm_head("auto", "gguf-compact") == "screened"
     assert resolve_lm_head("auto", "rtn") == "full" and resolve_lm_head("full", "gguf") == "full"
     with pytest.raises(DSparkError, match="choose one of auto, screened, full"):
