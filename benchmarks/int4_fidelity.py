@@ -5,7 +5,7 @@ Sequences: the first --n evaluation prompts of each --datasets entry (``--split 
 calibration-split prompts, code-weighted, as the quantizers and the drafter calibrate on) plus --continuation tokens
 of the first engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
 under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). Per pair: top-1 agreement, mean relative
-L2 of the logits, max |Δlogit|; per graph the weight bytes a step reads. One graph in memory at a time (logits
+L2 of the logits, max |Δlogit|, mean total variation of the softmax (what sampling sees); per graph the weight bytes a step reads. One graph in memory at a time (logits
 kept in --work). Writes --json.
 
     python -m benchmarks.int4_fidelity --engines engines/qwen2.5-coder-1.5b-int4,engines/qwen2.5-coder-1.5b-int4rtn \\
@@ -68,7 +68,7 @@ def compare(a_dir: Path, b_dir: Path, names, shared: int = 0) -> dict:
     sequence counts, of the others only those after the ``shared`` prefix (identical tokens give identical
     logits: counting them once per sequence would weigh the chat template's system turn 8 times)."""
     agree = n = 0
-    rel, maxd = [], 0.0
+    rel, tv, maxd = [], [], 0.0
     for i, name in enumerate(names):
         a, b = np.load(a_dir / f"{name}.npy"), np.load(b_dir / f"{name}.npy")
         if a.shape != b.shape:
@@ -78,7 +78,15 @@ def compare(a_dir: Path, b_dir: Path, names, shared: int = 0) -> dict:
         n += a.shape[0]
         rel.extend((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).tolist())
         maxd = max(maxd, float(np.abs(a - b).max()))
-    return {"top1_agreement": agree / n, "rel_l2": float(np.mean(rel)), "max_abs_logit_diff": maxd, "positions": n}
+        tv.extend((0.5 * np.abs(softmax(a) - softmax(b)).sum(-1)).reshape(-1).tolist())
+    return {"top1_agreement": agree / n, "rel_l2": float(np.mean(rel)), "max_abs_logit_diff": maxd,
+            "total_variation": float(np.mean(tv)), "positions": n}
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, float64."""
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def make_sequences(engine: Path, a) -> dict:
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
         pairs[f"{a.fp32.name} vs llama.cpp"] = compare(a.work / a.fp32.name, a.work / "llama.cpp", seqs, shared)
     for k, v in pairs.items():
         print(f"{k:55s} top-1 {v['top1_agreement']:.2%}  rel L2 {v['rel_l2']:.4f}  max |d| "
-              f"{v['max_abs_logit_diff']:.2f}  ({v['positions']} positions)")
+              f"{v['max_abs_logit_diff']:.2f}  TV {v['total_variation']:.4f}  ({v['positions']} positions)")
     res = {"machine": machine(), "threads": a.threads, "split": a.split,
            "datasets": a.datasets if a.split == "evaluation" else "calibration split", "n": a.n,
            "continuation": a.continuation, "shared_prefix_counted_once": shared, "sequences": {k: len(v) for k, v in seqs.items()},

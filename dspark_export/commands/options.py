@@ -13,8 +13,8 @@ FP8_WRITER_OPTION = click.option(
 # `build` and `quantize`: how an int4 graph's LM head is read (dspark_export.precision.nbits_head.resolve_lm_head)
 LM_HEAD_OPTION = click.option(
     "--lm-head", "lm_head", type=click.Choice(["auto", "screened", "full"]), default=None,
-    help="The int4 LM head: screened (a 4-bit copy scores the vocabulary, the 64 best tokens of each position are "
-         "rescored from the exact 8-bit head: about half the head's bytes per step), full (the head as the int4 "
+    help="The int4 LM head: screened (a 2-bit copy scores the vocabulary, the 256 best tokens of each position are "
+         "rescored from the exact 8-bit head: about a quarter of the head's bytes per step), full (the head as the int4 "
          "source encodes it), auto (default: screened where the source keeps an 8-bit head, i.e. gguf and "
          "gguf-compact; full otherwise).")
 
@@ -24,4 +24,5 @@ INT4_SOURCE_OPTION = click.option(
     help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
          "fetched from exactly: the weights llama.cpp runs), gguf-compact (the same blocks in fewer bytes per step: "
          "the block minimum in 8 bits, 6-bit blocks re-fitted in 4 bits, the LM head exact), rtn / hqq (ONNX "
-         "Runtime's quantizer on the float weights), auto (default: gguf for a target fetched from a GGUF, rtn otherwise).")
+         "Runtime's quantizer on the float weights), auto (default: gguf-compact for a target fetched from a GGUF, rtn "
+         "otherwise).")

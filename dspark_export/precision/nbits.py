@@ -27,6 +27,8 @@ INT4_SOURCES = ("auto", "gguf", "gguf-compact", "rtn", "hqq")
 GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
 DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
+# fit_uint_rows: step between the divisors of a block's range it tries, per bit width (4-bit: llama.cpp's 0.1)
+STRETCH = {2: 0.15, 4: 0.1}
 CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (affine8_rows)
 
 
@@ -34,8 +36,8 @@ CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (
 class NBitsWeight:
     """One weight ``W [K, N]`` in MatMulNBits form (``N`` output channels, blocks along ``K``).
 
-    bits: 4 or 8. block_size: 16 or 32. packed: uint8 ``[N, K/block, block·bits/8]`` (4-bit: two values per
-    byte, the even index in the low nibble). scales: float32 ``[N, K/block]``. zero_points: uint8
+    bits: 2, 4 or 8. block_size: 16, 32 or 64. packed: uint8 ``[N, K/block, block·bits/8]`` (:func:`pack_codes`:
+    8/bits values per byte, the lowest index in the lowest bits). scales: float32 ``[N, K/block]``. zero_points: uint8
     ``[N, K/block]`` unpacked (see :meth:`packed_zero_points`). correction: float32 ``[K/block, N]`` or None:
     the per-block offset subtracted as ``blocksum(x) @ correction``.
     Represented weight: ``W[k, n] = scales[n, b] · (q[n, k] − zero_points[n, b]) − correction[b, n]``, b = k // block.
@@ -57,12 +59,7 @@ class NBitsWeight:
         n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
         kb = k // block
         if len(node.input) > 3 and node.input[3]:
-            zp = array(node.input[3])
-            if bits == 4:  # two per byte, low nibble first, each column padded to whole bytes
-                p = zp.reshape(n, -1)
-                zp = np.empty((n, p.shape[1] * 2), np.uint8)
-                zp[:, 0::2], zp[:, 1::2] = p & 0x0F, p >> 4
-            zp = zp.reshape(n, -1)[:, :kb]
+            zp = unpack_codes(array(node.input[3]).reshape(n, -1), bits)[:, :kb]  # each column padded to bytes
         else:
             zp = np.full((n, kb), 2 ** (bits - 1), np.uint8)
         return NBitsWeight(bits, block, array(node.input[1]).reshape(n, kb, block * bits // 8),
@@ -78,23 +75,17 @@ class NBitsWeight:
 
     def codes(self) -> np.ndarray:
         """The integer codes, uint8 ``[N, K]``."""
-        if self.bits == 8:
-            return self.packed.reshape(self.n, self.k)
-        p = self.packed.reshape(self.n, -1)
-        q = np.empty((self.n, p.shape[1] * 2), np.uint8)
-        q[:, 0::2], q[:, 1::2] = p & 0x0F, p >> 4
-        return q
+        return unpack_codes(self.packed.reshape(self.n, -1), self.bits)
 
     def packed_zero_points(self) -> np.ndarray:
-        """Zero points as MatMulNBits takes them: 8-bit one byte per block ``[N·K/block]``; 4-bit two per byte,
-        low nibble first, each column padded to whole bytes ``[N·ceil(K/block / 2)]``."""
+        """Zero points as MatMulNBits takes them, packed as the codes are (8-bit: one byte per block; 4-bit: two
+        per byte; 2-bit: four), each column padded to whole bytes: uint8 ``[N·ceil(K/block · bits/8)]``."""
         z = self.zero_points
-        if self.bits == 8:
-            return z.reshape(-1)
-        kb = z.shape[1]
-        if kb % 2:
-            z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
-        return (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+        per = 8 // self.bits
+        pad = -z.shape[1] % per
+        if pad:
+            z = np.concatenate([z, np.zeros((z.shape[0], pad), np.uint8)], axis=1)
+        return _pack(z, self.bits).reshape(-1)
 
     def dequantize(self) -> np.ndarray:
         """The represented weight, float32 ``[K, N]`` (tests and the faithfulness check)."""
@@ -105,12 +96,29 @@ class NBitsWeight:
         return w.reshape(self.n, self.k).T
 
 
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 ``[N, M]`` (M a multiple of 8/bits) -> ``[N, M·bits/8]``: value ``i`` of each byte in bits
+    ``bits·i`` upward (MatMulNBits' order: the lowest index in the lowest bits)."""
+    per = 8 // bits
+    out = np.zeros((codes.shape[0], codes.shape[1] // per), np.uint8)
+    for i in range(per):
+        out |= (codes[:, i::per] << (bits * i)).astype(np.uint8)
+    return out
+
+
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of the packing in :func:`pack_codes`: uint8 ``[N, B]`` -> codes uint8 ``[N, B·8/bits]``."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    q = np.empty((packed.shape[0], packed.shape[1] * per), np.uint8)
+    for i in range(per):
+        q[:, i::per] = (packed >> (bits * i)) & mask
+    return q
+
+
 def pack_codes(codes: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """uint8 codes ``[N, K]`` -> MatMulNBits ``B [N, K/block, block·bits/8]``."""
+    """uint8 codes ``[N, K]`` -> MatMulNBits ``B [N, K/block, block·bits/8]`` (bits 2, 4 or 8)."""
     n, k = codes.shape
-    if bits == 8:
-        return np.ascontiguousarray(codes.reshape(n, k // block, block))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).reshape(n, k // block, block // 2)
+    return np.ascontiguousarray(_pack(codes, bits).reshape(n, k // block, block * bits // 8))
 
 
 def rtn8_rows(w: np.ndarray, block: int = 32) -> NBitsWeight:
@@ -124,31 +132,34 @@ def rtn8_rows(w: np.ndarray, block: int = 32) -> NBitsWeight:
     return NBitsWeight(8, block, pack_codes(q, 8, block), s, np.full((n, k // block), 128, np.uint8))
 
 
-def fit_uint4_rows(w: np.ndarray, block: int = 32, start_scales: np.ndarray | None = None,
-                   steps: int = 20) -> NBitsWeight:
-    """Asymmetric 4-bit blocks fitted to float32 rows ``w [N, K]``: per block a float scale and an integer zero
-    point (the form MatMulNBits runs in its integer path), chosen by least squares.
+def fit_uint_rows(w: np.ndarray, block: int = 32, *, bits: int = 4, start_scales: np.ndarray | None = None,
+                  steps: int = 20) -> NBitsWeight:
+    """Asymmetric ``bits``-bit blocks (2 or 4) fitted to float32 rows ``w [N, K]``: per block a float scale and an
+    integer zero point (the form MatMulNBits runs in its integer path), chosen by least squares.
 
-    Candidates per block: the min/max grid stretched by ``steps`` factors around 15 levels (as llama.cpp's
-    ``make_qkx2_quants``), plus ``start_scales`` float32 ``[N, K/block]`` when given (a GGUF sub-block scale: its
-    grid then holds every value up to one constant offset); each with the zero point that puts the block's
-    minimum on the grid, codes by rounding, and the scale refitted by least squares for those codes. The
+    Candidates per block: the min/max grid stretched by ``steps`` factors around its ``2^bits − 1`` levels (as
+    llama.cpp's ``make_qkx2_quants``), plus ``start_scales`` float32 ``[N, K/block]`` when given (a GGUF sub-block
+    scale: its grid then holds every value up to one constant offset); each with the zero point that puts the
+    block's minimum on the grid, codes by rounding, and the scale refitted by least squares for those codes. The
     candidate with the least squared error wins. Blocks whose range excludes 0 are widened to include it (the
-    grid always holds 0). Returns an :class:`NBitsWeight` (4-bit, ``block``, no correction).
+    grid always holds 0). Returns an :class:`NBitsWeight` (``bits``, ``block``, no correction).
     """
+    if bits not in (2, 4):
+        raise DSparkError(f"fitted blocks are 2- or 4-bit, got {bits}")
+    top = float(2 ** bits - 1)
     n, k = w.shape
     wb = w.reshape(n, k // block, block).astype(np.float32, copy=False)
     lo = np.minimum(wb.min(axis=-1), 0.0)
     hi = np.maximum(wb.max(axis=-1), 0.0)
     span = np.where(hi > lo, hi - lo, 1.0)
-    cands = [span / (15.0 + 0.1 * (i - steps // 2)) for i in range(steps + 1)]
+    cands = [span / (top + STRETCH[bits] * (i - steps // 2)) for i in range(steps + 1)]
     if start_scales is not None:
-        cands.append(np.where(start_scales > 0, start_scales, span / 15.0).astype(np.float32))
+        cands.append(np.where(start_scales > 0, start_scales, span / top).astype(np.float32))
     best_err = best_s = best_z = best_q = None
     for s in cands:
         s = s.astype(np.float32)
-        z = np.clip(np.rint(-lo / s), 0, 15)
-        q = np.clip(np.rint(wb / s[..., None]) + z[..., None], 0, 15)
+        z = np.clip(np.rint(-lo / s), 0, top)
+        q = np.clip(np.rint(wb / s[..., None]) + z[..., None], 0, top)
         c = q - z[..., None]
         den = (c * c).sum(axis=-1)
         s2 = np.where(den > 0, (wb * c).sum(axis=-1) / np.where(den > 0, den, 1.0), s).astype(np.float32)
@@ -163,7 +174,8 @@ def fit_uint4_rows(w: np.ndarray, block: int = 32, start_scales: np.ndarray | No
         best_z = np.where(better, z, best_z)
         best_q = np.where(better[..., None], q, best_q)
     codes = best_q.astype(np.uint8).reshape(n, k)
-    return NBitsWeight(4, block, pack_codes(codes, 4, block), best_s.astype(np.float32), best_z.astype(np.uint8))
+    return NBitsWeight(bits, block, pack_codes(codes, bits, block), best_s.astype(np.float32),
+                       best_z.astype(np.uint8))
 
 
 def affine8_rows(c: np.ndarray, block: int = 16) -> NBitsWeight:

@@ -25,7 +25,7 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
-                                           affine8_rows, check_nbits_graph, fit_uint4_rows,
+                                           affine8_rows, check_nbits_graph, fit_uint_rows,
                                            nbits_nodes, pack_codes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 
@@ -151,7 +151,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
         encoding: ``"exact"`` (:data:`ENCODINGS`) or ``"compact"``: 4-bit blocks of 32 keep their codes and
             scales with the float block minimum as an 8-bit block-sum correction
             (:func:`~dspark_export.precision.nbits.affine8_rows`); every other block type is fitted as 4-bit blocks
-            of 32 with integer zero points (:func:`~dspark_export.precision.nbits.fit_uint4_rows`); modules matching
+            of 32 with integer zero points (:func:`~dspark_export.precision.nbits.fit_uint_rows`); modules matching
             a ``keep_exact`` regular expression (default: the LM head) stay exact.
     Returns the manifest's quantization record: precision, source, accuracy level, per-GGUF-type counts and
     encodings, the fallback and fp32 tensors by name, max |Δ| of the encoded weights against the fp32 graph,
@@ -238,7 +238,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                                           c8.dequantize()[:k // enc.block_size])
                 elif compact:  # 4-bit blocks of 32 fitted to the GGUF's values
                     how = "4-bit fit"
-                    enc = fit_uint4_rows(w, 32)
+                    enc = fit_uint_rows(w, 32)
                 if how is not None or qtype not in ENCODINGS:
                     dq = enc.dequantize().T
                     d = float(np.abs(dq - ref).max())

@@ -1,10 +1,10 @@
-"""A screened LM head for int4 graphs (:func:`screen_lm_head`): a 4-bit copy of the head scores the vocabulary,
+"""A screened LM head for int4 graphs (:func:`screen_lm_head`): a 2-bit copy of the head scores the vocabulary,
 and only the ``candidates`` best-scored tokens of each position are rescored exactly, in fp32, from the exact 8-bit
 head's own codes and scales (gathered per candidate); the exact scores overwrite the screen's at those tokens.
 
 Why: the LM head is the largest single weight a decoding step reads (the 1.5B Qwen's Q6_K head as 8-bit blocks of
-16: 306 MB of the exact graph's 1.42 GB), and a step is bound by the bytes it streams. The 4-bit screen reads about
-half of that; the rescoring reads ``candidates`` rows of the 8-bit head per position, which a step never streams
+16: 306 MB of the exact graph's 1.42 GB), and a step is bound by the bytes it streams. The 2-bit screen reads about
+a quarter of that; the rescoring reads ``candidates`` rows of the 8-bit head per position, which a step never streams
 whole (read only by ``Gather``). The logits of the top tokens are the exact head's weights times the fp32 hidden
 state (no int8 activations, unlike the kernel) whenever the exact top token is among the screen's ``candidates``
 (measured: docs/precision.md); the other logits are the screen's.
@@ -21,11 +21,11 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import ExternalData, node_attributes, read_initializer, rewrite_in_place
-from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, GGUF_SOURCES, NBitsWeight, fit_uint4_rows
+from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, GGUF_SOURCES, NBitsWeight, fit_uint_rows
 
 LM_HEADS = ("auto", "screened", "full")
-DEFAULT_CANDIDATES = 64  # tokens rescored exactly per position (chosen by measurement: docs/precision.md)
-SCREEN_BLOCK = 32  # the 4-bit screen's block along K (chosen by measurement: docs/precision.md)
+DEFAULT_CANDIDATES = 256  # tokens rescored exactly per position (chosen by measurement: docs/precision.md)
+SCREEN_BITS, SCREEN_BLOCK = 2, 64  # the screen's bits and block along K (chosen by measurement: docs/precision.md)
 _ROW_CHUNK = 8192  # vocabulary rows fitted / compared per step
 
 
@@ -40,12 +40,12 @@ def resolve_lm_head(requested: str, int4_source: str) -> str:
     return requested
 
 
-def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: int = SCREEN_BLOCK,
-                   log=print) -> dict:
+def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, bits: int = SCREEN_BITS,
+                   block: int = SCREEN_BLOCK, log=print) -> dict:
     """Rewrite the int4 graph ``path`` (+ its ``.data``) in place with a screened LM head (module docstring).
 
     The head is the ``com.microsoft.MatMulNBits`` node writing the graph output ``logits`` (no block-sum
-    correction, no bias). Returns the manifest record: candidates, the screen's form and its relative L2 error,
+    correction, no bias); the screen is ``bits``-bit (2 or 4) in blocks of ``block`` along K. Returns the manifest record: candidates, the screen's form and its relative L2 error,
     the weight bytes a step reads in the head before and after. ``candidates`` above the vocabulary rescore it all.
     Raises DSparkError when the graph has no such head, the head is not 8-bit, or ``candidates`` < 1.
     """
@@ -81,7 +81,7 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
     codes, scales, zp = exact.packed, exact.scales, exact.zero_points  # 8-bit: packed is the codes [vocab, kb, hblock]
     zp_one = bool((zp == zp.flat[0]).all())
     b = head.name or "lm_head"
-    screen = [fit_uint4_rows(rows[i:i + _ROW_CHUNK], block) for i in range(0, vocab, _ROW_CHUNK)]
+    screen = [fit_uint_rows(rows[i:i + _ROW_CHUNK], block, bits=bits) for i in range(0, vocab, _ROW_CHUNK)]
     with rewrite_in_place(path, "screen") as rw:
         drop = {n for n in head.input[1:] if n and all(n not in m.input for m in g.node if m is not head)}
         new_inits = [rw.writer.copy(t, rw.reader) for t in g.initializer if t.name not in drop]
@@ -101,7 +101,7 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
         if zp_one:
             consts["_rows_zp_f"] = np.array(float(zp.flat[0]), np.float32)
         new_inits += [numpy_helper.from_array(v, b + n) for n, v in consts.items()]
-        new_nodes = _screen_nodes(helper, TensorProto, head.input[0], b, k, vocab, block, zp_one,
+        new_nodes = _screen_nodes(helper, TensorProto, head.input[0], b, k, vocab, bits, block, zp_one,
                                   a.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
         new_nodes[0].metadata_props.extend(head.metadata_props)
         nodes = [m for n in g.node for m in (new_nodes if n is head else [n])]
@@ -114,15 +114,16 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, block: i
     rel = float(np.sqrt(sum(float(((s.dequantize().T - rows[i:i + _ROW_CHUNK]) ** 2).sum())
                             for s, i in zip(screen, range(0, vocab, _ROW_CHUNK)))
                         / max(float((rows.astype(np.float64) ** 2).sum()), 1e-30)))
-    rec = {"candidates": candidates, "screen": f"4-bit blocks of {block}, fitted (integer zero points)",
+    rec = {"candidates": candidates, "screen_bits": bits,
+           "screen": f"{bits}-bit blocks of {block}, fitted (integer zero points)",
            "screen_rel_l2": round(rel, 6), "head_step_bytes": [head_bytes, screen_bytes]}
-    log(f"  screened LM head: 4-bit screen ({screen_bytes / 1e6:.0f} MB, rel L2 {rel:.4f}) + exact rescoring of "
+    log(f"  screened LM head: {bits}-bit screen ({screen_bytes / 1e6:.0f} MB, rel L2 {rel:.4f}) + exact rescoring of "
         f"{candidates} candidates from its own 8-bit rows "
         f"(head {head_bytes / 1e6:.0f} -> {screen_bytes / 1e6:.0f} MB a step)")
     return rec
 
 
-def _screen_nodes(helper, TensorProto, x: str, b: str, k: int, vocab: int, block: int, zp_one: bool,
+def _screen_nodes(helper, TensorProto, x: str, b: str, k: int, vocab: int, bits: int, block: int, zp_one: bool,
                   accuracy_level: int) -> list:
     """The nodes of a screened head over hidden state ``x`` [.., K] writing ``logits`` [.., vocab]; initializer
     names start with ``b`` (see :func:`screen_lm_head`)."""
@@ -130,7 +131,7 @@ def _screen_nodes(helper, TensorProto, x: str, b: str, k: int, vocab: int, block
     s_out, idx, zp_f = b + "_screen", b + "_candidate_ids", b + "_rows_zp_f"
     nodes = [
         mk("MatMulNBits", [x, b + "_screen_Q", b + "_screen_scales", b + "_screen_zp"], [s_out],
-           name=b + "_screen_MatMulNBits", domain="com.microsoft", K=k, N=vocab, bits=4, block_size=block,
+           name=b + "_screen_MatMulNBits", domain="com.microsoft", K=k, N=vocab, bits=bits, block_size=block,
            accuracy_level=accuracy_level),
         mk("TopK", [s_out, b + "_candidates"], [b + "_screen_top", idx], axis=-1, largest=1, sorted=0,
            name=b + "_TopK"),

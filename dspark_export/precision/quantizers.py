@@ -35,9 +35,9 @@ CALIBRATED = ("int8", "int8-trt", "fp8")  # the precisions whose activation rang
 def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
     """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
 
-    ``auto``: the target re-packs the GGUF it was converted from when that file is present (``gguf``, exact: the
-    weights llama.cpp runs; ``gguf-compact`` reads 16% fewer bytes per step at 97.4% top-1 agreement with llama.cpp
-    instead of 98.5% on the 1.5B, docs/precision.md), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
+    ``auto``: the target re-packs the GGUF it was converted from when that file is present, in fewer bytes per step
+    (``gguf-compact``: the Q4_K codes kept, the other block types re-fitted in 4 bits; chosen by measurement,
+    docs/precision.md; ``gguf`` re-packs the weights llama.cpp runs exactly), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
     output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` / ``gguf-compact``
     require the file; ``rtn``/``hqq`` use the float weights. Raises DSparkError when a GGUF source is asked for and
     no GGUF is known.
@@ -45,7 +45,7 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
     gguf = source_gguf(model_dir) if model_dir is not None else None
     if requested == "auto":
         if role == "target" and gguf is not None:
-            return "gguf", gguf, f"auto: the model was converted from {gguf.name}"
+            return "gguf-compact", gguf, f"auto: the model was converted from {gguf.name}"
         return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
                              else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
     if requested in GGUF_SOURCES:
@@ -80,7 +80,7 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     kept with the block minimum in 8 bits, other block types but the LM head's fitted in 4 bits); ``"rtn"`` / ``"hqq"``
     run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration
     data. ``lm_head`` (:func:`~dspark_export.precision.nbits_head.resolve_lm_head`): ``"screened"`` rewrites the
-    int4 graph's 8-bit LM head into a 4-bit screen plus exact rescoring of the best candidates
+    int4 graph's 8-bit LM head into a 2-bit screen plus exact rescoring of the best candidates
     (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``).
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights; raises DSparkError when that cannot fit in this

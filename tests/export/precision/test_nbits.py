@@ -80,13 +80,13 @@ def test_gguf_blocks_repack_exactly_and_the_kernel_computes_x_at_w(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_0"])
 def test_4bit_fit_of_gguf_values_beats_min_max_rounding_and_the_kernel_computes_it(qtype):
-    from dspark_export.precision.nbits import fit_uint4_rows
+    from dspark_export.precision.nbits import fit_uint_rows
 
     rng = np.random.default_rng(7)
     n, k = 24, 512
     enc, w = encode_gguf_rows(random_rows(qtype, n, k, rng), qtype, k)
     start = enc.scales if (enc.bits, enc.block_size) == (4, 32) else None
-    fit = fit_uint4_rows(w, 32, start_scales=start)
+    fit = fit_uint_rows(w, 32, start_scales=start)
     assert (fit.bits, fit.block_size, fit.correction) == (4, 32, None)
     assert fit.zero_points.max() <= 15 and fit.codes().max() <= 15
     err = ((fit.dequantize().T - w) ** 2).reshape(n, k // 32, 32).sum(-1)
@@ -108,6 +108,35 @@ def test_4bit_fit_of_gguf_values_beats_min_max_rounding_and_the_kernel_computes_
     y = nbits_session(fit, 0).run(None, {"x": x})[0]
     r = x @ fit.dequantize()
     assert np.abs(y - r).max() <= 2e-5 * np.abs(r).max()
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_2bit_fit_packs_as_the_kernel_reads_it(block):
+    """2-bit blocks (the screened LM head's screen): four codes per byte, the packing round-trips and ONNX Runtime's
+    MatMulNBits computes x @ W of the represented weight; the fit beats plain min/max rounding."""
+    from dspark_export.precision.nbits import fit_uint_rows, pack_codes, unpack_codes
+
+    rng = np.random.default_rng(11)
+    n, k = 24, 320  # 320 / 64 = 5 blocks: zero points padded to whole bytes per column
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+    fit = fit_uint_rows(w, block, bits=2)
+    assert (fit.bits, fit.block_size) == (2, block) and fit.packed.shape == (n, k // block, block // 4)
+    codes = fit.codes()
+    assert codes.max() <= 3 and fit.zero_points.max() <= 3 and len(np.unique(codes)) == 4
+    assert np.array_equal(unpack_codes(pack_codes(codes, 2, block).reshape(n, -1), 2), codes)
+    assert fit.packed_zero_points().size == n * -(-(k // block) // 4)
+    rel = np.linalg.norm(fit.dequantize().T - w) / np.linalg.norm(w)
+    wb = w.reshape(n, k // block, block)
+    lo, hi = np.minimum(wb.min(-1), 0), np.maximum(wb.max(-1), 0)
+    s = (hi - lo) / 3
+    z = np.clip(np.rint(-lo / s), 0, 3)
+    mm = (np.clip(np.rint(wb / s[..., None]) + z[..., None], 0, 3) - z[..., None]) * s[..., None]
+    assert rel < 0.9 * np.linalg.norm(mm.reshape(n, k) - w) / np.linalg.norm(w)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    r = x @ fit.dequantize()
+    for level in (0, 4):  # fp32 activations, and int8 ones (the graphs' accuracy level)
+        y = nbits_session(fit, level).run(None, {"x": x})[0]
+        assert np.abs(y - r).max() <= (2e-5 if level == 0 else 0.03) * np.abs(r).max()
 
 
 def test_q4k_min_correction_in_8_bits_computes_x_at_w_within_its_rounding():
@@ -270,9 +299,9 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
                      tmp_path / "q4", isolate=False, log=lambda *a: None)
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
-    assert t.quantization["int4_source"] == "gguf" and t.quantization["accuracy_level"] == 4
+    assert t.quantization["int4_source"] == "gguf-compact" and t.quantization["accuracy_level"] == 4
     # lm_head auto: the GGUF's 8-bit (Q6_K) head is screened; the draft's RTN head is 4-bit already
-    assert t.quantization["lm_head"]["candidates"] == 64 and "lm_head" not in d.quantization
+    assert t.quantization["lm_head"]["candidates"] == 256 and "lm_head" not in d.quantization
     assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
     assert d.quantization["int4_source"] == "rtn" and d.quantization["matmul_nbits"] == 15
     assert set(t.validation) == {"fp32", "int4"}
@@ -293,8 +322,9 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
     assert info.exit_code == 0, info.output
     assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
+    assert "compact: 14 tensors in fewer bits" in info.output  # auto: gguf-compact for a target with its GGUF
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
-    assert info.output.count("LM head screened in 4 bits, the best 64 rescored exactly") == 1  # the target only
+    assert info.output.count("LM head screened in 2 bits, the best 256 rescored exactly") == 1  # the target only
     assert info.output.count("KV layout scatter") == 2  # target and draft
     assert info.output.count("K/V written in place") == 2  # built with the slot outputs
     # gguf asked for where the model has no GGUF: a clear error
@@ -303,7 +333,7 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
-    assert resolve_int4_source("auto", "target", folder)[0] == "gguf"
+    assert resolve_int4_source("auto", "target", folder)[0] == "gguf-compact"
 
 
 def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_model, tmp_path):
@@ -334,7 +364,7 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
     nodes = onnx.load(str(tmp_path / "gguf-compact" / "target.onnx"), load_external_data=False).graph.node
     nb = [n for n in nodes if n.op_type == "MatMulNBits"]
     shapes = {tuple(a.i for a in n.attribute if a.name in ("bits", "block_size")) for n in nb}
-    assert shapes == {(4, 32), (8, 16)}  # the weights, the min corrections
+    assert shapes == {(4, 32), (8, 16), (2, 64)}  # the weights, the min corrections, the LM head's screen
     assert all(n.input[3] for n in nb) and not [n for n in nodes if n.op_type == "MatMul" and "_corr" in n.input[1]]
     from click.testing import CliRunner
 

@@ -1,4 +1,4 @@
-"""The screened LM head (dspark_export.precision.nbits_head): a 4-bit screen plus exact rescoring of the best
+"""The screened LM head (dspark_export.precision.nbits_head): a 2- or 4-bit screen plus exact rescoring of the best
 candidates gives the exact head's top token and logits, row for row whatever the call, and reads fewer bytes."""
 import numpy as np
 import pytest
@@ -44,17 +44,20 @@ def run(path, x: np.ndarray) -> np.ndarray:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"hidden": x})[0]
 
 
-def test_screened_head_keeps_the_exact_top_tokens_row_for_row_and_reads_fewer_bytes(tmp_path):
+# a random head (uniform codes) is harder to screen than a trained one: the 2-bit screen rescores more candidates
+@pytest.mark.parametrize("bits,block,cands,max_rel,max_bytes", [(2, 64, 96, 0.45, 0.45), (4, 32, 16, 0.2, 0.7)])
+def test_screened_head_keeps_the_exact_top_tokens_row_for_row_and_reads_fewer_bytes(tmp_path, bits, block, cands,
+                                                                                   max_rel, max_bytes):
     w = head_graph(tmp_path / "h.onnx")
     before = step_weight_bytes(tmp_path / "h.onnx")
     x = np.random.default_rng(1).standard_normal((2, 5, K)).astype(np.float32)
     full = run(tmp_path / "h.onnx", x)
-    rec = screen_lm_head(tmp_path / "h.onnx", candidates=16, block=32, log=lambda *a: None)
+    rec = screen_lm_head(tmp_path / "h.onnx", candidates=cands, bits=bits, block=block, log=lambda *a: None)
     got = run(tmp_path / "h.onnx", x)
-    assert rec["candidates"] == 16 and 0 < rec["screen_rel_l2"] < 0.2
+    assert rec["candidates"] == cands and rec["screen_bits"] == bits and 0 < rec["screen_rel_l2"] < max_rel
     assert rec["head_step_bytes"][1] < rec["head_step_bytes"][0]
-    # the 8-bit rows are read by Gather only: a step streams the 4-bit screen, about half the 8-bit head here
-    assert step_weight_bytes(tmp_path / "h.onnx") < 0.7 * before
+    # the 8-bit rows are read by Gather only: a step streams the screen (2-bit: about a quarter of the 8-bit head)
+    assert step_weight_bytes(tmp_path / "h.onnx") < max_bytes * before
     exact = x @ w.T  # the head's weights times the fp32 hidden state
     assert (got.argmax(-1) == exact.argmax(-1)).all()
     assert (got.argmax(-1) == full.argmax(-1)).all()
@@ -62,14 +65,18 @@ def test_screened_head_keeps_the_exact_top_tokens_row_for_row_and_reads_fewer_by
     np.testing.assert_allclose(np.take_along_axis(got, top, -1), np.take_along_axis(exact, top, -1), rtol=1e-5,
                                atol=1e-5)
     rest = np.ones_like(got, bool)
-    np.put_along_axis(rest, np.argsort(-got, axis=-1)[..., :16], False, -1)
+    np.put_along_axis(rest, np.argsort(-got, axis=-1)[..., :cands], False, -1)
     assert np.abs(got - exact)[rest].max() > 1e-4  # the others are the screen's approximations
     # a row's logits do not depend on its call: one row alone, the same row among others
     for b, q in ((0, 0), (1, 3)):
         alone = run(tmp_path / "h.onnx", x[b:b + 1, q:q + 1])
         assert np.array_equal(alone[0, 0], got[b, q])
-    ops = [n.op_type for n in onnx.load(str(tmp_path / "h.onnx"), load_external_data=False).graph.node]
+    nodes = onnx.load(str(tmp_path / "h.onnx"), load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
     assert ops.count("MatMulNBits") == 1 and "TopK" in ops and "ScatterElements" in ops
+    screen = next(n for n in nodes if n.op_type == "MatMulNBits")
+    assert {a.name: a.i for a in screen.attribute if a.name in ("bits", "block_size")} == {"bits": bits,
+                                                                                           "block_size": block}
 
 
 def test_head_weight_from_its_node_and_resolution_and_refusals(tmp_path):
