@@ -25,7 +25,8 @@ from dspark_export.precision.nbits import DEFAULT_ACCURACY_LEVEL, GGUF_SOURCES, 
 
 LM_HEADS = ("auto", "screened", "full")
 DEFAULT_CANDIDATES = 256  # tokens rescored exactly per position (chosen by measurement: docs/precision.md)
-SCREEN_BITS, SCREEN_BLOCK = 2, 64  # the screen's bits and block along K (chosen by measurement: docs/precision.md)
+SCREEN_BITS = 2  # the screen's bits (chosen by measurement: docs/precision.md)
+SCREEN_BLOCKS = (128, 64, 32, 16)  # its block along K: the first that divides K (128: measured, docs/precision.md)
 _ROW_CHUNK = 8192  # vocabulary rows fitted / compared per step
 
 
@@ -41,11 +42,12 @@ def resolve_lm_head(requested: str, int4_source: str) -> str:
 
 
 def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, bits: int = SCREEN_BITS,
-                   block: int = SCREEN_BLOCK, log=print) -> dict:
+                   block: int | None = None, log=print) -> dict:
     """Rewrite the int4 graph ``path`` (+ its ``.data``) in place with a screened LM head (module docstring).
 
     The head is the ``com.microsoft.MatMulNBits`` node writing the graph output ``logits`` (no block-sum
-    correction, no bias); the screen is ``bits``-bit (2 or 4) in blocks of ``block`` along K. Returns the manifest record: candidates, the screen's form and its relative L2 error,
+    correction, no bias); the screen is ``bits``-bit (2 or 4) in blocks of ``block`` along K (None: the first of
+    :data:`SCREEN_BLOCKS` that divides K). Returns the manifest record: candidates, the screen's form and its relative L2 error,
     the weight bytes a step reads in the head before and after. ``candidates`` above the vocabulary rescore it all.
     Raises DSparkError when the graph has no such head, the head is not 8-bit, or ``candidates`` < 1.
     """
@@ -66,6 +68,8 @@ def screen_lm_head(path: Path, *, candidates: int = DEFAULT_CANDIDATES, bits: in
     if candidates < 1:
         raise DSparkError(f"the screened head needs at least one candidate per position, got {candidates}")
     candidates = min(candidates, vocab)
+    if block is None:
+        block = next((c for c in SCREEN_BLOCKS if k % c == 0), SCREEN_BLOCKS[0])
     if k % block:
         raise DSparkError(f"the LM head's K={k} is not a multiple of the screen block {block}")
     if a["bits"] != 8:

@@ -95,7 +95,11 @@ def test_head_weight_from_its_node_and_resolution_and_refusals(tmp_path):
     head_graph(tmp_path / "h4.onnx", bits=4)
     with pytest.raises(DSparkError, match="4-bit already"):
         screen_lm_head(tmp_path / "h4.onnx", log=lambda *a: None)
-    # more candidates than tokens: every token is rescored, the logits are the exact head's
-    screen_lm_head(tmp_path / "h.onnx", candidates=10 * V, log=lambda *a: None)
+    with pytest.raises(DSparkError, match="K=64 is not a multiple of the screen block 128"):
+        screen_lm_head(tmp_path / "h.onnx", block=128, log=lambda *a: None)
+    # more candidates than tokens: every token is rescored, the logits are the exact head's; the default block is
+    # the largest of SCREEN_BLOCKS that divides K
+    rec = screen_lm_head(tmp_path / "h.onnx", candidates=10 * V, log=lambda *a: None)
+    assert rec["screen"].startswith("2-bit blocks of 64,") and rec["candidates"] == V
     x = np.random.default_rng(2).standard_normal((1, 3, K)).astype(np.float32)
     np.testing.assert_allclose(run(tmp_path / "h.onnx", x), x @ w.T, rtol=1e-5, atol=1e-5)
