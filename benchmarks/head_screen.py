@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.evalsets import machine
 from benchmarks.int4_fidelity import graph_logits, make_sequences, softmax
-from dspark_export.graphs.onnx_io import ExternalData, node_attributes, read_initializer
+from dspark_export.graphs.onnx_io import ExternalData, read_initializer, set_live_nodes
 from dspark_export.precision.nbits import NBitsWeight, fit_uint_rows
 from dspark_runtime.engine_dir.manifest import load_manifest
 
@@ -78,15 +78,7 @@ def hidden_engine(engine: Path, hidden: str, k: int, tmp: Path) -> Path:
     g = proto.graph
     nodes = [n for n in g.node if "logits" not in n.output]
     nodes.append(helper.make_node("Identity", [hidden], ["logits"], name="head_input_as_logits"))
-    outputs = {o.name for o in g.output}
-    while True:  # drop what no longer reaches an output (the rest of the head)
-        used = {i for n in nodes for i in n.input} | outputs
-        kept = [n for n in nodes if any(o in used for o in n.output)]
-        if len(kept) == len(nodes):
-            break
-        nodes = kept
-    del g.node[:]
-    g.node.extend(nodes)
+    set_live_nodes(g, nodes)  # the rest of the head no longer reaches an output
     out = next(o for o in g.output if o.name == "logits")
     out.type.tensor_type.shape.dim[-1].dim_value = k
     onnx.save_model(proto, str(tmp / name))

@@ -195,6 +195,20 @@ def node_attributes(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def set_live_nodes(graph, nodes: list) -> None:
+    """Set ``graph``'s nodes to ``nodes`` minus those whose outputs nothing reads (neither another kept node nor a
+    graph output), repeated until none is left to drop; the order of the rest is kept."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in nodes for i in n.input} | outputs
+        live = [n for n in nodes if any(o in read for o in n.output)]
+        if len(live) == len(nodes):
+            break
+        nodes = live
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def read_initializer(t, reader: ExternalData) -> np.ndarray:
     """Initializer ``t`` (of a graph loaded without its weights) as a numpy array of its shape and dtype."""
     from onnx import helper

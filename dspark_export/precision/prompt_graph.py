@@ -25,7 +25,7 @@ from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, peak_rss_gb,
-                                          session_over_weights)
+                                          session_over_weights, set_live_nodes)
 from dspark_export.precision.nbits import NBitsWeight
 
 _NBITS = "MatMulNBits"
@@ -210,7 +210,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
         for node in g.node:
             if id(node) not in drop:
                 body.extend(replace.get(id(node), [node]))
-        _prune(g, body)
+        set_live_nodes(g, body)  # drops the block sums of replaced corrections
         read = {i for n in g.node for i in n.input}
         kept_inits = [writer.copy(t, reader) for t in g.initializer if t.name in read]
     reader.close()
@@ -230,14 +230,3 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     return rep
 
 
-def _prune(graph, body: list) -> None:
-    """Set ``graph``'s nodes to ``body`` minus the nodes nothing reads (the block sums of replaced corrections)."""
-    outputs = {o.name for o in graph.output}
-    while True:
-        read = {i for n in body for i in n.input} | outputs
-        live = [n for n in body if any(o in read for o in n.output)]
-        if len(live) == len(body):
-            break
-        body = live
-    del graph.node[:]
-    graph.node.extend(body)
