@@ -54,10 +54,11 @@ class NBitsWeight:
     def from_node(node, array, correction: np.ndarray | None = None) -> "NBitsWeight":
         """The weight a ``com.microsoft.MatMulNBits`` node holds. ``array``: initializer name -> its numpy array;
         ``correction``: the node's block-sum correction float32 ``[K/block, N]``, or None. Absent zero points are the
-        kernel's default 2^(bits-1)."""
+        kernel's default 2^(bits-1). A ``K`` that is not a multiple of the block (an 8-bit correction over block sums,
+        :func:`affine8_rows`) keeps its last, zero-padded block: the weight then has ``ceil(K/block)·block`` rows."""
         a = node_attributes(node)
         n, k, bits, block = a["N"], a["K"], a["bits"], a["block_size"]
-        kb = k // block
+        kb = -(-k // block)
         if len(node.input) > 3 and node.input[3]:
             zp = unpack_codes(array(node.input[3]).reshape(n, -1), bits)[:, :kb]  # each column padded to bytes
         else:

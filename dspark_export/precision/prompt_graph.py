@@ -24,7 +24,7 @@ import numpy as np
 from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, peak_rss_gb,
+from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, node_attributes, peak_rss_gb,
                                           session_over_weights, set_live_nodes)
 from dspark_export.precision.nbits import NBitsWeight
 
@@ -133,6 +133,10 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     for n in g.node:
         for i in n.input:
             cons.setdefault(i, []).append(n)
+    # 8-bit block-sum corrections (gguf-compact) are MatMulNBits too: replaced with the weight they correct (merged ones,
+    # read through a Split, are replaced on their own like a weight over the block sums)
+    corrections = {id(prod[n.input[1]]) for n in g.node if n.op_type == "Sub" and n.input[1] in prod
+                   and prod[n.input[1]].op_type == _NBITS and n.input[0] in prod and prod[n.input[0]].op_type == _NBITS}
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     consts = [numpy_helper.from_array(v, k) for k, v in (
         ("__prompt_c127", np.array(127, np.float32)), ("__prompt_c128", np.array(128, np.float32)),
@@ -144,7 +148,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     new_inits, replaced, kept, nbytes, n_apart = [], 0, 0, 0, 0
     with ExternalWriter(dst) as writer:
         for node in list(g.node):
-            if node.op_type != _NBITS or node.input[1] not in inits:
+            if node.op_type != _NBITS or node.input[1] not in inits or id(node) in corrections:
                 continue
             if node is head or any(re.search(k, module_name(node)) for k in keep):
                 kept += 1
@@ -156,11 +160,11 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                 if cnode is not None and cnode.op_type == "MatMul" and cnode.input[1] in inits:
                     corr = array(cnode.input[1]).astype(np.float32)
                 elif cnode is not None and cnode.op_type == _NBITS and cnode.input[1] in inits:
-                    corr = NBitsWeight.from_node(cnode, array).dequantize()
+                    corr = NBitsWeight.from_node(cnode, array).dequantize()[:node_attributes(cnode)["K"]]
                 if corr is not None:
                     y = subs[0].output[0]
                     drop.update({id(subs[0]), id(cnode)})
-            w = NBitsWeight.from_node(node, array, corr).dequantize()
+            w = NBitsWeight.from_node(node, array, corr).dequantize()[:node_attributes(node)["K"]]  # K padded to blocks
             x, nodes, mk = node.input[0], [], helper.make_node
             apart = np.asarray((outliers or {}).get(x, ()), np.int64)
             name = node.name or out

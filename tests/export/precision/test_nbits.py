@@ -150,6 +150,14 @@ def test_q4k_min_correction_in_8_bits_computes_x_at_w_within_its_rounding():
     c_back = c8.dequantize()[:k // 32]
     rel = np.abs(c_back - enc.correction).max() / np.abs(enc.correction).max()
     assert 0 < rel <= 1 / 255
+    # read back from its node (K = 24 block sums: the last block of 16 zero-padded), as the prompt graph reads it
+    from onnx import helper
+
+    node = helper.make_node("MatMulNBits", ["s", "c_Q", "c_scales", "c_zp"], ["y"], domain="com.microsoft", K=k // 32,
+                            N=n, bits=8, block_size=16)
+    arrays = {"c_Q": c8.packed, "c_scales": c8.scales.reshape(-1), "c_zp": c8.packed_zero_points()}
+    read = NBitsWeight.from_node(node, arrays.__getitem__).dequantize()
+    assert read.shape == (32, n) and np.array_equal(read[:k // 32], c_back) and not read[k // 32:].any()
     w8 = NBitsWeight(4, 32, enc.packed, enc.scales, enc.zero_points, c_back).dequantize()
     x = rng.standard_normal((2, 3, k)).astype(np.float32)
     y = nbits_session(enc, 4, correction_bits=8).run(None, {"x": x})[0]
@@ -372,10 +380,17 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
 
     info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "gguf-compact")])
     assert info.exit_code == 0 and "compact: 14 tensors in fewer bits" in info.output  # 7 per layer, the head exact
-    fitted = Engine.load(tmp_path / "gguf-compact", threads=1)
-    for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
-        ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
-        assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
+    # the prompt graph replaces every MatMulNBits but the screen (an 8-bit correction with its weight where it
+    # follows it directly, on its own where merged ones are split apart); the 8-bit corrections' padded K included
+    from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
+
+    pq = add_prompt_graph(tmp_path / "gguf-compact", log=lambda *a: None).graphs["target_prompt"].quantization
+    assert pq["kept"] == 1 and 0 < pq["replaced"] < len(nb) - 1
+    for prompts in ("prompt-graph", "target"):
+        fitted = Engine.load(tmp_path / "gguf-compact", threads=1, prompts=prompts)
+        for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
+            ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
+            assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
 
 
 # ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
