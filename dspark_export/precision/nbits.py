@@ -36,7 +36,7 @@ CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (
 class NBitsWeight:
     """One weight ``W [K, N]`` in MatMulNBits form (``N`` output channels, blocks along ``K``).
 
-    bits: 2, 4 or 8. block_size: 16, 32 or 64. packed: uint8 ``[N, K/block, block·bits/8]`` (:func:`pack_codes`:
+    bits: 2, 4 or 8. block_size: 16 to 128. packed: uint8 ``[N, K/block, block·bits/8]`` (:func:`pack_codes`:
     8/bits values per byte, the lowest index in the lowest bits). scales: float32 ``[N, K/block]``. zero_points: uint8
     ``[N, K/block]`` unpacked (see :meth:`packed_zero_points`). correction: float32 ``[K/block, N]`` or None:
     the per-block offset subtracted as ``blocksum(x) @ correction``.
