@@ -3,7 +3,8 @@ activation (a layer's q/k/v, its gate/up) become one ``com.microsoft.MatMulNBits
 along the output channels, then one ``Split``; a decoding step then pays the per-node cost once per group.
 
 Merged: nodes with the same activation input, ``K``, ``bits``, ``block_size``, ``accuracy_level``, zero-point presence
-and type, correction input (the shared block sums, :mod:`dspark_export.precision.nbits`) and bias presence; nodes
+and type, correction (none, an fp32 ``MatMul`` or an 8-bit ``MatMulNBits`` over the shared block sums,
+:mod:`dspark_export.precision.nbits`; merged along the output channels like the weights) and bias presence; nodes
 with ``g_idx`` or ``bias`` inputs already are left alone. Invariant: the merged graph computes bit for bit what the
 unmerged one did (each output column is the same dot product over the same blocks; a bias goes into the kernel only
 where there is no correction, else one ``Add`` after the ``Sub`` keeps the rounding order; tests/export/precision/test_nbits.py checks
@@ -28,7 +29,8 @@ class _Member:
     n: int                  # its output channels
     final: str              # the tensor carrying x @ W (+ bias): what the Split writes
     removed: list = field(default_factory=list)  # nodes replaced by the merged ones (correction, bias Add)
-    corr_weight: str | None = None
+    corr_weight: str | None = None  # an fp32 correction's weight ([K/block, N], a MatMul over the block sums)
+    corr_node: object = None        # an 8-bit correction (a MatMulNBits over the block sums, gguf-compact)
     bias: str | None = None
 
 
@@ -96,6 +98,10 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
             if cm is not None and cm.op_type == "MatMul" and cm.input[1] in inits and len(consumers[cm.output[0]]) == 1:
                 m.removed += [cm, sub]
                 m.corr_weight, m.final = cm.input[1], sub.output[0]
+            elif (cm is not None and cm.op_type == "MatMulNBits" and len(cm.input) <= 4
+                  and len(consumers[cm.output[0]]) == 1 and all(i in inits for i in cm.input[1:] if i)):
+                m.removed += [cm, sub]
+                m.corr_node, m.final = cm, sub.output[0]
         cons = consumers[m.final]
         if m.final not in outputs and len(cons) == 1 and cons[0].op_type == "Add":
             add = cons[0]
@@ -105,10 +111,19 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
                 m.removed.append(add)
                 m.bias, m.final = other, add.output[0]
         zp = n.input[3] if len(n.input) > 3 and n.input[3] else None
+        corr = None
+        if m.corr_weight:
+            corr = ("fp32", m.removed[0].input[0])
+        elif m.corr_node is not None:
+            c = node_attributes(m.corr_node)
+            corr = ("nbits", m.corr_node.input[0], c["K"], c["bits"], c["block_size"], c.get("accuracy_level", 0),
+                    len(m.corr_node.input) > 3 and bool(m.corr_node.input[3]))
         key = (n.input[0], a["K"], a["bits"], a["block_size"], a.get("accuracy_level", 0),
                None if zp is None else (inits[zp].data_type, len(inits[zp].dims)),
-               len(inits[n.input[2]].dims), m.removed[0].input[0] if m.corr_weight else None, m.bias is not None)
+               len(inits[n.input[2]].dims), corr, m.bias is not None)
         groups[key].append(m)
+    corrections = {id(m.corr_node) for ms in groups.values() for m in ms if m.corr_node is not None}
+    groups = {k: [m for m in ms if id(m.node) not in corrections] for k, ms in groups.items()}  # merged with weights
     merged = [ms for ms in groups.values() if len(ms) > 1]
     if not merged:
         return {"groups": 0, "matmul_nbits_nodes": [before[0]] * 2, "nodes": [before[1]] * 2}
@@ -128,7 +143,7 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
         fused_in = [ins[0], cat[1], cat[2], cat[3] if len(ins) > 3 and ins[3] else ""]
         if ms[0].bias:
             plan[base + "_bias"] = ([m.bias for m in ms], 0)
-            if not ms[0].corr_weight:  # no correction: the kernel adds the bias (bit-identical to the Add)
+            if not (ms[0].corr_weight or ms[0].corr_node):  # no correction: the kernel adds the bias (bit-identical)
                 fused_in += ["", base + "_bias"]
         a = node_attributes(first)
         a["N"] = sum(m.n for m in ms)
@@ -138,11 +153,23 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
         prop = mm.metadata_props.add()
         prop.key, prop.value = "dspark.fused", ",".join(m.node.name for m in ms)
         new_nodes.append(mm)
-        if ms[0].corr_weight:
-            plan[base + "_corr"] = ([m.corr_weight for m in ms], 1)
+        if ms[0].corr_weight or ms[0].corr_node:
             blocksum = ms[0].removed[0].input[0]
-            new_nodes.append(helper.make_node("MatMul", [blocksum, base + "_corr"], [base + "_correction"],
-                                              name=base + "_correction_MatMul"))
+            if ms[0].corr_weight:
+                plan[base + "_corr"] = ([m.corr_weight for m in ms], 1)
+                new_nodes.append(helper.make_node("MatMul", [blocksum, base + "_corr"], [base + "_correction"],
+                                                  name=base + "_correction_MatMul"))
+            else:  # the 8-bit corrections concatenated along N like the weights
+                c0 = ms[0].corr_node
+                cins = [blocksum]
+                for slot, suffix in ((1, "_corr_Q"), (2, "_corr_scales"), (3, "_corr_zp")):
+                    if slot < len(c0.input) and c0.input[slot]:
+                        plan[base + suffix] = ([m.corr_node.input[slot] for m in ms], 0)
+                        cins.append(base + suffix)
+                ca = node_attributes(c0)
+                ca["N"] = sum(m.n for m in ms)
+                new_nodes.append(helper.make_node("MatMulNBits", cins, [base + "_correction"], domain="com.microsoft",
+                                                  name=base + "_correction_MatMulNBits", **ca))
             new_nodes.append(helper.make_node("Sub", [y, base + "_correction"], [base + "_sub"], name=base + "_Sub"))
             y = base + "_sub"
             if ms[0].bias:  # after the correction, as before: (x·W − c) + b rounds exactly like the separate nodes
@@ -172,7 +199,7 @@ def fuse_shared_inputs(path: Path, log=print) -> dict:
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(new_inits)
         rw.proto = proto
-    after = (before[0] - sum(len(ms) - 1 for ms in merged), len(nodes))
+    after = (sum(n.op_type == "MatMulNBits" for n in nodes), len(nodes))
     log(f"  merged {sum(len(ms) for ms in merged)} MatMulNBits reading a shared input into {len(merged)}: "
         f"{before[0]} -> {after[0]} MatMulNBits, {before[1]} -> {after[1]} nodes")
     return {"groups": len(merged), "matmul_nbits_nodes": [before[0], after[0]], "nodes": [before[1], after[1]]}

@@ -394,10 +394,12 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
 
 
 # ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
-def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
-    """q/k/v-like projections (4-bit with the block-min correction, each + bias), one 8-bit projection of the
-    same input (another encoding: not merged), and gate/up-like projections without correction (bias into the
-    kernel): the merged graph computes exactly what the separate nodes did, with fewer nodes."""
+@pytest.mark.parametrize("correction_bits", [32, 8])
+def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path, correction_bits):
+    """q/k/v-like projections (4-bit with the block-min correction — fp32, or 8-bit as gguf-compact writes it —, each
+    + bias), one 8-bit projection of the same input (another encoding: not merged), and gate/up-like projections
+    without correction (bias into the kernel): the merged graph computes exactly what the separate nodes did, with
+    fewer nodes."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -413,11 +415,16 @@ def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
         inits.extend([numpy_helper.from_array(enc.packed, name + "_Q"),
                       numpy_helper.from_array(enc.scales.reshape(-1), name + "_scales"),
                       numpy_helper.from_array(enc.packed_zero_points(), name + "_zp")])
-        if enc.correction is not None:
+        if enc.correction is not None and correction_bits == 8:
+            c8 = affine8_rows(enc.correction.T.copy())
+            inits.extend([numpy_helper.from_array(c8.packed, name + "_corr_Q"),
+                          numpy_helper.from_array(c8.scales.reshape(-1), name + "_corr_scales"),
+                          numpy_helper.from_array(c8.packed_zero_points(), name + "_corr_zp")])
+        elif enc.correction is not None:
             inits.append(numpy_helper.from_array(enc.correction, name + "_corr"))
         out = y + "_pre" if bias else y
-        nbits_nodes(helper, name, x, out, name, NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None),
-                     4, blocksums, nodes)
+        nbits_nodes(helper, name, x, out, name, NBitsMeta(enc.bits, enc.block_size, k, n, enc.correction is not None,
+                                                          correction_bits), 4, blocksums, nodes)
         if bias:
             inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name + "_b"))
             nodes.append(helper.make_node("Add", [out, name + "_b"], [y]))
@@ -446,7 +453,8 @@ def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path):
     xs = [rng.standard_normal((1, m, 512)).astype(np.float32) for m in (1, 2, 5)]
     before = [run(x) for x in xs]
     rep = fuse_shared_inputs(path, log=lambda *a: None)
-    assert rep["groups"] == 2 and rep["matmul_nbits_nodes"] == [6, 3]
+    # 8-bit: the three corrections are MatMulNBits too, merged into one like their weights
+    assert rep["groups"] == 2 and rep["matmul_nbits_nodes"] == ([6, 3] if correction_bits == 32 else [9, 4])
     after = [run(x) for x in xs]
     for b, a in zip(before, after):
         for yb, ya in zip(b, a):
