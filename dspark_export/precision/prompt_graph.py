@@ -133,8 +133,9 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     for n in g.node:
         for i in n.input:
             cons.setdefault(i, []).append(n)
-    # 8-bit block-sum corrections (gguf-compact) are MatMulNBits too: replaced with the weight they correct (merged ones,
-    # read through a Split, are replaced on their own like a weight over the block sums)
+    # 8-bit block-sum corrections (gguf-compact) are MatMulNBits too: replaced with the weight they correct (in graphs
+    # whose merged corrections are read through a Split, built before nbits_fuse merged them with their weights, on
+    # their own like a weight over the block sums)
     corrections = {id(prod[n.input[1]]) for n in g.node if n.op_type == "Sub" and n.input[1] in prod
                    and prod[n.input[1]].op_type == _NBITS and n.input[0] in prod and prod[n.input[0]].op_type == _NBITS}
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
