@@ -159,7 +159,8 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
         _move_graph(out_path, fp32_path)
         validation = {"fp32": validate_decoder(ref, dims, fp32_path, kv_layout=kv_layout).to_json()}
         quantization = quantize_graph(fp32_path, out_path, precision, spec=spec, calibration_ids=calibration_ids,
-                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf, lm_head=lm_head)
+                                      fp8_writer=fp8_writer, int4_source=int4_source, gguf=gguf, lm_head=lm_head,
+                                      max_positions=cfg.get("max_position_embeddings"))
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
         # quantized graphs are not expected to match torch exactly: record the agreement

@@ -1,6 +1,7 @@
-"""Fusions of an exported decoder graph for ONNX Runtime's CUDA provider, no torch: each rewrites a pattern of many
-small nodes the exporter writes into one ONNX Runtime contrib operator, so a decoding step launches fewer kernels
-(docs/gpu.md "Where the step goes").
+"""Fusions of an exported decoder graph for ONNX Runtime, no torch: each rewrites a pattern of many small nodes the
+exporter writes into one ONNX Runtime contrib operator, so a decoding step runs fewer kernels. The CUDA device graph
+takes both (docs/gpu.md "Where the step goes"); the int4 CPU graphs the rotary one (docs/precision.md "The rotary
+embeddings fused").
 
 :func:`fuse_rotary`: the rotary position embedding of every query and key (HF's ``x * cos + rotate_half(x) * sin`` on
 the heads: Mul, Slice, Slice, Neg, Concat, Mul, Add — seven kernels each) as one ``com.microsoft.RotaryEmbedding``
@@ -46,10 +47,13 @@ def fuse_rotary(model, max_positions: int) -> int:
     untouched) as ``com.microsoft.RotaryEmbedding`` with cos/sin tables for positions 0..``max_positions``-1.
     Returns how many were fused (2 per layer: query and key). A match must be exactly the exporter's pattern
     (Add(Mul(X, cos), Mul(Concat(Neg(Slice(X)), Slice(X)), sin)) with X = Transpose[0, 2, 1, 3](Reshape(P))); anything
-    else is left as it is."""
+    else is left as it is, and a graph without a ``position_ids`` input (the op reads the table at those positions) is
+    returned untouched (0). Positions at or past ``max_positions`` are refused by the op at run time."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
+    if "position_ids" not in {i.name for i in g.input}:
+        return 0
     producer, consumers = _graph_maps(g)
     found = []
     for neg in [n for n in g.node if n.op_type == "Neg"]:
@@ -102,11 +106,14 @@ def fuse_rotary(model, max_positions: int) -> int:
                                 name=f"rotary_embedding_{i}", domain=MS_DOMAIN, interleaved=0)
         g.node.insert(list(g.node).index(rs), node)
         rs.input[0] = rot
-        for c in consumers.get(add.output[0], []):  # the rotated heads are now the Transpose's output
-            c.input[:] = [tr.output[0] if v == add.output[0] else v for v in c.input]
-        for o in g.output:
-            if o.name == add.output[0]:
-                raise DSparkError(f"RoPE output {o.name} is a graph output; cannot fuse")
+        if all(id(c) in nodes for c in consumers.get(tr.output[0], [])):
+            tr.output[0] = add.output[0]  # the rotated heads keep their name (a graph output's, e.g. new.L.key)
+        else:
+            if add.output[0] in {o.name for o in g.output}:
+                raise DSparkError(f"RoPE output {add.output[0]} is a graph output and its unrotated heads are read "
+                                  "elsewhere; cannot fuse")
+            for c in consumers.get(add.output[0], []):  # the rotated heads are now the Transpose's output
+                c.input[:] = [tr.output[0] if v == add.output[0] else v for v in c.input]
         dead |= nodes
     keep = [n for n in g.node if id(n) not in dead]
     del g.node[:]
@@ -132,28 +139,35 @@ def _float_type(model, name: str, known: dict) -> int:
 
 
 def _prune(g) -> None:
-    """Drop nodes whose outputs nothing reads (the pattern's leftovers: the cos/sin unsqueezes)."""
+    """Drop nodes whose outputs nothing reads (the pattern's leftovers: the cos/sin unsqueezes), then the in-graph
+    initializers nothing reads (the pattern's slice bounds, the inverse frequencies); external ones stay in their
+    file untouched."""
+    from onnx import TensorProto
+
     outputs = {o.name for o in g.output}
     while True:
         used = {i for n in g.node for i in n.input} | outputs
         keep = [n for n in g.node if any(o in used for o in n.output)]
         if len(keep) == len(g.node):
-            return
+            break
         del g.node[:]
         g.node.extend(keep)
+    unread = [t for t in g.initializer if t.name not in used and t.data_location != TensorProto.EXTERNAL]
+    for t in unread:
+        g.initializer.remove(t)
 
 
-def fuse_file(path: Path, max_positions: int, merge: bool) -> tuple[int, int]:
+def fuse_file(path: Path, max_positions: int, merge: bool = False) -> dict:
     """:func:`fuse_rotary` and, with ``merge`` (the graph owns its weight file), :func:`merge_sibling_matmuls` on the
-    graph file ``path`` (rewritten in place). Returns (rotary embeddings fused, MatMul groups merged)."""
+    graph file ``path`` (rewritten in place). Returns how many of each were fused: {"rotary", "merged"}."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    rot = fuse_rotary(model, max_positions)
-    mm = merge_sibling_matmuls(model, path.parent) if merge else 0
-    if rot or mm:
+    done = {"rotary": fuse_rotary(model, max_positions),
+            "merged": merge_sibling_matmuls(model, path.parent) if merge else 0}
+    if any(done.values()):
         onnx.save_model(model, str(path))
-    return rot, mm
+    return done
 
 
 def merge_sibling_matmuls(model, weights_dir: Path) -> int:

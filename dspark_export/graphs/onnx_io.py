@@ -275,11 +275,18 @@ def graph_weight_bytes(path: Path) -> int:
 
 
 def step_weight_bytes(path: Path) -> int:
-    """Bytes of the initializers one decoding step reads whole: every initializer except tables read only by
-    ``Gather`` (the token embedding: a step reads one row per token). Raises DSparkError when the graph is missing."""
+    """Bytes of the initializers one decoding step reads whole: every initializer except tables only indexed by
+    position or token — the data of a ``Gather`` (the token embedding, the screened head's rows: a step reads one row
+    per token or candidate) and the cos/sin caches of a ``RotaryEmbedding`` (one row per position). Raises DSparkError
+    when the graph is missing."""
+    indexed_inputs = {"Gather": (0,), "RotaryEmbedding": (2, 3)}
+
     def read_whole(proto) -> set:
-        gathered = {n.input[0] for n in proto.graph.node if n.op_type == "Gather"}
-        other = {i for n in proto.graph.node if n.op_type != "Gather" for i in n.input}
-        return {t.name for t in proto.graph.initializer if not (t.name in gathered and t.name not in other)}
+        indexed, other = set(), set()
+        for n in proto.graph.node:
+            rows = indexed_inputs.get(n.op_type, ())
+            for k, i in enumerate(n.input):
+                (indexed if k in rows else other).add(i)
+        return {t.name for t in proto.graph.initializer if not (t.name in indexed and t.name not in other)}
 
     return _initializer_bytes(path, read_whole)

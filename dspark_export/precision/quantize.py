@@ -173,7 +173,8 @@ def quantize_engine(src_dir: Path, out_dir: Path, precision: str, *, calibration
             log(f"[{role}] int4 weights from {source} ({why})")
         q = quantize_graph(src, dst, prec, spec=g.spec, calibration_ids=calib_ids,
                            table=(tables or {}).get(role), exclude=exclude, fp8_writer=fp8_writer,
-                           int4_source=source, gguf=gguf, lm_head=recipe.lm_head, log=log)
+                           int4_source=source, gguf=gguf, lm_head=recipe.lm_head,
+                           max_positions=g.model_config.get("max_position_embeddings"), log=log)
         cand = OrtDecoder(dst, g.spec)
         agree = logit_agreement(OrtDecoder(src, g.spec), cand, [val_ids], verify_len=5)  # one graph at a time
         cand.deactivate()

@@ -20,6 +20,7 @@ from pathlib import Path
 from dspark_runtime.engine_dir.integrity import sha256_file
 from dspark_runtime.errors import DSparkError
 
+from dspark_export.graphs.fusions import fuse_file
 from dspark_export.models.catalog import source_gguf
 from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibrate_graph
 from dspark_export.precision.fp8 import choose_fp8_writer, quantize_fp8
@@ -58,7 +59,7 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
 
 def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
                    exclude=None, fp8_writer: str = "auto", int4_source: str = "rtn", gguf=None, lm_head: str = "auto",
-                   log=print) -> dict:
+                   max_positions: int | None = None, log=print) -> dict:
     """Quantize the fp32 graph ``src`` into ``dst`` (+ ``dst.data``); returns the manifest's
     ``quantization`` record.
 
@@ -81,7 +82,10 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration
     data. ``lm_head`` (:func:`~dspark_export.precision.nbits_head.resolve_lm_head`): ``"screened"`` rewrites the
     int4 graph's 8-bit LM head into a 2-bit screen plus exact rescoring of the best candidates
-    (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``).
+    (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``). ``max_positions`` (a
+    decoder's ``max_position_embeddings``): the int4 graph's rotary embeddings become ``com.microsoft.RotaryEmbedding``
+    with tables of that many positions (:func:`~dspark_export.graphs.fusions.fuse_rotary`; the record's
+    ``"rotary_fused"`` counts them); None (drafter graphs) leaves them as exported.
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights; raises DSparkError when that cannot fit in this
     machine's RAM.
@@ -98,6 +102,10 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
             rep = quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
         if resolve_lm_head(lm_head, int4_source) == "screened":
             rep["lm_head"] = screen_lm_head(dst, log=log)
+        if max_positions:
+            rep["rotary_fused"] = fuse_file(dst, int(max_positions))["rotary"]
+            log(f"  {rep['rotary_fused']} rotary embeddings fused (com.microsoft.RotaryEmbedding, {int(max_positions)} "
+                "positions)")
         return rep
     writer = reason = None
     if precision == "fp8":

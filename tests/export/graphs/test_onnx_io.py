@@ -31,3 +31,22 @@ def test_step_weight_bytes_leave_out_tables_read_only_by_gather(tmp_path):
     assert step_weight_bytes(untied) == 4 * (8 * 8 + 8 * 50)  # the embedding: one row per token, not counted
     tied = _graph(tmp_path, tied=True)
     assert step_weight_bytes(tied) == graph_weight_bytes(tied) == 4 * (50 * 8 + 8 * 8)  # a head reading it counts
+
+
+def test_step_weight_bytes_leave_out_rotary_tables(tmp_path):
+    """A RotaryEmbedding reads one row of its cos/sin caches per position: the tables are not read whole."""
+    cache = np.ones((64, 4), np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("RotaryEmbedding", ["h", "pos", "cos", "sin"], ["y"], domain="com.microsoft")]
+    inits = [numpy_helper.from_array(np.ones((8, 8), np.float32), "W"), numpy_helper.from_array(cache, "cos"),
+             numpy_helper.from_array(cache, "sin")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, 8]),
+                                       helper.make_tensor_value_info("pos", TensorProto.INT64, [1, None])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, 8])], inits)
+    path = tmp_path / "rotary.onnx"
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18),
+                                                        helper.make_opsetid("com.microsoft", 1)]),
+                    str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=0)
+    assert graph_weight_bytes(path) == 4 * (8 * 8 + 2 * 64 * 4)
+    assert step_weight_bytes(path) == 4 * 8 * 8

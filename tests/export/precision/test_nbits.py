@@ -315,8 +315,10 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert set(t.validation) == {"fp32", "int4"}
     import onnx
 
-    ops = {n.op_type for n in onnx.load(str(tmp_path / "q4" / "target.onnx"), load_external_data=False).graph.node}
-    assert "MatMulNBits" in ops
+    for role, graph in (("target", t), ("draft", d)):  # int4 decoders: every rotary embedding one contrib op
+        ops = [n.op_type for n in onnx.load(str(tmp_path / "q4" / f"{role}.onnx"), load_external_data=False).graph.node]
+        assert "MatMulNBits" in ops and "Neg" not in ops
+        assert ops.count("RotaryEmbedding") == graph.quantization["rotary_fused"] == 2 * graph.spec.dims.num_layers
     eng = Engine.load(tmp_path / "q4", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
         ref = eng.generate(prompt, max_new_tokens=32, draft=None)
