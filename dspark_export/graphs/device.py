@@ -91,8 +91,8 @@ def build_cuda(engine_dir: Path, profile: ProfileSettings, half: str | None = "f
                                                      lambda fn, *a: run_rewrite(fn, isolate, *a), log, half_cache=True)
             if fuse:  # the projections are merged only where the graph owns its weight file (a 16-bit copy)
                 done = fuse_file(txn.stage / rel, profile.capacity, merge=bool(half))
-                log(f"[{key}] {done['rotary']} rotary embeddings fused into RotaryEmbedding, {done['merged']} "
-                    "projection groups merged")
+                log(f"[{key}] {done['rotary']} rotary embeddings fused into RotaryEmbedding, {done['shapes']} cache "
+                    f"shape reads shared, {done['merged']} projection groups merged")
                 files = [FileEntry.of(txn.stage, f.path) for f in files]
             manifest.device_graphs[key] = DeviceGraphEntry(
                 graph=key, kv_layout=KV_LAYOUT_CAPACITY, onnx=rel, files=files, precision=half or "fp32",

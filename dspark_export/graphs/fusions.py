@@ -10,6 +10,10 @@ precomputed from the graph's own inverse frequencies (float64, then the graph's 
 
 :func:`merge_sibling_matmuls`: the projections that read one activation (Q/K/V; gate/up) as one MatMul (+ one bias
 Add) and a Split.
+
+:func:`share_shape_reads`: every layer's ``Shape`` of its own cache input (the cache length its mask slice and
+reshapes need) reads one input of the same declared shape instead, so ONNX Runtime's common-subexpression elimination
+keeps one copy of those shape computations rather than one per layer (exact: no value changes).
 """
 from __future__ import annotations
 
@@ -157,13 +161,36 @@ def _prune(g) -> None:
         g.initializer.remove(t)
 
 
+def share_shape_reads(model) -> int:
+    """Point every ``Shape`` node that reads a graph input at the first graph input of the same declared type (element
+    type and dims, every dim a fixed size or a named one: ONNX gives equal names equal sizes), e.g. each layer's
+    ``Shape(past.L.value)`` at ``past.0.key``; ONNX Runtime's common-subexpression elimination then merges the
+    now-identical shape computations that follow (Shape, Concat, the mask's Slice: ~4 nodes a layer). ``model`` is
+    changed in place; values are unchanged. Returns how many Shape nodes were re-pointed."""
+    first: dict = {}  # declared type -> the first input of it
+    alias: dict = {}
+    for i in model.graph.input:
+        t = i.type.tensor_type
+        dims = tuple(d.dim_param or d.dim_value for d in t.shape.dim) if t.HasField("shape") else None
+        if dims is None or any(d in ("", 0) for d in dims):  # an undeclared dim: sizes not known to be equal
+            continue
+        alias[i.name] = first.setdefault((t.elem_type, dims), i.name)
+    n = 0
+    for node in model.graph.node:
+        if node.op_type == "Shape" and alias.get(node.input[0], node.input[0]) != node.input[0]:
+            node.input[0] = alias[node.input[0]]
+            n += 1
+    return n
+
+
 def fuse_file(path: Path, max_positions: int, merge: bool = False) -> dict:
-    """:func:`fuse_rotary` and, with ``merge`` (the graph owns its weight file), :func:`merge_sibling_matmuls` on the
-    graph file ``path`` (rewritten in place). Returns how many of each were fused: {"rotary", "merged"}."""
+    """:func:`fuse_rotary`, :func:`share_shape_reads` and, with ``merge`` (the graph owns its weight file),
+    :func:`merge_sibling_matmuls` on the graph file ``path`` (rewritten in place). Returns how many of each were done:
+    {"rotary", "shapes", "merged"}."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    done = {"rotary": fuse_rotary(model, max_positions),
+    done = {"rotary": fuse_rotary(model, max_positions), "shapes": share_shape_reads(model),
             "merged": merge_sibling_matmuls(model, path.parent) if merge else 0}
     if any(done.values()):
         onnx.save_model(model, str(path))

@@ -85,7 +85,9 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``). ``max_positions`` (a
     decoder's ``max_position_embeddings``): the int4 graph's rotary embeddings become ``com.microsoft.RotaryEmbedding``
     with tables of that many positions (:func:`~dspark_export.graphs.fusions.fuse_rotary`; the record's
-    ``"rotary_fused"`` counts them); None (drafter graphs) leaves them as exported.
+    ``"rotary_fused"`` counts them) and every layer's cache shape read becomes one
+    (:func:`~dspark_export.graphs.fusions.share_shape_reads`, ``"shape_reads_shared"``); None (drafter graphs) leaves
+    them as exported.
     ``int8-dynamic``: ONNX Runtime ``quantize_dynamic`` on MatMul weights, signed 8-bit, per tensor.
     Its peak memory is about three times the fp32 weights; raises DSparkError when that cannot fit in this
     machine's RAM.
@@ -103,9 +105,10 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
         if resolve_lm_head(lm_head, int4_source) == "screened":
             rep["lm_head"] = screen_lm_head(dst, log=log)
         if max_positions:
-            rep["rotary_fused"] = fuse_file(dst, int(max_positions))["rotary"]
+            done = fuse_file(dst, int(max_positions))
+            rep["rotary_fused"], rep["shape_reads_shared"] = done["rotary"], done["shapes"]
             log(f"  {rep['rotary_fused']} rotary embeddings fused (com.microsoft.RotaryEmbedding, {int(max_positions)} "
-                "positions)")
+                f"positions), {rep['shape_reads_shared']} cache shape reads shared")
         return rep
     writer = reason = None
     if precision == "fp8":

@@ -315,10 +315,13 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     assert set(t.validation) == {"fp32", "int4"}
     import onnx
 
-    for role, graph in (("target", t), ("draft", d)):  # int4 decoders: every rotary embedding one contrib op
-        ops = [n.op_type for n in onnx.load(str(tmp_path / "q4" / f"{role}.onnx"), load_external_data=False).graph.node]
+    for role, graph in (("target", t), ("draft", d)):  # int4 decoders: every rotary embedding one contrib op, one
+        nodes = onnx.load(str(tmp_path / "q4" / f"{role}.onnx"), load_external_data=False).graph.node  # cache read
+        ops = [n.op_type for n in nodes]
         assert "MatMulNBits" in ops and "Neg" not in ops
         assert ops.count("RotaryEmbedding") == graph.quantization["rotary_fused"] == 2 * graph.spec.dims.num_layers
+        assert graph.quantization["shape_reads_shared"] > 0
+        assert {n.input[0] for n in nodes if n.op_type == "Shape" and n.input[0].startswith("past.")} == {"past.0.key"}
     eng = Engine.load(tmp_path / "q4", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
         ref = eng.generate(prompt, max_new_tokens=32, draft=None)
