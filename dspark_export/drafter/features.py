@@ -221,7 +221,8 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     On a CPU this is faster than a torch fp32 forward, and it spares training the LM-head product for p_t.
     ``provider``: "cpu" (ONNX Runtime's CPU provider: the deployed arithmetic) or "openvino" (its OpenVINO provider,
     :class:`~dspark_runtime.backends.ort_openvino.OrtOpenVinoDecoder`: bf16 on AMX, other numerics; Intel CPUs).
-    Raises DSparkError for another provider, or where OpenVINO is missing.
+    Returns what :func:`extract_features` does, plus "pass_seconds" (the graph passes alone: no session creation,
+    no shard writing). Raises DSparkError for another provider, or where OpenVINO is missing.
     """
     m = load_manifest(engine_dir, verify=False)
     g = m.graphs["target"]
@@ -234,7 +235,7 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     vocab = np.asarray(draft_vocab, np.int64)
     np.save(out_dir / "draft_vocab.npy", vocab)
     shards = _capped_shards(_group_shards(sequences, shard_tokens), max_tokens)
-    t0, done_tokens, complete = time.perf_counter(), 0, True
+    t0, done_tokens, complete, pass_s = time.perf_counter(), 0, True, 0.0
     for k, shard in enumerate(shards):
         final = out_dir / f"shard_{k:04d}"
         if (final / "tlogits.npy").exists():
@@ -250,11 +251,13 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
             lg = runner.step(list(ids))
             feats.append(np.asarray(runner.features).astype(np.float16))
             logits.append(lg[:, vocab].astype(np.float16))
+        dt = time.perf_counter() - ts
+        pass_s += dt
         nt = _write_shard(out_dir, k, shard, feats, "tlogits", logits)
         done_tokens += nt
-        dt = time.perf_counter() - ts
         print(f"[features] shard {k + 1}/{len(shards)}: {nt} tokens in {dt:.0f} s ({nt / dt:.0f} tok/s)", flush=True)
-    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0, "complete": complete}
+    return {"tokens": done_tokens, "shards": len(shards), "seconds": time.perf_counter() - t0, "complete": complete,
+            "pass_seconds": pass_s}
 
 
 class FeatureStore:
