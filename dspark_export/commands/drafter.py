@@ -51,11 +51,13 @@ from dspark_export.paths import cache_root
 @click.option("--feature-tokens", type=click.IntRange(min=1), default=None,
               help="Cap the features stage at the sequences holding this many tokens (default: all). The one setting "
                    "--resume accepts, until training starts: it sizes a run in progress to the time left.")
-@click.option("--features-on", type=click.Choice(["cpu", "openvino"]), default="cpu", show_default=True,
-              help="Where the --engine's target graph computes the training features: cpu (ONNX Runtime's CPU "
-                   "provider, the deployed arithmetic) or openvino (its OpenVINO provider: bf16 on AMX, about 3x "
-                   "faster on a 2-core AMX Xeon, features within relative L2 0.013; Intel CPUs, pip install "
-                   "'dspark[openvino]').")
+@click.option("--features-on", type=click.Choice(["cpu", "openvino", "torch-bf16"]), default="cpu",
+              show_default=True,
+              help="Where the training features are computed: cpu (the --engine's target graph on ONNX Runtime's CPU "
+                   "provider, the deployed arithmetic), openvino (that graph on its OpenVINO provider: bf16 on AMX; "
+                   "Intel CPUs, pip install 'dspark[openvino]') or torch-bf16 (the target's Hugging Face weights in "
+                   "torch bf16, on the CPU's bf16 units; without --engine they run in fp32). docs/drafter.md "
+                   "compares their speed and distance from the deployed graph.")
 @click.option("--epochs", type=float, default=2.0, show_default=True,
               help="Passes over the training sequences.")
 @click.option("--method", type=click.Choice(["dspark", "eagle3"]), default="dspark", show_default=True,
@@ -139,7 +141,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                                        f"{', '.join(given)}")
             if work_dir is None:
                 raise click.UsageError("--reuse-data starts a new run: give it its own --work directory")
-        if features_on != "cpu" and engine_dir is None:
+        if features_on == "openvino" and engine_dir is None:
             raise click.UsageError(f"--features-on {features_on} runs the --engine's target graph there: give --engine "
                                    "ENGINE (without it the features come from the torch model)")
         if method == "eagle3" and (layers != 1 or moe_experts):

@@ -43,8 +43,9 @@ class PipelineSettings:
     stdlib_tokens: int = 40000
     sharegpt_tokens: int = 40000
     feature_tokens: int | None = None  # the features stage stops after the shards holding this many tokens (None: all)
-    # where the engine's target graph computes the features: "cpu" (ONNX Runtime's CPU provider, the deployed
-    # arithmetic) or "openvino" (its OpenVINO provider: bf16 on AMX, Intel CPUs; other numerics, docs/drafter.md)
+    # where the features are computed: "cpu" (the engine's target graph on ONNX Runtime's CPU provider, the deployed
+    # arithmetic), "openvino" (that graph on its OpenVINO provider: bf16 on AMX, Intel CPUs) or "torch-bf16" (the
+    # target's Hugging Face weights in torch bf16); without an engine, torch fp32 unless "torch-bf16" (docs/drafter.md)
     features_on: str = "cpu"
     max_seq_len: int = 1024
     feature_layers: tuple = (1, 13, 25)
@@ -271,7 +272,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     if not st["done"]:
         log(f"[3/5] target features -> {feat_dir}")
         t = time.perf_counter()
-        if engine_dir is not None:
+        if engine_dir is not None and p.features_on != "torch-bf16":
             if vocab is None:
                 raise DSparkError("feature extraction through the engine stores logits over a reduced draft "
                                   "vocabulary; give --draft-vocab > 0 or extract with torch (no --engine)")
@@ -281,10 +282,11 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
                                      max_tokens=p.feature_tokens, provider=p.features_on)
         else:
             r = extract_features(target_dir, seqs, feat_dir, list(p.feature_layers), time_budget_s=left(),
-                                 dtype="float32", max_tokens=p.feature_tokens)
+                                 dtype="bfloat16" if p.features_on == "torch-bf16" else "float32",
+                                 max_tokens=p.feature_tokens)
         if not state.progress(st, time.perf_counter() - t, r["tokens"], r.get("complete", True)):
             return stopped("features")
-    elif engine_dir is not None and (feat_dir / "draft_vocab.npy").exists():
+    elif engine_dir is not None and p.features_on != "torch-bf16" and (feat_dir / "draft_vocab.npy").exists():
         vocab = np.load(feat_dir / "draft_vocab.npy")
 
     # 4. train

@@ -510,3 +510,34 @@ def test_features_on_openvino_are_close_to_the_cpu_graphs_and_the_choice_is_chec
     for (fc, lc), (fo, lo) in zip(got["cpu"], got["openvino"]):
         assert 0 < np.linalg.norm(fo - fc) / np.linalg.norm(fc) < 0.1  # close, not the same arithmetic
         assert np.mean(lo.argmax(-1) == lc.argmax(-1)) > 0.8
+
+
+def test_features_on_torch_bf16_come_from_the_hf_weights_beside_the_engines_answers(tiny_engine_dir, tiny_pair,
+                                                                                      tmp_path, monkeypatch):
+    """`--features-on torch-bf16` with --engine: the answers still come from the engine, the features from the
+    target's Hugging Face weights in torch bf16 (final hidden states stored, not the graph's logits), close to the
+    engine graph's features but not its arithmetic; the run trains to the end on them."""
+    from dspark_export.drafter import data as draft_data
+    from dspark_export.drafter.features import FeatureStore, extract_features_ort
+    from dspark_export.drafter.pipeline import PipelineSettings, train_draft_pipeline
+    from dspark_export.drafter.train import TrainSettings
+
+    prompts = [("mbpp", f"mbpp:{i}", f"Write a function number {i}.") for i in range(1, 3)]
+    monkeypatch.setattr(draft_data, "training_prompt_list", lambda n_sharegpt=0, n_code_tasks=0: prompts)
+    p = PipelineSettings(answer_tokens=16, answer_batch=2, sharegpt_prompts=0, stdlib_tokens=300, sharegpt_tokens=0,
+                         max_seq_len=128, feature_layers=(-1, 0), draft_vocab_size=64, intermediate_size=32,
+                         block_size=4, markov_rank=8, features_on="torch-bf16",
+                         mask_token_id=json.loads((tiny_pair[0] / "config.json").read_text())["vocab_size"] - 1)
+    s = TrainSettings(lr=3e-3, epochs=1.0, eval_seqs=1, anchors_per_seq=4, warmup_steps=2, eval_every=1000)
+    work = tmp_path / "work"
+    r = train_draft_pipeline(tiny_pair[0], work, tmp_path / "ckpt", p, s, engine_dir=tiny_engine_dir,
+                             compile_into_engine=False, log=lambda *a: None)
+    assert r["finished"] and r["stages"]["answers"]["new_tokens"] > 0
+    store = FeatureStore(work / "features")
+    assert store.aux == "last" and not (work / "features" / "draft_vocab.npy").exists()
+    ids, mask, feats, _ = store.get(0)
+    extract_features_ort(tiny_engine_dir, [(np.asarray(ids), np.asarray(mask))], tmp_path / "graph",
+                         np.arange(64, dtype=np.int64))
+    ref = np.asarray(FeatureStore(tmp_path / "graph").get(0)[2], np.float32)
+    d = np.linalg.norm(np.asarray(feats, np.float32) - ref) / np.linalg.norm(ref)
+    assert 1e-3 < d < 0.05  # bf16 products: close to the fp32 graph, not the same arithmetic
