@@ -3,9 +3,10 @@ Runtime's CPU provider: the deployed int4 arithmetic, what `dspark-export train-
 against the target's Hugging Face weights in torch (bf16 on the CPU's bf16 units, fp32), on the same sequences.
 
 For each path: tokens/s of the teacher-forced pass (one call per sequence, THREADS threads), and against the engine's
-graph (its features and logits as training reads them: fp16 shards): relative L2 of the features (layers --layers, DeepSpec indexing, concatenated) over all positions, and top-1
-agreement of the logits over the draft vocabulary (torch: the final hidden state times the LM head). Sequences: the
-first --n answers of ANSWERS (a train-draft answers file, .jsonl or .jsonl.gz) of --min-len..--max-len tokens.
+graph (its features and logits as training reads them: fp16 shards): relative L2 of the features (layers --layers,
+DeepSpec indexing, concatenated) over all positions, and top-1 agreement of the logits over the draft vocabulary
+(torch: the final hidden state times the LM head). Sequences: the first --n answers of ANSWERS (a train-draft answers
+file, .jsonl or .jsonl.gz) of --min-len..--max-len tokens.
 
     python -m benchmarks.feature_paths --engine engines/qwen2.5-coder-1.5b \\
         --target ~/.cache/dspark/models/qwen2.5-coder-1.5b-instruct \\

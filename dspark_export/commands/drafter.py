@@ -56,8 +56,9 @@ from dspark_export.paths import cache_root
               help="Where the training features are computed: cpu (the --engine's target graph on ONNX Runtime's CPU "
                    "provider, the deployed arithmetic), openvino (that graph on its OpenVINO provider: bf16 on AMX; "
                    "Intel CPUs, pip install 'dspark[openvino]') or torch-bf16 (the target's Hugging Face weights in "
-                   "torch bf16, on the CPU's bf16 units; without --engine they run in fp32). docs/drafter.md "
-                   "compares their speed and distance from the deployed graph.")
+                   "torch bf16, on the CPU's bf16 units). Without --engine the features come from those weights in "
+                   "torch fp32 unless torch-bf16 is given. docs/drafter.md compares their speed and distance from "
+                   "the deployed graph.")
 @click.option("--epochs", type=float, default=2.0, show_default=True,
               help="Passes over the training sequences.")
 @click.option("--method", type=click.Choice(["dspark", "eagle3"]), default="dspark", show_default=True,
