@@ -98,6 +98,10 @@ from dspark_export.paths import cache_root
 @click.option("--bf16/--no-bf16", "bf16", default=None,
               help="Run the training step's forward under bf16 autocast (fp32 weights, optimizer and evaluation). "
                    "Default: on where the CPU has AMX-BF16 (about 2x faster a step there), else off.")
+@click.option("--init", "init_ckpt", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Continue training this DSpark checkpoint (e.g. engines/drafters/<target>-dspark) instead of "
+                   "starting from scratch: its architecture, draft vocabulary and mask token are kept, the features "
+                   "are extracted over its vocabulary, and a fresh warmup + cosine schedule runs at --lr.")
 @click.option("--reuse-data", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="Start this new run from another run's work directory: its answers, sequences and features "
                    "(linked, not copied) and their settings, so another configuration trains on the same data "
@@ -109,7 +113,7 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                 intermediate_size, moe_experts,
                 moe_top_k, moe_intermediate_size, block_size, markov_rank, markov_head, confidence_head, draft_vocab,
                 mask_token_id, lr,
-                ce_weight, l1_weight, anchors_per_seq, train_crop, seqs_per_step, bf16, reuse_data):
+                ce_weight, l1_weight, anchors_per_seq, train_crop, seqs_per_step, bf16, init_ckpt, reuse_data):
     """Train a DSpark (or, with --method eagle3, an EAGLE-3) drafter for TARGET on this machine (target frozen;
     DeepSpec's losses), resumable in stages: answers -> sequences -> features -> training -> calibration.
 
@@ -142,6 +146,14 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                                        f"{', '.join(given)}")
             if work_dir is None:
                 raise click.UsageError("--reuse-data starts a new run: give it its own --work directory")
+        if init_ckpt is not None:
+            arch = ("layers", "intermediate_size", "moe_experts", "moe_top_k", "moe_intermediate_size", "block_size",
+                    "markov_rank", "markov_head", "confidence_head", "draft_vocab", "mask_token_id", "method")
+            given = [f"--{n.replace('_', '-')}" for n in arch
+                     if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
+            if given:
+                raise click.UsageError(f"--init continues {init_ckpt} with its own architecture, draft vocabulary and "
+                                       f"mask token; drop {', '.join(given)}")
         if features_on == "openvino" and engine_dir is None:
             raise click.UsageError(f"--features-on {features_on} runs the --engine's target graph there: give --engine "
                                    "ENGINE (without it the features come from the torch model)")
@@ -158,7 +170,8 @@ def train_draft(ctx, target, out_dir, work_dir, resume_dir, time_limit, engine_d
                              sharegpt_tokens=sharegpt_tokens, feature_tokens=feature_tokens, features_on=features_on,
                              moe_experts=moe_experts, moe_top_k=moe_top_k,
                              moe_intermediate_size=moe_intermediate_size, mask_token_id=mask_token_id,
-                             method=method, ttt_length=ttt_length)
+                             method=method, ttt_length=ttt_length,
+                             init=None if init_ckpt is None else str(init_ckpt))
         s = TrainSettings(lr=lr, epochs=epochs, time_budget_s=1e12, ce_alpha=ce_weight, l1_alpha=l1_weight,
                           anchors_per_seq=anchors_per_seq, max_seq_len=train_crop, seqs_per_step=seqs_per_step,
                           bf16=bf16_native() if bf16 is None else bf16)

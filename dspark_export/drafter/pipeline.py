@@ -9,7 +9,7 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,8 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
 from dspark_export.drafter import data as answers_data  # by module: tests replace its answer generators
+from dspark_export.drafter.checkpoint import load_checkpoint, read_tensors
+from dspark_export.drafter.config import load_config
 from dspark_export.drafter.data import EVERY, done_keys
 from dspark_export.drafter.features import (FeatureStore, answer_sequences, choose_draft_vocab, extract_features,
                                             extract_features_ort, pick_mask_token, sharegpt_sequences,
@@ -62,6 +64,9 @@ class PipelineSettings:
     mask_token_id: int | None = None  # the block's mask token (None: an unused special token of the tokenizer)
     method: str = "dspark"  # the drafter family trained: "dspark" (DSpark / DFlash) or "eagle3"
     ttt_length: int = 7  # EAGLE-3: draft steps trained (training-time test) and drafted per round
+    # a DSpark checkpoint folder whose weights training continues from (its architecture, draft vocabulary and mask
+    # token replace the fields above: :func:`settings_from_checkpoint`); None: from scratch
+    init: str | None = None
 
 
 # The settings that decide a run's data (answers, sequences, features): a run started with ``reuse_data`` takes
@@ -173,6 +178,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
 
     work_dir = Path(work_dir)
     fresh = None
+    if p is not None and p.init is not None:
+        p = settings_from_checkpoint(p, Path(p.init))
     if p is not None:
         fresh = {"target": str(target_dir), "engine": None if engine_dir is None else str(engine_dir),
                  "out": str(out_dir), "pipeline": asdict(p), "train": asdict(s),
@@ -195,6 +202,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         log(f"[3/5] features capped at {feature_tokens} tokens")
     if compile_into_engine is None:
         compile_into_engine = d.get("compile", True)  # runs started before it was stored: the old default
+    if fresh is not None and reuse_data is not None and d["pipeline"].get("init"):
+        _check_reused_data_fits(d["pipeline"], Path(reuse_data))
     # a run started before code tasks existed answers none
     p = PipelineSettings(**{"code_task_prompts": 0, **d["pipeline"],
                             "feature_layers": tuple(d["pipeline"]["feature_layers"])})
@@ -264,7 +273,10 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     eos = [i for i in np.atleast_1d(cfg.get("eos_token_id") or []).tolist()]
     eos += [tok.convert_tokens_to_ids(t_) for t_ in ("<|im_end|>", "<|endoftext|>") if t_ in tok.get_vocab()]
     counts = np.bincount(np.concatenate([a for a, _ in seqs]), minlength=cfg["vocab_size"])
-    vocab = choose_draft_vocab(counts, p.draft_vocab_size, always=eos) if p.draft_vocab_size else None
+    if p.init is not None:  # the continued checkpoint's draft vocabulary, whatever the counts say now
+        vocab = _checkpoint_vocab(Path(p.init))
+    else:
+        vocab = choose_draft_vocab(counts, p.draft_vocab_size, always=eos) if p.draft_vocab_size else None
 
     # 3. features
     feat_dir = work_dir / "features"
@@ -277,7 +289,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
                 raise DSparkError("feature extraction through the engine stores logits over a reduced draft "
                                   "vocabulary; give --draft-vocab > 0 or extract with torch (no --engine)")
             if (feat_dir / "draft_vocab.npy").exists():
-                vocab = np.load(feat_dir / "draft_vocab.npy")  # the vocabulary the cached logits were stored over
+                vocab = _cached_vocab(feat_dir, vocab, p.init)  # the vocabulary the cached logits were stored over
             r = extract_features_ort(engine_dir, seqs, feat_dir, vocab, time_budget_s=left(),
                                      max_tokens=p.feature_tokens, provider=p.features_on)
         else:
@@ -287,7 +299,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         if not state.progress(st, time.perf_counter() - t, r["tokens"], r.get("complete", True)):
             return stopped("features")
     elif engine_dir is not None and p.features_on != "torch-bf16" and (feat_dir / "draft_vocab.npy").exists():
-        vocab = np.load(feat_dir / "draft_vocab.npy")
+        vocab = _cached_vocab(feat_dir, vocab, p.init)
 
     # 4. train
     store = FeatureStore(feat_dir)
@@ -301,25 +313,31 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
             return stopped("train")
     if not st["done"]:
         counts = store.token_counts(cfg["vocab_size"])
-        mask_id = pick_mask_token(tok, counts) if p.mask_token_id is None else int(p.mask_token_id)
-        c = qwen2_draft_config(cfg, mask_token_id=mask_id, num_layers=p.num_layers,
-                               intermediate_size=p.intermediate_size, block_size=p.block_size,
-                               target_layer_ids=p.feature_layers, markov_rank=p.markov_rank,
-                               markov_head_type=p.markov_head_type, confidence_head=p.confidence_head,
-                               draft_vocab_size=None if vocab is None else len(vocab),
-                               **_moe_kwargs(p))
-        torch.manual_seed(s.seed)
-        model = DSparkDraftModel(c)
         emb, head = target_frozen_weights(target_dir)
+        torch.manual_seed(s.seed)
+        if p.init is not None:  # the architecture, draft vocabulary and mask token are the checkpoint's
+            model = load_checkpoint(Path(p.init), target_embed=emb, target_lm_head=head)
+            c, mask_id = model.config, model.config.mask_token_id
+        else:
+            mask_id = pick_mask_token(tok, counts) if p.mask_token_id is None else int(p.mask_token_id)
+            c = qwen2_draft_config(cfg, mask_token_id=mask_id, num_layers=p.num_layers,
+                                   intermediate_size=p.intermediate_size, block_size=p.block_size,
+                                   target_layer_ids=p.feature_layers, markov_rank=p.markov_rank,
+                                   markov_head_type=p.markov_head_type, confidence_head=p.confidence_head,
+                                   draft_vocab_size=None if vocab is None else len(vocab),
+                                   **_moe_kwargs(p))
+            model = DSparkDraftModel(c)
+            if vocab is not None:
+                model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
+            model.init_from_target(emb, head)
+        del emb
         if vocab is not None:
-            model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
             target_head = None if store.aux == "tlogits" else head[model.draft_vocab_ids].clone()
             cover = float(counts[vocab].sum() / max(1, counts.sum()))
         else:
             target_head, cover = head, 1.0
-        model.init_from_target(emb, head)
-        del emb
-        log(f"[4/5] training: {sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f} M trainable "
+        log(f"[4/5] training{' continues ' + p.init if p.init else ''}: "
+            f"{sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f} M trainable "
             f"parameters, draft vocabulary {c.out_vocab} ids covering {cover:.2%} of training tokens, "
             f"mask token {mask_id}")
         budget = left()
@@ -486,3 +504,48 @@ def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab
     cols = feature_columns(p.feature_layers, layers, cfg["hidden_size"])
     rep = train_eagle3(store, model, head, out_dir, s, columns=cols, log=log, resume=work_dir / TRAIN_STATE)
     return {**rep, "seconds_this_call": time.perf_counter() - t}
+
+
+def settings_from_checkpoint(p: PipelineSettings, ckpt: Path) -> PipelineSettings:
+    """``p`` with the architecture of the DSpark checkpoint ``ckpt`` whose training a run continues: layers, widths,
+    block size, Markov and confidence heads, MoE, the draft vocabulary's size, the mask token and the target layers
+    it reads (``feature_layers``), and ``init`` set to ``ckpt``. Raises DSparkError (naming the fix) for an EAGLE-3
+    run or a folder whose ``config.json`` is not a DSpark drafter's."""
+    if p.method != "dspark":
+        raise DSparkError(f"--init continues a DSpark (or DFlash) drafter; an {p.method} run starts from scratch: drop "
+                          "--init or --method")
+    c = load_config(ckpt)
+    return replace(p, init=str(ckpt), num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
+                   block_size=c.block_size, markov_rank=c.markov_rank,
+                   markov_head_type=c.markov_head_type or p.markov_head_type,
+                   confidence_head=c.enable_confidence_head, moe_experts=c.draft_moe_experts,
+                   moe_top_k=c.draft_moe_top_k or p.moe_top_k, moe_intermediate_size=c.draft_moe_intermediate_size,
+                   draft_vocab_size=c.draft_vocab_size or 0, mask_token_id=c.mask_token_id,
+                   feature_layers=tuple(c.target_layer_ids))
+
+
+def _checkpoint_vocab(ckpt: Path) -> np.ndarray | None:
+    """The draft vocabulary (int64 target ids, ascending) of the checkpoint ``ckpt``; None for a full-vocabulary
+    drafter."""
+    ids = read_tensors(ckpt).get("draft_vocab_ids")
+    return None if ids is None else ids.numpy().astype(np.int64)
+
+
+def _cached_vocab(feat_dir: Path, vocab: np.ndarray | None, init: str | None) -> np.ndarray:
+    """The draft vocabulary the feature cache in ``feat_dir`` stored its target logits over. A run continuing the
+    checkpoint ``init`` needs it to be that checkpoint's (``vocab``): raises DSparkError otherwise."""
+    cached = np.load(feat_dir / "draft_vocab.npy")
+    if init is not None and (vocab is None or not np.array_equal(cached, vocab)):
+        raise DSparkError(f"{feat_dir} stores the target's logits over another draft vocabulary than the one of "
+                          f"{init}; continue that checkpoint on features extracted over its vocabulary (a new --work "
+                          "run with --init extracts them), or train from scratch")
+    return cached
+
+
+def _check_reused_data_fits(pipeline: dict, src_dir: Path) -> None:
+    """A new run continuing a checkpoint (``pipeline["init"]``) on the data of ``src_dir``: the data must hold the
+    target layers the checkpoint reads. Raises DSparkError naming both."""
+    want = list(settings_from_checkpoint(PipelineSettings(), Path(pipeline["init"])).feature_layers)
+    if list(pipeline["feature_layers"]) != want:
+        raise DSparkError(f"{src_dir} holds features of target layers {list(pipeline['feature_layers'])}, but "
+                          f"{pipeline['init']} reads layers {want}: reuse the data of a run with those layers")

@@ -299,6 +299,20 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
     cfg2 = json.loads((tmp_path / "ckpt2" / "config.json").read_text())
     assert cfg2["markov_rank"] == 0 and cfg2["enable_confidence_head"] is False and "markov_head_type" not in cfg2
     assert any("reused from" in x for x in lines)
+    # continuing the first run's checkpoint on the same data (--init): its architecture is kept whatever p says
+    # (Markov rank 8, not 0), and at learning rate 0 the weights written are exactly the checkpoint's
+    import torch
+
+    from dspark_export.drafter.checkpoint import read_tensors
+
+    p4 = replace(p, markov_rank=0, confidence_head=False, init=str(out))
+    r4 = train_draft_pipeline(tiny_pair[0], tmp_path / "work4", tmp_path / "ckpt4", p4, replace(s, lr=0.0),
+                              compile_into_engine=False, reuse_data=work, log=lines.append)
+    d4 = json.loads((tmp_path / "work4" / "state.json").read_text())
+    assert r4["finished"] and d4["pipeline"]["init"] == str(out) and d4["pipeline"]["markov_rank"] == 8
+    assert any(x.startswith(f"[4/5] training continues {out}") for x in lines)
+    w0, w4 = read_tensors(out), read_tensors(tmp_path / "ckpt4")
+    assert sorted(w0) == sorted(w4) and all(torch.equal(w0[k], w4[k]) for k in w0)
     # an EAGLE-3 drafter on the same data (--method eagle3): the engine's features hold logits over the run's draft
     # vocabulary, which the drafter's head then covers (written in SpecForge's layout, d2t / t2d); the decoder layer
     # 0 of layers (-1, 0) is fused; stage 5 compiles it beside the other drafters
@@ -392,6 +406,38 @@ def test_cli_reuse_data_refuses_data_settings_and_needs_its_own_work_dir(tmp_pat
     assert r.exit_code == 2 and "drop --stdlib-tokens, --draft-vocab" in r.output
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and "give it its own --work directory" in r.output
+
+
+def test_init_keeps_the_checkpoints_architecture_and_vocabulary_and_refuses_what_does_not_fit(tmp_path):
+    """`train-draft --init CKPT`: architecture flags beside it are refused by name (before anything loads); the
+    settings take the checkpoint's architecture; an EAGLE-3 run cannot continue it; features cached over another
+    draft vocabulary are refused."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from dspark_export.cli import cli as main
+    from dspark_export.drafter.checkpoint import save_checkpoint
+    from dspark_export.drafter.pipeline import PipelineSettings, _cached_vocab, settings_from_checkpoint
+    from dspark_runtime.errors import DSparkError
+
+    model = _tiny_drafter()
+    save_checkpoint(model, tmp_path / "ckpt")
+    r = CliRunner().invoke(main, ["train-draft", "--out", str(tmp_path / "c"), "--init", str(tmp_path / "ckpt"),
+                                  "--layers", "2", "--draft-vocab", "8"])
+    assert r.exit_code == 2 and "drop --layers, --draft-vocab" in r.output
+    c = model.config
+    got = settings_from_checkpoint(PipelineSettings(markov_rank=0, num_layers=3), tmp_path / "ckpt")
+    assert (got.num_layers, got.markov_rank, got.block_size, got.mask_token_id, got.feature_layers, got.init) == \
+        (c.num_hidden_layers, c.markov_rank, c.block_size, c.mask_token_id, tuple(c.target_layer_ids),
+         str(tmp_path / "ckpt"))
+    with pytest.raises(DSparkError, match="eagle3 run starts from scratch"):
+        settings_from_checkpoint(replace(PipelineSettings(), method="eagle3"), tmp_path / "ckpt")
+    (tmp_path / "f").mkdir()
+    np.save(tmp_path / "f" / "draft_vocab.npy", np.arange(8, dtype=np.int64))
+    assert _cached_vocab(tmp_path / "f", None, None).tolist() == list(range(8))  # from scratch: the cache's
+    with pytest.raises(DSparkError, match="another draft vocabulary"):
+        _cached_vocab(tmp_path / "f", np.arange(1, 9, dtype=np.int64), str(tmp_path / "ckpt"))
 
 
 def test_reuse_source_takes_the_data_settings_and_fills_fields_an_older_run_lacks(tmp_path):
