@@ -88,7 +88,8 @@ def main(argv=None) -> int:
 
     tok = AutoTokenizer.from_pretrained(str(a.target))
     z = np.load(a.work / "sequences.npz")
-    base = [(z["ids"][s:e], z["mask"][s:e]) for s, e in zip(z["starts"][:-1], z["starts"][1:])]
+    ids, mask, cuts = z["ids"], z["mask"], z["starts"]  # read once: each z[name] decompresses a new array
+    base = [(ids[s:e], mask[s:e]) for s, e in zip(cuts[:-1], cuts[1:])]
     store = FeatureStore(a.work / "features")
     held = [store.get(i)[:2] for i in range(len(store) - a.heldout, len(store))]
     skip = {np.asarray(h[0]).tobytes() for h in held}

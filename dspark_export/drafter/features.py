@@ -26,6 +26,7 @@ from dspark_runtime.runners.factory import decoder_runner
 #: where the engine's target graph computes training features (:func:`extract_features_ort`)
 FEATURE_PROVIDERS = ("cpu", "openvino")
 MASK_TOKEN_CANDIDATES = ("<|box_start|>", "<|quad_start|>", "<|vision_pad|>", "<|fim_pad|>")
+FEATURE_CHUNK = 128  # positions per call of a teacher-forced pass through the engine graph (extract_features_ort)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def extract_features(model_dir: Path, sequences: list, out_dir: Path, layer_ids,
 
 def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft_vocab, *, shard_tokens: int = 16384,
                          threads: int = 2, time_budget_s: float | None = None, max_tokens: int | None = None,
-                         provider: str = "cpu") -> dict:
+                         provider: str = "cpu", chunk: int = FEATURE_CHUNK) -> dict:
     """Like :func:`extract_features`, but runs the engine's compiled target graph (ONNX Runtime: the deployed
     weights) and stores the target logits over the draft vocabulary instead of the final hidden
     state: ``tlogits.npy`` fp16 [n, V_d] (``draft_vocab`` int64 [V_d], ascending target ids).
@@ -221,8 +222,12 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
     On a CPU this is faster than a torch fp32 forward, and it spares training the LM-head product for p_t.
     ``provider``: "cpu" (ONNX Runtime's CPU provider: the deployed arithmetic) or "openvino" (its OpenVINO provider,
     :class:`~dspark_runtime.backends.ort_openvino.OrtOpenVinoDecoder`: bf16 on AMX, other numerics; Intel CPUs).
-    Returns what :func:`extract_features` does, plus "pass_seconds" (the graph passes alone: no session creation,
-    no shard writing). Raises DSparkError for another provider, or where OpenVINO is missing.
+    A sequence is fed in calls of ``chunk`` positions over its growing KV cache (every position's logits and
+    features come back): the int4 graph's screened LM head gathers its candidates' rows per position, so one call
+    of a 1,024-token sequence held gigabytes (docs/drafter.md); on the CPU provider the graph is row-invariant, so
+    the chunks change no value (tests/export/drafter/test_train.py). Returns what :func:`extract_features` does, plus "pass_seconds" (the
+    graph passes alone: no session creation, no shard writing). Raises DSparkError for another provider, or where
+    OpenVINO is missing.
     """
     m = load_manifest(engine_dir, verify=False)
     g = m.graphs["target"]
@@ -248,9 +253,10 @@ def extract_features_ort(engine_dir: Path, sequences: list, out_dir: Path, draft
         ts = time.perf_counter()
         for ids, _ in shard:
             runner.reset()
-            lg = runner.step(list(ids))
+            ids = [int(t) for t in ids]
+            logits.append(np.concatenate([runner.step(ids[a:a + chunk])[:, vocab].astype(np.float16)
+                                          for a in range(0, len(ids), chunk)]))
             feats.append(np.asarray(runner.features).astype(np.float16))
-            logits.append(lg[:, vocab].astype(np.float16))
         dt = time.perf_counter() - ts
         pass_s += dt
         nt = _write_shard(out_dir, k, shard, feats, "tlogits", logits)

@@ -267,9 +267,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
                   tokens=int(sum(len(a) for a, _ in seqs)), loss_tokens_by_source=src_tokens)
         state.save()
         log(f"[2/5] {len(seqs)} sequences, {st['tokens']} tokens; loss tokens by source {src_tokens}")
-    z = np.load(seq_file, allow_pickle=False)
-    cuts = z["starts"]
-    seqs = [(z["ids"][a:b], z["mask"][a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    seqs = read_sequences(seq_file)
     eos = [i for i in np.atleast_1d(cfg.get("eos_token_id") or []).tolist()]
     eos += [tok.convert_tokens_to_ids(t_) for t_ in ("<|im_end|>", "<|endoftext|>") if t_ in tok.get_vocab()]
     counts = np.bincount(np.concatenate([a for a, _ in seqs]), minlength=cfg["vocab_size"])
@@ -373,6 +371,15 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return {"finished": True, "stages": d["stages"], "train": d["stages"]["train"].get("report"),
             "checkpoint_bytes": report["checkpoint_bytes"]}
+
+
+def read_sequences(seq_file: Path) -> list:
+    """The (ids int32 [n], loss mask uint8 [n]) pairs of a ``sequences.npz`` (its ``ids``, ``mask`` and ``starts``),
+    as views of one decompressed copy of each array: each ``npz[name]`` decompresses the whole array anew, and a
+    slice of it keeps all of it alive (3,115 sequences of 956k tokens held ~15 GB that way)."""
+    z = np.load(seq_file, allow_pickle=False)
+    ids, mask, cuts = z["ids"], z["mask"], z["starts"]
+    return [(ids[a:b], mask[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def _reuse_source(src_dir: Path, fresh: dict) -> dict:

@@ -525,6 +525,36 @@ def test_learning_rate_schedule_warms_up_for_at_most_a_tenth_of_the_run():
     assert s.lr_at(24, 558) == pytest.approx(1e-3 * 25 / 50 * 0.5 * (1 + math.cos(math.pi * 24 / 558)))
 
 
+def test_sequences_file_is_read_once_into_views_of_one_array(tmp_path):
+    """read_sequences returns each sequence of a sequences.npz as a view of one copy of its arrays (slicing a fresh
+    npz[name] per sequence kept a whole array alive per sequence: ~15 GB for a 956k-token run)."""
+    from dspark_export.drafter.pipeline import read_sequences
+
+    seqs = [np.arange(a, a + n, dtype=np.int32) for a, n in ((3, 5), (20, 7), (40, 2))]
+    np.savez(tmp_path / "sequences.npz", ids=np.concatenate(seqs),
+             mask=np.concatenate([np.ones(len(q), np.uint8) for q in seqs]), starts=np.cumsum([0, 5, 7, 2]))
+    got = read_sequences(tmp_path / "sequences.npz")
+    assert [g[0].tolist() for g in got] == [q.tolist() for q in seqs] and [int(g[1].sum()) for g in got] == [5, 7, 2]
+    assert all(g[0].base is got[0][0].base and g[1].base is got[0][1].base for g in got)
+
+
+def test_engine_features_in_chunks_equal_one_call_per_sequence(int4_engine, tmp_path):
+    """extract_features_ort feeds each sequence in calls of ``chunk`` positions over its KV cache (the screened
+    head's per-position rows made one call of a long sequence hold gigabytes); the int4 graph is row-invariant, so
+    the features and logits are bit for bit those of one call per sequence."""
+    from dspark_export.drafter.features import FeatureStore, extract_features_ort
+
+    seqs = [(np.arange(5, 45, dtype=np.int32), np.ones(40, np.uint8)), (np.arange(60, 83, dtype=np.int32),
+                                                                          np.ones(23, np.uint8))]
+    vocab = np.arange(0, 64, dtype=np.int64)
+    got = []
+    for chunk in (7, 1 << 20):
+        assert extract_features_ort(int4_engine, seqs, tmp_path / str(chunk), vocab, chunk=chunk)["tokens"] == 63
+        store = FeatureStore(tmp_path / str(chunk))
+        got.append([np.asarray(a) for i in range(2) for a in store.get(i)[2:]])
+    assert got[0][0].shape[0] == 40 and all(np.array_equal(a, b) for a, b in zip(*got))
+
+
 def test_features_on_openvino_are_close_to_the_cpu_graphs_and_the_choice_is_checked(int4_engine, tmp_path):
     """extract_features_ort(provider="openvino") runs the engine's int4 target graph on ONNX Runtime's OpenVINO
     provider: the same shards, features and logits close to the CPU provider's (other numerics: bf16 on AMX); an
