@@ -20,7 +20,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
 from dspark_export.drafter import data as answers_data  # by module: tests replace its answer generators
-from dspark_export.drafter.checkpoint import load_checkpoint, read_tensors
+from dspark_export.drafter.checkpoint import load_weights_into, read_tensors
 from dspark_export.drafter.config import load_config
 from dspark_export.drafter.data import EVERY, done_keys
 from dspark_export.drafter.features import (FeatureStore, answer_sequences, choose_draft_vocab, extract_features,
@@ -314,8 +314,13 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         emb, head = target_frozen_weights(target_dir)
         torch.manual_seed(s.seed)
         if p.init is not None:  # the architecture, draft vocabulary and mask token are the checkpoint's
-            model = load_checkpoint(Path(p.init), target_embed=emb, target_lm_head=head)
-            c, mask_id = model.config, model.config.mask_token_id
+            c = load_config(Path(p.init))
+            model = DSparkDraftModel(c)
+            if vocab is not None:
+                model.draft_vocab_ids.copy_(torch.as_tensor(vocab))
+            model.init_from_target(emb, head)  # frozen, as in a run from scratch
+            load_weights_into(model, Path(p.init), target_embed=emb, target_lm_head=head)
+            mask_id = c.mask_token_id
         else:
             mask_id = pick_mask_token(tok, counts) if p.mask_token_id is None else int(p.mask_token_id)
             c = qwen2_draft_config(cfg, mask_token_id=mask_id, num_layers=p.num_layers,

@@ -310,7 +310,10 @@ def test_pipeline_stops_at_its_time_limit_and_resumes_to_the_end(tiny_engine_dir
                               compile_into_engine=False, reuse_data=work, log=lines.append)
     d4 = json.loads((tmp_path / "work4" / "state.json").read_text())
     assert r4["finished"] and d4["pipeline"]["init"] == str(out) and d4["pipeline"]["markov_rank"] == 8
-    assert any(x.startswith(f"[4/5] training continues {out}") for x in lines)
+    def trainable(prefix):  # "[4/5] training...: 0.1 M trainable parameters, ..." -> "0.1"
+        return [x.split(": ", 1)[1].split(" M ")[0] for x in lines if x.startswith(prefix)]
+
+    assert trainable(f"[4/5] training continues {out}") == trainable("[4/5] training: ")[:1]  # frozen embedding/head
     w0, w4 = read_tensors(out), read_tensors(tmp_path / "ckpt4")
     assert sorted(w0) == sorted(w4) and all(torch.equal(w0[k], w4[k]) for k in w0)
     # an EAGLE-3 drafter on the same data (--method eagle3): the engine's features hold logits over the run's draft
