@@ -421,7 +421,8 @@ def test_init_keeps_the_checkpoints_architecture_and_vocabulary_and_refuses_what
 
     from dspark_export.cli import cli as main
     from dspark_export.drafter.checkpoint import save_checkpoint
-    from dspark_export.drafter.pipeline import PipelineSettings, _cached_vocab, settings_from_checkpoint
+    from dspark_export.drafter.pipeline import (PipelineSettings, _cached_vocab, _check_reused_data_fits,
+                                                settings_from_checkpoint)
     from dspark_runtime.errors import DSparkError
 
     model = _tiny_drafter()
@@ -436,6 +437,9 @@ def test_init_keeps_the_checkpoints_architecture_and_vocabulary_and_refuses_what
          str(tmp_path / "ckpt"))
     with pytest.raises(DSparkError, match="eagle3 run starts from scratch"):
         settings_from_checkpoint(replace(PipelineSettings(), method="eagle3"), tmp_path / "ckpt")
+    _check_reused_data_fits({"init": str(tmp_path / "ckpt"), "feature_layers": [-1, 0]}, tmp_path)
+    with pytest.raises(DSparkError, match=r"target layers \[1, 13, 25\].*reads layers \[-1, 0\]"):
+        _check_reused_data_fits({"init": str(tmp_path / "ckpt"), "feature_layers": [1, 13, 25]}, tmp_path)
     (tmp_path / "f").mkdir()
     np.save(tmp_path / "f" / "draft_vocab.npy", np.arange(8, dtype=np.int64))
     assert _cached_vocab(tmp_path / "f", None, None).tolist() == list(range(8))  # from scratch: the cache's
