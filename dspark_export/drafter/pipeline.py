@@ -9,7 +9,7 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
 from dspark_export.drafter import data as answers_data  # by module: tests replace its answer generators
-from dspark_export.drafter.checkpoint import load_weights_into, read_tensors
+from dspark_export.drafter.checkpoint import load_weights_into
 from dspark_export.drafter.config import load_config
 from dspark_export.drafter.data import EVERY, done_keys
 from dspark_export.drafter.features import (FeatureStore, answer_sequences, choose_draft_vocab, extract_features,
@@ -28,6 +28,8 @@ from dspark_export.drafter.features import (FeatureStore, answer_sequences, choo
                                             stdlib_sequences)
 from dspark_export.drafter.train import TRAIN_STATE, TrainSettings, train
 from dspark_export.drafter.eagle3_train import train_eagle3
+from dspark_export.drafter.init_checkpoint import (cached_vocab, check_reused_data_fits, checkpoint_vocab,
+                                                   settings_from_checkpoint)
 from dspark_export.engine_dir.add_draft import add_dspark_draft
 from dspark_export.engine_dir.add_eagle3 import add_eagle3_draft
 from dspark_export.fit.calibrate_drafter import calibrate_engine
@@ -203,7 +205,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     if compile_into_engine is None:
         compile_into_engine = d.get("compile", True)  # runs started before it was stored: the old default
     if fresh is not None and reuse_data is not None and d["pipeline"].get("init"):
-        _check_reused_data_fits(d["pipeline"], Path(reuse_data))
+        check_reused_data_fits(d["pipeline"], Path(reuse_data), PipelineSettings())
     # a run started before code tasks existed answers none
     p = PipelineSettings(**{"code_task_prompts": 0, **d["pipeline"],
                             "feature_layers": tuple(d["pipeline"]["feature_layers"])})
@@ -272,7 +274,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     eos += [tok.convert_tokens_to_ids(t_) for t_ in ("<|im_end|>", "<|endoftext|>") if t_ in tok.get_vocab()]
     counts = np.bincount(np.concatenate([a for a, _ in seqs]), minlength=cfg["vocab_size"])
     if p.init is not None:  # the continued checkpoint's draft vocabulary, whatever the counts say now
-        vocab = _checkpoint_vocab(Path(p.init))
+        vocab = checkpoint_vocab(Path(p.init))
     else:
         vocab = choose_draft_vocab(counts, p.draft_vocab_size, always=eos) if p.draft_vocab_size else None
 
@@ -287,7 +289,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
                 raise DSparkError("feature extraction through the engine stores logits over a reduced draft "
                                   "vocabulary; give --draft-vocab > 0 or extract with torch (no --engine)")
             if (feat_dir / "draft_vocab.npy").exists():
-                vocab = _cached_vocab(feat_dir, vocab, p.init)  # the vocabulary the cached logits were stored over
+                vocab = cached_vocab(feat_dir, vocab, p.init)  # the vocabulary the cached logits were stored over
             r = extract_features_ort(engine_dir, seqs, feat_dir, vocab, time_budget_s=left(),
                                      max_tokens=p.feature_tokens, provider=p.features_on)
         else:
@@ -297,7 +299,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         if not state.progress(st, time.perf_counter() - t, r["tokens"], r.get("complete", True)):
             return stopped("features")
     elif engine_dir is not None and p.features_on != "torch-bf16" and (feat_dir / "draft_vocab.npy").exists():
-        vocab = _cached_vocab(feat_dir, vocab, p.init)
+        vocab = cached_vocab(feat_dir, vocab, p.init)
 
     # 4. train
     store = FeatureStore(feat_dir)
@@ -516,48 +518,3 @@ def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab
     cols = feature_columns(p.feature_layers, layers, cfg["hidden_size"])
     rep = train_eagle3(store, model, head, out_dir, s, columns=cols, log=log, resume=work_dir / TRAIN_STATE)
     return {**rep, "seconds_this_call": time.perf_counter() - t}
-
-
-def settings_from_checkpoint(p: PipelineSettings, ckpt: Path) -> PipelineSettings:
-    """``p`` with the architecture of the DSpark checkpoint ``ckpt`` whose training a run continues: layers, widths,
-    block size, Markov and confidence heads, MoE, the draft vocabulary's size, the mask token and the target layers
-    it reads (``feature_layers``), and ``init`` set to ``ckpt``. Raises DSparkError (naming the fix) for an EAGLE-3
-    run or a folder whose ``config.json`` is not a DSpark drafter's."""
-    if p.method != "dspark":
-        raise DSparkError(f"--init continues a DSpark (or DFlash) drafter; an {p.method} run starts from scratch: drop "
-                          "--init or --method")
-    c = load_config(ckpt)
-    return replace(p, init=str(ckpt), num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
-                   block_size=c.block_size, markov_rank=c.markov_rank,
-                   markov_head_type=c.markov_head_type or p.markov_head_type,
-                   confidence_head=c.enable_confidence_head, moe_experts=c.draft_moe_experts,
-                   moe_top_k=c.draft_moe_top_k or p.moe_top_k, moe_intermediate_size=c.draft_moe_intermediate_size,
-                   draft_vocab_size=c.draft_vocab_size or 0, mask_token_id=c.mask_token_id,
-                   feature_layers=tuple(c.target_layer_ids))
-
-
-def _checkpoint_vocab(ckpt: Path) -> np.ndarray | None:
-    """The draft vocabulary (int64 target ids, ascending) of the checkpoint ``ckpt``; None for a full-vocabulary
-    drafter."""
-    ids = read_tensors(ckpt).get("draft_vocab_ids")
-    return None if ids is None else ids.numpy().astype(np.int64)
-
-
-def _cached_vocab(feat_dir: Path, vocab: np.ndarray | None, init: str | None) -> np.ndarray:
-    """The draft vocabulary the feature cache in ``feat_dir`` stored its target logits over. A run continuing the
-    checkpoint ``init`` needs it to be that checkpoint's (``vocab``): raises DSparkError otherwise."""
-    cached = np.load(feat_dir / "draft_vocab.npy")
-    if init is not None and (vocab is None or not np.array_equal(cached, vocab)):
-        raise DSparkError(f"{feat_dir} stores the target's logits over another draft vocabulary than the one of "
-                          f"{init}; continue that checkpoint on features extracted over its vocabulary (a new --work "
-                          "run with --init extracts them), or train from scratch")
-    return cached
-
-
-def _check_reused_data_fits(pipeline: dict, src_dir: Path) -> None:
-    """A new run continuing a checkpoint (``pipeline["init"]``) on the data of ``src_dir``: the data must hold the
-    target layers the checkpoint reads. Raises DSparkError naming both."""
-    want = list(settings_from_checkpoint(PipelineSettings(), Path(pipeline["init"])).feature_layers)
-    if list(pipeline["feature_layers"]) != want:
-        raise DSparkError(f"{src_dir} holds features of target layers {list(pipeline['feature_layers'])}, but "
-                          f"{pipeline['init']} reads layers {want}: reuse the data of a run with those layers")

@@ -421,8 +421,12 @@ def test_init_keeps_the_checkpoints_architecture_and_vocabulary_and_refuses_what
 
     from dspark_export.cli import cli as main
     from dspark_export.drafter.checkpoint import save_checkpoint
-    from dspark_export.drafter.pipeline import (PipelineSettings, _cached_vocab, _check_reused_data_fits,
-                                                settings_from_checkpoint)
+    from dspark_export.drafter.init_checkpoint import cached_vocab as _cached_vocab
+    from dspark_export.drafter.init_checkpoint import check_reused_data_fits, settings_from_checkpoint
+    from dspark_export.drafter.pipeline import PipelineSettings
+
+    def _check_reused_data_fits(pipeline, src):
+        return check_reused_data_fits(pipeline, src, PipelineSettings())
     from dspark_runtime.errors import DSparkError
 
     model = _tiny_drafter()
