@@ -85,11 +85,10 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from dspark_export.drafter.features import FeatureStore, sharegpt_sequences, source_sequences
+    from dspark_export.drafter.pipeline import read_sequences
 
     tok = AutoTokenizer.from_pretrained(str(a.target))
-    z = np.load(a.work / "sequences.npz")
-    ids, mask, cuts = z["ids"], z["mask"], z["starts"]  # read once: each z[name] decompresses a new array
-    base = [(ids[s:e], mask[s:e]) for s, e in zip(cuts[:-1], cuts[1:])]
+    base = read_sequences(a.work / "sequences.npz")
     store = FeatureStore(a.work / "features")
     held = [store.get(i)[:2] for i in range(len(store) - a.heldout, len(store))]
     skip = {np.asarray(h[0]).tobytes() for h in held}
