@@ -29,7 +29,9 @@ DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
 # fit_uint_rows: step between the divisors of a block's range it tries, per bit width (4-bit: llama.cpp's 0.1)
 STRETCH = {2: 0.15, 4: 0.1}
-CORRECTION_BLOCK = 16  # block sums per scale of an 8-bit block-sum correction (affine8_rows)
+# block sums per scale of an 8-bit block-sum correction (affine8_rows): one scale for a 1,536-wide input's 48 sums
+# (K padded to 64): a faster kernel call than blocks of 16 (measured: docs/precision.md, "Corrections in blocks of 64")
+CORRECTION_BLOCK = 64
 
 
 @dataclass
@@ -179,7 +181,7 @@ def fit_uint_rows(w: np.ndarray, block: int = 32, *, bits: int = 4, start_scales
                        best_z.astype(np.uint8))
 
 
-def affine8_rows(c: np.ndarray, block: int = 16) -> NBitsWeight:
+def affine8_rows(c: np.ndarray, block: int = CORRECTION_BLOCK) -> NBitsWeight:
     """8-bit affine round-to-nearest per ``block`` along K of float32 rows ``c [N, K]`` (a block-sum correction
     stored for MatMulNBits): per block scale = range / 255 over [min(c, 0), max(c, 0)] and the integer zero point
     that puts 0 on the grid; K is padded with zeros to whole blocks (MatMulNBits reads only its ``K``)."""

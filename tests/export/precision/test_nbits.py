@@ -8,7 +8,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
 
-from dspark_export.precision.nbits import NBitsMeta, NBitsWeight, affine8_rows, nbits_nodes  # noqa: E402
+from dspark_export.precision.nbits import (CORRECTION_BLOCK, NBitsMeta, NBitsWeight, affine8_rows,  # noqa: E402
+                                           nbits_nodes)
 from dspark_export.precision.nbits_gguf import ENCODINGS, encode_gguf_rows, gguf_tensor_name  # noqa: E402
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
@@ -141,23 +142,24 @@ def test_2bit_fit_packs_as_the_kernel_reads_it(block):
 
 def test_q4k_min_correction_in_8_bits_computes_x_at_w_within_its_rounding():
     """gguf-compact keeps Q4_K's codes and stores the float block minimum as an 8-bit MatMulNBits over the block sums
-    (K/32 inputs, not a multiple of its blocks of 16 here): the kernel computes x·W with that rounded minimum."""
+    (K/32 inputs, not a multiple of its blocks of CORRECTION_BLOCK here): the kernel computes x·W with that rounded minimum."""
     rng = np.random.default_rng(3)
-    n, k = 40, 768  # 24 block sums: one full block of 16 and a partial one
+    n, k = 40, 3072  # 96 block sums: one full block of 64 and a partial one
+    assert CORRECTION_BLOCK == 64
     enc, w = encode_gguf_rows(random_rows("Q4_K", n, k, rng), "Q4_K", k)
     c8 = affine8_rows(enc.correction.T.copy())
-    assert c8.packed.shape == (n, 2, 16)
+    assert c8.packed.shape == (n, 2, 64)
     c_back = c8.dequantize()[:k // 32]
     rel = np.abs(c_back - enc.correction).max() / np.abs(enc.correction).max()
     assert 0 < rel <= 1 / 255
-    # read back from its node (K = 24 block sums: the last block of 16 zero-padded), as the prompt graph reads it
+    # read back from its node (K = 96 block sums: the last block of 64 zero-padded), as the prompt graph reads it
     from onnx import helper
 
     node = helper.make_node("MatMulNBits", ["s", "c_Q", "c_scales", "c_zp"], ["y"], domain="com.microsoft", K=k // 32,
-                            N=n, bits=8, block_size=16)
+                            N=n, bits=8, block_size=CORRECTION_BLOCK)
     arrays = {"c_Q": c8.packed, "c_scales": c8.scales.reshape(-1), "c_zp": c8.packed_zero_points()}
     read = NBitsWeight.from_node(node, arrays.__getitem__).dequantize()
-    assert read.shape == (32, n) and np.array_equal(read[:k // 32], c_back) and not read[k // 32:].any()
+    assert read.shape == (128, n) and np.array_equal(read[:k // 32], c_back) and not read[k // 32:].any()
     w8 = NBitsWeight(4, 32, enc.packed, enc.scales, enc.zero_points, c_back).dequantize()
     x = rng.standard_normal((2, 3, k)).astype(np.float32)
     y = nbits_session(enc, 4, correction_bits=8).run(None, {"x": x})[0]
@@ -377,7 +379,7 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
     nodes = onnx.load(str(tmp_path / "gguf-compact" / "target.onnx"), load_external_data=False).graph.node
     nb = [n for n in nodes if n.op_type == "MatMulNBits"]
     shapes = {tuple(a.i for a in n.attribute if a.name in ("bits", "block_size")) for n in nb}
-    assert shapes == {(4, 32), (8, 16), (2, 128)}  # the weights, the min corrections, the LM head's screen
+    assert shapes == {(4, 32), (8, CORRECTION_BLOCK), (2, 128)}  # the weights, the min corrections, the LM head's screen
     assert all(n.input[3] for n in nb) and not [n for n in nodes if n.op_type == "MatMul" and "_corr" in n.input[1]]
     from click.testing import CliRunner
 
