@@ -30,7 +30,7 @@ DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or
 # fit_uint_rows: step between the divisors of a block's range it tries, per bit width (4-bit: llama.cpp's 0.1)
 STRETCH = {2: 0.15, 4: 0.1}
 # block sums per scale of an 8-bit block-sum correction (affine8_rows): one scale for a 1,536-wide input's 48 sums
-# (K padded to 64): a faster kernel call than blocks of 16 (measured: docs/precision.md, "Corrections in blocks of 64")
+# (K padded to 64): a faster kernel call than blocks of 16 (measured: docs/precision.md, "What a step is made of")
 CORRECTION_BLOCK = 64
 
 
