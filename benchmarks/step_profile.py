@@ -3,7 +3,10 @@
 For each cached length in --past and step size in --q: the LM head, weight MatMuls, attention, the growing-KV
 ``Concat`` copies and the rest by op type (medians over --repeats, ms per step; the wall time from an unprofiled
 session). ``--against OTHER_ENGINE``: no profile, the unprofiled steps of both engines timed alternately in one
-process (a before/after of two builds). ``--role dspark``: the DSpark drafter's drafting pass. Writes --json.
+process (a before/after of two builds), once per rotation of the order the engines are loaded in (each rotation its
+own process; ``--load-orders given``: the given order only), each engine's figure the geometric mean over the
+rotations: the session loaded first steps slower (measured: docs/precision.md, "What a step is made of").
+``--role dspark``: the DSpark drafter's drafting pass. Writes --json.
 
     python -m benchmarks.step_profile --engine engines/qwen2.5-coder-1.5b-int4 --past 256,1024,2048 --q 1,2,8
     python -m benchmarks.step_profile --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
@@ -15,6 +18,7 @@ import argparse
 import functools
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.evalsets import ROOT, child_env
 from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_runtime.machine.sysinfo import machine_description
 
@@ -230,6 +235,50 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
     return rows
 
 
+def combine_load_orders(runs: list) -> list:
+    """Rows of :func:`against` from one run per load order -> one row per (past, q) with ``ms`` the geometric mean of
+    each engine's median over the runs and ``ms_by_load_order`` the runs' own. ``runs``: [(order, rows)], ``order``
+    the engines' indices in the order that run loaded them, each row's ``ms`` in that order. Pure function."""
+    out = []
+    for i, row in enumerate(runs[0][1]):
+        per = []
+        for order, rows in runs:
+            r = rows[i]
+            if (r["past"], r["q"]) != (row["past"], row["q"]):
+                raise ValueError("the runs of the load orders measured different (past, q) rows")
+            ms = [0.0] * len(order)
+            for pos, k in enumerate(order):
+                ms[k] = r["ms"][pos]
+            per.append(ms)
+        geo = [round(float(np.exp(np.mean(np.log([p[k] for p in per])))), 2) for k in range(len(per[0]))]
+        out.append({"past": row["past"], "q": row["q"], "ms": geo, "ms_by_load_order": per})
+    return out
+
+
+def against_rotations(engines: list, argv_rest: list) -> tuple:
+    """Run the ``--against`` comparison once per rotation of ``engines``' load order, each in its own process
+    (``--load-orders given``; the shared thread pool is process-wide), and combine them
+    (:func:`combine_load_orders`). ``argv_rest``: the other command-line options. Returns (rows, orders)."""
+    def absolute(e: str) -> str:  # the child runs in the repository root
+        path, sep, how = str(e).partition("::")
+        return str(Path(path).resolve()) + sep + how
+
+    engines = [absolute(e) for e in engines]
+    n = len(engines)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(n):
+            order = [(r + i) % n for i in range(n)]
+            out = Path(tmp) / f"order{r}.json"
+            cmd = [sys.executable, "-m", "benchmarks.step_profile", "--engine", str(engines[order[0]])]
+            for k in order[1:]:
+                cmd += ["--against", str(engines[k])]
+            subprocess.run(cmd + argv_rest + ["--load-orders", "given", "--json", str(out)], check=True,
+                           stdout=subprocess.DEVNULL, cwd=str(ROOT), env=child_env())
+            runs.append((order, json.loads(out.read_text())["rows"]))
+    return combine_load_orders(runs), [o for o, _ in runs]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", required=True, type=Path)
@@ -249,13 +298,25 @@ def main(argv=None) -> int:
     ap.add_argument("--padding-rows", type=int, default=0,
                     help="time calls whose last N positions are row padding: graphs with the logits_to input run "
                          "the LM head on the others only (the runtime's head_skips_padding; others on every position)")
+    ap.add_argument("--load-orders", choices=("rotate", "given"), default="rotate",
+                    help="--against: time the engines once per rotation of their load order, each in its own "
+                         "process, and report each engine's geometric mean (rotate, the default: the session "
+                         "loaded first steps slower), or in the given order only")
     a = ap.parse_args(argv)
     if a.padding_rows < 0:
         ap.error("--padding-rows must be >= 0")
     if a.against:
         engines = [str(a.engine)] + a.against
-        rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
-                       [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits, a.padding_rows)
+        orders = None
+        if a.load_orders == "rotate":
+            rest = ["--role", a.role, "--past", a.past, "--q", a.q, "--repeats", str(a.repeats), "--threads",
+                    str(a.threads), "--padding-rows", str(a.padding_rows)] + (["--last-logits"] if a.last_logits else [])
+            rows, orders = against_rotations(engines, rest)
+        else:
+            rows = against(engines, a.role, [int(x) for x in a.past.split(",")],
+                           [int(x) for x in a.q.split(",")], a.repeats, a.threads, a.last_logits, a.padding_rows)
+        if orders:
+            print(f"each engine's median step, geometric mean over {len(orders)} load orders")
         print(f"{'past':>5s} {'q':>3s} " + " ".join(f"{e[-24:]:>24s}" for e in engines)
               + "  change vs the first")
         for r in rows:
@@ -263,7 +324,8 @@ def main(argv=None) -> int:
             print(f"{r['past']:5d} {r['q']:3d} " + " ".join(f"{m:21.1f} ms" for m in r["ms"]) + "  "
                   + " ".join(f"{m / m0 - 1:+.0%}" for m in r["ms"][1:]), flush=True)
         out = {"engines": engines, "role": a.role, "machine": machine_description(),
-               "threads": a.threads, "repeats": a.repeats, "rows": rows}
+               "threads": a.threads, "repeats": a.repeats, "load_orders": orders or [list(range(len(engines)))],
+               "rows": rows}
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -1,6 +1,8 @@
 """benchmarks.step_profile groups ONNX Runtime's node profile of a real (tiny) engine graph."""
 import json
 
+import pytest
+
 from benchmarks import step_profile
 
 
@@ -38,7 +40,9 @@ def test_against_times_two_engines_alternately(tiny_engine_dir, tmp_path):
     assert [(row["past"], row["q"]) for row in rep["rows"]] == [(8, 2), (32, 2)]
     assert all(len(row["ms"]) == 2 and all(v > 0 for v in row["ms"]) for row in rep["rows"])
     assert rep["engines"] == [str(tiny_engine_dir)] * 2
-    assert "change" in r.stdout
+    assert rep["load_orders"] == [[0, 1], [1, 0]]  # the default: each rotation of the load order, its own process
+    assert all(len(row["ms_by_load_order"]) == 2 for row in rep["rows"])
+    assert "change" in r.stdout and "2 load orders" in r.stdout
 
 
 def test_feeds_say_which_positions_the_lm_head_runs_on(tiny_scatter_engine_dir):
@@ -52,3 +56,15 @@ def test_feeds_say_which_positions_the_lm_head_runs_on(tiny_scatter_engine_dir):
     assert head(last_logits=True) == [3, 4]
     assert head(padding_rows=1) == [0, 3]
     assert head(padding_rows=9) == [0, 1]
+
+
+def test_load_orders_combine_each_engines_figure_across_rotations():
+    """--against runs once per rotation of the load order; each engine's figure is the geometric mean of its own
+    medians, mapped back from the position it was loaded in."""
+    runs = [([0, 1], [{"past": 8, "q": 1, "ms": [40.0, 30.0]}]),   # engine 0 loaded first
+            ([1, 0], [{"past": 8, "q": 1, "ms": [36.0, 20.0]}])]   # engine 1 loaded first: ms in load order
+    (row,) = step_profile.combine_load_orders(runs)
+    assert row["ms_by_load_order"] == [[40.0, 30.0], [20.0, 36.0]]
+    assert row["ms"] == [round((40.0 * 20.0) ** 0.5, 2), round((30.0 * 36.0) ** 0.5, 2)]
+    with pytest.raises(ValueError, match="different"):
+        step_profile.combine_load_orders([runs[0], ([1, 0], [{"past": 8, "q": 2, "ms": [1.0, 1.0]}])])
