@@ -258,7 +258,8 @@ def combine_load_orders(runs: list) -> list:
 def against_rotations(engines: list, argv_rest: list) -> tuple:
     """Run the ``--against`` comparison once per rotation of ``engines``' load order, each in its own process
     (``--load-orders given``; the shared thread pool is process-wide), and combine them
-    (:func:`combine_load_orders`). ``argv_rest``: the other command-line options. Returns (rows, orders)."""
+    (:func:`combine_load_orders`). ``argv_rest``: the other command-line options. Returns (rows, orders); SystemExit
+    naming the order when a run fails."""
     def absolute(e: str) -> str:  # the child runs in the repository root
         path, sep, how = str(e).partition("::")
         return str(Path(path).resolve()) + sep + how
@@ -267,14 +268,16 @@ def against_rotations(engines: list, argv_rest: list) -> tuple:
     n = len(engines)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(n):
-            order = [(r + i) % n for i in range(n)]
-            out = Path(tmp) / f"order{r}.json"
+        for shift in range(n):
+            order = [(shift + i) % n for i in range(n)]
+            out = Path(tmp) / f"order{shift}.json"
             cmd = [sys.executable, "-m", "benchmarks.step_profile", "--engine", str(engines[order[0]])]
             for k in order[1:]:
                 cmd += ["--against", str(engines[k])]
-            subprocess.run(cmd + argv_rest + ["--load-orders", "given", "--json", str(out)], check=True,
-                           stdout=subprocess.DEVNULL, cwd=str(ROOT), env=child_env())
+            done = subprocess.run(cmd + argv_rest + ["--load-orders", "given", "--json", str(out)],
+                                  stdout=subprocess.DEVNULL, cwd=str(ROOT), env=child_env())
+            if done.returncode:  # the child printed its error above
+                raise SystemExit(f"error: the run loading the engines in order {order} failed (exit {done.returncode})")
             runs.append((order, json.loads(out.read_text())["rows"]))
     return combine_load_orders(runs), [o for o, _ in runs]
 
@@ -307,6 +310,10 @@ def main(argv=None) -> int:
         ap.error("--padding-rows must be >= 0")
     if a.against:
         engines = [str(a.engine)] + a.against
+        missing = [e for e in engines if not (Path(str(e).partition("::")[0]) / "manifest.json").is_file()]
+        if missing:
+            ap.error(f"not an engine directory (no manifest.json): {', '.join(missing)}; build one with "
+                     "`dspark-export build`")
         orders = None
         if a.load_orders == "rotate":
             rest = ["--role", a.role, "--past", a.past, "--q", a.q, "--repeats", str(a.repeats), "--threads",

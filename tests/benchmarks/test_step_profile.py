@@ -68,3 +68,10 @@ def test_load_orders_combine_each_engines_figure_across_rotations():
     assert row["ms"] == [round((40.0 * 20.0) ** 0.5, 2), round((30.0 * 36.0) ** 0.5, 2)]
     with pytest.raises(ValueError, match="different"):
         step_profile.combine_load_orders([runs[0], ([1, 0], [{"past": 8, "q": 2, "ms": [1.0, 1.0]}])])
+
+
+def test_against_refuses_a_directory_that_is_not_an_engine(tiny_engine_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        step_profile.main(["--engine", str(tiny_engine_dir), "--against", str(tmp_path / "nope"), "--q", "1"])
+    assert e.value.code == 2
+    assert "not an engine directory (no manifest.json)" in capsys.readouterr().err
