@@ -11,6 +11,7 @@ rotations: the session loaded first steps slower (measured: docs/precision.md, "
     python -m benchmarks.step_profile --engine engines/qwen2.5-coder-1.5b-int4 --past 256,1024,2048 --q 1,2,8
     python -m benchmarks.step_profile --engine engines/old --against engines/new --past 256,1024,2048 --q 1,2,4 --repeats 9
     python -m benchmarks.step_profile --engine E --against E::target_prompt --against E::openvino --past 0 --q 128,512 --last-logits
+    python -m benchmarks.step_profile --engine E --against E::small-pages --past 256 --q 1,2,4,8
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ import numpy as np
 
 from benchmarks.evalsets import ROOT, child_env
 from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
 from dspark_runtime.machine.sysinfo import machine_description
 
+SMALL_PAGES = "small-pages"  # --against DIR::small-pages: the weights left on base pages
 ATTENTION_OPS = {"Softmax", "Where", "Not", "Expand", "Equal", "Less", "LessOrEqual", "And", "Or", "Cast",
                  "Trilu", "IsInf", "IsNaN"}
 
@@ -70,16 +73,17 @@ def category(ev: dict, weighted: set, head: str | None) -> str:
     return op
 
 
-def call(session, spec, feeds: dict) -> None:
-    """One step as the runtime makes it: a scatter graph with slot outputs writes its slot buffers in place
-    (dspark_runtime.backends.ort.run_writing_slots), any other graph computes every declared output."""
-    from dspark_runtime.backends.ort import run_writing_slots
+def step_call(session, spec):
+    """A function of ``feeds`` that makes one step as the runtime does: a scatter graph with slot outputs writes its
+    slot buffers in place on one kept binding and returns its logits (and features) only
+    (dspark_runtime.backends.slot_binding.SlotBinding); any other graph computes every declared output."""
+    from dspark_runtime.backends.slot_binding import SlotBinding
+    from dspark_runtime.engine_dir.graphspec import slot_call_outputs
 
     slots, outs = _returned(spec)
-    if slots:
-        run_writing_slots(session, feeds, outs, slots)
-    else:
-        session.run(outs, feeds)
+    if not slots:
+        return lambda feeds: session.run(outs, feeds)
+    return SlotBinding(session, slots, slot_call_outputs(spec)).run
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,11 +100,12 @@ def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: in
     from dspark_runtime.backends.ort import OrtDecoder
 
     dec = OrtDecoder(graph, spec, threads=threads, precision="any").activate()
-    call(dec.session, spec, feeds)
+    call = step_call(dec.session, spec)
+    call(feeds)
     walls = []
     for _ in range(repeats):
         t = time.perf_counter()
-        call(dec.session, spec, feeds)
+        call(feeds)
         walls.append(time.perf_counter() - t)
     dec.deactivate()
     return statistics.median(walls) * 1000
@@ -114,13 +119,15 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
     so.inter_op_num_threads = 1
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
-    sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    with HugePagesForNewMemory():  # as the runtime's sessions (dspark_runtime.backends.ort.OrtDecoder)
+        sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     feeds = _feeds(spec, past, q)
-    call(sess, spec, feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
+    call = step_call(sess, spec)
+    call(feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
     walls = []
     for _ in range(repeats):
         t = time.perf_counter()
-        call(sess, spec, feeds)
+        call(feeds)
         walls.append(time.perf_counter() - t)
     trace_file = Path(sess.end_profiling())
     trace = json.loads(trace_file.read_text())
@@ -205,7 +212,9 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
     """Median unprofiled step (ms) of each engine's ``role`` graph per (past, q), engines timed alternately in one
     process on the shared thread pool (the CLI's setting). An engine given as ``DIR::KEY`` times its graph ``KEY``
     instead (``DIR::target_prompt``: its prompt graph), as ``DIR::openvino`` its ``role`` graph on ONNX Runtime's
-    OpenVINO provider (``--prompts openvino``). Returns rows {past, q, ms: [ms per engine, in order]}."""
+    OpenVINO provider (``--prompts openvino``), as ``DIR::small-pages`` its ``role`` graph with the weights left on
+    the base pages (``OrtDecoder(huge_pages=False)``; dspark_runtime.machine.huge_pages). Returns rows {past, q, ms:
+    [ms per engine, in order]}."""
     from dspark_runtime.backends.ort import OrtDecoder, enable_shared_thread_pool
     from dspark_runtime.backends.ort_openvino import OrtOpenVinoDecoder
 
@@ -214,22 +223,24 @@ def against(engines: list, role: str, pasts: list, qs: list, repeats: int, threa
     for i, e in enumerate(engines):
         path, _, how = str(e).partition("::")
         e = Path(path)
-        g = load_manifest(e, verify=False).graphs[role if how in ("", "openvino") else how]
+        g = load_manifest(e, verify=False).graphs[role if how in ("", "openvino", SMALL_PAGES) else how]
         dec = (OrtOpenVinoDecoder(e / g.model_file, g.spec, threads=threads) if how == "openvino"
-               else OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any"))
-        decs[i] = (dec.activate(), g.spec)
+               else OrtDecoder(e / g.model_file, g.spec, threads=threads, precision="any",
+                               huge_pages=how != SMALL_PAGES))
+        dec.activate()
+        decs[i] = (step_call(dec.session, g.spec), g.spec)
     rows = []
     for past in pasts:
         for q in qs:
             feeds = {k: _feeds(spec, past, q, last_logits=last_logits, padding_rows=padding_rows)
                      for k, (_, spec) in decs.items()}
             walls = {k: [] for k in decs}
-            for k, (dec, spec) in decs.items():
-                call(dec.session, spec, feeds[k])  # warm-up
+            for k, (call, _) in decs.items():
+                call(feeds[k])  # warm-up
             for _ in range(repeats):
-                for k, (dec, spec) in decs.items():
+                for k, (call, _) in decs.items():
                     t = time.perf_counter()
-                    call(dec.session, spec, feeds[k])
+                    call(feeds[k])
                     walls[k].append(time.perf_counter() - t)
             rows.append({"past": past, "q": q, "ms": [round(statistics.median(walls[k]) * 1000, 2) for k in decs]})
     return rows
@@ -293,7 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--against", action="append",
                     help="another engine (repeatable): interleaved wall-time comparison, no profile; DIR::KEY times "
-                         "its graph KEY (DIR::target_prompt: the prompt graph), DIR::openvino the --role graph on "
+                         "its graph KEY (DIR::target_prompt: the prompt graph), DIR::small-pages the --role graph "
+                         "with its weights on base pages (no huge pages), DIR::openvino the --role graph on "
                          "ONNX Runtime's OpenVINO provider")
     ap.add_argument("--last-logits", action="store_true",
                     help="time prompt-chunk calls: graphs with the logits_from input compute the last position's "

@@ -15,11 +15,12 @@ from dspark_runtime.engine_dir.graphspec import slot_bindings
 from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, load_manifest
 from dspark_runtime.engine_dir.speculation import speculation_summary
 from dspark_runtime.errors import DSparkError, InputError, ManifestError
+from dspark_runtime.machine.huge_pages import exec_with_huge_page_malloc
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS, cpu_difference, cpu_features, shared_pool_default
 from dspark_runtime.serving import ray_serve
 
 
-def _draft_length(value):
+def _draft_length(value):  # --draft-length: None, "auto", "scheduled" or an integer
     if value is None or value in ("auto", "scheduled"):
         return value
     try:
@@ -54,8 +55,7 @@ def check_engine_path(path, tarball_ok: bool = False):
 
 
 def engine_path_callback(tarball_ok: bool = False):
-    """A click callback running :func:`check_engine_path` on an engine directory option or argument, before
-    anything is loaded (shared by ``dspark`` and ``dspark-export``)."""
+    """A click callback: :func:`check_engine_path` on an engine directory, before anything loads (both CLIs)."""
     return lambda ctx, param, value: check_engine_path(value, tarball_ok)
 
 
@@ -434,10 +434,7 @@ def _prefill_budget(value: str):
     """``--prefill-budget``: 'auto' or a positive integer; raises InputError naming the expected form."""
     if value == "auto":
         return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
+    n = int(value) if value.strip().isdigit() else 0
     if n < 1:
         raise InputError(f"--prefill-budget takes a positive number of tokens or 'auto', got {value!r}")
     return n
@@ -456,9 +453,9 @@ def _autoscale(value: str) -> tuple:
 
 def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, replica_cpus, ray_address, host, port,
                draft_length, **app) -> None:
-    """``dspark serve --ray``: :func:`dspark_runtime.serving.ray_serve.run` with the command's options. Raises InputError for
-    bad options or without Ray Serve; ManifestError when a local cluster (no --ray-address) would load a missing
-    or broken engine directory."""
+    """``dspark serve --ray``: :func:`dspark_runtime.serving.ray_serve.run` with the command's options. Raises InputError
+    for bad options or without Ray Serve; ManifestError when a local cluster (no --ray-address) would load a missing or
+    broken engine directory."""
     dl = _draft_length(draft_length)
     if dl == "auto":
         raise InputError("--draft-length auto is not available when serving; use an integer or 'scheduled'")
@@ -477,8 +474,7 @@ def _serve_ray(engine_dir, *, replicas, autoscale, target_ongoing_requests, repl
 
 
 def run_cli(group: click.Group, argv=None) -> None:
-    """Run a click group so that user errors print one line and exit 2, with no traceback
-    (shared by ``dspark`` and ``dspark-export``)."""
+    """Run a click group: user errors print one line and exit 2, no traceback (``dspark`` and ``dspark-export``)."""
     try:
         group.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:
@@ -492,7 +488,9 @@ def run_cli(group: click.Group, argv=None) -> None:
 
 
 def main(argv=None):
-    """Console entry point of ``dspark``."""
+    """Console entry point of ``dspark`` (restarted with huge-page malloc where that helps, unless given ``argv``)."""
+    if argv is None:  # the console script: restarted once, before anything is loaded
+        exec_with_huge_page_malloc()
     run_cli(cli, argv)
 
 

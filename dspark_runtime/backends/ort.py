@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO, GraphSpec, past_names, present_names, slot_bindings
+from dspark_runtime.engine_dir.graphspec import (LOGITS_FROM, LOGITS_TO, GraphSpec, past_names, present_names,
+                                                 slot_bindings, slot_call_outputs)
+from dspark_runtime.backends.slot_binding import SlotBinding, WrittenEntries
+from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
 from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
 
 
@@ -21,8 +24,9 @@ class StepOutput:
 
     logits:   float32 [batch, q_len, vocab]
     features: float32 [batch, q_len, m * hidden] or None (graphs without feature layers)
-    kv:       list per layer of (key, value), float32 [batch, kv_heads, past_len + q_len, head_dim] (the scatter
-              layout: the new entries, [batch, kv_heads, q_len, head_dim])
+    kv:       a sequence per layer of (key, value), float32 [batch, kv_heads, past_len + q_len, head_dim] (the
+              scatter layout: the new entries, [batch, kv_heads, q_len, head_dim]; a graph with slot outputs reads
+              them back from the written buffers when asked, :class:`WrittenEntries`)
     kv_written: the graph wrote the new entries into the caller's past arrays themselves (a scatter-layout graph
               with slot outputs, every past array C-contiguous float32 and writable); False: they are unchanged
     """
@@ -146,35 +150,6 @@ def check_precision_for_providers(precision: str, providers, allow_slow_precisio
                       "--allow-slow-precision`) to run it on the CPU anyway")
 
 
-def run_writing_slots(session, feeds: dict, out_names: list, slots: dict) -> tuple:
-    """Run ``session`` on ``feeds`` with each output ``slots[name]`` bound to the memory of input ``name`` (IOBinding):
-    a scatter graph's ScatterElements then writes the new entries into the caller's slot buffers in place instead of
-    copying every buffer per call. An input array of ``slots`` that is not C-contiguous, float32 and writable is bound
-    as a contiguous copy (the caller's array is then unchanged). Returns (the outputs ``out_names``, numpy, in
-    order; whether every one of those inputs was written in place)."""
-    import onnxruntime as ort
-
-    bind = session.io_binding()
-    written, held = True, []  # held: every bound array stays referenced until the run is over
-    for name, value in feeds.items():
-        if name not in slots:
-            held.append(np.ascontiguousarray(value))
-            bind.bind_cpu_input(name, held[-1])
-    for name in out_names:
-        bind.bind_output(name)
-    for name, out in slots.items():
-        a = feeds[name]
-        if not (a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float32):
-            a, written = np.array(a, dtype=np.float32, order="C"), False
-        value = ort.OrtValue.ortvalue_from_numpy(a)  # wraps the array's memory, no copy
-        held.append(a)
-        bind.bind_ortvalue_input(name, value)
-        bind.bind_ortvalue_output(out, value)
-    session.run_with_iobinding(bind)
-    got = bind.get_outputs()
-    return [got[i].numpy() for i in range(len(out_names))], written
-
-
 class OrtDecoder:
     """Runs a ``causal_lm`` graph with ONNX Runtime: the growing KV layout (past in, present out), or the scatter
     layout (slot buffers in, new entries out; graphs with slot outputs write the new entries into the given buffers
@@ -188,6 +163,8 @@ class OrtDecoder:
         precision: the graph's precision from the manifest ("fp32", "int8", "fp8", ...).
         allow_slow_precision: run an ``fp8``/``fp16`` graph on the CPU provider anyway; otherwise
             ``activate`` raises DSparkError saying why (see :func:`check_precision_for_providers`).
+        huge_pages: put the memory the session allocates (its prepacked weights) on huge pages
+            (:class:`~dspark_runtime.machine.huge_pages.HugePagesForNewMemory`; False: leave it on base pages).
     """
 
     #: as a prompt backend (:attr:`~dspark_runtime.runners.scatter.ScatterRunner.prompt_backend`): whether each call
@@ -197,13 +174,14 @@ class OrtDecoder:
     min_query_rows = 1
 
     def __init__(self, path: str | Path, spec: GraphSpec, threads: int = 2, providers=None,
-                 precision: str = "fp32", allow_slow_precision: bool = False):
+                 precision: str = "fp32", allow_slow_precision: bool = False, huge_pages: bool = True):
         self.path = Path(path)
         self.spec = spec
         self.threads = threads
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.precision = precision
         self.allow_slow_precision = allow_slow_precision
+        self.huge_pages = huge_pages
         self.session = None
         self._past = past_names(spec.dims.num_layers)
         self._present = present_names(spec.dims.num_layers)
@@ -212,6 +190,8 @@ class OrtDecoder:
         slot_outputs = set(self._slots.values())
         self._out_names = [n for n in spec.output_names if n not in slot_outputs]
         self._has_features = "features" in self._out_names
+        self._slot_call_outputs = slot_call_outputs(spec) if self._slots else []
+        self._slot_binding = None
         self.takes_logits_from = LOGITS_FROM in spec.input_names  # graphs exported before it compute every position
         self.takes_logits_to = LOGITS_TO in spec.input_names  # ... and before this, every position from logits_from on
 
@@ -238,7 +218,8 @@ class OrtDecoder:
                               f"(available: {sorted(avail)}); pick one of those")
         so = session_options(self.threads)
         try:
-            self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)
+            with HugePagesForNewMemory(self.huge_pages):  # the weights it prepacks: streamed every step
+                self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)
         except Exception as e:
             raise DSparkError(f"ONNX Runtime could not load {self.path}: {e}") from e
         if self.providers[0] in GPU_PROVIDERS and self.session.get_providers()[0] != self.providers[0]:
@@ -251,6 +232,7 @@ class OrtDecoder:
     def deactivate(self) -> None:
         """Drop the session and its memory."""
         self.session = None
+        self._slot_binding = None
 
     def empty_kv(self, batch: int) -> list:
         """A past of length 0: per layer (key, value) float32 [batch, kv_heads, 0, head_dim]."""
@@ -288,20 +270,24 @@ class OrtDecoder:
         elif end < q_len:
             raise DSparkError(f"graph {self.path.name} computes the logits up to the call's last position (exported "
                               f"before {LOGITS_TO!r}); call it with logits_to=None")
-        first = 2 if self._has_features else 1
         if self._slots:
-            outs, written = self._run_writing_slots(feeds, kv)
-        else:
-            outs, written = self.run_with_kv(feeds, kv, first)[0], False
+            return self._run_writing_slots(feeds, kv, position_ids)
+        first = 2 if self._has_features else 1
+        outs = self.run_with_kv(feeds, kv, first)[0]
         new_kv = [(outs[first + 2 * i], outs[first + 2 * i + 1]) for i in range(self.spec.dims.num_layers)]
-        return StepOutput(outs[0], outs[1] if self._has_features else None, new_kv, written)
+        return StepOutput(outs[0], outs[1] if self._has_features else None, new_kv, False)
 
-    def _run_writing_slots(self, feeds: dict, kv: list) -> tuple:
-        """One call of a scatter graph with slot outputs (:func:`run_writing_slots`); returns (the outputs but the
-        slots, in the spec's order; whether every past array was written in place)."""
+    def _run_writing_slots(self, feeds: dict, kv: list, position_ids: np.ndarray) -> StepOutput:
+        """One call of a scatter graph with slot outputs on the session's :class:`SlotBinding` (made on the first
+        call of a session); the step's new entries are read back from the written buffers when asked."""
         for names, arrays in zip(self._past, kv):
             feeds.update(zip(names, arrays))
-        return run_writing_slots(self.session, feeds, self._out_names, self._slots)
+        if self._slot_binding is None or self._slot_binding.session is not self.session:
+            self._slot_binding = SlotBinding(self.session, self._slots, self._slot_call_outputs)
+        outs, arrays, written = self._slot_binding.run(feeds)
+        buffers = [(arrays[k], arrays[v]) for k, v in self._past]
+        return StepOutput(outs[0], outs[1] if self._has_features else None, WrittenEntries(buffers, position_ids),
+                          written)
 
     def run_with_kv(self, feeds: dict, kv: list, first: int) -> tuple:
         """Run the session on ``feeds`` plus the past ``kv`` (per layer (key, value), made contiguous here); returns

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from dspark_runtime.backends.ort import OrtDecoder, session_options
+from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
 from dspark_runtime.errors import DSparkError
 
 OPENVINO_EP = "OpenVINOExecutionProvider"
@@ -83,7 +84,8 @@ class OrtOpenVinoDecoder(OrtDecoder):
         so = session_options(self.threads)
         so.add_provider_for_devices(devices, {"load_config": json.dumps({"CPU": self.config})})
         try:
-            self.session = ort.InferenceSession(str(self.path), so)
+            with HugePagesForNewMemory(self.huge_pages):
+                self.session = ort.InferenceSession(str(self.path), so)
         except Exception as e:
             raise DSparkError(f"ONNX Runtime's OpenVINO provider could not load {self.path}: {e}") from e
         if self.session.get_providers()[0] != OPENVINO_EP:

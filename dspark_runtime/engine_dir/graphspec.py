@@ -149,12 +149,20 @@ def slot_names(num_layers: int) -> list[tuple[str, str]]:
 
 def slot_bindings(spec: GraphSpec) -> dict:
     """{past input name: slot output name} of a scatter graph exported with its written slot buffers as outputs, the
-    pairs a call binds to one memory (:func:`dspark_runtime.backends.ort.run_writing_slots`); {} for any other graph."""
+    pairs a call binds to one memory (:class:`dspark_runtime.backends.slot_binding.SlotBinding`); {} for any other graph."""
     if spec.dims is None or spec.kv_layout != KV_LAYOUT_SCATTER:
         return {}
     outs = set(spec.output_names)
     return {p: s for ps, ss in zip(past_names(spec.dims.num_layers), slot_names(spec.dims.num_layers))
             for p, s in zip(ps, ss) if s in outs}
+
+
+def slot_call_outputs(spec: GraphSpec) -> list:
+    """The outputs a call of a graph with slot outputs (:func:`slot_bindings`) returns, in the spec's order: every
+    output but the K/V ones (the new entries are in the written slot buffers)."""
+    n = spec.dims.num_layers
+    kv = {name for names in (present_names(n), new_names(n), slot_names(n)) for pair in names for name in pair}
+    return [name for name in spec.output_names if name not in kv]
 
 
 def causal_lm_spec(dims: DecoderDims, kv_layout: str = KV_LAYOUT_GROWING) -> GraphSpec:

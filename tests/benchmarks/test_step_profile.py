@@ -75,3 +75,22 @@ def test_against_refuses_a_directory_that_is_not_an_engine(tiny_engine_dir, tmp_
         step_profile.main(["--engine", str(tiny_engine_dir), "--against", str(tmp_path / "nope"), "--q", "1"])
     assert e.value.code == 2
     assert "not an engine directory (no manifest.json)" in capsys.readouterr().err
+
+
+def test_against_times_an_engine_with_its_weights_on_base_pages(tiny_engine_dir, tmp_path):
+    """--against DIR::small-pages: the same graph loaded without huge pages, timed beside the engine as loaded."""
+    import subprocess
+    import sys
+
+    from benchmarks.evalsets import ROOT, child_env
+
+    out = tmp_path / "pages.json"
+    small = f"{tiny_engine_dir}::small-pages"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--engine", str(tiny_engine_dir), "--against",
+                        small, "--past", "8", "--q", "1", "--repeats", "2", "--threads", "1", "--load-orders", "given",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+                       env=child_env())
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["engines"] == [str(tiny_engine_dir), small]
+    assert len(rep["rows"]) == 1 and len(rep["rows"][0]["ms"]) == 2 and min(rep["rows"][0]["ms"]) > 0
