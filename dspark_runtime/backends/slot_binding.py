@@ -21,7 +21,8 @@ class SlotBinding:
     Each slot input and its output (``slots``: {past input name: slot output name}) are bound to the memory of the
     caller's past array, and bound again only when a call passes other memory (another data address or shape): a
     decoding loop passes views of the same buffers every step, so a step binds its small inputs and its outputs
-    only. Only ``out_names`` come back; the new K/V entries stay in the buffers (:class:`WrittenEntries`). A past
+    only (the last call's buffers stay referenced until a call passes others or the binding is dropped). Only
+    ``out_names`` come back; the new K/V entries stay in the buffers (:class:`WrittenEntries`). A past
     array that is not C-contiguous, float32 and writable is bound as a contiguous copy instead (the caller's array
     is then unchanged). Calls from several threads at once are safe: a call that finds the binding busy runs on a
     binding of its own.
