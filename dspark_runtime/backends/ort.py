@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
-from dspark_runtime.engine_dir.graphspec import (LOGITS_FROM, LOGITS_TO, GraphSpec, past_names, present_names,
-                                                 slot_bindings, slot_call_outputs)
+from dspark_runtime.engine_dir.graphspec import (LOGITS_FROM, LOGITS_TO, GraphSpec, past_names, slot_bindings,
+                                                 slot_call_outputs)
 from dspark_runtime.backends.slot_binding import SlotBinding, WrittenEntries
 from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
 from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
@@ -184,7 +184,6 @@ class OrtDecoder:
         self.huge_pages = huge_pages
         self.session = None
         self._past = past_names(spec.dims.num_layers)
-        self._present = present_names(spec.dims.num_layers)
         # scatter graphs exported with the written slot buffers as outputs: the K/V write happens in place
         self._slots = slot_bindings(spec)
         slot_outputs = set(self._slots.values())
