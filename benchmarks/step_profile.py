@@ -111,7 +111,11 @@ def unprofiled_wall_ms(graph: Path, spec, feeds: dict, repeats: int, threads: in
     return statistics.median(walls) * 1000
 
 
-def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, weighted, head) -> dict:
+def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, weighted, head,
+            last_logits: bool = False, padding_rows: int = 0) -> dict:
+    """ONNX Runtime's per-node profile of one step (``past`` cached positions, ``q`` new ones; ``last_logits`` and
+    ``padding_rows`` as in :func:`_feeds`), grouped by :func:`category`: the median ms per group over ``repeats``
+    runs, and the step's unprofiled median wall time on a session set up as the runtime's."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -121,7 +125,7 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
     with HugePagesForNewMemory():  # as the runtime's sessions (dspark_runtime.backends.ort.OrtDecoder)
         sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
-    feeds = _feeds(spec, past, q)
+    feeds = _feeds(spec, past, q, last_logits=last_logits, padding_rows=padding_rows)
     call = step_call(sess, spec)
     call(feeds)  # warm-up (not counted: the profile is cut at the first timed run below)
     walls = []
@@ -358,7 +362,7 @@ def main(argv=None) -> int:
     rows = []
     for past in (int(x) for x in a.past.split(",")):
         for q in (int(x) for x in a.q.split(",")):
-            r = profile(graph, g.spec, past, q, a.repeats, a.threads, weighted, head)
+            r = profile(graph, g.spec, past, q, a.repeats, a.threads, weighted, head, a.last_logits, a.padding_rows)
             rows.append(r)
             top = ", ".join(f"{k} {v:.0%}" for k, v in list(r["by_category_share"].items())[:7])
             print(f"past {past:5d} q {q:3d}: {r['wall_ms']:7.1f} ms/step (profiled {r['profiled_wall_ms']:.1f}) | "

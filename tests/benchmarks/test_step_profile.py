@@ -58,6 +58,26 @@ def test_feeds_say_which_positions_the_lm_head_runs_on(tiny_scatter_engine_dir):
     assert head(padding_rows=9) == [0, 1]
 
 
+def test_the_profile_times_the_head_range_asked_for(tiny_scatter_engine_dir, monkeypatch):
+    """The per-node profile (no --against) feeds the head range --last-logits / --padding-rows ask for, as --against
+    does: a prompt chunk's profile must not time the LM head on every position."""
+    asked = []
+    feeds = step_profile._feeds
+
+    def recording(spec, past, q, **kw):
+        asked.append(kw)
+        return feeds(spec, past, q, **kw)
+
+    monkeypatch.setattr(step_profile, "_feeds", recording)
+    assert step_profile.main(["--engine", str(tiny_scatter_engine_dir), "--past", "8", "--q", "4", "--repeats", "1",
+                              "--threads", "1", "--last-logits"]) == 0
+    assert asked and all(kw.get("last_logits") is True for kw in asked)
+    asked.clear()
+    assert step_profile.main(["--engine", str(tiny_scatter_engine_dir), "--past", "8", "--q", "4", "--repeats", "1",
+                              "--threads", "1", "--padding-rows", "1"]) == 0
+    assert asked and all(kw.get("padding_rows") == 1 and not kw.get("last_logits") for kw in asked)
+
+
 def test_load_orders_combine_each_engines_figure_across_rotations():
     """--against runs once per rotation of the load order; each engine's figure is the geometric mean of its own
     medians, mapped back from the position it was loaded in."""
