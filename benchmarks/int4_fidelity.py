@@ -4,7 +4,8 @@ fp32 graph.
 Sequences: the first --n evaluation prompts of each --datasets entry (``--split calibration``: the first --n
 calibration-split prompts, code-weighted, as the quantizers and the drafter calibrate on) plus --continuation tokens
 of the first engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
-under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). Per pair: top-1 agreement, mean relative
+under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). An engine given as ``DIR::GRAPH`` runs its
+graph ``GRAPH`` instead of ``target`` (``DIR::target_prompt``: the prompt graph, as it computes a prompt). Per pair: top-1 agreement, mean relative
 L2 of the logits, max |Δlogit|, mean total variation of the softmax (what sampling sees); per graph the weight bytes a step reads. One graph in memory at a time (logits
 kept in --work). Writes --json.
 
@@ -31,16 +32,16 @@ from dspark_runtime.engine_dir.manifest import load_manifest
 from dspark_export.drafter.data import calibration_prompts
 
 
-def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
-    """Teacher-forced logits of ``engine``'s target graph for each sequence, saved as ``out/<name>.npy``.
-    Returns {"load_s", "seconds", "peak_rss_gb"}."""
+def graph_logits(engine: Path, seqs: dict, out: Path, threads: int, graph: str = "target") -> dict:
+    """Teacher-forced logits of ``engine``'s graph ``graph`` (a decoder of the target's spec) for each sequence, saved
+    as ``out/<name>.npy``. Returns {"load_s", "seconds", "peak_rss_gb"}."""
     import resource
 
     from dspark_runtime.backends.ort import OrtDecoder
     from dspark_runtime.runners.factory import decoder_runner
 
     m = load_manifest(engine, verify=False)
-    g = m.graphs["target"]
+    g = m.graphs[graph]
     t0 = time.perf_counter()
     dec = OrtDecoder(engine / g.model_file, g.spec, threads=threads, precision=g.precision)
     runner = decoder_runner(dec.activate())  # one full-sequence call, in the graph's own KV layout
@@ -52,6 +53,13 @@ def graph_logits(engine: Path, seqs: dict, out: Path, threads: int) -> dict:
     dec.deactivate()
     return {"load_s": round(load_s, 1), "seconds": round(time.perf_counter() - t0, 1),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
+def engine_graph(arg: str) -> tuple:
+    """``DIR`` or ``DIR::GRAPH`` -> (engine Path, graph key, the name its logits and results go under)."""
+    path, _, graph = arg.partition("::")
+    e = Path(path)
+    return e, graph or "target", e.name + (f"::{graph}" if graph else "")
 
 
 def common_prefix(seqs: dict) -> int:
@@ -109,7 +117,9 @@ def make_sequences(engine: Path, a) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", required=True, help="comma list of int4 engines (the first makes the continuations)")
+    ap.add_argument("--engines", required=True,
+                    help="comma list of int4 engines (the first makes the continuations); DIR::GRAPH runs the "
+                         "engine's graph GRAPH (e.g. target_prompt) instead of its target")
     ap.add_argument("--fp32", type=Path, help="the fp32 engine of the same model")
     ap.add_argument("--gguf", type=Path, help="the GGUF for llama.cpp (skip llama.cpp when not given)")
     ap.add_argument("--peer-python", type=Path,
@@ -123,20 +133,25 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dspark-int4-fidelity"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--reuse", action="store_true", help="compare the logits already in --work (no new runs)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the sequences and the logits already in --work; run only the graphs (and llama.cpp) "
+                         "whose logits are not there")
     a = ap.parse_args(argv)
-    engines = [Path(e) for e in a.engines.split(",") if e]
+    engines = [engine_graph(e) for e in a.engines.split(",") if e]
     a.work.mkdir(parents=True, exist_ok=True)
     if a.reuse:
         seqs = json.loads((a.work / "ids.json").read_text())
         old = json.loads(a.json.read_text()) if a.json and a.json.is_file() else {}
         systems = old.get("systems", {})
     else:
-        seqs, systems = make_sequences(engines[0], a), {}
-    for e in [] if a.reuse else ([a.fp32] if a.fp32 else []) + engines:
-        print(f"logits of {e} ...", flush=True)
-        systems[str(e)] = graph_logits(e, seqs, a.work / e.name, a.threads)
-    if a.gguf and not a.reuse:
+        seqs, systems = make_sequences(engines[0][0], a), {}
+    runs = ([(a.fp32, "target", a.fp32.name)] if a.fp32 else []) + engines
+    for e, graph, name in runs:
+        if a.reuse and (a.work / name).is_dir():
+            continue
+        print(f"logits of {name} ...", flush=True)
+        systems[name] = graph_logits(e, seqs, a.work / name, a.threads, graph)
+    if a.gguf and not (a.reuse and (a.work / "llama.cpp").is_dir()):
         if not a.peer_python.is_file():
             raise SystemExit(f"error: {a.peer_python} missing; install the peer: benchmarks/peers/install.sh llama-cpp")
         t0 = time.perf_counter()
@@ -148,12 +163,11 @@ def main(argv=None) -> int:
                                    if k in ("llama_cpp_python", "n_batch", "gguf_bytes")}}
     pairs = {}
     shared = common_prefix(seqs)
-    dirs = {str(e): a.work / e.name for e in engines}
-    for e in engines:
+    for _, _, name in engines:
         if a.gguf:
-            pairs[f"{e.name} vs llama.cpp"] = compare(dirs[str(e)], a.work / "llama.cpp", seqs, shared)
+            pairs[f"{name} vs llama.cpp"] = compare(a.work / name, a.work / "llama.cpp", seqs, shared)
         if a.fp32:
-            pairs[f"{e.name} vs {a.fp32.name}"] = compare(dirs[str(e)], a.work / a.fp32.name, seqs, shared)
+            pairs[f"{name} vs {a.fp32.name}"] = compare(a.work / name, a.work / a.fp32.name, seqs, shared)
     if a.fp32 and a.gguf:
         pairs[f"{a.fp32.name} vs llama.cpp"] = compare(a.work / a.fp32.name, a.work / "llama.cpp", seqs, shared)
     for k, v in pairs.items():
@@ -163,8 +177,8 @@ def main(argv=None) -> int:
            "datasets": a.datasets if a.split == "evaluation" else "calibration split", "n": a.n,
            "continuation": a.continuation, "shared_prefix_counted_once": shared, "sequences": {k: len(v) for k, v in seqs.items()},
            "systems": systems, "pairs": pairs,
-           "step_weight_bytes": {e.name: step_weight_bytes(e / load_manifest(e, verify=False).graphs["target"].model_file)
-                                 for e in engines + ([a.fp32] if a.fp32 else [])},
+           "step_weight_bytes": {name: step_weight_bytes(e / load_manifest(e, verify=False).graphs[graph].model_file)
+                                 for e, graph, name in runs},
            "command": shlex.join(["python", "-m", "benchmarks.int4_fidelity", *sys.argv[1:]])}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,10 @@ is exact, so a row's result does not depend on the rows it is computed with (pro
 batched, agree bit for bit). The runtime runs prompt chunks on it and every other call on the target graph
 (:mod:`dspark_runtime.runners.scatter`), in every decoding mode alike, so speculative output still equals target-only.
 
-Per row ``x`` of a projection's input: ``s = max|x| / 127``, ``xu = round(x / s) + 128`` (uint8, the zero point 128
-a scalar as ``MatMulInteger`` takes it), ``y = (xu − 128)·Wq · s · ws`` with ``Wq`` int8 ``[K, N]`` and ``ws`` float32
-``[N]`` (``max|W[:, n]| / (2^(bits−1) − 1)``). ``weight_bits`` 7 where this CPU's u8·s8 kernel saturates
+Per row ``x`` of a projection's input: ``s = max|x| / 127``, ``xu = round(x / s) + 128`` (uint8, ``QuantizeLinear``
+per row; the zero point 128 a scalar as the GEMM takes it), ``y = ((xu − 128)·Wq · ws) · s`` with ``Wq`` int8 ``[K, N]``
+and ``ws`` float32 ``[N]`` (``max|W[:, n]| / (2^(bits−1) − 1)``): ``MatMulIntegerToFloat`` (the u8·s8 GEMM with the
+column scales applied as it writes), then the row scale. ``weight_bits`` 7 where this CPU's u8·s8 kernel saturates
 (:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`), else 8.
 """
 from __future__ import annotations
@@ -140,10 +141,11 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                    and prod[n.input[1]].op_type == _NBITS and n.input[0] in prod and prod[n.input[0]].op_type == _NBITS}
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     consts = [numpy_helper.from_array(v, k) for k, v in (
-        ("__prompt_c127", np.array(127, np.float32)), ("__prompt_c128", np.array(128, np.float32)),
+        ("__prompt_c127", np.array(127, np.float32)), ("__prompt_c1", np.array(1, np.float32)),
         ("__prompt_tiny", np.array(1e-30, np.float32)), ("__prompt_z128", np.array(128, np.uint8)),
         ("__prompt_axis_last", np.array([-1], np.int64)))]
     quantized: dict = {}  # activation -> (uint8 tensor, per-row scale)
+    rows_shape: set = set()  # the widths K of the activations flattened to rows ([-1, K] shape constants)
     replace: dict = {}  # id(node) -> the nodes at its place
     drop: set = set()
     new_inits, replaced, kept, nbytes, n_apart = [], 0, 0, 0, 0
@@ -185,28 +187,38 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                     mask[apart] = 0.0
                     new_inits += [writer.put([mask], b + "_mask", TensorProto.FLOAT, mask.shape),
                                   numpy_helper.from_array(apart, b + "_apart")]
-                    nodes += [mk("Mul", [x, b + "_mask"], [b + "_in"]),
-                              mk("Gather", [x, b + "_apart"], [b + "_out"], axis=-1)]
+                    nodes += [mk("Mul", [x, b + "_mask"], [b + "_in"], name=b + "_in"),
+                              mk("Gather", [x, b + "_apart"], [b + "_out"], axis=-1, name=b + "_out")]
                     xin = b + "_in"
                     n_apart += len(apart)
-                reduce = (mk("ReduceMax", [b + "_abs", "__prompt_axis_last"], [b + "_max"], keepdims=1) if opset >= 18
-                          else mk("ReduceMax", [b + "_abs"], [b + "_max"], axes=[-1], keepdims=1))
-                nodes += [mk("Abs", [xin], [b + "_abs"]), reduce,
-                          mk("Div", [b + "_max", "__prompt_c127"], [b + "_s0"]),
-                          mk("Max", [b + "_s0", "__prompt_tiny"], [b + "_scale"]),
-                          mk("Div", [xin, b + "_scale"], [b + "_xs"]), mk("Round", [b + "_xs"], [b + "_xr"]),
-                          mk("Add", [b + "_xr", "__prompt_c128"], [b + "_xo"]),
-                          mk("Cast", [b + "_xo"], [b + "_u8"], to=TensorProto.UINT8)]
+                reduce = (mk("ReduceMax", [b + "_abs", "__prompt_axis_last"], [b + "_max"], keepdims=1,
+                             name=b + "_max") if opset >= 18
+                          else mk("ReduceMax", [b + "_abs"], [b + "_max"], axes=[-1], keepdims=1, name=b + "_max"))
+                # one scale per row; the rows flattened for QuantizeLinear's per-axis form (axis 0), then reshaped
+                # back (x / s rounded half to even, + 128, saturated: what Div, Round, Add and Cast computed)
+                nodes += [mk("Abs", [xin], [b + "_abs"], name=b + "_abs"), reduce,
+                          mk("Div", [b + "_max", "__prompt_c127"], [b + "_s0"], name=b + "_s0"),
+                          mk("Max", [b + "_s0", "__prompt_tiny"], [b + "_scale"], name=b + "_scale"),
+                          mk("Reshape", [b + "_scale", "__prompt_axis_last"], [b + "_s1"], name=b + "_s1"),
+                          mk("Shape", [b + "_s1"], [b + "_rows"], name=b + "_rows"),
+                          mk("Expand", ["__prompt_z128", b + "_rows"], [b + "_zp"], name=b + "_zp"),
+                          mk("Reshape", [xin, "__prompt_rows_" + str(w.shape[0])], [b + "_x2"], name=b + "_x2"),
+                          mk("QuantizeLinear", [b + "_x2", b + "_s1", b + "_zp"], [b + "_u8rows"], axis=0,
+                             name=b + "_quantize"),
+                          mk("Shape", [xin], [b + "_shape"], name=b + "_shape"),
+                          mk("Reshape", [b + "_u8rows", b + "_shape"], [b + "_u8"], name=b + "_u8")]
+                rows_shape.add(w.shape[0])
                 quantized[x] = (b + "_u8", b + "_scale")
             xu, s = quantized[x]
             y_int = f"{name}_prompt_int" if len(apart) else y
-            nodes += [mk("MatMulInteger", [xu, f"{name}_prompt_Wq", "__prompt_z128"], [f"{name}_prompt_acc"]),
-                      mk("Cast", [f"{name}_prompt_acc"], [f"{name}_prompt_accf"], to=TensorProto.FLOAT),
-                      mk("Mul", [f"{name}_prompt_accf", s], [f"{name}_prompt_rows"]),
-                      mk("Mul", [f"{name}_prompt_rows", f"{name}_prompt_ws"], [y_int])]
+            nodes += [mk("MatMulIntegerToFloat", [xu, f"{name}_prompt_Wq", "__prompt_c1", f"{name}_prompt_ws",
+                                                  "__prompt_z128"], [f"{name}_prompt_cols"],
+                         domain="com.microsoft", name=f"{name}_prompt_gemm"),
+                      mk("Mul", [f"{name}_prompt_cols", s], [y_int], name=f"{name}_prompt_rows")]
             if len(apart):
-                nodes += [mk("MatMul", [f"{x}_prompt_out", f"{name}_prompt_Wout"], [f"{name}_prompt_fp32"]),
-                          mk("Add", [y_int, f"{name}_prompt_fp32"], [y])]
+                nodes += [mk("MatMul", [f"{x}_prompt_out", f"{name}_prompt_Wout"], [f"{name}_prompt_fp32"],
+                             name=f"{name}_prompt_fp32"),
+                          mk("Add", [y_int, f"{name}_prompt_fp32"], [y], name=f"{name}_prompt_sum")]
             replace[id(node)] = nodes
             replaced += 1
         if not replaced:
@@ -218,6 +230,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
         set_live_nodes(g, body)  # drops the block sums of replaced corrections
         read = {i for n in g.node for i in n.input}
         kept_inits = [writer.copy(t, reader) for t in g.initializer if t.name in read]
+        consts += [numpy_helper.from_array(np.array([-1, k], np.int64), f"__prompt_rows_{k}") for k in rows_shape]
     reader.close()
     del g.initializer[:]
     g.initializer.extend(kept_inits + [t for t in consts + new_inits if t.name in read])

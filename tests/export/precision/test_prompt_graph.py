@@ -54,13 +54,13 @@ def test_a_projection_computes_the_per_row_integer_product_of_the_represented_we
     rep = integer_prompt_graph(src, tmp_path / "prompt.onnx", weight_bits=bits, log=lambda *a: None)
     assert rep["replaced"] == 1 and rep["kept"] == 0 and rep["integer_weight_bytes"] == k * n
     ops = [nd.op_type for nd in onnx.load(str(tmp_path / "prompt.onnx"), load_external_data=False).graph.node]
-    assert "MatMulInteger" in ops and "MatMulNBits" not in ops and "ReduceSum" not in ops  # the correction folded
+    assert "MatMulIntegerToFloat" in ops and "MatMulNBits" not in ops and "ReduceSum" not in ops  # the correction folded
     x = rng.standard_normal((1, 5, k)).astype(np.float32)
     got = ort.InferenceSession(str(tmp_path / "prompt.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     wq, ws = column_int8(w.dequantize(), bits)
     s = np.maximum(np.abs(x).max(-1, keepdims=True) / np.float32(127), np.float32(1e-30))
     xq = np.rint(x / s).astype(np.int64)  # (round(x / s) + 128) - 128
-    want = ((xq @ wq.astype(np.int64)).astype(np.float32) * s) * ws
+    want = ((xq @ wq.astype(np.int64)).astype(np.float32) * ws) * s
     from dspark_runtime.machine.kernel_probe import u8s8_saturates
 
     if bits == 8 and u8s8_saturates():  # AVX2 without VNNI clips u8·s8 pair sums: why `auto` picks 7 bits here
@@ -108,7 +108,7 @@ def test_outlier_channels_run_apart_in_fp32(tmp_path):
             xin = x.copy()
             xin[..., apart] = 0.0
             s = np.maximum(np.abs(xin).max(-1, keepdims=True) / np.float32(127), np.float32(1e-30))
-            want = ((np.rint(xin / s).astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * s) * ws
+            want = ((np.rint(xin / s).astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * ws) * s
             want = want + x[..., apart] @ full[apart]
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert rel["apart"] < rel["plain"] / 3
