@@ -157,7 +157,7 @@ class Engine:
         ``prompts``: where prompt chunks run, in every decoding mode alike (:mod:`dspark_runtime.backends.prompt_place`):
         "target", "prompt-graph" (``dspark-export add-prompt-graph``), "openvino" (the target on ONNX Runtime's
         OpenVINO provider, Intel CPUs, ``pip install 'dspark[openvino]'``), "auto" (the prompt graph where the engine
-        has one, else the target); raises InputError for a choice this engine cannot run.
+        has one that this CPU computes right, else the target); raises InputError for a choice this engine cannot run.
         """
         if not isinstance(threads, int) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")

@@ -101,6 +101,7 @@ def test_wheel_outside_the_checkout(tiny_pair, tmp_path):
         assert f"dspark_export/data/prompts/{ds}.jsonl" in names
     assert "dspark_export/data/prompts/README.md" in names
     assert "dspark_export/data/code-tasks.jsonl" in names  # the drafter's code tasks (drafter/code_tasks.py)
+    assert "dspark_runtime/machine/u8s8_probe.onnx" in names  # the kernel probe's graph, read without onnx
     for r in RECIPES:
         assert f"dspark_export/recipes/{r}.json" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)

@@ -6,33 +6,59 @@ output still equals target-only output; the prompt's positions then differ sligh
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from dspark_runtime.backends.ort_openvino import OrtOpenVinoDecoder
+from dspark_runtime.machine import kernel_probe
 from dspark_runtime.machine.row_invariance import check_prompt_chunks_invariant
+from dspark_runtime.machine.sysinfo import OtherCpuWarning
 from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH
 from dspark_runtime.errors import DSparkError, InputError
 
-#: auto: the prompt graph where the engine has one (a CPU target of the scatter layout), else the target
+#: auto: the prompt graph where the engine has one (a CPU target of the scatter layout) that this CPU computes right
+#: (:func:`prompt_graph_wrong_here`), else the target
 PROMPT_PLACES = ("auto", "target", "prompt-graph", "openvino")
 #: what each choice means, for the CLI's --prompts
 PROMPT_PLACES_HELP = ("Where prompt chunks run, in every decoding mode alike: target; prompt-graph (the engine's, "
                       "`dspark-export add-prompt-graph`); openvino (the target on ONNX Runtime's OpenVINO provider, "
-                      "Intel CPUs, pip install 'dspark[openvino]'); auto = prompt-graph where the engine has one, "
-                      "else target.")
+                      "Intel CPUs, pip install 'dspark[openvino]'); auto = prompt-graph where the engine has one "
+                      "this CPU computes right, else target.")
+
+
+def prompt_graph_wrong_here(manifest) -> bool:
+    """True when the engine's prompt graph holds 8-bit weights (``quantization.weight_bits``; built on a CPU whose
+    u8·s8 kernel accumulates exactly) and this CPU's kernel saturates
+    (:func:`~dspark_runtime.machine.kernel_probe.u8s8_saturates`, AVX2 without VNNI): its results would be wrong
+    here. A 7-bit prompt graph is right on every CPU."""
+    g = manifest.graphs.get(PROMPT_GRAPH)
+    return g is not None and (g.quantization or {}).get("weight_bits") == 8 and kernel_probe.u8s8_saturates()
+
+
+def _rebuild_fix(what: str) -> str:
+    return (f"{what}: its 8-bit weights need a u8*s8 kernel that does not saturate (VNNI, AMX), and this CPU's does; "
+            "rebuild it for this CPU with `dspark-export add-prompt-graph ENGINE --weight-bits 7` (right on every CPU)")
 
 
 def resolve_prompt_place(prompts: str, manifest, placement: dict) -> str:
     """The path prompt chunks take for ``prompts`` (one of :data:`PROMPT_PLACES`) on an engine of ``manifest`` placed
     by ``placement`` ({graph key: place}): "target", "prompt-graph" or "openvino". Raises InputError for an unknown
     choice, "prompt-graph" on an engine without one, or either of the two on a target that does not run on the CPU with
-    the scatter KV layout (the runners that split prompt chunks off)."""
+    the scatter KV layout (the runners that split prompt chunks off), and "prompt-graph" where the engine's prompt
+    graph computes wrong results on this CPU (:func:`prompt_graph_wrong_here`; "auto" then takes the target, with an
+    :class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`)."""
     if prompts not in PROMPT_PLACES:
         raise InputError(f"unknown prompt place {prompts!r}; choose one of {list(PROMPT_PLACES)}")
     cpu_scatter = placement["target"] == "cpu" and manifest.graphs["target"].spec.kv_layout == "scatter"
     has_graph = PROMPT_GRAPH in manifest.graphs and placement.get(PROMPT_GRAPH) == "cpu"
     if prompts == "auto":
-        return "prompt-graph" if has_graph and cpu_scatter else "target"
+        if not (has_graph and cpu_scatter):
+            return "target"
+        if prompt_graph_wrong_here(manifest):
+            warnings.warn(_rebuild_fix("prompt chunks run on the target, not on this engine's prompt graph"),
+                          OtherCpuWarning, stacklevel=3)
+            return "target"
+        return "prompt-graph"
     if prompts == "target":
         return "target"
     if not cpu_scatter:
@@ -42,6 +68,9 @@ def resolve_prompt_place(prompts: str, manifest, placement: dict) -> str:
     if prompts == "prompt-graph" and not has_graph:
         raise InputError("this engine has no prompt graph on the CPU; add one with `dspark-export add-prompt-graph "
                          "ENGINE`, or use --prompts target")
+    if prompts == "prompt-graph" and prompt_graph_wrong_here(manifest):
+        raise InputError(_rebuild_fix("this engine's prompt graph would compute wrong results here") +
+                         ", or use --prompts target")
     return prompts
 
 

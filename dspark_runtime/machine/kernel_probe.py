@@ -12,6 +12,7 @@ exact. ONNX Runtime's documented remedy for the saturating path is 7-bit weights
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 
@@ -22,23 +23,19 @@ from dspark_runtime.backends.ort import session_options
 PROBE_M, PROBE_K, PROBE_N = 4, 64, 16
 
 
+#: the probe graph, ``MatMulInteger(A: uint8 [M, K], B = 127: int8 [K, N]) -> Y: int32 [M, N]`` with B a constant
+#: as in quantized graphs (ONNX Runtime pre-packs it); shipped serialized so the runtime needs no ``onnx``
+#: (tests/runtime/machine/test_kernel_probe.py rebuilds it with onnx and compares)
+PROBE_GRAPH = Path(__file__).with_name("u8s8_probe.onnx")
+
+
 def _u8s8_session():
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
     import onnxruntime as ort
 
-    b = np.full((PROBE_K, PROBE_N), 127, np.int8)
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["A", "B"], ["Y"])], "u8s8_probe",
-        [helper.make_tensor_value_info("A", TensorProto.UINT8, [PROBE_M, PROBE_K])],
-        [helper.make_tensor_value_info("Y", TensorProto.INT32, [PROBE_M, PROBE_N])],
-        [numpy_helper.from_array(b, "B")])  # a constant weight, as in quantized graphs (ORT pre-packs it)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = min(model.ir_version, 8)
-    onnx.checker.check_model(model)
     so = session_options(1)
     so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), b
+    sess = ort.InferenceSession(str(PROBE_GRAPH), so, providers=["CPUExecutionProvider"])
+    return sess, np.full((PROBE_K, PROBE_N), 127, np.int8)
 
 
 def u8s8_product() -> tuple:
@@ -54,7 +51,6 @@ def u8s8_product() -> tuple:
 def u8s8_saturates() -> bool:
     """True when ONNX Runtime's CPU u8·s8 GEMM on this machine saturates int16 pair sums (the AVX2
     VPMADDUBSW path: the probe's 255·127·64 = 2072640 comes out as 32·32767 = 1048544), False when it
-    computes the exact int32 product (VNNI, AMX, ARM dot product). Needs ``onnx`` and ``onnxruntime``;
-    measured once per process."""
+    computes the exact int32 product (VNNI, AMX, ARM dot product). Measured once per process."""
     got, exact = u8s8_product()
     return not np.array_equal(got, exact)

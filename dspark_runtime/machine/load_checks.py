@@ -61,11 +61,7 @@ def check_int8_weights(manifest: Manifest, engine_dir: Path, backend: str) -> No
     eight_bit = [k for k, g in manifest.graphs.items()
                  if g.precision == "int8" and (g.quantization or {}).get("reduce_range") is False]
     if eight_bit and backend == "ort":
-        try:
-            saturates = kernel_probe.u8s8_saturates()
-        except ImportError:  # the probe builds its graph with onnx (the export extra)
-            saturates = False
-        if saturates:
+        if kernel_probe.u8s8_saturates():
             warnings.warn(f"{engine_dir}: graph(s) {', '.join(eight_bit)} hold 8-bit U8S8 weights, but this CPU's "
                           "u8*s8 kernel saturates (no VNNI): their outputs will be wrong here; re-quantize with "
                           "the default 7-bit weights (`dspark-export quantize`)", OtherCpuWarning, stacklevel=4)

@@ -38,6 +38,39 @@ def test_the_prompt_place_and_its_refusals(int4_engine, tiny_scatter_engine_dir)
         Engine.load(tiny_scatter_engine_dir, prompts="prompt-graph")
 
 
+def test_an_8bit_prompt_graph_is_not_run_where_the_u8s8_kernel_saturates(int4_engine, monkeypatch):
+    """A prompt graph built with 8-bit weights (on a VNNI/AMX CPU) computes wrong results where the u8·s8 kernel
+    saturates (AVX2 without VNNI): "auto" takes the target there and says why, "prompt-graph" is refused with the
+    rebuild named; a 7-bit one runs everywhere."""
+    import dataclasses
+    import warnings
+
+    from dspark_runtime.backends import prompt_place
+    from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, load_manifest
+    from dspark_runtime.machine import kernel_probe
+    from dspark_runtime.machine.sysinfo import OtherCpuWarning
+
+    m = load_manifest(int4_engine, verify=False)
+    cpu = {k: "cpu" for k in m.graphs}
+
+    def with_bits(bits):
+        g = m.graphs[PROMPT_GRAPH]
+        graphs = {**m.graphs, PROMPT_GRAPH: dataclasses.replace(g, quantization={**g.quantization, "weight_bits": bits})}
+        return dataclasses.replace(m, graphs=graphs)
+
+    monkeypatch.setattr(kernel_probe, "u8s8_saturates", lambda: True)
+    with pytest.warns(OtherCpuWarning, match="weight-bits 7"):
+        assert prompt_place.resolve_prompt_place("auto", with_bits(8), cpu) == "target"
+    with pytest.raises(InputError, match=r"wrong results here.*--weight-bits 7.*--prompts target"):
+        prompt_place.resolve_prompt_place("prompt-graph", with_bits(8), cpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prompt_place.resolve_prompt_place("auto", with_bits(7), cpu) == "prompt-graph"
+        assert prompt_place.resolve_prompt_place("prompt-graph", with_bits(7), cpu) == "prompt-graph"
+        monkeypatch.setattr(kernel_probe, "u8s8_saturates", lambda: False)
+        assert prompt_place.resolve_prompt_place("auto", with_bits(8), cpu) == "prompt-graph"
+
+
 def test_a_missing_plugin_names_the_install(monkeypatch):
     import builtins
 

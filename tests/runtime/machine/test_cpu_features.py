@@ -8,6 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_runtime.engine_dir.manifest import load_manifest, parse_manifest
@@ -272,7 +273,6 @@ def test_profile_records_the_cpu_and_is_not_warned_by_what_it_replaces(tiny_engi
 
 
 def test_u8s8_probe_returns_a_bool_consistent_with_the_arithmetic():
-    pytest.importorskip("onnx")
     from dspark_runtime.machine.kernel_probe import PROBE_K, PROBE_M, PROBE_N, u8s8_product, u8s8_saturates
 
     got, exact = u8s8_product()
@@ -284,6 +284,26 @@ def test_u8s8_probe_returns_a_bool_consistent_with_the_arithmetic():
     assert type(s) is bool and s == bool((got != exact).any()) and u8s8_saturates() is s
     if "avx512_vnni" in cpu_features()["flags"] or "avx_vnni" in cpu_features()["flags"]:
         assert s is False  # VPDPBUSD accumulates in int32
+
+
+def test_the_shipped_probe_graph_is_the_u8s8_product_it_names():
+    """The probe's graph ships serialized (the runtime has no onnx): it is MatMulInteger of a uint8 [M, K] input and
+    a constant int8 [K, N] weight of 127, as onnx builds it."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
+    from dspark_runtime.machine.kernel_probe import PROBE_GRAPH, PROBE_K, PROBE_M, PROBE_N
+
+    m = onnx.load(str(PROBE_GRAPH))
+    onnx.checker.check_model(m)
+    (node,) = m.graph.node
+    assert node.op_type == "MatMulInteger" and list(node.input) == ["A", "B"] and node.domain == ""
+    (w,) = m.graph.initializer
+    b = numpy_helper.to_array(w)
+    assert b.dtype == np.int8 and b.shape == (PROBE_K, PROBE_N) and (b == 127).all()
+    dims = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in (m.graph.input[0], m.graph.output[0])]
+    assert dims == [[PROBE_M, PROBE_K], [PROBE_M, PROBE_N]]
+    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("qemu-x86_64") is None,
