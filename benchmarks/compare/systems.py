@@ -50,6 +50,10 @@ SYSTEMS = {s.name: s for s in [
     # our default configuration: whatever `--draft auto` picks on --engine (Engine.auto_draft), its default length
     System("dspark-auto", "dspark", {"draft": "auto"}, "DSpark runtime, --draft auto (the engine's default "
            "drafter and draft length)"),
+    # prompt chunks on the int4 target itself (`--prompts target`: what an engine without a prompt graph does; less
+    # memory, a longer time to first token)
+    System("dspark-target-int4-prompts", "dspark", {"draft": None, "prompts": "target"},
+           "DSpark runtime, target only, prompt chunks on the int4 target (--prompts target)"),
     # prompt chunks on ONNX Runtime's OpenVINO provider (`--prompts openvino`: Intel CPUs, the openvino extra); the
     # speculative one is compared with its own target-only system (the prompt's numerics are OpenVINO's)
     System("dspark-target-openvino", "dspark", {"draft": None, "prompts": "openvino"},

@@ -214,7 +214,7 @@ def add_draft(engine_dir, checkpoint, target, in_process, precision):
               help="Input channels whose maximum over 8 calibration-split prompts exceeds this many times the median "
                    "channel's are computed apart in fp32 (0: none): a per-row scale cannot hold them.")
 def add_prompt_graph_cmd(engine_dir, weight_bits, keep_int4, outlier_ratio):
-    """Add the integer-GEMM prompt graph of ENGINE_DIR's int4 target: prompt chunks then run on MatMulInteger
+    """Add the integer-GEMM prompt graph of ENGINE_DIR's int4 target: prompt chunks then run on MatMulIntegerToFloat
     (uint8 activations per row, the target's weights in 7/8-bit columns), 2-3.5x faster than the int4 kernels
     (AVX2, AVX-512 VNNI, AMX), in every decoding mode alike (speculative output still equals target-only); decoding
     stays on the target. The prompt's positions are computed less exactly than by the int4 graph (docs/precision.md,

@@ -242,7 +242,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     rep = {"replaced": replaced, "kept": kept, "outlier_channels": n_apart, "weight_bits": weight_bits,
            "integer_weight_bytes": nbytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulInteger (u8 x s{weight_bits}), {kept} kept, "
+    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulIntegerToFloat (u8 x s{weight_bits}), {kept} kept, "
         f"{n_apart} outlier input channels in fp32; "
         f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep
