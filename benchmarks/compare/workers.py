@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks.compare.report import first_divergence
 from benchmarks.evalsets import child_env, ids_digest, loadavg, round_stats
 from benchmarks.compare.resume import append_progress
+from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH
 
 WARMUP_PROMPT = "Write a one-line Python function that adds two numbers."
 PEER_WORKER = "benchmarks.peers.worker"  # run as a module under the peer's python
@@ -193,9 +194,9 @@ def _dspark_worker(job: dict, emit) -> dict:
 
 def _engine_bytes(eng, draft) -> int | None:
     """Bytes of the engine files a DSpark system loads: the target graph, the draft LM or DSpark drafter
-    graph its draft uses, and the drafter's heads file."""
+    graph its draft uses, the drafter's heads file, and the prompt graph where prompt chunks run on it."""
     try:
-        keys = set(eng.graphs_used(draft))
+        keys = set(eng.graphs_used(draft)) | ({PROMPT_GRAPH} if eng.prompts == "prompt-graph" else set())
         total = sum(f.size for k in keys for f in eng.manifest.graphs[k].files)
         ds = eng.manifest.speculation.dspark
         heads = ds.heads_file if ds is not None and eng.dspark_graph in keys else None

@@ -25,7 +25,7 @@ PROBE_M, PROBE_K, PROBE_N = 4, 64, 16
 
 #: the probe graph, ``MatMulInteger(A: uint8 [M, K], B = 127: int8 [K, N]) -> Y: int32 [M, N]`` with B a constant
 #: as in quantized graphs (ONNX Runtime pre-packs it); shipped serialized so the runtime needs no ``onnx``
-#: (tests/runtime/machine/test_kernel_probe.py rebuilds it with onnx and compares)
+#: (tests/runtime/machine/test_cpu_features.py checks it with onnx)
 PROBE_GRAPH = Path(__file__).with_name("u8s8_probe.onnx")
 
 

@@ -159,3 +159,17 @@ def test_temperature_variants(rows):
     assert "ratio_to_dspark-target" not in he["dspark-lm@T1"]  # no dspark-target@T1 in this run
     assert he["dspark-lm"]["ratio_to_hf"] == pytest.approx(4.0)
     assert "identical_to_hf" not in he["dspark-lm@T1"]
+
+
+def test_a_dspark_systems_model_bytes_count_the_prompt_graph_it_loads(int4_engine):
+    """model GB: the prompt graph's files count where prompt chunks run on it (the engine's default), not with
+    --prompts target."""
+    from benchmarks.compare.workers import _engine_bytes
+    from dspark_runtime import Engine
+    from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH
+
+    m = Engine.load(int4_engine).manifest
+    prompt = sum(f.size for f in m.graphs[PROMPT_GRAPH].files)
+    target = sum(f.size for f in m.graphs["target"].files)
+    assert _engine_bytes(Engine.load(int4_engine, prompts="target"), None) == target
+    assert _engine_bytes(Engine.load(int4_engine), None) == target + prompt
