@@ -23,7 +23,7 @@ from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir
 from dspark_runtime.engine_dir.graphspec import attention_rows_per_query
-from dspark_runtime.engine_dir.manifest import Manifest, load_manifest
+from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, Manifest, load_manifest
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
@@ -34,6 +34,10 @@ from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
 from dspark_runtime.runners.factory import batch_runner, decoder_runner
 from dspark_runtime.runners.sequence import DecoderRunner, SequenceRunner
 
+# the prompt graph's session leaves its weights on base pages: its prompt chunks are compute-bound (huge pages buy
+# 0-5% a chunk) and collapsing its 1.4 GB of prepacked 8-bit weights would cost seconds at its first use
+# (docs/precision.md, "The prompt graph by default")
+PROMPT_GRAPH_OPTIONS = {PROMPT_GRAPH: {"huge_pages": False}}
 # the backend that runs each drafter graph kind on the CPU (a decoder graph: OrtDecoder)
 GRAPH_BACKENDS = {"dspark_draft": OrtDSparkGraph, "eagle3_draft": OrtEagle3Graph}
 
@@ -59,7 +63,7 @@ class Engine:
             key: GRAPH_BACKENDS.get(g.spec.kind, OrtDecoder)(
                 self.dir / g.model_file, g.spec, threads=threads,
                 providers=providers or PROVIDERS.get(self.placement[key], PROVIDERS["cpu"]), precision=g.precision,
-                allow_slow_precision=allow_slow_precision)
+                allow_slow_precision=allow_slow_precision, **PROMPT_GRAPH_OPTIONS.get(key, {}))
             for key, g in manifest.graphs.items()
         }
         # graphs run by a capacity-layout decoder on a GPU (TensorRT, or ONNX Runtime's CUDA provider on a device

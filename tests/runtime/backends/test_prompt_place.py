@@ -161,3 +161,14 @@ def test_dspark_generate_takes_prompts_and_refuses_what_the_engine_lacks(tiny_sc
     import json
 
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+def test_the_prompt_graph_leaves_its_weights_on_base_pages(int4_engine):
+    """Prompt chunks are compute-bound: the prompt graph's session skips the huge-page collapse the target's
+    decoding steps pay for (dspark_runtime.machine.huge_pages), which would cost seconds at its first use."""
+    from dspark_runtime import Engine
+    from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH
+
+    eng = Engine.load(int4_engine)
+    assert eng._backends[PROMPT_GRAPH].huge_pages is False
+    assert eng._backends["target"].huge_pages is True
