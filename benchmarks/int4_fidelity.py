@@ -5,8 +5,8 @@ Sequences: the first --n evaluation prompts of each --datasets entry (``--split 
 calibration-split prompts, code-weighted, as the quantizers and the drafter calibrate on) plus --continuation tokens
 of the first engine's greedy output, each run as one prefill call; llama.cpp runs them through ``benchmarks/peers/llamacpp_logits.py``
 under the llama-cpp peer venv (``benchmarks/peers/install.sh llama-cpp``). An engine given as ``DIR::GRAPH`` runs its
-graph ``GRAPH`` instead of ``target`` (``DIR::target_prompt``: the prompt graph, as it computes a prompt). Per pair: top-1 agreement, mean relative
-L2 of the logits, max |Δlogit|, mean total variation of the softmax (what sampling sees); per graph the weight bytes a step reads. One graph in memory at a time (logits
+graph ``GRAPH`` instead of ``target`` (``DIR::target_prompt``: the prompt graph, as it computes a prompt). Per
+pair: top-1 agreement, mean relative L2 of the logits, max |Δlogit|, mean total variation of the softmax (what sampling sees); per graph the weight bytes a step reads. One graph in memory at a time (logits
 kept in --work). Writes --json.
 
     python -m benchmarks.int4_fidelity --engines engines/qwen2.5-coder-1.5b-int4,engines/qwen2.5-coder-1.5b-int4rtn \\

@@ -75,8 +75,9 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), 
             role="prompt", model_id=t.model_id, format="onnx", precision="int8",
             files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data")], spec=t.spec,
             validation={"int8": check}, model_config=t.model_config,
-            quantization={"method": f"prompt graph of the int4 target: u8*s8 MatMulIntegerToFloat, uint8 activations per row, "
-                                    f"the target's weights in {weight_bits}-bit columns; the LM head and "
+            quantization={"method": f"prompt graph of the int4 target: u8*s8 MatMulIntegerToFloat, uint8 "
+                                    f"activations per row, the target's weights in {weight_bits}-bit columns; the LM "
+                                    f"head and "
                                     f"{', '.join(keep) or 'no other projection'} kept on MatMulNBits",
                           "keep": list(keep),
                           "outliers": {"ratio": outlier_ratio, "most": OUTLIER_MOST,

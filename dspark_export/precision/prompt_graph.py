@@ -9,8 +9,8 @@ batched, agree bit for bit). The runtime runs prompt chunks on it and every othe
 (:mod:`dspark_runtime.runners.scatter`), in every decoding mode alike, so speculative output still equals target-only.
 
 Per row ``x`` of a projection's input: ``s = max|x| / 127``, ``xu = round(x / s) + 128`` (uint8, ``QuantizeLinear``
-per row; the zero point 128 a scalar as the GEMM takes it), ``y = ((xu − 128)·Wq · ws) · s`` with ``Wq`` int8 ``[K, N]``
-and ``ws`` float32 ``[N]`` (``max|W[:, n]| / (2^(bits−1) − 1)``): ``MatMulIntegerToFloat`` (the u8·s8 GEMM with the
+per row; the zero point 128 a scalar as the GEMM takes it), ``y = ((xu − 128)·Wq · ws) · s`` with ``Wq`` int8
+``[K, N]`` and ``ws`` float32 ``[N]`` (``max|W[:, n]| / (2^(bits−1) − 1)``): ``MatMulIntegerToFloat`` (the u8·s8 GEMM with the
 column scales applied as it writes), then the row scale. ``weight_bits`` 7 where this CPU's u8·s8 kernel saturates
 (:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`), else 8.
 """

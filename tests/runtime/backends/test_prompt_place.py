@@ -55,7 +55,8 @@ def test_an_8bit_prompt_graph_is_not_run_where_the_u8s8_kernel_saturates(int4_en
 
     def with_bits(bits):
         g = m.graphs[PROMPT_GRAPH]
-        graphs = {**m.graphs, PROMPT_GRAPH: dataclasses.replace(g, quantization={**g.quantization, "weight_bits": bits})}
+        q = {**g.quantization, "weight_bits": bits}
+        graphs = {**m.graphs, PROMPT_GRAPH: dataclasses.replace(g, quantization=q)}
         return dataclasses.replace(m, graphs=graphs)
 
     monkeypatch.setattr(kernel_probe, "u8s8_saturates", lambda: True)
