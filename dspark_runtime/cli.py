@@ -213,10 +213,12 @@ def info(engine_dir):
 
     click.echo(f"{m.name} (schema v{m.schema_version}, built {m.created})")
     click.echo(f"  build machine: {cpu_line(m.build_machine)}")
+    counted: dict = {}  # file -> the graph whose size counts it (a prompt graph reads the target's data file)
     for k, g in m.graphs.items():
-        size = sum(f.size for f in g.files) / 2**30
-        d = g.spec.dims
-        click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB  layers={d.num_layers} "
+        shared, d = sorted({f"{f.path} of {counted[f.path]}" for f in g.files if f.path in counted}), g.spec.dims
+        size = sum(f.size for f in g.files if counted.setdefault(f.path, k) == k) / 2**30
+        click.echo(f"  {k}: {g.model_id}  {g.format}/{g.precision}  {size:.2f} GiB"
+                   + (f" (+ {', '.join(shared)})" if shared else "") + f"  layers={d.num_layers} "
                    f"kv_heads={d.num_kv_heads} head_dim={d.head_dim} vocab={d.vocab_size} "
                    f"feature_layers={list(d.feature_layers)}  KV layout {g.spec.kv_layout}"
                    + ("  (one batch row per request: served output == solo output; "

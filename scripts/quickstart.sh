@@ -18,10 +18,11 @@ if ! grep -q '"dspark_draft"' engines/qwen2.5-coder-1.5b/manifest.json; then
   .venv/bin/dspark-export add-draft engines/qwen2.5-coder-1.5b engines/drafters/qwen2.5-coder-1.5b-dspark \
     --target qwen2.5-coder-1.5b-instruct
 fi
-# prompt chunks on the integer-GEMM prompt graph (about a minute, 2.5 GiB on disk): time to first token 0.3-0.6x the int4
+# prompt chunks on the integer-GEMM prompt graph (about a minute, 1.3 GiB on disk): time to first token 0.3-0.6x the int4
 # target's, in every decoding mode alike (speculative output still equals target-only); `--prompts target` runs prompts
-# on the int4 target instead, 1.8 GB less memory (docs/precision.md, "Prompt chunks on an integer GEMM")
-if ! grep -q '"target_prompt"' engines/qwen2.5-coder-1.5b/manifest.json; then
+# on the int4 target instead, 1.8 GB less memory (docs/precision.md, "Prompt chunks on an integer GEMM"). Rebuilt where
+# an earlier command 1 wrote it with its own copy of the target's embedding and LM head (1.3 GiB more)
+if ! grep -q '"shared_files"' engines/qwen2.5-coder-1.5b/manifest.json; then
   .venv/bin/dspark-export add-prompt-graph engines/qwen2.5-coder-1.5b
 fi
 # on this machine (about a minute): the row padding that makes the int4 target's results independent of a call's

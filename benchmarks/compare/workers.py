@@ -197,7 +197,7 @@ def _engine_bytes(eng, draft) -> int | None:
     graph its draft uses, the drafter's heads file, and the prompt graph where prompt chunks run on it."""
     try:
         keys = set(eng.graphs_used(draft)) | ({PROMPT_GRAPH} if eng.prompts == "prompt-graph" else set())
-        total = sum(f.size for k in keys for f in eng.manifest.graphs[k].files)
+        total = sum({f.path: f.size for k in keys for f in eng.manifest.graphs[k].files}.values())  # shared once
         ds = eng.manifest.speculation.dspark
         heads = ds.heads_file if ds is not None and eng.dspark_graph in keys else None
         if heads and (eng.dir / heads).is_file():

@@ -218,14 +218,15 @@ def add_prompt_graph_cmd(engine_dir, weight_bits, keep_int4, outlier_ratio):
     (uint8 activations per row, the target's weights in 7/8-bit columns), 2-3.5x faster than the int4 kernels
     (AVX2, AVX-512 VNNI, AMX), in every decoding mode alike (speculative output still equals target-only); decoding
     stays on the target. The prompt's positions are computed less exactly than by the int4 graph (docs/precision.md,
-    "Prompt chunks on an integer GEMM": measured top-1 agreement and outputs). Costs 2.5 GiB more on disk and ~1.8 GB
-    more memory for a 1.5B model."""
+    "Prompt chunks on an integer GEMM": measured top-1 agreement and outputs). Costs 1.3 GiB more on disk (the
+    embedding and LM head are read from the target's data file) and ~1.8 GB more memory for a 1.5B model."""
     keep = [k for k in keep_int4.split(",") if k.strip()]
     m = add_prompt_graph(engine_dir, None if weight_bits == "auto" else int(weight_bits), keep=keep,
                          outlier_ratio=outlier_ratio, log=click.echo)
-    g = m.graphs["target_prompt"]
-    click.echo(f"{engine_dir}: prompt graph {g.model_file} ({sum(f.size for f in g.files) / 2**30:.2f} GiB); "
-               "`dspark generate` / `dspark serve` run prompt chunks on it")
+    g, target_files = m.graphs["target_prompt"], {f.path for f in m.graphs["target"].files}
+    click.echo(f"{engine_dir}: prompt graph {g.model_file} "
+               f"({sum(f.size for f in g.files if f.path not in target_files) / 2**30:.2f} GiB of its own, the rest "
+               "read from the target's data file); `dspark generate` / `dspark serve` run prompt chunks on it")
 
 
 @click.command()

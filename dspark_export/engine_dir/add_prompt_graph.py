@@ -42,7 +42,8 @@ def compare_prompt_graph(target_path: Path, prompt_path: Path, spec, threads: in
 
 def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), outlier_ratio: float = OUTLIER_RATIO,
                      log=print):
-    """Write the prompt graph of ``engine_dir``'s target (``target_prompt.onnx`` + ``.data``) and register it as graph
+    """Write the prompt graph of ``engine_dir``'s target (``target_prompt.onnx`` + ``.data``, the tensors it keeps
+    unchanged read in place from the target's data file, which its file list names too) and register it as graph
     ``target_prompt``, replacing any previous one, in one transaction. ``weight_bits``: 7 or 8; None: 7 where this
     CPU's u8·s8 kernel saturates, else 8 (:func:`dspark_runtime.machine.kernel_probe.u8s8_saturates`; a graph built
     with 8-bit weights is wrong on a saturating CPU). ``keep``: module-name regexes of projections left on the int4
@@ -66,14 +67,17 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), 
         outliers = {a: outlier_channels(v, outlier_ratio) for a, v in maxima.items()}
     with engine_transaction(engine_dir) as txn:
         name = f"{PROMPT_GRAPH}.onnx"
+        for f in t.files[1:]:  # the target's data files, which the prompt graph reads its unchanged tensors from
+            txn.link(f.path)
         rep = integer_prompt_graph(src, txn.stage / name, weight_bits=weight_bits, keep=keep, outliers=outliers,
-                                   log=log)
+                                   share_source_data=True, log=log)
         check = compare_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, t.spec)
         log(f"[{PROMPT_GRAPH}] vs the target graph on {VALIDATION_TOKENS} prompt positions: argmax agreement "
             f"{check['argmax_agreement']:.0%}, rel L2 {check['rel_l2']:.4f}, max |dlogits| {check['max_abs_logit_diff']:.2f}")
         m.graphs[PROMPT_GRAPH] = GraphEntry(
             role="prompt", model_id=t.model_id, format="onnx", precision="int8",
-            files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data")], spec=t.spec,
+            files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data"),
+                   *(f for f in t.files if f.path in rep["shared_files"])], spec=t.spec,
             validation={"int8": check}, model_config=t.model_config,
             quantization={"method": f"prompt graph of the int4 target: u8*s8 MatMulIntegerToFloat, uint8 "
                                     f"activations per row, the target's weights in {weight_bits}-bit columns; the LM "

@@ -16,6 +16,7 @@ column scales applied as it writes), then the row scale. ``weight_bits`` 7 where
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -103,15 +104,29 @@ def outlier_channels(maxima: np.ndarray, ratio: float = OUTLIER_RATIO, most: int
     return np.sort(idx).astype(np.int64)
 
 
+def _check_shared(source_file: Path, beside_dst: Path) -> None:
+    """Raise DSparkError unless ``beside_dst`` is the file ``source_file`` or a copy of it (same size; a prompt graph
+    reads it in place)."""
+    same = beside_dst.is_file() and source_file.is_file() and (
+        os.path.samefile(source_file, beside_dst) or beside_dst.stat().st_size == source_file.stat().st_size)
+    if not same:
+        raise DSparkError(f"the prompt graph would read {source_file.name} in place, but {beside_dst.parent} does not "
+                          f"hold {source_file} (write the prompt graph beside its target, or link the file there)")
+
+
 def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), outliers=None,
-                         log=print) -> dict:
+                         share_source_data: bool = False, log=print) -> dict:
     """Write ``dst`` (+ ``dst.data``): the prompt graph of the int4 graph ``src`` (module docstring), streaming one
     weight at a time; the LM head and the projections whose module name matches a regex of ``keep`` stay
     MatMulNBits. ``outliers``: {activation: int64 input channels} (:func:`outlier_channels`) computed apart, in fp32
     with the represented weight's rows (the integer path sees those channels as 0 and its column scales leave
-    their rows out). Returns {"replaced": MatMulNBits nodes replaced, "kept": those kept, "outlier_channels": total,
-    "weight_bits", "integer_weight_bytes", "seconds", "peak_rss_gb"}. Raises DSparkError when ``src`` has no
-    MatMulNBits to replace or ``weight_bits`` is not 7 or 8."""
+    their rows out). ``share_source_data``: the initializers kept unchanged (the embedding, the LM head, norms) stay
+    where they are, in ``src``'s external data files, which ``dst``'s folder must hold (the same files: an engine
+    directory, or a stage linking them), instead of being copied into ``dst.data``. Returns {"replaced": MatMulNBits
+    nodes replaced, "kept": those kept, "outlier_channels": total, "weight_bits", "integer_weight_bytes",
+    "shared_files": the source data files read in place, "shared_bytes", "seconds", "peak_rss_gb"}. Raises
+    DSparkError when ``src`` has no MatMulNBits to replace, ``weight_bits`` is not 7 or 8, or ``share_source_data``
+    and ``dst``'s folder lacks a data file of ``src``."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -229,7 +244,18 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                 body.extend(replace.get(id(node), [node]))
         set_live_nodes(g, body)  # drops the block sums of replaced corrections
         read = {i for n in g.node for i in n.input}
-        kept_inits = [writer.copy(t, reader) for t in g.initializer if t.name in read]
+        kept_inits, shared, shared_bytes = [], set(), 0
+        for t in g.initializer:
+            if t.name not in read:
+                continue
+            loc = (reader.info(t) or {}).get("location")
+            if share_source_data and loc is not None:
+                _check_shared(src.parent / loc, dst.parent / loc)
+                shared.add(loc)
+                shared_bytes += reader.nbytes(t)
+                kept_inits.append(t)  # its external_data entries already name the shared file and its offset
+            else:
+                kept_inits.append(writer.copy(t, reader))
         consts += [numpy_helper.from_array(np.array([-1, k], np.int64), f"__prompt_rows_{k}") for k in rows_shape]
     reader.close()
     del g.initializer[:]
@@ -240,11 +266,12 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     g.value_info.extend(vis)
     onnx.save_model(proto, str(dst))
     rep = {"replaced": replaced, "kept": kept, "outlier_channels": n_apart, "weight_bits": weight_bits,
-           "integer_weight_bytes": nbytes,
+           "integer_weight_bytes": nbytes, "shared_files": sorted(shared), "shared_bytes": shared_bytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  prompt graph: {replaced} MatMulNBits -> MatMulIntegerToFloat (u8 x s{weight_bits}), {kept} kept, "
         f"{n_apart} outlier input channels in fp32; "
-        f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
+        + (f"{shared_bytes / 2 ** 30:.2f} GiB read in place from {', '.join(sorted(shared))}; " if shared else "")
+        + f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep
 
 

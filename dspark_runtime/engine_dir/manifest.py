@@ -202,6 +202,7 @@ class Manifest:
     device_graphs: dict = field(default_factory=dict)  # key -> DeviceGraphEntry (dspark-export build-cuda)
 
     def all_files(self) -> list:
+        """Every FileEntry the engine lists, each path once (a prompt graph lists the target's data file it reads)."""
         files = list(self.tokenizer.get("files", []))
         for g in self.graphs.values():
             files += g.files
@@ -209,7 +210,7 @@ class Manifest:
             files += [e.file, *e.extra_files]
         for e in self.device_graphs.values():
             files += e.files
-        return files
+        return list({f.path: f for f in files}.values())
 
     def to_json(self) -> dict:
         return {

@@ -163,13 +163,14 @@ def test_temperature_variants(rows):
 
 def test_a_dspark_systems_model_bytes_count_the_prompt_graph_it_loads(int4_engine):
     """model GB: the prompt graph's files count where prompt chunks run on it (the engine's default), not with
-    --prompts target."""
+    --prompts target; the target's data file it reads in place counts once."""
     from benchmarks.compare.workers import _engine_bytes
     from dspark_runtime import Engine
     from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH
 
     m = Engine.load(int4_engine).manifest
-    prompt = sum(f.size for f in m.graphs[PROMPT_GRAPH].files)
     target = sum(f.size for f in m.graphs["target"].files)
+    prompt = sum(f.size for f in m.graphs[PROMPT_GRAPH].files if f not in m.graphs["target"].files)
+    assert 0 < prompt < sum(f.size for f in m.graphs[PROMPT_GRAPH].files)
     assert _engine_bytes(Engine.load(int4_engine, prompts="target"), None) == target
     assert _engine_bytes(Engine.load(int4_engine), None) == target + prompt

@@ -129,13 +129,47 @@ def test_add_prompt_graph_registers_it(int4_engine, capsys):
     q = g.quantization
     assert q["kept"] == 1 and q["keep"] == [] and q["outliers"]["ratio"] == 3.0  # the LM head stays MatMulNBits
     assert q["outlier_channels"] > 0
+    # the tensors it keeps unchanged (embedding, LM head, norms) are read from the target's data file, not copied
+    data = t.files[1]
+    assert q["shared_files"] == [data.path] and data in g.files and q["shared_bytes"] > 0
+    assert [f.path for f in m.all_files()].count(data.path) == 1
+    own = (int4_engine / f"{PROMPT_GRAPH}.onnx.data").stat().st_size
+    assert own < q["integer_weight_bytes"] + q["shared_bytes"]  # nothing shared was written twice
     try:
         main(["info", "--engine", str(int4_engine)])
     except SystemExit as e:
         assert e.code in (0, None)
-    assert "prompt chunks run on this graph" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "prompt chunks run on this graph" in out and f"(+ {data.path} of target)" in out
     v = g.validation["int8"]
     assert 0.5 <= v["argmax_agreement"] <= 1 and 0 < v["rel_l2"] < 0.5
+
+
+def test_a_prompt_graph_reads_shared_tensors_only_beside_its_target(int4_engine, tmp_path):
+    """Written away from the target's data file, a prompt graph that would read it in place is refused; beside a
+    copy of it, it computes bit for bit what the same prompt graph with its own copy of those tensors computes."""
+    from dspark_export.precision.prompt_graph import integer_prompt_graph
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.runners.scatter import ScatterRunner
+
+    spec = load_manifest(int4_engine, verify=False).graphs["target"].spec
+    src = int4_engine / "target.onnx"
+    with pytest.raises(DSparkError, match="does not hold"):
+        integer_prompt_graph(src, tmp_path / "p.onnx", weight_bits=7, share_source_data=True, log=lambda *a: None)
+    shutil.copy(int4_engine / "target.onnx.data", tmp_path)
+    shared = integer_prompt_graph(src, tmp_path / "p.onnx", weight_bits=7, share_source_data=True, log=lambda *a: None)
+    own = integer_prompt_graph(src, tmp_path / "own.onnx", weight_bits=7, log=lambda *a: None)
+    assert shared["shared_files"] == ["target.onnx.data"] and own["shared_files"] == [] and shared["shared_bytes"] > 0
+    size = {name: (tmp_path / f"{name}.onnx.data").stat().st_size for name in ("p", "own")}
+    assert size["p"] + shared["shared_bytes"] <= size["own"]
+    ids = np.random.default_rng(0).integers(0, spec.dims.vocab_size, 9).tolist()
+    logits = []
+    for path in (tmp_path / "p.onnx", tmp_path / "own.onnx"):
+        runner = ScatterRunner(OrtDecoder(path, spec, threads=1).activate())
+        runner.add(0)
+        logits.append(runner.step([(0, ids)])[0])
+    assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])
 
 
 def test_prompt_chunks_run_on_the_prompt_graph_alike_whatever_the_chunking(int4_engine):
