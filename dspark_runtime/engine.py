@@ -18,7 +18,8 @@ from dspark_runtime.decoding.loop import DecodingLoop
 from dspark_runtime.decoding.prefix_cache import PrefixCache
 from dspark_runtime.decoding.grammar import GrammarCompiler
 from dspark_runtime.decoding.request import GenerationResult, TextStream, check_request, cut_at_stop
-from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+from dspark_runtime.drafting.dspark import DSparkHeads, OrtDSparkGraph
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.drafting.eagle3 import OrtEagle3Graph, eagle3_vocab
 from dspark_runtime.drafting.factory import DrafterFactory
 from dspark_runtime.engine_dir.artifact import is_tarball, unpacked_dir

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_runtime.drafting.dspark import EmbeddingRows
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.engine_dir.graphspec import DecoderDims, GraphSpec, eagle3_draft_spec
 from dspark_runtime.errors import DSparkError
 
@@ -138,7 +138,7 @@ def export_eagle3(checkpoint: Path, out_dir: Path, role: str = "eagle3", target_
     root = Path(target_root or out_dir)
     embed = None
     if target_embedding is not None and not checkpoint_holds_embedding(checkpoint):
-        embed = torch.from_numpy(np.array(EmbeddingRows.from_manifest(root, target_embedding)._table, np.float32))
+        embed = torch.from_numpy(EmbeddingRows.from_manifest(root, target_embedding).table())
     model = load_eagle3_checkpoint(checkpoint, target_num_layers=target_num_layers, target_embed=embed).eval()
     path = Path(out_dir) / f"{role}.onnx"
     spec = export_eagle3_graph(model, path)

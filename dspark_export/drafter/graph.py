@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_runtime.drafting.dspark import EmbeddingRows, OrtDSparkGraph
+from dspark_runtime.drafting.dspark import OrtDSparkGraph
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.engine_dir.graphspec import DecoderDims, GraphSpec, dspark_draft_spec
 from dspark_runtime.engine_dir.manifest import FileEntry
 from dspark_runtime.errors import DSparkError
@@ -28,6 +29,7 @@ from dspark_runtime.errors import DSparkError
 from dspark_export.drafter.checkpoint import load_checkpoint
 from dspark_export.drafter.model import DSparkDraftModel
 from dspark_export.graphs.decoder import OPSET, save_graph
+from dspark_export.precision.gguf_embedding import read_layout
 
 HEADS_NAME = "dspark_heads.npz"
 TRACE_BATCH, TRACE_NEW, TRACE_PAST = 2, 3, 5
@@ -248,28 +250,52 @@ EMBED_FILE = "dspark_embed.bin"  # the drafter's own embedding table, where it i
 
 
 def target_embedding_entry(engine_dir: Path, model_file: str) -> dict | None:
-    """Where the target graph ``engine_dir/model_file`` keeps its token embedding table as a raw tensor in its
-    external data: the ``speculation.dspark.embedding`` entry {"file" (relative to ``engine_dir``), "offset",
-    "dtype", "shape"}, or None when the table is inline in the .onnx file, quantized or not a plain ``Gather`` of
-    ``input_ids`` (the drafter then gets a file of its own, :func:`export_dspark`). Reads no weights."""
+    """Where the target graph ``engine_dir/model_file`` keeps its token embedding table in its external data: the
+    ``speculation.dspark.embedding`` entry {"file" (relative to ``engine_dir``), "offset", "dtype", "shape"} of a
+    raw float table read by a ``Gather`` of ``input_ids``, or, for a table in the GGUF's blocks
+    (:mod:`dspark_export.precision.gguf_embedding`), dtype "blocks" with the layout under "blocks"; None when the
+    table is inline in the .onnx file or held otherwise (the drafter then gets a file of its own,
+    :func:`export_dspark`). Reads no weights."""
     import onnx
 
     path = Path(engine_dir) / model_file
-    g = onnx.load(str(path), load_external_data=False).graph
+    proto = onnx.load(str(path), load_external_data=False)
+    g = proto.graph
     inits = {t.name: t for t in g.initializer}
+
+    def external(name: str, size: int | None = None) -> tuple | None:  # (file relative to engine_dir, offset)
+        t = inits.get(name)
+        if t is None or t.data_location != onnx.TensorProto.EXTERNAL:
+            return None
+        ext = {e.key: e.value for e in t.external_data}
+        if "location" not in ext or (size is not None and int(ext.get("length", -1)) not in (-1, size)):
+            return None
+        return (Path(model_file).parent / ext["location"]).as_posix(), int(ext.get("offset", 0))
+
+    layout = read_layout(proto)
+    if layout is not None:
+        codes, scales = inits.get(layout["codes"]), external(layout["scales"])
+        where = external(layout["codes"])
+        offsets = external(layout["offsets"]) if layout["offsets"] else None
+        if codes is None or where is None or scales is None or (layout["offsets"] and offsets is None) or \
+                len({where[0], scales[0], *([offsets[0]] if offsets else [])}) != 1:
+            return None
+        vocab, hidden = int(codes.dims[0]), int(codes.dims[1]) * (2 if layout["bits"] == 4 else 1)
+        return {"file": where[0], "offset": where[1], "dtype": "blocks", "shape": [vocab, hidden],
+                "blocks": {"bits": layout["bits"], "size": layout["size"], "zero_point": layout["zero_point"],
+                           "scales_offset": scales[1], "offsets_offset": offsets[1] if offsets else None}}
     dtypes = {onnx.TensorProto.FLOAT: ("float32", 4), onnx.TensorProto.FLOAT16: ("float16", 2)}
     for node in g.node:
         if node.op_type != "Gather" or len(node.input) != 2 or node.input[1] != "input_ids":
             continue
         t = inits.get(node.input[0])
-        if t is None or t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in dtypes or len(t.dims) != 2:
+        if t is None or t.data_type not in dtypes or len(t.dims) != 2:
             return None
-        ext = {e.key: e.value for e in t.external_data}
         name, size = dtypes[t.data_type]
-        if int(ext.get("length", -1)) not in (-1, t.dims[0] * t.dims[1] * size) or "location" not in ext:
+        where = external(node.input[0], t.dims[0] * t.dims[1] * size)
+        if where is None:
             return None
-        rel = (Path(model_file).parent / ext["location"]).as_posix()
-        return {"file": rel, "offset": int(ext.get("offset", 0)), "dtype": name, "shape": [int(x) for x in t.dims]}
+        return {"file": where[0], "offset": where[1], "dtype": name, "shape": [int(x) for x in t.dims]}
     return None
 
 
@@ -281,7 +307,7 @@ def embedding_entry(table: np.ndarray, out_dir: Path, target_entry: dict | None,
     float32)."""
     if target_entry is not None:
         t = EmbeddingRows.from_manifest(target_root, target_entry)
-        if t.shape == table.shape and np.array_equal(np.asarray(t._table, dtype=np.float32), table):
+        if t.shape == table.shape and np.array_equal(t.table(), table):
             return dict(target_entry)
     np.ascontiguousarray(table, dtype="<f4").tofile(Path(out_dir) / file_name)
     return {"file": file_name, "offset": 0, "dtype": "float32", "shape": list(table.shape)}
@@ -292,7 +318,7 @@ def relocate_embedding(src_dir: Path, out_dir: Path, manifest, log=print):
     embedding entry at the new target's table (where it is the same table) or at a copy of the old one, so no
     entry is left pointing at an offset of a file that changed. Adds the copy to the drafter graph's files."""
     ds = manifest.speculation.dspark
-    old = np.asarray(EmbeddingRows.from_manifest(src_dir, ds.embedding)._table, dtype=np.float32)
+    old = EmbeddingRows.from_manifest(src_dir, ds.embedding).table()
     new_entry = target_embedding_entry(out_dir, manifest.graphs["target"].model_file)
     ds.embedding = embedding_entry(old, out_dir, new_entry, out_dir)
     if ds.embedding["file"] == EMBED_FILE:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspark_runtime.drafting.dspark import EmbeddingRows
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.engine_dir.manifest import FileEntry, GraphEntry, Manifest, load_manifest
 from dspark_runtime.engine_dir.speculation import DSparkSection

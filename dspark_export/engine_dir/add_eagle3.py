@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_runtime.drafting.dspark import EmbeddingRows
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.drafting.eagle3 import DraftVocab, OrtEagle3Graph, feature_columns
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.engine_dir.manifest import FileEntry, GraphEntry, Manifest, load_manifest

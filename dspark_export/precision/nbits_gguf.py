@@ -2,7 +2,7 @@
 ``com.microsoft.MatMulNBits`` blocks (:mod:`dspark_export.precision.nbits`), so the graph computes with exactly the
 weights llama.cpp runs (``int4_source`` ``gguf``).
 
-Encodings (:data:`ENCODINGS`, exact to float rounding): Q4_K -> 4-bit blocks of 32 with the sub-block scale, Q5_K ->
+Encodings (:data:`~dspark_export.precision.gguf_blocks.ENCODINGS`, exact to float rounding): Q4_K -> 4-bit blocks of 32 with the sub-block scale, Q5_K ->
 8-bit blocks of 32, Q6_K -> 8-bit blocks of 16 (zero point 32), Q8_0 / Q5_0 / Q4_0 -> blocks of 32 with zero point
 128 / 16 / 8, Q4_1 / Q5_1 -> blocks of 32. Affine types (the K-quants' sub-block minimum, Q4_1/Q5_1's ``m``) carry
 a float offset per block, applied outside the kernel as ``x·W = MatMulNBits(x; q, s, zp=0) − blocksum(x)·C``.
@@ -10,7 +10,8 @@ Every re-packed tensor must equal the graph's own fp32 weight or the build is re
 types without an exact encoding become 8-bit RTN from the float weight; F32/F16/BF16 weights stay fp32 MatMuls.
 The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: 4-bit blocks keep their codes
 with the block minimum in 8 bits, every other block type (Q6_K, Q5_K, Q8_0, ...) is re-fitted in 4 bits, the LM head
-stays exact.
+stays exact. Both keep the token embedding in the GGUF's own blocks where they reproduce the table bit for bit
+(:mod:`dspark_export.precision.gguf_embedding`).
 The writer streams one tensor at a time (peak: the graph structure plus one dequantized weight in row chunks).
 """
 from __future__ import annotations
@@ -24,91 +25,17 @@ import numpy as np
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
+from dspark_export.precision.gguf_blocks import ENCODINGS, FLOAT_TYPES, encode_gguf_rows
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
-                                           affine8_rows, check_nbits_graph, fit_uint_rows,
-                                           nbits_nodes, pack_codes, rtn8_rows)
+                                           affine8_rows, check_nbits_graph, fit_uint_rows, nbits_nodes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
+from dspark_export.precision.gguf_embedding import (GGUF_NAME, embedding_gather, embedding_initializers,
+                                                    embedding_nodes, encode_embedding, record_layout)
 
 # the compact encoding keeps these modules exact: the LM head's error goes straight into the logits (measured:
 # docs/precision.md)
 COMPACT_KEEP_EXACT = (r"(^|\.)lm_head$",)
 _ROW_CHUNK = 4096  # output channels re-packed per step (LM head: 4096 × 1536 floats = 24 MB)
-
-# GGUF type -> (bits, MatMulNBits block, zero point, affine: has a per-block float offset)
-ENCODINGS = {"Q4_K": (4, 32, 0, True), "Q5_K": (8, 32, 0, True), "Q6_K": (8, 16, 32, False),
-              "Q8_0": (8, 32, 128, False), "Q5_0": (8, 32, 16, False), "Q4_0": (4, 32, 8, False),
-              "Q5_1": (8, 32, 0, True), "Q4_1": (4, 32, 0, True)}
-FLOAT_TYPES = ("F32", "F16", "BF16")
-
-
-def gguf_block_params(blocks: np.ndarray, qtype: str) -> tuple:
-    """Per sub-block scale and offset of GGUF blocks, as ggml computes them (float32).
-
-    blocks: uint8 ``[n_blocks, type_size]``, one GGUF block per row. Returns ``(scale, offset)``, each float32
-    ``[n_blocks, sub-blocks per block]``, such that each value is ``scale · q_signed − offset`` with the type's
-    own integer ``q_signed`` (Q4_K: ``d·sc`` and ``dmin·m``; Q6_K: ``d·sc`` (sc signed), offset 0; Q8_0/Q5_0/Q4_0:
-    ``d``, 0; Q4_1/Q5_1: ``d`` and ``−m``). Raises DSparkError for a type without an encoding here.
-    """
-    from gguf import quants
-
-    f16 = lambda a: np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # noqa: E731
-    if qtype in ("Q4_K", "Q5_K"):
-        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-        sc, m = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-        sc, m = sc.reshape(len(blocks), -1), m.reshape(len(blocks), -1)
-        return d * sc.astype(np.float32), dmin * m.astype(np.float32)
-    if qtype == "Q6_K":
-        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-        return f16(blocks[:, 208:210]) * sc, np.zeros_like(sc)
-    if qtype in ("Q8_0", "Q5_0", "Q4_0"):
-        d = f16(blocks[:, 0:2])
-        return d, np.zeros_like(d)
-    if qtype in ("Q4_1", "Q5_1"):
-        return f16(blocks[:, 0:2]), -f16(blocks[:, 2:4])
-    raise DSparkError(f"GGUF block type {qtype} has no MatMulNBits encoding here")
-
-
-def encode_gguf_rows(rows: np.ndarray, qtype: str, k: int) -> tuple:
-    """Re-pack GGUF rows (output channels) into MatMulNBits blocks, exactly.
-
-    rows: uint8 ``[N, bytes per row]`` as ``gguf.GGUFReader`` gives a quantized tensor of ``k`` input features.
-    The integer codes are recovered from gguf-py's own dequantization (``gguf.quants.dequantize``, the values the
-    Hugging Face conversion stored) and the block parameters (:func:`gguf_block_params`):
-    ``q = rint((w + offset) / scale) + zero point`` (a zero scale gives the zero point).
-    Returns ``(NBitsWeight, w)`` with ``w`` the GGUF's dequantized weight float32 ``[N, k]``. Raises DSparkError
-    when a value is not reproduced to float rounding (a corrupt block or a layout this code does not know).
-    """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-
-    if qtype not in ENCODINGS:
-        raise DSparkError(f"GGUF block type {qtype} has no MatMulNBits encoding here")
-    bits, block, zp, affine = ENCODINGS[qtype]
-    gtype = GGMLQuantizationType[qtype]
-    qk, tsize = GGML_QUANT_SIZES[gtype]
-    n = rows.shape[0]
-    w = quants.dequantize(np.ascontiguousarray(rows), gtype).reshape(n, k).astype(np.float32, copy=False)
-    scale, offset = gguf_block_params(rows.reshape(n * (k // qk), tsize), qtype)
-    scale, offset = scale.reshape(n, k // block), offset.reshape(n, k // block)
-    if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-        raise DSparkError(f"GGUF {qtype} blocks hold non-finite scales (a corrupt file); fetch the model again")
-    wb = w.reshape(n, k // block, block)
-    safe = np.where(scale != 0, scale, 1.0).astype(np.float32)
-    q = np.rint((wb + offset[..., None]) / safe[..., None])
-    q = np.where(scale[..., None] != 0, q, 0) + zp
-    hi = (1 << bits) - 1
-    if q.min() < 0 or q.max() > hi:
-        raise DSparkError(f"GGUF {qtype} codes out of range ({q.min():.0f}..{q.max():.0f}); unknown block layout")
-    codes = q.astype(np.uint8).reshape(n, k)
-    enc = NBitsWeight(bits, block, pack_codes(codes, bits, block), scale.astype(np.float32),
-                      np.full((n, k // block), zp, np.uint8), offset.T.copy() if affine else None)
-    back = (codes.reshape(n, k // block, block).astype(np.float32) - zp) * scale[..., None] - offset[..., None]
-    err = float(np.abs(back - wb).max()) if n else 0.0
-    tol = 1e-6 * max(1.0, float(np.abs(wb).max()) if n else 1.0)
-    if err > tol:
-        raise DSparkError(f"re-packing GGUF {qtype} blocks does not reproduce the weights (max |Δ| {err:.3g}); "
-                          "use --int4-source rtn for this model")
-    return enc, w
-
 
 _GGUF_NAMES = [
     (r"layers\.(\d+)\.self_attn\.q_proj", "blk.{}.attn_q.weight"),
@@ -192,8 +119,14 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
     writer = ExternalWriter(dst)
     new_inits = []
+    gather = embedding_gather(proto.graph)
+    embed = None  # the token embedding in the GGUF's blocks: (layout, hidden, GGUF type)
     with writer:
         for t in proto.graph.initializer:
+            if gather is not None and t.name == gather.input[0] and GGUF_NAME in gtensors:
+                embed = _embedding_blocks(t, reader, gtensors[GGUF_NAME], writer, new_inits, log)
+                if embed is not None:
+                    continue
             if t.name not in plan:
                 new_inits.append(writer.copy(t, reader))
                 continue
@@ -284,7 +217,13 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     by_node = {q.node: (w, q) for w, (_, qs) in plan.items() for q in qs}
     fp32_weights = {w for w, (g, _) in plan.items() if gtensors[g].tensor_type.name in FLOAT_TYPES}
     need_shapes = set()
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     for node in proto.graph.node:
+        if embed is not None and node.op_type == "Gather" and node.output[0] == gather.output[0]:
+            decode, consts = embedding_nodes(node, embed[0], embed[1], opset)
+            nodes += decode
+            new_inits += consts
+            continue
         hit = by_node.get(node.name)
         if hit is None or hit[0] in fp32_weights:
             nodes.append(node)
@@ -305,6 +244,8 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(new_inits)
     add_ms_opset(proto, helper)
+    if embed is not None:
+        record_layout(proto, embed[0])
     onnx.save_model(proto, str(dst))
     merged = fuse_shared_inputs(dst, log=log)
     check_nbits_graph(dst)
@@ -319,12 +260,36 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
            "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
            "merged_shared_inputs": merged,
+           "embedding": ({"gguf_type": embed[2], "encoding": f"{embed[0]['bits']}-bit codes, blocks of "
+                                                          f"{embed[0]['size']} (the GGUF's own; decoded bit for bit)"}
+                         if embed is not None else "fp32 table"),
            "weight_bytes_in": bytes_in, "weight_bytes_out": writer.bytes_out,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  {rep['matmul_nbits']} MatMulNBits from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"
         f"; weights {bytes_in / 2**30:.2f} -> {writer.bytes_out / 2**30:.2f} GiB in {rep['seconds']:.0f} s, "
         f"peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep
+
+
+def _embedding_blocks(t, reader, gguf_tensor, writer, new_inits: list, log) -> tuple | None:
+    """The fp32 embedding table ``t`` written as the GGUF tensor's blocks
+    (:func:`~dspark_export.precision.gguf_embedding.encode_embedding`) when they reproduce it bit for bit: appends
+    their initializers to ``new_inits`` and returns (layout, hidden, GGUF type); None (nothing written) otherwise."""
+    vocab, hidden = (int(d) for d in t.dims)
+    row = hidden * 4
+
+    def rows(a: int, b: int) -> np.ndarray:
+        return np.frombuffer(reader.read(t, a * row, (b - a) * row), np.float32).reshape(b - a, hidden)
+
+    enc = encode_embedding(rows, gguf_tensor, vocab, hidden)
+    if enc is None:
+        log(f"  token embedding: kept fp32 ({gguf_tensor.tensor_type.name} blocks do not reproduce the table)")
+        return None
+    inits, layout = embedding_initializers(writer, enc)
+    new_inits += inits
+    log(f"  token embedding <- {GGUF_NAME} {enc['gguf_type']}: {enc['bits']}-bit codes in blocks of {enc['size']}, "
+        f"{sum(reader.nbytes(i) for i in inits) / 2**20:.0f} MiB instead of {vocab * row / 2**20:.0f} (bit for bit)")
+    return layout, hidden, enc["gguf_type"]
 
 
 def _describe(qtype: str) -> str:

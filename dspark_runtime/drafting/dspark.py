@@ -19,6 +19,7 @@ import numpy as np
 from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.drafting.context_kv import ContextKV, anchor_position
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.decoding.sampling import SamplingParams, process_logits, sample
@@ -81,44 +82,6 @@ def check_threshold_rule(rule: str) -> str:
                           "('survival': calibrated prefix survival, ours; 'deepspec': each position's own "
                           "confidence, DeepSpec's)")
     return rule
-
-
-class EmbeddingRows:
-    """Rows of an embedding table [vocab, hidden] stored as a raw row-major array in a file (the target graph's
-    external data, or a file of the drafter's own), memory-mapped read-only: a lookup reads only the rows it
-    touches, so the drafter adds no copy of the table to the process (0.93 GB fp32 for Qwen2.5-1.5B).
-
-    Args:
-        path: the file; offset: bytes before the table; dtype: "float32" or "float16"; shape: (vocab, hidden).
-    Raises DSparkError when the file is missing or shorter than offset + vocab·hidden·itemsize (a truncated or
-    foreign file), naming the file and the fix.
-    """
-
-    def __init__(self, path: str | Path, offset: int, dtype: str, shape):
-        path = Path(path)
-        vocab, hidden = (int(x) for x in shape)
-        dt = np.dtype({"float32": np.float32, "float16": np.float16}.get(dtype, dtype))
-        need = offset + vocab * hidden * dt.itemsize
-        size = path.stat().st_size if path.is_file() else -1
-        if size < need:
-            raise DSparkError(f"the DSpark drafter's embedding table {path} is "
-                              f"{'missing' if size < 0 else f'{size} bytes, shorter than the {need} it needs'} "
-                              "(speculation.dspark.embedding of manifest.json); re-run `dspark-export add-draft`")
-        self.path, self.shape = path, (vocab, hidden)
-        self._table = np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=(vocab, hidden))
-
-    @classmethod
-    def from_manifest(cls, engine_dir: Path, entry: dict) -> "EmbeddingRows":
-        """From ``speculation.dspark.embedding`` (:class:`~dspark_runtime.engine_dir.speculation.DSparkSection`)."""
-        return cls(Path(engine_dir) / entry["file"], entry["offset"], entry["dtype"], entry["shape"])
-
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        """float32 [*ids.shape, hidden] for int ids of any shape. Raises DSparkError for an id outside the table."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
-            raise DSparkError(f"token id {int(ids.max() if ids.max() >= self.shape[0] else ids.min())} is outside the "
-                              f"DSpark drafter's embedding table ({self.shape[0]} rows)")
-        return np.asarray(self._table[ids.reshape(-1)], dtype=np.float32).reshape(ids.shape + (self.shape[1],))
 
 
 class OrtDSparkGraph(OrtDecoder):

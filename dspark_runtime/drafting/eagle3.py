@@ -22,7 +22,8 @@ from dspark_runtime.backends.ort import OrtDecoder
 from dspark_runtime.decoding.sampling import process_logits, sample
 from dspark_runtime.drafting.base import Drafter, Proposal
 from dspark_runtime.drafting.context_kv import ContextKV, anchor_position
-from dspark_runtime.drafting.dspark import EmbeddingRows, context_groups
+from dspark_runtime.drafting.dspark import context_groups
+from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 from dspark_runtime.engine_dir.graphspec import GraphSpec
 from dspark_runtime.errors import DSparkError, ManifestError
 

@@ -30,7 +30,15 @@ def _is_number(v) -> bool:
 
 
 DRAFT_KINDS = ("dspark", "lm")  # speculation.draft_kind
-EMBEDDING_DTYPES = ("float32", "float16")  # speculation.dspark.embedding.dtype
+EMBEDDING_DTYPES = ("float32", "float16", "blocks")  # speculation.dspark.embedding.dtype
+
+
+def _block_layout(b) -> bool:
+    """Whether ``b`` is the ``blocks`` object of a block-coded embedding entry
+    (:class:`dspark_runtime.drafting.embedding_rows.EmbeddingRows`)."""
+    return (isinstance(b, dict) and b.get("bits") in (4, 8) and _is_int(b.get("size")) and b["size"] > 0
+            and _is_int(b.get("zero_point")) and _is_int(b.get("scales_offset")) and b["scales_offset"] >= 0
+            and (b.get("offsets_offset") is None or _is_int(b["offsets_offset"]) and b["offsets_offset"] >= 0))
 
 # (what the value must be, its check) per kind of typed entry; None is checked before (optional entries)
 _CHECKS = {
@@ -44,12 +52,14 @@ _CHECKS = {
     "positive_list": ("a list of positive numbers",
                       lambda v: isinstance(v, list) and all(_is_number(x) and x > 0 for x in v)),
     "draft_kind": ("'dspark' or 'lm'", lambda v: v in DRAFT_KINDS),
-    "embedding": ("an object {\"file\": str, \"offset\": int >= 0, \"dtype\": \"float32\" | \"float16\", "
-                  "\"shape\": [vocab, hidden]}",
+    "embedding": ("an object {\"file\": str, \"offset\": int >= 0, \"dtype\": \"float32\" | \"float16\" | "
+                  "\"blocks\", \"shape\": [vocab, hidden]} (\"blocks\" with \"blocks\": {\"bits\": 4 | 8, \"size\": int, "
+                  "\"zero_point\": int, \"scales_offset\": int, \"offsets_offset\": int | null})",
                   lambda v: isinstance(v, dict) and isinstance(v.get("file"), str) and bool(v.get("file"))
                   and _is_int(v.get("offset")) and v["offset"] >= 0 and v.get("dtype") in EMBEDDING_DTYPES
                   and isinstance(v.get("shape"), list) and len(v["shape"]) == 2
-                  and all(_is_int(x) and x > 0 for x in v["shape"])),
+                  and all(_is_int(x) and x > 0 for x in v["shape"])
+                  and (v["dtype"] != "blocks" or _block_layout(v.get("blocks")))),
 }
 
 

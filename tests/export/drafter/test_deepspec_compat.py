@@ -497,7 +497,8 @@ def test_dflash_and_dspark_tensors_under_the_other_config_are_refused_with_the_f
 def test_graph_and_heads_match_the_reference_over_two_rounds(tmp_path, name, cfg):
     pytest.importorskip("onnxruntime")
     from dspark_export.drafter.graph import EMBED_FILE, embedding_entry, export_draft_graph, write_heads
-    from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.drafting.dspark import DSparkHeads, OrtDSparkGraph
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.decoding.sampling import SamplingParams
 
     t = deepspec_tensors(cfg, seed=3)

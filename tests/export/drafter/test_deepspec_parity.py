@@ -75,7 +75,8 @@ def graph_outputs(name: str, ref: dict, tmp: Path) -> list:
     """Our ONNX graph (one KV cache over both rounds) and numpy heads (dspark_heads.npz), as the runtime runs them."""
     from dspark_export.drafter.graph import embedding_entry, export_draft_graph, write_heads
     from dspark_runtime.decoding.sampling import SamplingParams
-    from dspark_runtime.drafting.dspark import DSparkHeads, EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.drafting.dspark import DSparkHeads, OrtDSparkGraph
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
 
     m = load_checkpoint(FIXTURES / name).eval()
     c = m.config

@@ -524,7 +524,7 @@ def test_half_dspark_drafter_matches_fp32_on_onnx_runtime(tiny_engine_with_dspar
     import onnxruntime as ort
 
     from dspark_export.graphs.capacity import to_half
-    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.engine_dir.manifest import load_manifest
 
     d = tiny_engine_with_dspark

@@ -10,7 +10,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402
 
 from dspark_export.precision.nbits import (CORRECTION_BLOCK, NBitsMeta, NBitsWeight, affine8_rows,  # noqa: E402
                                            nbits_nodes)
-from dspark_export.precision.nbits_gguf import ENCODINGS, encode_gguf_rows, gguf_tensor_name  # noqa: E402
+from dspark_export.precision.gguf_blocks import ENCODINGS, encode_gguf_rows  # noqa: E402
+from dspark_export.precision.nbits_gguf import gguf_tensor_name  # noqa: E402
 from dspark_runtime.errors import DSparkError  # noqa: E402
 
 ALL_TYPES = sorted(ENCODINGS)
@@ -243,6 +244,7 @@ def gguf_model(tmp_path_factory, monkeypatch_module):
         for g, h in HF_NAMES.items():
             put(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", GGUF_TYPES[g])
     put("output.weight", "lm_head.weight", GGUF_TYPES["output"])
+    put("token_embd.weight", "model.embed_tokens.weight", "Q4_K")  # as Qwen2.5's Q4_K_M GGUFs hold it
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -274,6 +276,7 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
     assert rep["gguf_types"]["Q4_K"]["tensors"] == 4 and rep["gguf_types"]["Q6_K"]["tensors"] == 3
     assert rep["max_abs_weight_diff_vs_fp32_graph"] < 1e-6
     assert rep["weight_bytes_out"] < rep["weight_bytes_in"]
+    assert rep["embedding"]["gguf_type"] == "Q4_K"  # the table in the GGUF's blocks, not fp32
     # gate (Q4_K) and up (Q4_1) are both 4-bit blocks of 32 with a correction: merged in each of the 2 layers
     assert rep["merged_shared_inputs"]["groups"] == 2 and rep["merged_shared_inputs"]["matmul_nbits_nodes"] == [15, 13]
     ids = np.array([[5, 17, 42, 99, 7, 3]], np.int64)
@@ -284,8 +287,21 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
         n = ids.shape[1]
         outs.append(dec.step(ids, np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
                              dec.empty_kv(1)).logits)
-    ref, got = outs
+        outs.append(dec.step(ids, np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
+                             dec.empty_kv(1)).features[..., :model.config.hidden_size])  # layer -1: the embedding
+    ref, got, ref_embedded, got_embedded = outs[0], outs[2], outs[1], outs[3]
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()  # same weights, fp32 activations
+    np.testing.assert_array_equal(got_embedded, ref_embedded)  # the blocks decoded bit for bit
+    # the drafters' entry for the target's table reads the same rows
+    from dspark_export.drafter.graph import target_embedding_entry
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
+
+    entry = target_embedding_entry(tmp_path, "q.onnx")
+    assert entry["dtype"] == "blocks" and entry["blocks"]["bits"] == 4 and entry["file"] == "q.onnx.data"
+    table = EmbeddingRows.from_manifest(tmp_path, entry)
+    np.testing.assert_array_equal(table.rows(ids), ref_embedded)
+    fp32 = EmbeddingRows.from_manifest(tmp_path, target_embedding_entry(tmp_path, "g.onnx"))
+    np.testing.assert_array_equal(table.table(), fp32.table())
     # a GGUF whose weights differ from the graph's is refused, naming the tensor
     w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "qwen2")
     w.add_tensor("blk.0.attn_q.weight", random_rows("Q8_0", 256, 256, np.random.default_rng(9)),
@@ -324,6 +340,11 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
         assert ops.count("RotaryEmbedding") == graph.quantization["rotary_fused"] == 2 * graph.spec.dims.num_layers
         assert graph.quantization["shape_reads_shared"] > 0
         assert {n.input[0] for n in nodes if n.op_type == "Shape" and n.input[0].startswith("past.")} == {"past.0.key"}
+    from dspark_export.drafter.graph import target_embedding_entry
+
+    # the target's token embedding stays in the GGUF's blocks through every later pass (head, fusions)
+    assert t.quantization["embedding"]["gguf_type"] == "Q4_K" and "embedding" not in d.quantization
+    assert target_embedding_entry(tmp_path / "q4", "target.onnx")["dtype"] == "blocks"
     eng = Engine.load(tmp_path / "q4", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
         ref = eng.generate(prompt, max_new_tokens=32, draft=None)

@@ -264,7 +264,8 @@ def test_trt_dspark_graph_constructs_cheaply_and_checks_its_entry(tmp_path):
 def test_chunked_drafter_calls_equal_one_call_on_onnx_runtime(tiny_engine_with_dspark):
     """What TrtDSparkGraph does with a context longer than its prefill chunk, run on ONNX Runtime: the chunked calls
     (each chunk's present the next one's past, the last one's block) give the one call's block outputs and context."""
-    from dspark_runtime.drafting.dspark import EmbeddingRows, OrtDSparkGraph
+    from dspark_runtime.drafting.dspark import OrtDSparkGraph
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.engine_dir.manifest import load_manifest
 
     m = load_manifest(tiny_engine_with_dspark)

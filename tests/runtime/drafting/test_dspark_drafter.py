@@ -38,7 +38,7 @@ def test_drafter_graph_reads_the_anchor_row_from_the_target_table(tiny_dspark, t
     data (the manifest says where), equal to the target's embedding; a truncated table is refused by name."""
     import onnx
 
-    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.errors import DSparkError
 
     engine_dir = tiny_dspark[0]
@@ -65,7 +65,7 @@ def test_quantizing_the_target_keeps_the_drafter_embedding(tiny_dspark, tmp_path
     """`dspark-export quantize` rewrites target.onnx.data: the drafter's embedding entry follows the table to its
     new offset (the same rows), and the quantized engine's speculative output equals its target-only output."""
     from dspark_export.precision.quantize import quantize_engine
-    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.engine import Engine
 
     src = tiny_dspark[0]

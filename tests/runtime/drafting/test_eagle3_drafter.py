@@ -40,7 +40,7 @@ def fixture_graph(tmp_path_factory):
     """(OrtEagle3Graph of DeepSpec's tiny EAGLE-3 checkpoint, its embedding rows)."""
     from dspark_export.drafter.eagle3 import load_eagle3_checkpoint
     from dspark_export.drafter.eagle3_graph import export_eagle3_graph, validate_eagle3_graph
-    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.drafting.eagle3 import OrtEagle3Graph
 
     out = tmp_path_factory.mktemp("eagle3-graph")

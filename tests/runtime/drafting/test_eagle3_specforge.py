@@ -72,7 +72,7 @@ def sf_graph(tmp_path_factory):
     """(OrtEagle3Graph of a random SpecForge checkpoint with its DraftVocab, the torch model)."""
     from dspark_export.drafter.eagle3 import load_eagle3_checkpoint
     from dspark_export.drafter.eagle3_graph import export_eagle3_graph
-    from dspark_runtime.drafting.dspark import EmbeddingRows
+    from dspark_runtime.drafting.embedding_rows import EmbeddingRows
     from dspark_runtime.drafting.eagle3 import DraftVocab, OrtEagle3Graph
 
     out = tmp_path_factory.mktemp("sf-graph")
