@@ -78,18 +78,64 @@ def encode_embedding(table_rows, gguf_tensor, vocab: int, hidden: int) -> dict |
             "scales": np.concatenate(scales), "offsets": np.concatenate(offsets) if affine else None}
 
 
+def _tensors(enc: dict) -> tuple:
+    """({initializer name: array} of :func:`encode_embedding`'s blocks, the layout recorded under :data:`LAYOUT_KEY`)."""
+    names = {"codes": f"{_PREFIX}_codes", "scales": f"{_PREFIX}_scales",
+             "offsets": f"{_PREFIX}_offsets" if enc["offsets"] is not None else None}
+    arrays = {names[k]: enc[k] for k in ("codes", "scales", "offsets") if names[k]}
+    return arrays, {"bits": enc["bits"], "size": enc["size"], "zero_point": enc["zero_point"], **names}
+
+
 def embedding_initializers(writer, enc: dict) -> tuple:
     """Write the blocks of :func:`encode_embedding` through ``writer`` (an ExternalWriter). Returns (the
     TensorProtos, the layout recorded under :data:`LAYOUT_KEY`)."""
-    from onnx import TensorProto
+    from onnx import helper
 
-    names = {"codes": f"{_PREFIX}_codes", "scales": f"{_PREFIX}_scales",
-             "offsets": f"{_PREFIX}_offsets" if enc["offsets"] is not None else None}
-    inits = [writer.put([enc["codes"]], names["codes"], TensorProto.UINT8, enc["codes"].shape),
-             writer.put([enc["scales"]], names["scales"], TensorProto.FLOAT, enc["scales"].shape)]
-    if names["offsets"]:
-        inits.append(writer.put([enc["offsets"]], names["offsets"], TensorProto.FLOAT, enc["offsets"].shape))
-    return inits, {"bits": enc["bits"], "size": enc["size"], "zero_point": enc["zero_point"], **names}
+    arrays, layout = _tensors(enc)
+    return [writer.put([a], name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for name, a in arrays.items()], layout
+
+
+def describe(enc_or_layout: dict, gguf_type: str) -> dict:
+    """The quantization record's ``embedding`` entry for a table kept in blocks."""
+    return {"gguf_type": gguf_type, "encoding": f"{enc_or_layout['bits']}-bit codes, blocks of "
+                                                f"{enc_or_layout['size']} (the GGUF's own; decoded bit for bit)"}
+
+
+def embed_in_blocks(proto, gguf_path, log=print) -> dict | str:
+    """Rewrite ``proto`` (a decoder graph loaded with its weights, in memory) so its token embedding reads the blocks
+    of ``gguf_path``'s ``token_embd.weight`` instead of its fp32 table, where they reproduce the table bit for bit
+    (:func:`encode_embedding`). For graphs whose other weights do not come from the GGUF (a draft quantized from its
+    float weights). Returns the quantization record's ``embedding`` entry: :func:`describe`'s dict, or the string
+    "fp32 table" when the table stays (no such Gather, no such tensor, or blocks that do not reproduce it)."""
+    from gguf import GGUFReader
+    from onnx import numpy_helper
+
+    gather = embedding_gather(proto.graph)
+    if gather is None:
+        return "fp32 table"
+    tensor = next((t for t in GGUFReader(str(gguf_path)).tensors if t.name == GGUF_NAME), None)
+    inits = {t.name: t for t in proto.graph.initializer}
+    table = numpy_helper.to_array(inits[gather.input[0]])
+    vocab, hidden = table.shape
+    enc = encode_embedding(lambda a, b: table[a:b], tensor, vocab, hidden) if tensor is not None else None
+    if enc is None:
+        log(f"  token embedding: kept fp32 ({GGUF_NAME} of {gguf_path.name} does not reproduce the table)")
+        return "fp32 table"
+    arrays, layout = _tensors(enc)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    decode, consts = embedding_nodes(gather, layout, hidden, opset)
+    nodes = list(proto.graph.node)
+    at = nodes.index(gather)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes[:at] + decode + nodes[at + 1:])
+    keep = [t for t in proto.graph.initializer if t.name != gather.input[0]]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep + [numpy_helper.from_array(a, n) for n, a in arrays.items()] + consts)
+    record_layout(proto, layout)
+    log(f"  token embedding <- {GGUF_NAME} {enc['gguf_type']}: {enc['bits']}-bit codes in blocks of {enc['size']}, "
+        f"{sum(a.nbytes for a in arrays.values()) / 2**20:.0f} MiB instead of {table.nbytes / 2**20:.0f} (bit for bit)")
+    return describe(enc, enc["gguf_type"])
 
 
 def embedding_nodes(gather, layout: dict, hidden: int, opset: int) -> tuple:

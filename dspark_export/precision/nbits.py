@@ -2,9 +2,9 @@
 ``com.microsoft.MatMulNBits`` (block-wise integer weights, one float scale per block).
 
 This module owns the MatMulNBits weight form (:class:`NBitsWeight`), the nodes that compute ``x @ W`` with it
-(:func:`nbits_nodes`, including the block-sum correction for affine blocks) and the float-weight writer
-(:func:`quantize_nbits_rtn`, ONNX Runtime's ``MatMulNBitsQuantizer``: ``rtn`` or ``hqq``); the writer faithful to a
-GGUF's own blocks is :mod:`dspark_export.precision.nbits_gguf`. Both writers then merge the MatMulNBits nodes that
+(:func:`nbits_nodes`, including the block-sum correction for affine blocks); the float-weight writer (ONNX
+Runtime's ``MatMulNBitsQuantizer``: ``rtn`` or ``hqq``) is :mod:`dspark_export.precision.nbits_rtn`, the writer faithful
+to a GGUF's own blocks :mod:`dspark_export.precision.nbits_gguf`. Both writers then merge the MatMulNBits nodes that
 read the same activation, bit-identically (:mod:`dspark_export.precision.nbits_fuse`).
 
 ``accuracy_level`` (4 by default) quantizes the activations to int8 per block inside the kernel, as llama.cpp's
@@ -12,7 +12,6 @@ CPU kernels do; 8-bit weights need it on the CPU provider. Background and measur
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,7 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import graph_weight_bytes, node_attributes, peak_rss_gb
-from dspark_export.precision.nbits_fuse import fuse_shared_inputs
+from dspark_export.graphs.onnx_io import node_attributes
 
 INT4_SOURCES = ("auto", "gguf", "gguf-compact", "rtn", "hqq")
 GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
@@ -256,63 +254,3 @@ def check_nbits_graph(dst: Path) -> None:
         onnx.checker.check_model(str(dst))
     except Exception as e:
         raise DSparkError(f"the int4 graph {dst} fails the ONNX checker: {e}") from e
-
-
-def quantize_nbits_rtn(src: Path, dst: Path, *, algorithm: str = "rtn", bits: int = 4,
-                       block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                       log=print) -> dict:
-    """Write ``dst`` (+ ``dst.data``): graph ``src`` with every weight MatMul quantized from its float weights by
-    ONNX Runtime's ``MatMulNBitsQuantizer`` (``algorithm`` ``"rtn"``: its default symmetric round-to-nearest
-    config; ``"hqq"``: its HQQ config, asymmetric). Holds the whole graph in memory (≈ 1.3× the fp32 weights).
-    Returns the quantization record. Raises DSparkError when the quantizer fails."""
-    import onnx
-    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
-
-    src, dst = Path(src), Path(dst)
-    t0 = time.perf_counter()
-    if algorithm == "rtn":
-        cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
-                                               bits=bits)
-    elif algorithm == "hqq":
-        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits)
-    else:
-        raise DSparkError(f"no float-weight int4 algorithm {algorithm!r}; choose rtn or hqq")
-    try:
-        model = onnx.load(str(src))
-        traced = {nd.name: list(nd.metadata_props) for nd in model.graph.node if nd.op_type == "MatMul"}
-        q = mnq.MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=accuracy_level, algo_config=cfg)
-        q.process()
-        for nd in q.model.model.graph.node:  # keep the torch module each node was traced from (it names it `<MatMul>_Q4`)
-            meta = traced.get(nd.name.rsplit("_Q", 1)[0]) if nd.op_type == "MatMulNBits" else None
-            if meta and not nd.metadata_props:
-                nd.metadata_props.extend(meta)
-        for p in (dst, dst.with_name(dst.name + ".data")):
-            if p.exists():
-                p.unlink()
-        onnx.save_model(q.model.model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=dst.name + ".data", size_threshold=1024)
-    except DSparkError:
-        raise
-    except Exception as e:
-        raise DSparkError(f"ONNX Runtime's MatMulNBitsQuantizer failed on {src.name}: {e}") from e
-    del q
-    proto = onnx.load(str(dst), load_external_data=False)
-    n = sum(nd.op_type == "MatMulNBits" for nd in proto.graph.node)
-    if algorithm == "hqq":  # HQQ writes no accuracy_level: set it so the integer kernels are used
-        for nd in proto.graph.node:
-            if nd.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in nd.attribute):
-                nd.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
-        onnx.save_model(proto, str(dst))
-    merged = fuse_shared_inputs(dst, log=log)
-    check_nbits_graph(dst)
-    rep = {"precision": "int4", "int4_source": algorithm, "bits": bits, "block_size": block_size,
-           "accuracy_level": accuracy_level,
-           "method": f"ONNX Runtime MatMulNBitsQuantizer ({'symmetric RTN' if algorithm == 'rtn' else 'HQQ'}, "
-                     f"{bits}-bit, block {block_size}) from the float weights",
-           "matmul_nbits": n, "merged_shared_inputs": merged, "weight_bytes_in": graph_weight_bytes(src),
-           "weight_bytes_out": graph_weight_bytes(dst),
-           "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  {n} MatMulNBits ({rep['method']}); weights {rep['weight_bytes_in'] / 2**30:.2f} -> "
-        f"{rep['weight_bytes_out'] / 2**30:.2f} GiB in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
-    return rep

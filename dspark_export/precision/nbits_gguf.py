@@ -29,7 +29,7 @@ from dspark_export.precision.gguf_blocks import ENCODINGS, FLOAT_TYPES, encode_g
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
                                            affine8_rows, check_nbits_graph, fit_uint_rows, nbits_nodes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
-from dspark_export.precision.gguf_embedding import (GGUF_NAME, embedding_gather, embedding_initializers,
+from dspark_export.precision.gguf_embedding import (GGUF_NAME, describe, embedding_gather, embedding_initializers,
                                                     embedding_nodes, encode_embedding, record_layout)
 
 # the compact encoding keeps these modules exact: the LM head's error goes straight into the logits (measured:
@@ -260,9 +260,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
            "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
            "merged_shared_inputs": merged,
-           "embedding": ({"gguf_type": embed[2], "encoding": f"{embed[0]['bits']}-bit codes, blocks of "
-                                                          f"{embed[0]['size']} (the GGUF's own; decoded bit for bit)"}
-                         if embed is not None else "fp32 table"),
+           "embedding": describe(embed[0], embed[2]) if embed is not None else "fp32 table",
            "weight_bytes_in": bytes_in, "weight_bytes_out": writer.bytes_out,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  {rep['matmul_nbits']} MatMulNBits from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"

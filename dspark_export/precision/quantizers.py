@@ -24,9 +24,10 @@ from dspark_export.graphs.fusions import fuse_file
 from dspark_export.models.catalog import source_gguf
 from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibrate_graph
 from dspark_export.precision.fp8 import choose_fp8_writer, quantize_fp8
-from dspark_export.precision.nbits import GGUF_SOURCES, quantize_nbits_rtn
+from dspark_export.precision.nbits import GGUF_SOURCES
 from dspark_export.precision.nbits_gguf import quantize_nbits_gguf
 from dspark_export.precision.nbits_head import resolve_lm_head, screen_lm_head
+from dspark_export.precision.nbits_rtn import quantize_nbits_rtn
 from dspark_export.precision.qdq import DEFAULT_EXCLUDE, quantize_qdq
 
 PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
@@ -40,21 +41,20 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
     (``gguf-compact``: the Q4_K codes kept, the other block types re-fitted in 4 bits; chosen by measurement,
     docs/precision.md; ``gguf`` re-packs the weights llama.cpp runs exactly), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
     output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` / ``gguf-compact``
-    require the file; ``rtn``/``hqq`` use the float weights. Raises DSparkError when a GGUF source is asked for and
-    no GGUF is known.
+    require the file; ``rtn``/``hqq`` use the float weights and, where the GGUF is known, keep only the token
+    embedding in its blocks (``gguf_path`` is then that file, else None). Raises DSparkError when a GGUF source is
+    asked for and no GGUF is known.
     """
     gguf = source_gguf(model_dir) if model_dir is not None else None
     if requested == "auto":
         if role == "target" and gguf is not None:
             return "gguf-compact", gguf, f"auto: the model was converted from {gguf.name}"
-        return "rtn", None, ("auto: a draft's precision never changes the output" if role != "target"
+        return "rtn", gguf, ("auto: a draft's precision never changes the output" if role != "target"
                              else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
-    if requested in GGUF_SOURCES:
-        if gguf is None:
-            raise DSparkError(f"--int4-source {requested}: {model_dir} records no GGUF it was converted from (or the "
-                              "file is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
-        return requested, gguf, "asked for"
-    return requested, None, "asked for"
+    if requested in GGUF_SOURCES and gguf is None:
+        raise DSparkError(f"--int4-source {requested}: {model_dir} records no GGUF it was converted from (or the "
+                          "file is gone); fetch it again with `dspark-export fetch`, or use --int4-source rtn")
+    return requested, gguf, "asked for"
 
 
 def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibration_ids=None, table=None,
@@ -79,7 +79,8 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
     blocks of ``gguf``, the GGUF the model was converted from (:mod:`dspark_export.precision.nbits_gguf`; streamed,
     peak ≈ one weight); ``"gguf-compact"`` the same blocks in fewer bytes (its ``encoding="compact"``: 4-bit codes
     kept with the block minimum in 8 bits, other block types but the LM head's fitted in 4 bits); ``"rtn"`` / ``"hqq"``
-    run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights). No calibration
+    run ONNX Runtime's ``MatMulNBitsQuantizer`` on the float weights (peak ≈ 1.3x the fp32 weights; with ``gguf``
+    the token embedding reads that file's blocks, :mod:`dspark_export.precision.nbits_rtn`). No calibration
     data. ``lm_head`` (:func:`~dspark_export.precision.nbits_head.resolve_lm_head`): ``"screened"`` rewrites the
     int4 graph's 8-bit LM head into a 2-bit screen plus exact rescoring of the best candidates
     (:func:`~dspark_export.precision.nbits_head.screen_lm_head`; the record's ``"lm_head"``). ``max_positions`` (a
@@ -101,7 +102,7 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
             encoding = "exact" if int4_source == "gguf" else "compact"
             rep = quantize_nbits_gguf(src, dst, gguf, encoding=encoding, log=log)
         else:
-            rep = quantize_nbits_rtn(src, dst, algorithm=int4_source, log=log)
+            rep = quantize_nbits_rtn(src, dst, algorithm=int4_source, gguf=gguf, log=log)
         if resolve_lm_head(lm_head, int4_source) == "screened":
             rep["lm_head"] = screen_lm_head(dst, log=log)
         if max_positions:

@@ -279,9 +279,17 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
     assert rep["embedding"]["gguf_type"] == "Q4_K"  # the table in the GGUF's blocks, not fp32
     # gate (Q4_K) and up (Q4_1) are both 4-bit blocks of 32 with a correction: merged in each of the 2 layers
     assert rep["merged_shared_inputs"]["groups"] == 2 and rep["merged_shared_inputs"]["matmul_nbits_nodes"] == [15, 13]
+    # the float-weight writer keeps the same table in the same blocks when told the GGUF (a draft's graph)
+    from dspark_export.precision.nbits_rtn import quantize_nbits_rtn
+
+    rtn = quantize_nbits_rtn(tmp_path / "g.onnx", tmp_path / "r.onnx", gguf=gpath, log=lambda *a: None)
+    assert rtn["embedding"]["gguf_type"] == "Q4_K" and rtn["int4_source"] == "rtn"
+    assert quantize_nbits_rtn(tmp_path / "g.onnx", tmp_path / "r0.onnx", log=lambda *a: None)["embedding"] == "fp32 table"
+    assert rtn["weight_bytes_out"] < quantize_nbits_rtn(tmp_path / "g.onnx", tmp_path / "r0.onnx",
+                                                        log=lambda *a: None)["weight_bytes_out"]
     ids = np.array([[5, 17, 42, 99, 7, 3]], np.int64)
     outs = []
-    for p in (tmp_path / "g.onnx", tmp_path / "q.onnx"):
+    for p in (tmp_path / "g.onnx", tmp_path / "q.onnx", tmp_path / "r.onnx"):
         dec = OrtDecoder(p, spec)
         dec.activate()
         n = ids.shape[1]
@@ -292,6 +300,7 @@ def test_int4_graph_from_the_gguf_matches_the_fp32_graph(gguf_model, tmp_path):
     ref, got, ref_embedded, got_embedded = outs[0], outs[2], outs[1], outs[3]
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()  # same weights, fp32 activations
     np.testing.assert_array_equal(got_embedded, ref_embedded)  # the blocks decoded bit for bit
+    np.testing.assert_array_equal(outs[5], ref_embedded)  # in the rtn graph too
     # the drafters' entry for the target's table reads the same rows
     from dspark_export.drafter.graph import target_embedding_entry
     from dspark_runtime.drafting.embedding_rows import EmbeddingRows
@@ -343,7 +352,12 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
     from dspark_export.drafter.graph import target_embedding_entry
 
     # the target's token embedding stays in the GGUF's blocks through every later pass (head, fusions)
-    assert t.quantization["embedding"]["gguf_type"] == "Q4_K" and "embedding" not in d.quantization
+    assert t.quantization["embedding"]["gguf_type"] == d.quantization["embedding"]["gguf_type"] == "Q4_K"
+    table = [t.spec.dims.vocab_size, t.spec.dims.hidden_size]
+    for role in ("target", "draft"):  # no fp32 [vocab, hidden] table left in either graph
+        proto = onnx.load(str(tmp_path / "q4" / f"{role}.onnx"), load_external_data=False)
+        assert not [i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+                    and list(i.dims) == table]
     assert target_embedding_entry(tmp_path / "q4", "target.onnx")["dtype"] == "blocks"
     eng = Engine.load(tmp_path / "q4", threads=1)
     for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):

@@ -15,7 +15,7 @@ def graphs(tmp_path_factory):
     from tests.fixtures.tiny_models import make_pair
 
     from dspark_export.graphs.decoder import decoder_dims, export_decoder, load_hf_model
-    from dspark_export.precision.nbits import quantize_nbits_rtn
+    from dspark_export.precision.nbits_rtn import quantize_nbits_rtn
 
     root = tmp_path_factory.mktemp("slots")
     target, _ = make_pair(root)
