@@ -23,6 +23,8 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
+from dspark_export.graphs.onnx_io import default_opset
+
 MS_DOMAIN = "com.microsoft"
 
 
@@ -232,7 +234,7 @@ def merge_sibling_matmuls(model, weights_dir: Path) -> int:
             return f.read(int(ext["length"]))
 
     np16 = {TensorProto.FLOAT16: np.uint16, TensorProto.BFLOAT16: np.uint16, TensorProto.FLOAT: np.float32}
-    new_tensors, dead, opset = {}, set(), next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    new_tensors, dead, opset = {}, set(), default_opset(model)
     merged_groups = 0
     for gi, (x, mms) in enumerate(groups.items()):
         ws = [inits[n.input[1]] for n in mms]

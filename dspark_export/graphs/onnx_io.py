@@ -188,6 +188,11 @@ class ExternalWriter:
                         t.name, t.data_type, t.dims)
 
 
+def default_opset(proto, missing: int = 17) -> int:
+    """The version of the default ONNX domain ``proto`` imports (``missing`` when it imports none)."""
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), missing)
+
+
 def node_attributes(node) -> dict:
     """An ONNX node's attributes as {name: Python value}."""
     from onnx import helper

@@ -19,6 +19,7 @@ import numpy as np
 from dspark_runtime.drafting.embedding_rows import decode_blocks
 from dspark_runtime.errors import DSparkError
 
+from dspark_export.graphs.onnx_io import default_opset
 from dspark_export.precision.gguf_blocks import ENCODINGS, encode_gguf_rows
 
 LAYOUT_KEY = "dspark.embedding_blocks"  # model metadata: {"bits", "size", "zero_point", "codes", "scales", "offsets"}
@@ -96,6 +97,13 @@ def embedding_initializers(writer, enc: dict) -> tuple:
             for name, a in arrays.items()], layout
 
 
+def kept_in_blocks(enc: dict, table_bytes: int) -> str:
+    """The build log's line for a table kept in the blocks of :func:`encode_embedding` instead of ``table_bytes``."""
+    blocks = sum(a.nbytes for a in _tensors(enc)[0].values())
+    return (f"  token embedding <- {GGUF_NAME} {enc['gguf_type']}: {enc['bits']}-bit codes in blocks of {enc['size']}, "
+            f"{blocks / 2**20:.0f} MiB instead of {table_bytes / 2**20:.0f} (bit for bit)")
+
+
 def describe(enc_or_layout: dict, gguf_type: str) -> dict:
     """The quantization record's ``embedding`` entry for a table kept in blocks."""
     return {"gguf_type": gguf_type, "encoding": f"{enc_or_layout['bits']}-bit codes, blocks of "
@@ -123,7 +131,7 @@ def embed_in_blocks(proto, gguf_path, log=print) -> dict | str:
         log(f"  token embedding: kept fp32 ({GGUF_NAME} of {gguf_path.name} does not reproduce the table)")
         return "fp32 table"
     arrays, layout = _tensors(enc)
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = default_opset(proto)
     decode, consts = embedding_nodes(gather, layout, hidden, opset)
     nodes = list(proto.graph.node)
     at = nodes.index(gather)
@@ -133,8 +141,7 @@ def embed_in_blocks(proto, gguf_path, log=print) -> dict | str:
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(keep + [numpy_helper.from_array(a, n) for n, a in arrays.items()] + consts)
     record_layout(proto, layout)
-    log(f"  token embedding <- {GGUF_NAME} {enc['gguf_type']}: {enc['bits']}-bit codes in blocks of {enc['size']}, "
-        f"{sum(a.nbytes for a in arrays.values()) / 2**20:.0f} MiB instead of {table.nbytes / 2**20:.0f} (bit for bit)")
+    log(kept_in_blocks(enc, table.nbytes))
     return describe(enc, enc["gguf_type"])
 
 

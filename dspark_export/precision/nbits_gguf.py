@@ -24,13 +24,14 @@ import numpy as np
 
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, peak_rss_gb, quant_targets
+from dspark_export.graphs.onnx_io import ExternalData, ExternalWriter, default_opset, peak_rss_gb, quant_targets
 from dspark_export.precision.gguf_blocks import ENCODINGS, FLOAT_TYPES, encode_gguf_rows
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
                                            affine8_rows, check_nbits_graph, fit_uint_rows, nbits_nodes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
 from dspark_export.precision.gguf_embedding import (GGUF_NAME, describe, embedding_gather, embedding_initializers,
-                                                    embedding_nodes, encode_embedding, record_layout)
+                                                    embedding_nodes, encode_embedding, kept_in_blocks,
+                                                    record_layout)
 
 # the compact encoding keeps these modules exact: the LM head's error goes straight into the logits (measured:
 # docs/precision.md)
@@ -217,7 +218,7 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     by_node = {q.node: (w, q) for w, (_, qs) in plan.items() for q in qs}
     fp32_weights = {w for w, (g, _) in plan.items() if gtensors[g].tensor_type.name in FLOAT_TYPES}
     need_shapes = set()
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = default_opset(proto)
     for node in proto.graph.node:
         if embed is not None and node.op_type == "Gather" and node.output[0] == gather.output[0]:
             decode, consts = embedding_nodes(node, embed[0], embed[1], opset)
@@ -285,8 +286,7 @@ def _embedding_blocks(t, reader, gguf_tensor, writer, new_inits: list, log) -> t
         return None
     inits, layout = embedding_initializers(writer, enc)
     new_inits += inits
-    log(f"  token embedding <- {GGUF_NAME} {enc['gguf_type']}: {enc['bits']}-bit codes in blocks of {enc['size']}, "
-        f"{sum(reader.nbytes(i) for i in inits) / 2**20:.0f} MiB instead of {vocab * row / 2**20:.0f} (bit for bit)")
+    log(kept_in_blocks(enc, vocab * row))
     return layout, hidden, enc["gguf_type"]
 
 

@@ -26,8 +26,8 @@ import numpy as np
 from dspark_runtime.engine_dir.graphspec import LOGITS_FROM, LOGITS_TO
 from dspark_runtime.errors import DSparkError
 
-from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, module_name, node_attributes, peak_rss_gb,
-                                          session_over_weights, set_live_nodes)
+from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, default_opset, module_name, node_attributes,
+                                          peak_rss_gb, session_over_weights, set_live_nodes)
 from dspark_export.precision.nbits import NBitsWeight
 
 _NBITS = "MatMulNBits"
@@ -64,7 +64,7 @@ def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) 
     proto = onnx.load(str(graph_path), load_external_data=False)
     inits = {t.name for t in proto.graph.initializer}
     acts = sorted({n.input[0] for n in proto.graph.node if n.op_type == _NBITS and n.input[1] in inits})
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = default_opset(proto)
     proto.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "__cm_axes"))
     outs = []
     for i, a in enumerate(acts):  # the decoder's activations are [batch, q, K]: reduce the first two axes
@@ -154,7 +154,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     # their own like a weight over the block sums)
     corrections = {id(prod[n.input[1]]) for n in g.node if n.op_type == "Sub" and n.input[1] in prod
                    and prod[n.input[1]].op_type == _NBITS and n.input[0] in prod and prod[n.input[0]].op_type == _NBITS}
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = default_opset(proto)
     consts = [numpy_helper.from_array(v, k) for k, v in (
         ("__prompt_c127", np.array(127, np.float32)), ("__prompt_c1", np.array(1, np.float32)),
         ("__prompt_tiny", np.array(1e-30, np.float32)), ("__prompt_z128", np.array(128, np.uint8)),

@@ -37,7 +37,7 @@ class EmbeddingRows:
         path = Path(path)
         vocab, hidden = (int(x) for x in shape)
         size = path.stat().st_size if path.is_file() else -1
-        self.path, self.shape, self._blocks = path, (vocab, hidden), None
+        self.path, self.shape, self._codes = path, (vocab, hidden), None  # _codes: None for a raw table
 
         def mapped(at: int, dt, cols: int):
             need = at + vocab * cols * np.dtype(dt).itemsize
@@ -64,7 +64,6 @@ class EmbeddingRows:
         self._scales = mapped(b["scales_offset"], np.float32, n_blocks)
         off = b.get("offsets_offset")
         self._offsets = None if off is None else mapped(off, np.float32, n_blocks)
-        self._blocks = b
 
     @classmethod
     def from_manifest(cls, engine_dir: Path, entry: dict) -> "EmbeddingRows":
@@ -86,7 +85,7 @@ class EmbeddingRows:
         return self._decode(np.arange(self.shape[0]))
 
     def _decode(self, ids: np.ndarray) -> np.ndarray:
-        if self._blocks is None:
+        if self._codes is None:
             return np.asarray(self._table[ids], dtype=np.float32)
         return decode_blocks(np.asarray(self._codes[ids]), np.asarray(self._scales[ids]),
                              None if self._offsets is None else np.asarray(self._offsets[ids]),
