@@ -20,9 +20,10 @@ LM_HEAD_OPTION = click.option(
 
 # `build` and `quantize`: where int4 weights come from (dspark_export.precision.quantizers.resolve_int4_source)
 INT4_SOURCE_OPTION = click.option(
-    "--int4-source", default=None, metavar="auto|gguf|gguf-compact|rtn|hqq",
+    "--int4-source", default=None, metavar="auto|gguf|gguf-compact|gguf-kernel|rtn|hqq",
     help="int4 weights, for all graphs or per graph ('target=gguf,draft=rtn'): gguf (re-pack the GGUF the model was "
          "fetched from exactly: the weights llama.cpp runs), gguf-compact (the same blocks in fewer bytes per step: "
-         "the block minimum in 8 bits, 6-bit blocks re-fitted in 4 bits, the LM head exact), rtn / hqq (ONNX "
+         "the block minimum in 8 bits, 6-bit blocks re-fitted in 4 bits, the LM head exact), gguf-kernel (the GGUF's "
+         "Q4_K/Q6_K blocks as they are, run by DSpark's own kernel: needs a C++ compiler to build), rtn / hqq (ONNX "
          "Runtime's quantizer on the float weights), auto (default: gguf-compact for a target fetched from a GGUF, rtn "
          "otherwise).")

@@ -4,6 +4,7 @@ prompt chunks (:attr:`dspark_runtime.runners.scatter.ScatterRunner.prompt_backen
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +78,8 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), 
         m.graphs[PROMPT_GRAPH] = GraphEntry(
             role="prompt", model_id=t.model_id, format="onnx", precision="int8",
             files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data"),
-                   *(f for f in t.files if f.path in rep["shared_files"])], spec=t.spec,
+                   *(f for f in t.files if f.path in rep["shared_files"] or rep["kept_gguf"] and f.path == t.spec.kernels)],
+            spec=dataclasses.replace(t.spec, kernels=t.spec.kernels if rep["kept_gguf"] else ""),
             validation={"int8": check}, model_config=t.model_config,
             quantization={"method": f"prompt graph of the int4 target: u8*s8 MatMulIntegerToFloat, uint8 "
                                     f"activations per row, the target's weights in {weight_bits}-bit columns; the LM "

@@ -9,6 +9,7 @@ succeeded; on any error, Ctrl-C included, the directory is left as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -163,8 +164,11 @@ def export_graph(model_dir: Path, out_path: Path, feature_layers, validation_ids
                                       max_positions=cfg.get("max_position_embeddings"))
         for p in (fp32_path, fp32_path.with_name(fp32_path.name + ".data")):
             p.unlink()
+        if quantization.get("kernels"):  # its MatMulGGUF nodes run on DSpark's kernels, placed beside it
+            spec = dataclasses.replace(spec, kernels=quantization["kernels"])
         # quantized graphs are not expected to match torch exactly: record the agreement
-        validation[precision] = validate_decoder(ref, dims, out_path, strict=False, kv_layout=kv_layout).to_json()
+        validation[precision] = validate_decoder(ref, dims, out_path, strict=False, kv_layout=kv_layout,
+                                                 kernels=spec.kernels).to_json()
     keep = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings",
             "tie_word_embeddings", "torch_dtype", "dtype")
@@ -315,10 +319,13 @@ def _build_into(stage: Path, out_dir: Path, recipe: Recipe, target_dir: Path, dr
                 f"verify {v['verify_max_abs_logit_diff']:.2e}; argmax agreement "
                 f"{v['prefill_argmax_agreement']:.0%} / {v['verify_argmax_agreement']:.0%}")
         log(f"[{role}] hashing files")
+        spec = GraphSpec.from_json(res["spec"])
         files = [FileEntry.of(stage, f"{role}.onnx"), FileEntry.of(stage, f"{role}.onnx.data")]
+        if spec.kernels:
+            files.append(FileEntry.of(stage, spec.kernels))
         graphs[role] = GraphEntry(role=role, model_id=str(recipe.target if role == "target" else recipe.draft),
                                   format="onnx", precision=precision, files=files,
-                                  spec=GraphSpec.from_json(res["spec"]), validation=res["validation"],
+                                  spec=spec, validation=res["validation"],
                                   model_config=res["config"], quantization=res.get("quantization", {}))
     manifest = Manifest(
         name=recipe.name, graphs=graphs, tokenizer=tokenizer,

@@ -12,6 +12,7 @@ decoder layer i), which DSpark drafters consume.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import types
@@ -414,17 +415,19 @@ def torch_reference(model, dims: DecoderDims, token_ids: list[int]) -> TorchRefe
 
 
 def validate_decoder(ref: TorchReference, dims: DecoderDims, onnx_path: Path, tolerance: float = 1e-2,
-                     n_verify: int = 5, strict: bool = True, kv_layout: str = KV_LAYOUT_GROWING) -> ValidationReport:
+                     n_verify: int = 5, strict: bool = True, kv_layout: str = KV_LAYOUT_GROWING,
+                     kernels: str = "") -> ValidationReport:
     """Run the ONNX graph (ONNX Runtime CPU) on the reference's token ids and compare.
 
     The prompt is fed with an empty past (past_len = 0), then its last ``n_verify`` tokens as a
     verify step on top of that KV cache. With ``strict`` (fp32 graphs) raises DSparkError when the
     logits differ by more than ``tolerance`` or any argmax disagrees; quantized graphs pass
-    ``strict=False`` and only report their agreement.
+    ``strict=False`` and only report their agreement. ``kernels``: the custom-op library beside the graph its
+    ``ai.dspark`` nodes need (:attr:`GraphSpec.kernels`).
     """
     if len(ref.token_ids) < n_verify + 2:
         raise DSparkError("validation prompt too short")
-    dec = OrtDecoder(onnx_path, causal_lm_spec(dims, kv_layout), threads=2).activate()
+    dec = OrtDecoder(onnx_path, dataclasses.replace(causal_lm_spec(dims, kv_layout), kernels=kernels), threads=2).activate()
     ids = np.asarray(ref.token_ids, dtype=np.int64)[None]
     n = ids.shape[1] - n_verify
     if kv_layout == KV_LAYOUT_SCATTER:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.kernels import register_kernels
 
 ALIGN = 4096  # external data offsets page-aligned (lets ONNX Runtime map them)
 
@@ -73,12 +74,15 @@ def quant_targets(proto, exclude=()) -> tuple[list, list]:
     return out, skipped
 
 
-def session_over_weights(proto, weights_dir: Path, threads: int):
+def session_over_weights(proto, weights_dir: Path, threads: int, kernels: Path | None = None):
     """An ONNX Runtime CPU session for ``proto`` (loaded without its weights) reading the external
-    weights from ``weights_dir`` — the file on disk is not copied."""
+    weights from ``weights_dir`` — the file on disk is not copied. ``kernels``: the custom-op library its
+    ``ai.dspark`` nodes need (:mod:`dspark_runtime.kernels`), if any."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if kernels is not None:
+        register_kernels(so, kernels)
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(weights_dir))

@@ -21,8 +21,8 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import node_attributes
 
-INT4_SOURCES = ("auto", "gguf", "gguf-compact", "rtn", "hqq")
-GGUF_SOURCES = ("gguf", "gguf-compact")  # int4 sources read from the GGUF the model was converted from
+INT4_SOURCES = ("auto", "gguf", "gguf-compact", "gguf-kernel", "rtn", "hqq")
+GGUF_SOURCES = ("gguf", "gguf-compact", "gguf-kernel")  # int4 sources read from the GGUF the model was converted from
 DEFAULT_ACCURACY_LEVEL = 4
 DEFAULT_BLOCK_SIZE = 32  # the rtn/hqq block; gguf blocks follow the file (16 or 32)
 # fit_uint_rows: step between the divisors of a block's range it tries, per bit width (4-bit: llama.cpp's 0.1)

@@ -29,6 +29,8 @@ from dspark_export.precision.gguf_blocks import ENCODINGS, FLOAT_TYPES, encode_g
 from dspark_export.precision.nbits import (DEFAULT_ACCURACY_LEVEL, NBitsMeta, NBitsWeight, add_ms_opset,
                                            affine8_rows, check_nbits_graph, fit_uint_rows, nbits_nodes, rtn8_rows)
 from dspark_export.precision.nbits_fuse import fuse_shared_inputs
+from dspark_export.precision.gguf_kernel import (BLOCKS_SUFFIX, GGML_TYPES, LIBRARY_NAME, add_kernels_opset, check_blocks,
+                                                 fuse_gguf_shared_inputs, matmul_gguf_node, place_kernels)
 from dspark_export.precision.gguf_embedding import (GGUF_NAME, describe, embedding_gather, embedding_initializers,
                                                     embedding_nodes, encode_embedding, kept_in_blocks,
                                                     record_layout)
@@ -113,10 +115,11 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     target_nodes = {q.node for _, qs in plan.values() for q in qs}
     shared = {i for n in proto.graph.node if n.name not in target_nodes for i in n.input if i in plan}
     reader = ExternalData(src.parent)
-    if encoding not in ("exact", "compact"):
-        raise DSparkError(f"no GGUF int4 encoding {encoding!r}; choose exact or compact")
+    if encoding not in ("exact", "compact", "kernel"):
+        raise DSparkError(f"no GGUF int4 encoding {encoding!r}; choose exact, compact or kernel")
     counts, fallback, kept_fp32, max_err, approximated = {}, {}, [], 0.0, {}
     encoded = {}  # weight -> NBitsMeta
+    in_blocks = {}  # weight -> (K, N, GGML type id): kept as the GGUF's blocks for MatMulGGUF (encoding "kernel")
     bytes_in = sum(reader.nbytes(t) for t in proto.graph.initializer)
     writer = ExternalWriter(dst)
     new_inits = []
@@ -145,7 +148,17 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
                 continue
             full = np.frombuffer(reader.read(t), np.float32).reshape(k, n)  # the graph's fp32 W [K, N]
             parts, corr8, d_max, sq_err, sq_ref = [], [], 0.0, 0.0, 0.0
-            compact = encoding == "compact" and not any(re.search(pat, qs[0].module) for pat in keep_exact)
+            compact = encoding != "exact" and not any(re.search(pat, qs[0].module) for pat in keep_exact)
+            if compact and encoding == "kernel" and qtype in GGML_TYPES:
+                max_err = max(max_err, check_blocks(gt, qtype, full, gname, qs[0].module))
+                del full
+                new_inits.append(writer.put([np.asarray(gt.data).reshape(-1)], t.name + BLOCKS_SUFFIX,
+                                            TensorProto.UINT8, (int(gt.n_bytes),)))
+                if t.name in shared:
+                    new_inits.append(writer.copy(t, reader))
+                in_blocks[t.name] = (k, n, GGML_TYPES[qtype])
+                log(f"  {qs[0].module:28s} <- {gname:26s} {qtype:5s} -> its own blocks (MatMulGGUF)")
+                continue
             how = None  # compact: "8-bit min correction" (4-bit codes kept) or "4-bit fit"
             for a in range(0, n, _ROW_CHUNK):  # output channels a:b = GGUF rows a:b
                 b = min(n, a + _ROW_CHUNK)
@@ -230,6 +243,10 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
             nodes.append(node)
             continue
         wname, q = hit
+        if wname in in_blocks:
+            nodes.append(matmul_gguf_node(helper, node.name, q.activation, wname + BLOCKS_SUFFIX, node.output[0],
+                                          *in_blocks[wname]))
+            continue
         meta = encoded[wname]
         nbits_nodes(helper, node.name, q.activation, node.output[0], wname, meta, accuracy_level, blocksums, nodes,
                      node.metadata_props)
@@ -245,26 +262,39 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(new_inits)
     add_ms_opset(proto, helper)
+    if in_blocks:
+        add_kernels_opset(proto, helper)
     if embed is not None:
         record_layout(proto, embed[0])
     onnx.save_model(proto, str(dst))
     merged = fuse_shared_inputs(dst, log=log)
+    if in_blocks:
+        merged_blocks = fuse_gguf_shared_inputs(dst, log=log)
+        place_kernels(dst.parent, log=log)
     check_nbits_graph(dst)
     by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
     method = ("GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a block-sum "
               "correction)" if encoding == "exact" else
               "GGUF blocks in 4 bits: 4-bit blocks of 32 re-packed with their block minimum as an 8-bit block-sum "
               "correction, other types fitted as 4-bit blocks of 32 with integer zero points"
-              + (f"; exact: {', '.join(keep_exact)}" if keep_exact else ""))
-    rep = {"precision": "int4", "int4_source": "gguf" if encoding == "exact" else "gguf-compact", "gguf": gguf_path.name,
+              + (f"; exact: {', '.join(keep_exact)}" if keep_exact else "") if encoding == "compact" else
+              "Q4_K / Q6_K tensors kept as the GGUF's own blocks for DSpark's ai.dspark.MatMulGGUF kernel (exact "
+              "weights, int8 activations per 256 as llama.cpp); other types as gguf-compact"
+              + (f"; MatMulNBits, exact: {', '.join(keep_exact)}" if keep_exact else ""))
+    source = {"exact": "gguf", "compact": "gguf-compact", "kernel": "gguf-kernel"}[encoding]
+    rep = {"precision": "int4", "int4_source": source, "gguf": gguf_path.name,
            "accuracy_level": accuracy_level, "method": method, "approximated": approximated,
            "gguf_types": by_type, "fallback_rtn8": fallback, "kept_fp32": kept_fp32, "unmatched": unmatched,
-           "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32),
+           "max_abs_weight_diff_vs_fp32_graph": max_err, "matmul_nbits": len(target_nodes) - len(kept_fp32)
+           - sum(len(qs) for w, (_, qs) in plan.items() if w in in_blocks),
            "merged_shared_inputs": merged,
+           **({"kernels": LIBRARY_NAME, "matmul_gguf": len(in_blocks), "merged_gguf_inputs": merged_blocks}
+              if in_blocks else {}),
            "embedding": describe(embed[0], embed[2]) if embed is not None else "fp32 table",
            "weight_bytes_in": bytes_in, "weight_bytes_out": writer.bytes_out,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  {rep['matmul_nbits']} MatMulNBits from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"
+    log(f"  {rep['matmul_nbits']} MatMulNBits" + (f" and {len(in_blocks)} MatMulGGUF" if in_blocks else "")
+        + f" from {gguf_path.name} ({', '.join(f'{c} {t}' for t, c in counts.items())})"
         f"; weights {bytes_in / 2**30:.2f} -> {writer.bytes_out / 2**30:.2f} GiB in {rep['seconds']:.0f} s, "
         f"peak RSS {rep['peak_rss_gb']:.2f} GiB")
     return rep

@@ -1,5 +1,5 @@
 """The integer-GEMM prompt graph of an int4 target: the same graph with every weight ``MatMulNBits`` (and its block-sum
-correction) but the LM head's replaced by ``MatMulInteger`` on uint8 activations quantized per row and the weight
+correction) but the LM head's, and every ``ai.dspark.MatMulGGUF`` (``gguf-kernel`` targets), replaced by ``MatMulInteger`` on uint8 activations quantized per row and the weight
 the int4 graph represents re-quantized per output column to signed 7- or 8-bit integers, rescaled to float.
 
 Why (docs/precision.md, "Prompt chunks on an integer GEMM"): prompt chunks are compute-bound, and ONNX Runtime's
@@ -28,9 +28,11 @@ from dspark_runtime.errors import DSparkError
 
 from dspark_export.graphs.onnx_io import (ExternalData, ExternalWriter, default_opset, module_name, node_attributes,
                                           peak_rss_gb, session_over_weights, set_live_nodes)
+from dspark_export.precision.gguf_kernel import OP_MATMUL_GGUF, gguf_weight
 from dspark_export.precision.nbits import NBitsWeight
 
 _NBITS = "MatMulNBits"
+_WEIGHT_OPS = (_NBITS, OP_MATMUL_GGUF)  # the weight MatMuls a prompt graph replaces
 # input channels whose calibration maximum exceeds OUTLIER_RATIO x the median channel's run apart in fp32 (at most
 # OUTLIER_MOST per activation), so one scale per row covers the rest (LLM.int8()'s decomposition, made static so a
 # row's result still does not depend on its call); measured choice: docs/precision.md
@@ -54,7 +56,7 @@ def _lm_head(graph):
 
 
 def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) -> dict:
-    """max |x| per input channel of every weight MatMulNBits input of the scatter-layout int4 graph ``graph_path``,
+    """max |x| per input channel of every weight MatMulNBits / MatMulGGUF input of the scatter-layout int4 graph ``graph_path``,
     over prompt chunks of ``token_lists`` (each fed whole from an empty cache: calibration-split prompts,
     :func:`~dspark_export.precision.activation_ranges.calibration_token_ids`). Returns {activation: float32 [K]}.
     The graph's weights are read in place (a weightless copy with the reductions added)."""
@@ -63,7 +65,7 @@ def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) 
 
     proto = onnx.load(str(graph_path), load_external_data=False)
     inits = {t.name for t in proto.graph.initializer}
-    acts = sorted({n.input[0] for n in proto.graph.node if n.op_type == _NBITS and n.input[1] in inits})
+    acts = sorted({n.input[0] for n in proto.graph.node if n.op_type in _WEIGHT_OPS and n.input[1] in inits})
     opset = default_opset(proto)
     proto.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "__cm_axes"))
     outs = []
@@ -74,7 +76,8 @@ def channel_maxima(graph_path: Path, spec, token_lists: list, threads: int = 2) 
         proto.graph.node.extend([mk("Abs", [a], [f"__cm_abs_{i}"]), red])
         proto.graph.output.append(helper.make_tensor_value_info(f"__cm_{i}", TensorProto.FLOAT, None))
         outs.append(f"__cm_{i}")
-    sess = session_over_weights(proto, Path(graph_path).parent, threads)
+    sess = session_over_weights(proto, Path(graph_path).parent, threads,
+                                kernels=Path(graph_path).parent / spec.kernels if spec.kernels else None)
     d = spec.dims
     best = [None] * len(acts)
     names = {t.name for t in sess.get_inputs()}
@@ -122,8 +125,8 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     with the represented weight's rows (the integer path sees those channels as 0 and its column scales leave
     their rows out). ``share_source_data``: the initializers kept unchanged (the embedding, the LM head, norms) stay
     where they are, in ``src``'s external data files, which ``dst``'s folder must hold (the same files: an engine
-    directory, or a stage linking them), instead of being copied into ``dst.data``. Returns {"replaced": MatMulNBits
-    nodes replaced, "kept": those kept, "outlier_channels": total, "weight_bits", "integer_weight_bytes",
+    directory, or a stage linking them), instead of being copied into ``dst.data``. Returns {"replaced": weight
+    nodes replaced, "kept": those kept, "kept_gguf": the MatMulGGUF among them (the prompt graph then needs the kernels), "outlier_channels": total, "weight_bits", "integer_weight_bytes",
     "shared_files": the source data files read in place, "shared_bytes", "seconds", "peak_rss_gb"}. Raises
     DSparkError when ``src`` has no MatMulNBits to replace, ``weight_bits`` is not 7 or 8, or ``share_source_data``
     and ``dst``'s folder lacks a data file of ``src``."""
@@ -163,13 +166,14 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     rows_shape: set = set()  # the widths K of the activations flattened to rows ([-1, K] shape constants)
     replace: dict = {}  # id(node) -> the nodes at its place
     drop: set = set()
-    new_inits, replaced, kept, nbytes, n_apart = [], 0, 0, 0, 0
+    new_inits, replaced, kept, kept_gguf, nbytes, n_apart = [], 0, 0, 0, 0, 0
     with ExternalWriter(dst) as writer:
         for node in list(g.node):
-            if node.op_type != _NBITS or node.input[1] not in inits or id(node) in corrections:
+            if node.op_type not in _WEIGHT_OPS or node.input[1] not in inits or id(node) in corrections:
                 continue
             if node is head or any(re.search(k, module_name(node)) for k in keep):
                 kept += 1
+                kept_gguf += node.op_type == OP_MATMUL_GGUF
                 continue
             out, corr, y = node.output[0], None, node.output[0]
             subs = [c for c in cons.get(out, []) if c.op_type == "Sub" and c.input[0] == out]
@@ -182,7 +186,10 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
                 if corr is not None:
                     y = subs[0].output[0]
                     drop.update({id(subs[0]), id(cnode)})
-            w = NBitsWeight.from_node(node, array, corr).dequantize()[:node_attributes(node)["K"]]  # K padded to blocks
+            if node.op_type == OP_MATMUL_GGUF:
+                w = gguf_weight(node, array)
+            else:
+                w = NBitsWeight.from_node(node, array, corr).dequantize()[:node_attributes(node)["K"]]  # K padded
             x, nodes, mk = node.input[0], [], helper.make_node
             apart = np.asarray((outliers or {}).get(x, ()), np.int64)
             name = node.name or out
@@ -265,7 +272,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     del g.value_info[:]
     g.value_info.extend(vis)
     onnx.save_model(proto, str(dst))
-    rep = {"replaced": replaced, "kept": kept, "outlier_channels": n_apart, "weight_bits": weight_bits,
+    rep = {"replaced": replaced, "kept": kept, "kept_gguf": kept_gguf, "outlier_channels": n_apart, "weight_bits": weight_bits,
            "integer_weight_bytes": nbytes, "shared_files": sorted(shared), "shared_bytes": shared_bytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
     log(f"  prompt graph: {replaced} MatMulNBits -> MatMulIntegerToFloat (u8 x s{weight_bits}), {kept} kept, "

@@ -99,7 +99,7 @@ def quantize_graph(src: Path, dst: Path, precision: str, *, spec=None, calibrati
         if int4_source in GGUF_SOURCES:
             if gguf is None:
                 raise DSparkError("int4 from the GGUF needs the GGUF path")
-            encoding = "exact" if int4_source == "gguf" else "compact"
+            encoding = {"gguf": "exact", "gguf-compact": "compact", "gguf-kernel": "kernel"}[int4_source]
             rep = quantize_nbits_gguf(src, dst, gguf, encoding=encoding, log=log)
         else:
             rep = quantize_nbits_rtn(src, dst, algorithm=int4_source, gguf=gguf, log=log)

@@ -15,6 +15,7 @@ from dspark_runtime.engine_dir.graphspec import (LOGITS_FROM, LOGITS_TO, GraphSp
                                                  slot_call_outputs)
 from dspark_runtime.backends.slot_binding import SlotBinding, WrittenEntries
 from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
+from dspark_runtime.kernels import register_kernels
 from dspark_runtime.machine.sysinfo import shared_pool_default  # noqa: F401 (re-exported)
 
 
@@ -216,6 +217,8 @@ class OrtDecoder:
             raise DSparkError(f"ONNX Runtime execution provider(s) {missing} not available here "
                               f"(available: {sorted(avail)}); pick one of those")
         so = session_options(self.threads)
+        if self.spec.kernels:
+            register_kernels(so, self.path.parent / self.spec.kernels)
         try:
             with HugePagesForNewMemory(self.huge_pages):  # the weights it prepacks: streamed every step
                 self.session = ort.InferenceSession(str(self.path), so, providers=self.providers)

@@ -91,13 +91,15 @@ class DecoderDims:
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """The full interface of one graph: ordered inputs and outputs."""
+    """The full interface of one graph: ordered inputs and outputs, and the custom-op library its ``ai.dspark``
+    nodes need (``kernels``: a file name beside the graph, :mod:`dspark_runtime.kernels`; "" for none)."""
 
     kind: str
     kv_layout: str
     inputs: tuple
     outputs: tuple
     dims: DecoderDims = field(default=None)
+    kernels: str = ""
 
     @property
     def input_names(self) -> list[str]:
@@ -114,6 +116,7 @@ class GraphSpec:
             "dims": self.dims.to_json(),
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
+            **({"kernels": self.kernels} if self.kernels else {}),
         }
 
     @staticmethod
@@ -124,6 +127,7 @@ class GraphSpec:
             inputs=tuple(TensorSpec.from_json(t) for t in d["inputs"]),
             outputs=tuple(TensorSpec.from_json(t) for t in d["outputs"]),
             dims=DecoderDims.from_json(d["dims"]),
+            kernels=d.get("kernels", ""),
         )
 
 

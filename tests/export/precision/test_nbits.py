@@ -435,6 +435,61 @@ def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_mo
             assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
 
 
+def test_gguf_kernel_engine_keeps_the_k_quant_blocks_and_speculative_equals_target_only(gguf_model, tmp_path):
+    """``--int4-source gguf-kernel``: the Q4_K / Q6_K tensors stay the GGUF's own blocks, run by DSpark's MatMulGGUF
+    (a layer's q (Q4_K) and k (Q6_K) merged into one node of two segments), the other types as gguf-compact writes
+    them, the LM head exact; the library ships in the engine, listed and checksummed; the logits track the exact
+    re-pack's; speculative output equals target-only."""
+    import onnx
+
+    from dspark_export.engine_dir.build import Recipe, build_engine
+    from dspark_runtime import Engine
+    from dspark_runtime.backends.ort import OrtDecoder
+    from dspark_runtime.engine_dir.manifest import load_manifest
+    from dspark_runtime.kernels import LIBRARY_NAME
+    from dspark_runtime.runners.scatter import ScatterRunner
+
+    folder, _ = gguf_model
+    for src in ("gguf", "gguf-compact", "gguf-kernel"):
+        build_engine(Recipe(name=src, target=str(folder), draft=str(folder), precision="int4",
+                            int4_source=f"target={src},draft=rtn", draft_length=4),
+                     tmp_path / src, isolate=False, log=lambda *a: None)
+    m = load_manifest(tmp_path / "gguf-kernel")
+    g = m.graphs["target"]
+    q = g.quantization
+    assert q["int4_source"] == "gguf-kernel" and q["kernels"] == LIBRARY_NAME
+    assert q["matmul_gguf"] == 6 and q["merged_gguf_inputs"] == {"groups": 2, "nodes": q["merged_gguf_inputs"]["nodes"]}
+    how = {mod.split(".")[-1]: r["encoding"] for mod, r in q["approximated"].items()}
+    assert how == {"up_proj": "8-bit min correction", "v_proj": "4-bit fit", "o_proj": "4-bit fit",
+                   "down_proj": "4-bit fit"}
+    assert g.spec.kernels == LIBRARY_NAME and LIBRARY_NAME in [f.path for f in g.files]
+    assert m.graphs["draft"].spec.kernels == ""
+    nodes = onnx.load(str(tmp_path / "gguf-kernel" / "target.onnx"), load_external_data=False).graph.node
+    segs = sorted(tuple(a.ints) for n in nodes if n.op_type == "MatMulGGUF" for a in n.attribute
+                  if a.name == "segment_types")
+    assert segs == [(12,), (12,), (12, 14), (12, 14)]  # per layer: gate; q with k
+    logits = []
+    for src in ("gguf", "gguf-compact", "gguf-kernel"):
+        runner = ScatterRunner(OrtDecoder(tmp_path / src / "target.onnx",
+                                          load_manifest(tmp_path / src).graphs["target"].spec).activate())
+        runner.add(0)
+        logits.append(np.asarray(runner.step([(0, [5, 17, 42, 99, 7, 3])])[0]))
+    # the other types are approximated as gguf-compact does; keeping k_proj's Q6_K blocks instead of fitting them
+    # in 4 bits brings the logits closer to the exact re-pack's (llama.cpp's weights)
+    assert np.linalg.norm(logits[2] - logits[0]) < np.linalg.norm(logits[1] - logits[0])
+    # the prompt graph replaces the MatMulGGUF too (their weights dequantized from the blocks) and needs no kernels
+    from dspark_export.engine_dir.add_prompt_graph import add_prompt_graph
+
+    pg = add_prompt_graph(tmp_path / "gguf-kernel", log=lambda *a: None).graphs["target_prompt"]
+    assert pg.quantization["kept"] == 1 and pg.quantization["kept_gguf"] == 0 and pg.spec.kernels == ""
+    assert pg.validation["int8"]["rel_l2"] < 0.1  # 8-bit columns of the same weights (wrong ones: ~1)
+    for prompts in ("prompt-graph", "target"):
+        fitted = Engine.load(tmp_path / "gguf-kernel", threads=1, prompts=prompts)
+        for prompt in ("def add(a, b):", "Write a function that sorts a list of numbers."):
+            ref = fitted.generate(prompt, max_new_tokens=24, draft=None)
+            assert fitted.generate(prompt, max_new_tokens=24, draft="lm", draft_length=4).token_ids == ref.token_ids
+
+
 # ------------------------------------------------------------------------- merging MatMulNBits (nbits_fuse)
 @pytest.mark.parametrize("correction_bits", [32, 8])
 def test_merging_matmulnbits_that_share_an_input_is_bit_identical(tmp_path, correction_bits):

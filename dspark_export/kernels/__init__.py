@@ -1,0 +1,1 @@
+"""Building DSpark's ONNX Runtime kernels library (:mod:`dspark_runtime.kernels`) for the engines that use it."""
