@@ -249,11 +249,11 @@ def info(engine_dir):
         q = g.quantization or {}
         if g.precision == "int4" and q:
             source = q.get("int4_source", q.get("source"))
-            what = (f"GGUF blocks of {q.get('gguf')} re-packed ("
+            what = (f"GGUF blocks of {q.get('gguf')} {'kept' if q.get('kernels') else 're-packed'} ("
                     + ", ".join(f"{c['tensors']} {t}" for t, c in (q.get("gguf_types") or {}).items()) + ")"
-                    + (f", compact: {len(q.get('approximated') or {})} tensors in fewer bits" if source == "gguf-compact"
-                       else "")
-                    if source in ("gguf", "gguf-compact") else q.get("method", "?"))
+                    + (f", compact: {len(q.get('approximated') or {})} tensors in fewer bits" if q.get("approximated") else "")
+                    + (f"; {q['matmul_gguf']} MatMulGGUF on DSpark's kernels" if q.get("kernels") else "")
+                    if source in ("gguf", "gguf-compact", "gguf-kernel") else q.get("method", "?"))
             click.echo(f"    int4 weights: {what}; {q.get('matmul_nbits', '?')} MatMulNBits, accuracy_level "
                        f"{q.get('accuracy_level', '?')}" + (f"; LM head screened in {h.get('screen_bits', 4)} bits, the best {h['candidates']} "
                                                            "rescored exactly" if (h := q.get("lm_head")) else ""))

@@ -28,7 +28,8 @@ from dspark_runtime.engine_dir.manifest import PROMPT_GRAPH, Manifest, load_mani
 from dspark_runtime.engine_dir.tokenizer import Tokenizer
 from dspark_runtime.errors import InputError
 from dspark_runtime.machine.cost_profile import profile_runtime
-from dspark_runtime.machine.load_checks import check_cpu, check_int8_weights, head_skips_padding, target_sha256
+from dspark_runtime.machine.load_checks import (check_cpu, check_int8_weights, check_kernels, head_skips_padding,
+                                               target_sha256)
 from dspark_runtime.machine.load_checks import row_multiple as load_row_multiple
 from dspark_runtime.machine.row_invariance import probe_target_rows
 from dspark_runtime.machine.sysinfo import DEFAULT_THREADS
@@ -93,6 +94,7 @@ class Engine:
         self._prompt_chunks = PromptChunkBackend(self.prompts, self.dir, manifest, self._backends, threads)
         check_cpu(manifest, self.dir, self.backend, probe_used=row_multiple is None)
         check_int8_weights(manifest, self.dir, self.backend)
+        check_kernels(manifest, self.dir)
         self.default_draft_length = manifest.speculation.draft_length or 5
         self._warned_packed = False  # batch() warns once that a batch-dependent runner is in use
         # a draft LM (causal_lm graph) and/or a DSpark drafter (dspark_draft graph) may be present

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from dspark_runtime.engine_dir.integrity import sha256_file
 from dspark_runtime.errors import DSparkError
+from dspark_runtime.kernels import kernel_path
 
 from dspark_export.graphs.fusions import fuse_file
+from dspark_export.kernels.build import build_kernels
 from dspark_export.models.catalog import source_gguf
 from dspark_export.precision.activation_ranges import CALIBRATION_NOTE, calibrate_graph
 from dspark_export.precision.fp8 import choose_fp8_writer, quantize_fp8
@@ -34,12 +36,25 @@ PRECISIONS = ("fp32", "int4", "int8", "int8-trt", "int8-dynamic", "fp8")
 CALIBRATED = ("int8", "int8-trt", "fp8")  # the precisions whose activation ranges are measured on calibration prompts
 
 
+def kernels_unsuitable() -> str | None:
+    """Why DSpark's kernels (``gguf-kernel``) are not for this machine (they do not build here, or this CPU would run
+    their portable path), or None when they are. Builds them (cached) to find out."""
+    try:
+        lib = build_kernels(log=lambda *a: None)
+    except DSparkError as e:
+        return str(e).split("\n")[0]
+    path = kernel_path(str(lib))
+    return None if path == "avx512-vnni" else f"this CPU runs their {path} path (no AVX-512 VNNI)"
+
+
 def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tuple:
     """The int4 weight source for graph ``role`` of the model in ``model_dir``: ``(source, gguf_path, reason)``.
 
-    ``auto``: the target re-packs the GGUF it was converted from when that file is present, in fewer bytes per step
-    (``gguf-compact``: the Q4_K codes kept, the other block types re-fitted in 4 bits; chosen by measurement,
-    docs/precision.md; ``gguf`` re-packs the weights llama.cpp runs exactly), a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
+    ``auto``: the target reads the GGUF it was converted from when that file is present: its Q4_K / Q6_K blocks as
+    they are, on DSpark's own kernel (``gguf-kernel``; chosen by measurement, docs/precision.md) where the kernels
+    build here and this CPU runs their AVX-512 VNNI path, else re-packed into ONNX Runtime's MatMulNBits in fewer
+    bytes per step (``gguf-compact``: the Q4_K codes kept, the other block types re-fitted in 4 bits; ``gguf``
+    re-packs the weights llama.cpp runs exactly); a draft uses ONNX Runtime's RTN quantizer (a draft's precision never changes the
     output, and the 0.5B's GGUF is mostly 5/8-bit blocks, which re-pack to 8-bit). ``gguf`` / ``gguf-compact``
     require the file; ``rtn``/``hqq`` use the float weights and, where the GGUF is known, keep only the token
     embedding in its blocks (``gguf_path`` is then that file, else None). Raises DSparkError when a GGUF source is
@@ -48,7 +63,10 @@ def resolve_int4_source(requested: str, role: str, model_dir: Path | None) -> tu
     gguf = source_gguf(model_dir) if model_dir is not None else None
     if requested == "auto":
         if role == "target" and gguf is not None:
-            return "gguf-compact", gguf, f"auto: the model was converted from {gguf.name}"
+            why = kernels_unsuitable()
+            if why is None:
+                return "gguf-kernel", gguf, f"auto: the model was converted from {gguf.name}"
+            return "gguf-compact", gguf, f"auto: the model was converted from {gguf.name}; not gguf-kernel: {why}"
         return "rtn", gguf, ("auto: a draft's precision never changes the output" if role != "target"
                              else "auto: no source GGUF recorded for this model (not fetched from a GGUF)")
     if requested in GGUF_SOURCES and gguf is None:

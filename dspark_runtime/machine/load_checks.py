@@ -1,6 +1,6 @@
 """Checks an engine runs when it loads (:meth:`dspark_runtime.engine.Engine.load`): the target's row padding from the
 manifest's probe, whether the probe and the cost table were measured on this CPU, and whether an INT8 graph's
-weights suit this CPU's kernels. Each reads the manifest and warns or raises; none touches a graph.
+weights and DSpark's own kernels (:mod:`dspark_runtime.kernels`) suit this CPU. Each reads the manifest and warns or raises; none touches a graph.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dspark_runtime.engine_dir.manifest import Manifest
 from dspark_runtime.errors import InputError
+from dspark_runtime.kernels import kernel_path
 from dspark_runtime.machine import kernel_probe
 from dspark_runtime.machine.sysinfo import OtherCpuWarning, cpu_difference, cpu_features
 
@@ -65,6 +66,19 @@ def check_int8_weights(manifest: Manifest, engine_dir: Path, backend: str) -> No
             warnings.warn(f"{engine_dir}: graph(s) {', '.join(eight_bit)} hold 8-bit U8S8 weights, but this CPU's "
                           "u8*s8 kernel saturates (no VNNI): their outputs will be wrong here; re-quantize with "
                           "the default 7-bit weights (`dspark-export quantize`)", OtherCpuWarning, stacklevel=4)
+
+
+def check_kernels(manifest: Manifest, engine_dir: Path) -> None:
+    """Warn (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when a graph runs on DSpark's kernels
+    (``spec.kernels``) and this CPU takes their portable path (no AVX-512 VNNI): correct, but several times slower
+    than the engine was built for."""
+    libs = sorted({g.spec.kernels for g in manifest.graphs.values() if g.spec.kernels})
+    for lib in libs:
+        path = Path(engine_dir) / lib
+        if path.is_file() and kernel_path(str(path)) == "portable":
+            warnings.warn(f"{engine_dir}: this CPU has no AVX-512 VNNI, so DSpark's kernels ({lib}) run their portable "
+                          "path, several times slower; rebuild the engine here with `--int4-source gguf-compact`",
+                          OtherCpuWarning, stacklevel=4)
 
 
 def check_cpu(manifest: Manifest, engine_dir: Path, backend: str, probe_used: bool = True) -> None:

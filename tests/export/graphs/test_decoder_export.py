@@ -110,7 +110,7 @@ def test_precision_spec_parsing():
     r = Recipe(name="x", target="t", precision="int4", int4_source="target=gguf,draft=rtn")
     assert (r.int4_source_for("target"), r.int4_source_for("draft")) == ("gguf", "rtn")
     assert Recipe(name="x", target="t", int4_source="draft=hqq").int4_source_for("target") == "auto"
-    with pytest.raises(DSparkError, match="int4 source 'gptq' is not supported; choose one of auto, gguf, gguf-compact, rtn, hqq"):
+    with pytest.raises(DSparkError, match="int4 source 'gptq' is not supported; choose one of auto, gguf, gguf-compact, gguf-kernel, rtn, hqq"):
         Recipe(name="x", target="t", int4_source="gptq").validate()
 
 

@@ -334,7 +334,11 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
                      tmp_path / "q4", isolate=False, log=lambda *a: None)
     t, d = m.graphs["target"], m.graphs["draft"]
     assert t.precision == d.precision == "int4"
-    assert t.quantization["int4_source"] == "gguf-compact" and t.quantization["accuracy_level"] == 4
+    from dspark_export.precision.quantizers import kernels_unsuitable, resolve_int4_source
+
+    # auto: the GGUF's blocks on DSpark's kernels where they build and run their vector path here, else gguf-compact
+    auto = "gguf-kernel" if kernels_unsuitable() is None else "gguf-compact"
+    assert t.quantization["int4_source"] == auto and t.quantization["accuracy_level"] == 4
     # lm_head auto: the GGUF's 8-bit (Q6_K) head is screened; the draft's RTN head is 4-bit already
     assert t.quantization["lm_head"]["candidates"] == 256 and "lm_head" not in d.quantization
     assert t.spec.kv_layout == d.spec.kv_layout == "scatter"  # kv_layout auto: int4 engines are batch-exact
@@ -371,19 +375,18 @@ def test_int4_engine_auto_source_and_speculative_equals_target_only(gguf_model, 
 
     info = CliRunner().invoke(cli, ["info", "--engine", str(tmp_path / "q4")])
     assert info.exit_code == 0, info.output
-    assert "int4 weights: GGUF blocks of tiny-gguf.gguf re-packed (" in info.output and "4 Q4_K" in info.output
-    assert "compact: 14 tensors in fewer bits" in info.output  # auto: gguf-compact for a target with its GGUF
+    assert "int4 weights: GGUF blocks of tiny-gguf.gguf " in info.output and "4 Q4_K" in info.output
+    assert (("6 MatMulGGUF on DSpark's kernels" in info.output and "compact: 8 tensors in fewer bits" in info.output)
+            if auto == "gguf-kernel" else "compact: 14 tensors in fewer bits" in info.output)
     assert "MatMulNBitsQuantizer (symmetric RTN, 4-bit, block 32)" in info.output
     assert info.output.count("LM head screened in 2 bits, the best 256 rescored exactly") == 1  # the target only
     assert info.output.count("KV layout scatter") == 2  # target and draft
     assert info.output.count("K/V written in place") == 2  # built with the slot outputs
     # gguf asked for where the model has no GGUF: a clear error
-    from dspark_export.precision.quantizers import resolve_int4_source
-
     with pytest.raises(DSparkError, match="--int4-source rtn"):
         resolve_int4_source("gguf", "target", tmp_path)
     assert resolve_int4_source("auto", "draft", folder)[0] == "rtn"
-    assert resolve_int4_source("auto", "target", folder)[0] == "gguf-compact"
+    assert resolve_int4_source("auto", "target", folder)[0] == auto
 
 
 def test_gguf_compact_engine_reads_fewer_bytes_and_stays_exact_to_itself(gguf_model, tmp_path):

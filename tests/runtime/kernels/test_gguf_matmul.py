@@ -142,3 +142,24 @@ def test_a_malformed_node_is_refused_naming_the_problem(library):
     s = build(K=256, N=4, segment_rows=[4], segment_types=[12])
     with pytest.raises(Exception, match="last dimension must be K = 256"):
         s.run(None, {"x": np.zeros((1, 255), np.float32)})
+
+
+def test_loading_an_engine_on_its_portable_path_warns(monkeypatch, tmp_path):
+    """An engine whose graph runs on the kernels warns when this CPU would take their portable path (an engine built
+    on an AVX-512 VNNI machine, shipped to one without it), and says how to rebuild."""
+    import warnings
+    from types import SimpleNamespace
+
+    from dspark_runtime.machine import load_checks
+    from dspark_runtime.machine.sysinfo import OtherCpuWarning
+
+    (tmp_path / "libdspark_kernels.so").write_bytes(b"")
+    manifest = SimpleNamespace(graphs={"target": SimpleNamespace(spec=SimpleNamespace(kernels="libdspark_kernels.so")),
+                                       "draft": SimpleNamespace(spec=SimpleNamespace(kernels=""))})
+    monkeypatch.setattr(load_checks, "kernel_path", lambda lib: "portable")
+    with pytest.warns(OtherCpuWarning, match="portable path.*--int4-source gguf-compact"):
+        load_checks.check_kernels(manifest, tmp_path)
+    monkeypatch.setattr(load_checks, "kernel_path", lambda lib: "avx512-vnni")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checks.check_kernels(manifest, tmp_path)
