@@ -38,8 +38,8 @@ def register_kernels(so, library: Path) -> None:
 
 @lru_cache(maxsize=None)
 def kernel_path(library: str) -> str:
-    """Which code path the library computes with on this CPU: ``"avx512-vnni"`` or ``"portable"`` (much slower:
-    no AVX-512 VNNI here)."""
+    """Which code path the library computes with on this CPU: ``"avx512-vnni"``, ``"avx2"`` (no AVX-512 VNNI here:
+    three times the instructions per weight) or ``"portable"`` (no AVX2 either: several times slower)."""
     lib = ctypes.CDLL(str(library))
     lib.DSparkKernelPath.restype = ctypes.c_char_p
     return lib.DSparkKernelPath().decode()

@@ -13,8 +13,8 @@
 // row of X and its own row of W only, computed the same way whatever the number of rows of the call or the
 // threads: results are row-invariant by construction (what exact speculative decoding needs).
 //
-// Paths: AVX-512 (F, BW, VL, VNNI) where the CPU has it, else portable C++ (same integer math, fp32 sums in
-// another order; $DSPARK_KERNEL_PATH=portable forces it); threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor) over chunks of output rows.
+// Paths: AVX-512 (F, BW, VL, VNNI) where the CPU has it, else AVX2 (+FMA, F16C), else portable C++ (the same integer
+// math, fp32 sums in another order; $DSPARK_KERNEL_PATH=avx2 / portable forces one); threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor) over chunks of output rows.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -181,7 +181,6 @@ void q6k_rows_portable(const uint8_t* w, int64_t nb, const Q8Block* const* y, in
 
 // The weight blocks a few ahead (the next rows' where a row ends; past the buffer's end harmless), into L1: the
 // hardware prefetcher alone leaves calls of several rows waiting on memory (measured: docs/precision.md).
-__attribute__((target("avx512f")))
 inline void prefetch_ahead(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T0);
 }
@@ -286,6 +285,127 @@ void q6k_rows_avx512(const uint8_t* w, int64_t nb, const Q8Block* const* y, floa
   }
 }
 
+// ---------------------------------------------------------------- dot products, AVX2 (CPUs without AVX-512 VNNI)
+
+#define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+DSPARK_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+DSPARK_AVX2 void quantize_row_avx2(const float* x, Q8Block* y, int64_t nb) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kQK;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < kQK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    y[b].d = amax / 127.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int i = 0; i < kQK; i += 32) {
+      __m256i q[4];
+      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * k), vid));
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256((__m256i*)(y[b].qs + i), packed);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        y[b].bsum[i / 16 + h] = (int16_t)_mm_cvtsi128_si32(t4);
+      }
+    }
+  }
+}
+
+// 32 unsigned codes times 32 int8 values, in 16-bit pairs, then by a scale per 16 values (lo: values 0..15)
+DSPARK_AVX2 inline __m256i dot32(__m256i codes, const int8_t* y, __m256i scales) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i*)y)), scales);
+}
+
+DSPARK_AVX2 inline __m256i two_scales(int lo, int hi) {
+  return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+
+DSPARK_AVX2 void q4k_rows_avx2(const uint8_t* w, int64_t nb, const Q8Block* const* y, int rows, float* out) {
+  __m256 facc[kRowTile], macc[kRowTile];
+  for (int m = 0; m < rows; ++m) { facc[m] = _mm256_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kQ4KBytes;
+    prefetch_ahead(blk + kPrefetchBlocks * kQ4KBytes, kQ4KBytes);
+    const float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+    uint64_t sc, mn;
+    q4k_scales(blk + 4, &sc, &mn);
+    const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)mn),
+                                                                 _mm_cvtsi64_si128((long long)mn)));
+    __m256i lo[4], hi[4], slo[4], shi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * j));
+      lo[j] = _mm256_and_si256(q, low4);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      const int s0 = (int)((sc >> (16 * j)) & 0xff), s1 = (int)((sc >> (16 * j + 8)) & 0xff);
+      slo[j] = two_scales(s0, s0);
+      shi[j] = two_scales(s1, s1);
+    }
+    for (int m = 0; m < rows; ++m) {
+      const Q8Block& q8 = y[m][b];
+      __m256i acc = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        acc = _mm256_add_epi32(acc, dot32(lo[j], q8.qs + 64 * j, slo[j]));
+        acc = _mm256_add_epi32(acc, dot32(hi[j], q8.qs + 64 * j + 32, shi[j]));
+      }
+      facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d * q8.d), facc[m]);
+      const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)q8.bsum), mn16);
+      macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * q8.d), macc[m]);
+    }
+  }
+  for (int m = 0; m < rows; ++m) out[m] = hsum256(_mm256_sub_ps(facc[m], macc[m]));
+}
+
+DSPARK_AVX2 void q6k_rows_avx2(const uint8_t* w, int64_t nb, const Q8Block* const* y, int rows, float* out) {
+  __m256 facc[kRowTile], moff[kRowTile];
+  for (int m = 0; m < rows; ++m) { facc[m] = _mm256_setzero_ps(); moff[m] = _mm256_setzero_ps(); }
+  const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kQ6KBytes;
+    prefetch_ahead(blk + kPrefetchBlocks * kQ6KBytes, kQ6KBytes);
+    const float d = _cvtsh_ss(load_u16(blk + 208));
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+    __m256i codes[8], scales[8];  // 32 values each, in order
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+      const __m256i lows[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                               _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+      for (int k = 0; k < 4; ++k) {
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two), 4);
+        codes[4 * h + k] = _mm256_or_si256(lows[k], high);
+        scales[4 * h + k] = two_scales(sc[8 * h + 2 * k], sc[8 * h + 2 * k + 1]);
+      }
+    }
+    for (int m = 0; m < rows; ++m) {
+      const Q8Block& q8 = y[m][b];
+      __m256i acc = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) acc = _mm256_add_epi32(acc, dot32(codes[c], q8.qs + 32 * c, scales[c]));
+      facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d * q8.d), facc[m]);
+      const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)q8.bsum), sc16);
+      moff[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.f * d * q8.d), moff[m]);
+    }
+  }
+  for (int m = 0; m < rows; ++m) out[m] = hsum256(_mm256_sub_ps(facc[m], moff[m]));
+}
+
 using RowsFn = void (*)(const uint8_t*, int64_t, const Q8Block* const*, int, float*);
 using TileFn = void (*)(const uint8_t*, int64_t, const Q8Block* const*, float*);
 
@@ -317,12 +437,17 @@ struct Paths {
 const Paths& paths() {
   static const Paths p = [] {
     __builtin_cpu_init();
-    const char* forced = std::getenv("DSPARK_KERNEL_PATH");  // "portable": the tests' way to check that path here
-    const bool portable = forced != nullptr && std::strcmp(forced, "portable") == 0;
-    if (!portable && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    // $DSPARK_KERNEL_PATH=avx2 / portable: the tests' way to check those paths on a CPU that has AVX-512 VNNI
+    const char* forced = std::getenv("DSPARK_KERNEL_PATH");
+    const std::string want = forced != nullptr ? forced : "";
+    if (want.empty() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
       return Paths{quantize_row_avx512, q4k_rows_avx512_any, q6k_rows_avx512_any, "avx512-vnni"};
+    }
+    if ((want.empty() || want == "avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return Paths{quantize_row_avx2, q4k_rows_avx2, q6k_rows_avx2, "avx2"};
     }
     return Paths{quantize_row_portable, q4k_rows_portable, q6k_rows_portable, "portable"};
   }();

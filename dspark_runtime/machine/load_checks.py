@@ -70,14 +70,14 @@ def check_int8_weights(manifest: Manifest, engine_dir: Path, backend: str) -> No
 
 def check_kernels(manifest: Manifest, engine_dir: Path) -> None:
     """Warn (:class:`~dspark_runtime.machine.sysinfo.OtherCpuWarning`) when a graph runs on DSpark's kernels
-    (``spec.kernels``) and this CPU takes their portable path (no AVX-512 VNNI): correct, but several times slower
-    than the engine was built for."""
+    (``spec.kernels``) and this CPU takes their portable path (no AVX2): correct, but several times slower than the
+    engine was built for."""
     libs = sorted({g.spec.kernels for g in manifest.graphs.values() if g.spec.kernels})
     for lib in libs:
         path = Path(engine_dir) / lib
         if path.is_file() and kernel_path(str(path)) == "portable":
-            warnings.warn(f"{engine_dir}: this CPU has no AVX-512 VNNI, so DSpark's kernels ({lib}) run their portable "
-                          "path, several times slower; rebuild the engine here with `--int4-source gguf-compact`",
+            warnings.warn(f"{engine_dir}: this CPU has no AVX2, so DSpark's kernels ({lib}) run their portable path, "
+                          "several times slower; rebuild the engine here with `--int4-source gguf-compact`",
                           OtherCpuWarning, stacklevel=4)
 
 

@@ -89,9 +89,14 @@ def test_matmul_gguf_rows_are_computed_independently_of_the_call(library):
     np.testing.assert_array_equal(two.run(None, {"x": x3.reshape(12, k)})[0], full[:12])
 
 
-def test_the_portable_path_agrees_with_the_vector_path(library, tmp_path):
-    """$DSPARK_KERNEL_PATH=portable (what a CPU without AVX-512 VNNI runs): the same integer sums, fp32 sums in
-    another order, so equal to ~1e-6 relative; the path a process uses is reported."""
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_the_other_paths_agree_with_this_cpus(library, tmp_path, path):
+    """$DSPARK_KERNEL_PATH=avx2 / portable (what a CPU without AVX-512 VNNI, or without AVX2, runs): the same integer
+    sums, fp32 sums in another order, so equal to ~1e-6 relative; the path a process uses is reported."""
+    from dspark_runtime.machine.sysinfo import cpu_features
+
+    if path == "avx2" and not {"avx2", "fma", "f16c"} <= set(cpu_features()["flags"]):
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     rng = np.random.default_rng(8)
     k = 768
     parts = parts_of(rng, k)
@@ -111,11 +116,11 @@ def test_the_portable_path_agrees_with_the_vector_path(library, tmp_path):
         "print(kernel_path(sys.argv[3]))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path), root, str(library)], capture_output=True, text=True,
-                         env={**os.environ, "DSPARK_KERNEL_PATH": "portable"}, check=True)
-    assert out.stdout.strip() == "portable"
+                         env={**os.environ, "DSPARK_KERNEL_PATH": path}, check=True)
+    assert out.stdout.strip() == path
     got = np.load(tmp_path / "y.npy")
     want = session(library, parts, k).run(None, {"x": x})[0]
-    assert kernel_path(str(library)) in ("avx512-vnni", "portable")
+    assert kernel_path(str(library)) in ("avx512-vnni", "avx2", "portable")
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
