@@ -33,6 +33,11 @@
 
 namespace {
 
+// the code paths' instruction sets (functions compiled for them, called only where the CPU has them)
+#define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+
 constexpr int64_t kQK = 256;           // values per K-quant super-block
 constexpr int64_t kTypeQ4K = 12;       // GGML type ids
 constexpr int64_t kTypeQ6K = 14;
@@ -98,7 +103,7 @@ void quantize_row_portable(const float* x, Q8Block* y, int64_t nb) {
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+DSPARK_AVX512
 void quantize_row_avx512(const float* x, Q8Block* y, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kQK;
@@ -185,12 +190,31 @@ inline void prefetch_ahead(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T0);
 }
 
+// one block's 256 codes (four registers of 64, in the order of the row's values) times one row's int8 values, each
+// 16-bit pair product scaled by its sub-block scale (sv): 16 int32 partial sums
+DSPARK_AVX512 inline __m512i block_dot(const __m512i* wv, const __m512i* sv, const Q8Block& q8) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j)
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(wv[j], _mm512_load_si512((const void*)(q8.qs + 64 * j))), sv[j]);
+  return acc;
+}
+
+// the sum of a row's 16 accumulator lanes minus its 8 correction lanes
+DSPARK_AVX512 inline float sum_minus(__m512 acc, __m256 correction) {
+  const __m256 lo = _mm512_castps512_ps256(acc);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+  const __m256 t = _mm256_sub_ps(_mm256_add_ps(lo, hi), correction);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+}
+
 // Both kernels multiply unsigned codes by the row's int8 values in 16-bit pairs (vpmaddubsw: at most 63·127·2, no
 // saturation), then by the sub-block scales into 32-bit sums (vpdpwssd); each row keeps a float accumulator of 16
 // lanes for the scaled block sums and one of 8 lanes for the minimum (Q4_K) or the +32 code offset (Q6_K), summed
 // once at the end.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+DSPARK_AVX512
 void q4k_rows_avx512(const uint8_t* w, int64_t nb, const Q8Block* const* y, float* out) {
   __m512 facc[R];
   __m256 macc[R];
@@ -218,26 +242,16 @@ void q4k_rows_avx512(const uint8_t* w, int64_t nb, const Q8Block* const* y, floa
     }
     for (int m = 0; m < R; ++m) {
       const Q8Block& q8 = y[m][b];
-      __m512i acc = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(wv[j], _mm512_load_si512((const void*)(q8.qs + 64 * j))), sv[j]);
-      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * q8.d), facc[m]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(wv, sv, q8)), _mm512_set1_ps(d * q8.d), facc[m]);
       const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)q8.bsum), mn16);
       macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * q8.d), macc[m]);
     }
   }
-  for (int m = 0; m < R; ++m) {
-    const __m256 lo = _mm512_castps512_ps256(facc[m]);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(facc[m]), 1));
-    const __m256 t = _mm256_sub_ps(_mm256_add_ps(lo, hi), macc[m]);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-  }
+  for (int m = 0; m < R; ++m) out[m] = sum_minus(facc[m], macc[m]);
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+DSPARK_AVX512
 void q6k_rows_avx512(const uint8_t* w, int64_t nb, const Q8Block* const* y, float* out) {
   __m512 facc[R];
   __m256 moff[R];
@@ -266,28 +280,16 @@ void q6k_rows_avx512(const uint8_t* w, int64_t nb, const Q8Block* const* y, floa
     }
     for (int m = 0; m < R; ++m) {
       const Q8Block& q8 = y[m][b];
-      __m512i acc = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(wv[j], _mm512_load_si512((const void*)(q8.qs + 64 * j))), sv[j]);
-      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * q8.d), facc[m]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(wv, sv, q8)), _mm512_set1_ps(d * q8.d), facc[m]);
       // the codes are stored +32: subtract 32 · Σ scale · (sum of each 16)
       const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)q8.bsum), sc16);
       moff[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.f * d * q8.d), moff[m]);
     }
   }
-  for (int m = 0; m < R; ++m) {
-    const __m256 lo = _mm512_castps512_ps256(facc[m]);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(facc[m]), 1));
-    const __m256 t = _mm256_sub_ps(_mm256_add_ps(lo, hi), moff[m]);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-  }
+  for (int m = 0; m < R; ++m) out[m] = sum_minus(facc[m], moff[m]);
 }
 
 // ---------------------------------------------------------------- dot products, AVX2 (CPUs without AVX-512 VNNI)
-
-#define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 DSPARK_AVX2 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
