@@ -275,7 +275,7 @@ def integer_prompt_graph(src: Path, dst: Path, *, weight_bits: int, keep=(), out
     rep = {"replaced": replaced, "kept": kept, "kept_gguf": kept_gguf, "outlier_channels": n_apart, "weight_bits": weight_bits,
            "integer_weight_bytes": nbytes, "shared_files": sorted(shared), "shared_bytes": shared_bytes,
            "seconds": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(peak_rss_gb(), 2)}
-    log(f"  prompt graph: {replaced} MatMulNBits -> MatMulIntegerToFloat (u8 x s{weight_bits}), {kept} kept, "
+    log(f"  prompt graph: {replaced} weight MatMuls -> MatMulIntegerToFloat (u8 x s{weight_bits}), {kept} kept, "
         f"{n_apart} outlier input channels in fp32; "
         + (f"{shared_bytes / 2 ** 30:.2f} GiB read in place from {', '.join(sorted(shared))}; " if shared else "")
         + f"{nbytes / 2 ** 30:.2f} GiB of integer weights in {rep['seconds']:.0f} s, peak RSS {rep['peak_rss_gb']:.2f} GiB")
