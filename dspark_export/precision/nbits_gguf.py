@@ -8,7 +8,9 @@ Encodings (:data:`~dspark_export.precision.gguf_blocks.ENCODINGS`, exact to floa
 a float offset per block, applied outside the kernel as ``x·W = MatMulNBits(x; q, s, zp=0) − blocksum(x)·C``.
 Every re-packed tensor must equal the graph's own fp32 weight or the build is refused, naming the tensor; block
 types without an exact encoding become 8-bit RTN from the float weight; F32/F16/BF16 weights stay fp32 MatMuls.
-The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: 4-bit blocks keep their codes
+The ``kernel`` encoding (``int4_source`` ``gguf-kernel``) keeps the Q4_K / Q6_K tensors as the GGUF's own blocks for
+DSpark's ``ai.dspark.MatMulGGUF`` (:mod:`dspark_export.precision.gguf_kernel`) and treats every other one as
+``compact`` does. The ``compact`` encoding (``int4_source`` ``gguf-compact``) reads fewer bytes per step: 4-bit blocks keep their codes
 with the block minimum in 8 bits, every other block type (Q6_K, Q5_K, Q8_0, ...) is re-fitted in 4 bits, the LM head
 stays exact. Both keep the token embedding in the GGUF's own blocks where they reproduce the table bit for bit
 (:mod:`dspark_export.precision.gguf_embedding`).
@@ -82,7 +84,8 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
             scales with the float block minimum as an 8-bit block-sum correction
             (:func:`~dspark_export.precision.nbits.affine8_rows`); every other block type is fitted as 4-bit blocks
             of 32 with integer zero points (:func:`~dspark_export.precision.nbits.fit_uint_rows`); modules matching
-            a ``keep_exact`` regular expression (default: the LM head) stay exact.
+            a ``keep_exact`` regular expression (default: the LM head) stay exact. ``"kernel"``: as ``"compact"``,
+            but Q4_K / Q6_K tensors stay the GGUF's blocks, computed by MatMulGGUF (the library placed beside ``dst``).
     Returns the manifest's quantization record: precision, source, accuracy level, per-GGUF-type counts and
     encodings, the fallback and fp32 tensors by name, max |Δ| of the encoded weights against the fp32 graph,
     weight bytes before and after, seconds, peak RSS (GiB). Raises DSparkError when the GGUF is missing, a graph
@@ -273,14 +276,14 @@ def quantize_nbits_gguf(src: Path, dst: Path, gguf_path: Path, *, accuracy_level
         place_kernels(dst.parent, log=log)
     check_nbits_graph(dst)
     by_type = {qt: {"tensors": c, "encoding": _describe(qt)} for qt, c in sorted(counts.items())}
-    method = ("GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a block-sum "
-              "correction)" if encoding == "exact" else
-              "GGUF blocks in 4 bits: 4-bit blocks of 32 re-packed with their block minimum as an 8-bit block-sum "
-              "correction, other types fitted as 4-bit blocks of 32 with integer zero points"
-              + (f"; exact: {', '.join(keep_exact)}" if keep_exact else "") if encoding == "compact" else
-              "Q4_K / Q6_K tensors kept as the GGUF's own blocks for DSpark's ai.dspark.MatMulGGUF kernel (exact "
-              "weights, int8 activations per 256 as llama.cpp); other types as gguf-compact"
-              + (f"; MatMulNBits, exact: {', '.join(keep_exact)}" if keep_exact else ""))
+    method = {
+        "exact": "GGUF blocks re-packed into com.microsoft.MatMulNBits (exact; affine block offsets as a block-sum "
+                 "correction)",
+        "compact": "GGUF blocks in 4 bits: 4-bit blocks of 32 re-packed with their block minimum as an 8-bit block-sum "
+                   "correction, other types fitted as 4-bit blocks of 32 with integer zero points",
+        "kernel": "Q4_K / Q6_K tensors kept as the GGUF's own blocks for DSpark's ai.dspark.MatMulGGUF kernel (exact "
+                  "weights, int8 activations per 256 as llama.cpp); other types as gguf-compact",
+    }[encoding] + (f"; exact: {', '.join(keep_exact)}" if keep_exact and encoding != "exact" else "")
     source = {"exact": "gguf", "compact": "gguf-compact", "kernel": "gguf-kernel"}[encoding]
     rep = {"precision": "int4", "int4_source": source, "gguf": gguf_path.name,
            "accuracy_level": accuracy_level, "method": method, "approximated": approximated,
