@@ -72,14 +72,15 @@ def add_prompt_graph(engine_dir: Path, weight_bits: int | None = None, keep=(), 
             txn.link(f.path)
         rep = integer_prompt_graph(src, txn.stage / name, weight_bits=weight_bits, keep=keep, outliers=outliers,
                                    share_source_data=True, log=log)
+        kernels = t.spec.kernels if rep["kept_gguf"] else ""  # only kept MatMulGGUF nodes need the target's kernels
         check = compare_prompt_graph(Path(engine_dir) / t.model_file, txn.stage / name, t.spec)
         log(f"[{PROMPT_GRAPH}] vs the target graph on {VALIDATION_TOKENS} prompt positions: argmax agreement "
             f"{check['argmax_agreement']:.0%}, rel L2 {check['rel_l2']:.4f}, max |dlogits| {check['max_abs_logit_diff']:.2f}")
         m.graphs[PROMPT_GRAPH] = GraphEntry(
             role="prompt", model_id=t.model_id, format="onnx", precision="int8",
             files=[FileEntry.of(txn.stage, name), FileEntry.of(txn.stage, name + ".data"),
-                   *(f for f in t.files if f.path in rep["shared_files"] or rep["kept_gguf"] and f.path == t.spec.kernels)],
-            spec=dataclasses.replace(t.spec, kernels=t.spec.kernels if rep["kept_gguf"] else ""),
+                   *(f for f in t.files if f.path in rep["shared_files"] or f.path == kernels)],
+            spec=dataclasses.replace(t.spec, kernels=kernels),
             validation={"int8": check}, model_config=t.model_config,
             quantization={"method": f"prompt graph of the int4 target: u8*s8 MatMulIntegerToFloat, uint8 "
                                     f"activations per row, the target's weights in {weight_bits}-bit columns; the LM "
