@@ -21,12 +21,15 @@ from dspark_export.fit.cost_profile import profile_engine
 @click.option("--prompts", "n_prompts", type=int, default=12, show_default=True,
               help="Calibration-split prompts to decode (never evaluation prompts).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-def calibrate(engine_dir, n_prompts, max_new_tokens):
+@click.option("--save-to-checkpoint", is_flag=True,
+              help="Also write the fit as sts.json in the drafter's checkpoint folder, so engines compiled from it "
+                   "later (add-draft) carry it. Without it that folder is left as it is.")
+def calibrate(engine_dir, n_prompts, max_new_tokens, save_to_checkpoint):
     """Fit the DSpark confidence head's per-position STS temperatures on the calibration split and write
     them to ENGINE_DIR's manifest; prints the survival ECE per position before and after. The same greedy
     outputs give the router's priors (speculation.router): n-gram lookup's acceptance per match extent and
     position, and the DSpark drafter's per-position acceptance."""
-    res = calibrate_engine(engine_dir, n_prompts, max_new_tokens, log=click.echo)
+    res = calibrate_engine(engine_dir, n_prompts, max_new_tokens, log=click.echo, save_to_checkpoint=save_to_checkpoint)
     click.echo(f"{res['rounds']} rounds; temperatures {[round(t, 3) for t in res['temperatures']]}")
     click.echo(f"{'pos':>3} {'ECE before':>10} {'ECE after':>9} {'mean pred':>9} {'mean true':>9} {'n':>5}")
     for r in res["report"]:

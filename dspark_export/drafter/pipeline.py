@@ -368,7 +368,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
         t = time.perf_counter()
         log(f"[5/5] compiling {out_dir} into {engine_dir} and calibrating it")
         add_dspark_draft(engine_dir, out_dir, str(target_dir), log=log)
-        cal = calibrate_engine(engine_dir, log=log)
+        cal = calibrate_engine(engine_dir, log=log, save_to_checkpoint=True)  # the run's own checkpoint
         st.update(done=True, seconds=time.perf_counter() - t, rounds=cal["rounds"],
                   temperatures=cal["temperatures"])
         state.save()

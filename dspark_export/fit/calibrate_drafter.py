@@ -75,16 +75,19 @@ def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_
             "sequences": len(sequences), "gamma": int(gamma)}
 
 
-def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print) -> dict:
+def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print,
+                     save_to_checkpoint: bool = False) -> dict:
     """Fit STS temperatures for the engine's DSpark drafter and the router's priors, and write them to its manifest.
     A drafter without the confidence head (DeepSpec's DFlash) gets the router's priors only (temperatures None).
 
     Returns {"temperatures", "report" (per position ECE before/after; empty without a confidence head), "rounds",
-    "prompts"}.
-    The manifest and ``<engine_dir>/calibration.json`` change together or not at all; ``sts.json`` beside the
-    checkpoint is written (atomically) after them. Raises DSparkError when the engine has no DSpark drafter,
-    no full draft round was recorded, or the engine directory cannot be written (read-only, full disk; it is
-    then unchanged).
+    "prompts", "checkpoint_sts" (the ``sts.json`` written, or None)}.
+    The manifest and ``<engine_dir>/calibration.json`` change together or not at all. With ``save_to_checkpoint``
+    the fit is also written (atomically, after them) as ``sts.json`` in the drafter's checkpoint folder, which
+    ``add-draft`` copies into every engine later compiled from it; otherwise that folder is left untouched (an
+    engine copy calibrated for a trial does not change the checkpoint other engines are built from). Raises
+    DSparkError when the engine has no DSpark drafter, no full draft round was recorded, or the engine directory
+    cannot be written (read-only, full disk; it is then unchanged).
     """
     engine_dir = Path(engine_dir)
     eng = Engine.load(engine_dir)
@@ -121,10 +124,18 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
         + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
                     for i, lo in enumerate(router["ngram"]["edges"])))
     model_id = m.graphs[m.speculation.dspark.graph].model_id
-    if model_id.startswith("dspark:"):
-        ck = Path(model_id[len("dspark:"):])
-        if ck.is_dir():
-            atomic_write_text(ck / "sts.json", json.dumps({"temperatures": res["temperatures"],
-                                                           "fitted_on": res["prompts"], "rounds": res["rounds"],
-                                                           "router": router}, indent=2) + "\n")
+    ck = Path(model_id[len("dspark:"):]) if model_id.startswith("dspark:") else None
+    res["checkpoint_sts"] = None
+    if ck is None or not ck.is_dir():
+        if save_to_checkpoint:
+            log(f"the drafter's checkpoint folder ({model_id}) is not on this machine: no sts.json written")
+    elif save_to_checkpoint:
+        res["checkpoint_sts"] = str(ck / "sts.json")
+        atomic_write_text(ck / "sts.json", json.dumps({"temperatures": res["temperatures"],
+                                                       "fitted_on": res["prompts"], "rounds": res["rounds"],
+                                                       "router": router}, indent=2) + "\n")
+        log(f"wrote {ck / 'sts.json'}: engines compiled from {ck} from now on carry this fit")
+    else:
+        log(f"{ck}/sts.json left as it was (engines compiled from that checkpoint carry its fit, not this one; "
+            "--save-to-checkpoint writes this one there)")
     return res

@@ -486,12 +486,12 @@ def test_calibrate_failing_to_write_leaves_the_engine(fault, dspark_copy, tiny_d
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dspark[1], ckpt)
     m = json.loads((dspark_copy / "manifest.json").read_text())
-    m["graphs"]["draft"]["model_id"] = f"dspark:{ckpt}"  # sts.json goes to this copy
+    m["graphs"]["draft"]["model_id"] = f"dspark:{ckpt}"  # sts.json would go to this copy
     (dspark_copy / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
     before, ckpt_before = snapshot(dspark_copy), snapshot(ckpt)
     fail_writes(monkeypatch, dspark_copy, FAULTS[fault], name_contains="calibration")
     with expect_failure(FAULTS[fault]):
-        calibrate_engine(dspark_copy, n_prompts=2, max_new_tokens=16, **QUIET)
+        calibrate_engine(dspark_copy, n_prompts=2, max_new_tokens=16, save_to_checkpoint=True, **QUIET)
     monkeypatch.undo()
     assert_unchanged(dspark_copy, before)
     assert_unchanged(ckpt, ckpt_before)

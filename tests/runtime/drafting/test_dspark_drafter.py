@@ -208,7 +208,15 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     assert got.token_ids == ref.token_ids
     assert set(int(k) for k in got.stats.draft_length_histogram) <= set(range(0, 5))
 
+    # the drafter's checkpoint folder, as a copy the engine points at: calibrate leaves its sts.json as it is
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dspark[1], ckpt)
+    m = json.loads((eng_dir / "manifest.json").read_text())
+    m["graphs"][m["speculation"]["dspark"]["graph"]]["model_id"] = f"dspark:{ckpt}"
+    (eng_dir / "manifest.json").write_text(json.dumps(m))
+    shipped_sts = (ckpt / "sts.json").read_bytes()
     res = calibrate_engine(eng_dir, n_prompts=3, max_new_tokens=24, log=lambda *a: None)
+    assert res["checkpoint_sts"] is None and (ckpt / "sts.json").read_bytes() == shipped_sts
     assert len(res["temperatures"]) == 4 and all(t > 0 for t in res["temperatures"])
     assert res["rounds"] > 0 and [r["position"] for r in res["report"]] == [1, 2, 3, 4]
     m = json.loads((eng_dir / "manifest.json").read_text())
@@ -220,6 +228,12 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     assert tries.shape == (6, 16) and router["ngram"]["matched"] > 0 and tries[:, 0].sum() == router["ngram"]["matched"]
     inner = router["inner"]["dspark"]
     assert inner["tries"][0][0] == res["rounds"]  # every recorded round tests position 1
+    # --save-to-checkpoint: the fit goes into the checkpoint's sts.json too, for engines compiled from it later
+    saved = calibrate_engine(eng_dir, n_prompts=3, max_new_tokens=24, log=lambda *a: None, save_to_checkpoint=True)
+    assert saved["checkpoint_sts"] == str(ckpt / "sts.json")
+    sts = json.loads((ckpt / "sts.json").read_text())
+    assert sts["temperatures"] == saved["temperatures"] and sts["rounds"] == saved["rounds"] > 0
+    assert sts["router"]["inner"]["dspark"] == saved["router"]["inner"]["dspark"]
     eng = Engine.load(eng_dir, threads=1)
     drafter = eng.batch(draft="router").drafter
     np.testing.assert_allclose(drafter.inner_stats.prior_hits[0, 0] / drafter.inner_stats.prior_tries[0, 0],
