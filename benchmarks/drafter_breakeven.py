@@ -1,0 +1,121 @@
+"""What a drafter must accept to pay on an engine: the acceptance each drafter graph needs for a given speedup over
+target-only decoding, priced by the engine's profiled round costs and each graph's measured drafting pass.
+
+The model is one request, greedy, the verify length chosen per round as Algorithm 1 does for one request (the
+scheduler's :func:`~dspark_runtime.scheduling.verify_length.expected_throughput` over the engine's
+:func:`~dspark_runtime.scheduling.round_cost.round_cost_table`): a round costs the drafting pass plus the target's
+pass over 1 + l tokens and commits 1 + a_1 + ... + a_l tokens in expectation. Survivals are geometric, a_j = α^j
+(α: the acceptance of each draft given the ones before it); a drafter graph's pass is the engine's profiled
+t_draft with the shipped graph's time replaced by that graph's (``python -m benchmarks.step_profile --role dspark
+--against ...`` measures them side by side; the runtime's work around the graph is kept). For each graph and
+speedup: the least α that reaches it, its best verify length, and the τ at a fixed block of 7 that α gives (the
+drafter issue's "τ at γ=7"). ``--survival`` prices a measured survival profile too (e.g. ``mean true`` of
+``dspark-export calibrate``).
+
+    python -m benchmarks.drafter_breakeven --engine engines/qwen2.5-coder-1.5b --draft-costs step_profile.json \\
+        --survival 0.507,0.276,0.151,0.078,0.043,0.024,0.015 --out results/drafter-breakeven-qwen2.5-coder-1.5b-zen5.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.scheduling.cost_table import cost_table_at
+from dspark_runtime.scheduling.round_cost import round_cost_table, table_draft_seconds
+from dspark_runtime.scheduling.verify_length import expected_throughput
+
+
+def speedup(table: dict, t_draft_s: float, survival, context: float) -> tuple[int, float]:
+    """(best verify length l >= 1, expected tokens/s of speculative rounds at l over target-only tokens/s) for one
+    request with prefix survivals ``survival`` [γ], a drafting pass of ``t_draft_s`` seconds and the cost table
+    ``table`` (a manifest ``cost_table``: t_verify by verify tokens) at ``context`` cached positions."""
+    at = cost_table_at(table, context)
+    base = 1.0 / at["t_verify"][0]  # target-only: one token per pass over one token, no drafting
+    profiled = table_draft_seconds(at, 1)  # what round_cost_table prices one request's drafting pass at
+    cost = round_cost_table(table, rows=1, context=context, draft_scale=t_draft_s / max(profiled, 1e-12))
+    a = np.asarray(survival, dtype=np.float64)
+    rates = [expected_throughput([a], [l], cost) for l in range(1, len(a) + 1)]
+    best = int(np.argmax(rates))
+    return best + 1, rates[best] / base
+
+
+def needed_alpha(table: dict, t_draft_s: float, target: float, context: float, gamma: int = 7) -> float | None:
+    """The least per-position acceptance α (survivals α^j) whose best verify length reaches ``target`` × target-only;
+    None when even α = 1 does not. Bisection to 1e-4."""
+    def gain(alpha):
+        return speedup(table, t_draft_s, alpha ** np.arange(1, gamma + 1), context)[1]
+    if gain(1.0) < target:
+        return None
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gain(mid) < target else (lo, mid)
+    return hi
+
+
+def tau_fixed(alpha: float, gamma: int = 7) -> float:
+    """Expected accepted length τ (bonus token included) of a full block of ``gamma`` drafts at survivals α^j."""
+    return float(1.0 + sum(alpha ** j for j in range(1, gamma + 1)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", type=Path, required=True, help="an engine with a cost table (dspark-export profile)")
+    ap.add_argument("--draft-costs", type=Path, required=True,
+                    help="step_profile --role dspark --against ... JSON: its first engine's drafter must be the one "
+                         "the cost table profiled")
+    ap.add_argument("--context", type=int, default=512, help="cached positions (one of the --draft-costs pasts)")
+    ap.add_argument("--speedups", default="1.0,1.3,1.6")
+    ap.add_argument("--survival", default=None, help="a measured survival profile a_1..a_γ to price, comma-separated")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    table = load_manifest(a.engine, verify=False).speculation.cost_table
+    if not table or "t_verify" not in table:
+        sys.exit(f"{a.engine} has no profiled cost table with t_verify: run `dspark-export profile {a.engine}`")
+    costs = json.loads(a.draft_costs.read_text())
+    row = next((r for r in costs.get("rows", []) if r["past"] == a.context and r["q"] == 1), None)
+    if costs.get("role") != "dspark" or row is None:
+        sys.exit(f"{a.draft_costs}: no --role dspark row at past {a.context}, q 1 (pasts: "
+                 f"{sorted({r['past'] for r in costs.get('rows', [])})})")
+    t_draft = table_draft_seconds(cost_table_at(table, a.context), 1)
+    around = t_draft - row["ms"][0] / 1e3  # the runtime's work around the graph, kept for every graph
+    targets = [float(x) for x in a.speedups.split(",")]
+    out = {"engine": str(a.engine), "context": a.context, "machine": costs.get("machine"),
+           "t_verify_ms": [round(1e3 * t, 2) for t in cost_table_at(table, a.context)["t_verify"]],
+           "tokens": cost_table_at(table, a.context)["tokens"], "t_draft_profiled_ms": round(1e3 * t_draft, 2),
+           "graphs": []}
+    print(f"{a.engine}: t_verify(1) {out['t_verify_ms'][0]} ms, profiled drafting round {1e3 * t_draft:.2f} ms "
+          f"(graph {row['ms'][0]} ms) at {a.context} cached positions")
+    for eng, ms in zip(costs["engines"], row["ms"]):
+        td = around + ms / 1e3
+        g = {"engine": eng, "graph_ms": ms, "round_draft_ms": round(1e3 * td, 2), "needs": []}
+        for s in targets:
+            alpha = needed_alpha(table, td, s, a.context)
+            g["needs"].append({"speedup": s, "alpha": None if alpha is None else round(alpha, 4),
+                               "verify_length": None if alpha is None else speedup(
+                                   table, td, alpha ** np.arange(1, 8), a.context)[0],
+                               "tau_gamma7": None if alpha is None else round(tau_fixed(alpha), 2)})
+        if a.survival:
+            l, x = speedup(table, td, [float(v) for v in a.survival.split(",")], a.context)
+            g["at_survival"] = {"verify_length": l, "speedup": round(x, 3)}
+        out["graphs"].append(g)
+        need = "; ".join(f"{n['speedup']}x: " + ("unreachable" if n["alpha"] is None else
+                         f"alpha {n['alpha']:.3f} (l={n['verify_length']}, tau@7 {n['tau_gamma7']})")
+                         for n in g["needs"])
+        at = f" | at the given survivals {g['at_survival']['speedup']:.3f}x (l={g['at_survival']['verify_length']})" \
+            if a.survival else ""
+        print(f"{eng}: graph {ms} ms, round {g['round_draft_ms']} ms | {need}{at}")
+    if a.survival:
+        out["survival"] = [float(v) for v in a.survival.split(",")]
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
