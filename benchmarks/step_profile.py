@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.evalsets import ROOT, child_env
 from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.kernels import register_kernels
 from dspark_runtime.machine.huge_pages import HugePagesForNewMemory
 from dspark_runtime.machine.sysinfo import machine_description
 
@@ -48,7 +49,7 @@ def weight_inputs(graph_path: Path, vocab: int) -> tuple:
     inits = {t.name: t for t in proto.graph.initializer}
     weighted, head = set(), None
     for n in proto.graph.node:
-        if n.op_type in ("MatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat") and \
+        if n.op_type in ("MatMul", "MatMulNBits", "MatMulGGUF", "MatMulInteger", "MatMulIntegerToFloat") and \
                 any(i in inits for i in n.input[1:2]):
             weighted.add(n.name)
             w = inits[n.input[1]]
@@ -62,7 +63,7 @@ def category(ev: dict, weighted: set, head: str | None) -> str:
     op, name = ev["args"].get("op_name", "?"), ev["name"].rsplit("_kernel_time", 1)[0]
     if head and (name == head or name.startswith(head)):
         return "lm_head"
-    if op == "MatMulNBits" or name in weighted:
+    if op in ("MatMulNBits", "MatMulGGUF") or name in weighted:
         return "weight matmul"
     if op in ("MatMul", "FusedMatMul"):
         return "attention matmul"
@@ -123,6 +124,8 @@ def profile(graph: Path, spec, past: int, q: int, repeats: int, threads: int, we
     so.inter_op_num_threads = 1
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"dspark_step_{past}_{q}")
+    if spec.kernels:  # a graph on DSpark's own kernels (MatMulGGUF): the library shipped beside it
+        register_kernels(so, graph.parent / spec.kernels)
     with HugePagesForNewMemory():  # as the runtime's sessions (dspark_runtime.backends.ort.OrtDecoder)
         sess = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     feeds = _feeds(spec, past, q, last_logits=last_logits, padding_rows=padding_rows)

@@ -45,13 +45,12 @@ class OtherCpuWarning(UserWarning):
 
 
 def machine_description() -> str:
-    """CPU model, cores, RAM and OS of this machine."""
+    """CPU model (with its x86 family and model numbers, which tell generations apart where a virtual machine names
+    the CPU generically, e.g. "AMD EPYC"), cores, RAM and OS of this machine."""
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        f = cpu_features(Path("/proc/cpuinfo").read_text())
+        cpu = f["model"] + (f" (family {f['family']})" if f.get("family") else "")
     except OSError:
         pass
     mem = ""
@@ -205,7 +204,9 @@ def shared_pool_default() -> bool:
 
 def cpu_features(text: str | None = None) -> dict:
     """The CPU of this machine, from /proc/cpuinfo (or from ``text``, a captured /proc/cpuinfo):
-    ``{"model", "vendor", "flags", "cores"}``. ``flags``: the sorted ISA flags of :data:`X86_FLAGS` /
+    ``{"model", "vendor", "flags", "cores"}``, on x86 also ``"family"`` (``"<cpu family>/<model>"``, e.g. ``"25/17"``
+    for AMD's Zen 4 EPYC, ``"26/2"`` for Zen 5: one generation's 512-bit units differ from the next's behind the
+    same model name and flags). ``flags``: the sorted ISA flags of :data:`X86_FLAGS` /
     :data:`ARM_FLAGS` the (first) processor reports. ``cores``: ``os.cpu_count()``, or for ``text`` the
     number of processor entries in it. Where /proc/cpuinfo cannot be read (not Linux) the model is
     ``platform.processor()`` and ``flags`` is empty (unknown)."""
@@ -238,15 +239,23 @@ def cpu_features(text: str | None = None) -> dict:
     model = fields.get("model name") or fields.get("Model name") or fields.get("Hardware") or ""
     if not model and "CPU part" in fields:
         model = f"{vendor or 'unknown implementer'} part {fields['CPU part']}"
-    return {"model": model or platform.processor() or platform.machine(), "vendor": vendor,
-            "flags": sorted(set(flags) & known), "cores": cores}
+    out = {"model": model or platform.processor() or platform.machine(), "vendor": vendor,
+           "flags": sorted(set(flags) & known), "cores": cores}
+    if fields.get("cpu family") and fields.get("model"):
+        out["family"] = f"{fields['cpu family']}/{fields['model']}"
+    return out
 
 
 def cpu_difference(recorded: dict, current: dict) -> str | None:
-    """None when ``recorded`` and ``current`` (:func:`cpu_features` dicts) have the same model and the same
-    flags; else one line naming both models and the flags this machine (``current``) has that the recorded
-    one had not, and those it lacks. Flags are compared only when both records list some (a record from a
-    machine without /proc/cpuinfo has none)."""
+    """None when ``recorded`` and ``current`` (:func:`cpu_features` dicts) have the same model, the same
+    flags and the same x86 family/model numbers; else one line naming both models and the flags this machine
+    (``current``) has that the recorded one had not, and those it lacks. Flags are compared only when both
+    records list some (a record from a machine without /proc/cpuinfo has none), family numbers only when both
+    records have them (records made before they were kept have none)."""
+    fam_a, fam_b = recorded.get("family"), current.get("family")
+    if fam_a and fam_b and fam_a != fam_b and recorded.get("model") == current.get("model"):  # one name, two CPUs
+        recorded, current = (dict(recorded, model=f"{recorded.get('model', '')} (family {fam_a})"),
+                             dict(current, model=f"{current.get('model', '')} (family {fam_b})"))
     model_a, model_b = str(recorded.get("model", "")), str(current.get("model", ""))
     flags_a, flags_b = set(recorded.get("flags") or ()), set(current.get("flags") or ())
     gained, lost = (sorted(flags_b - flags_a), sorted(flags_a - flags_b)) if flags_a and flags_b else ([], [])

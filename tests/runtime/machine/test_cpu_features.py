@@ -103,12 +103,12 @@ EPYC_FLAGS = ["avx", "avx2", "f16c", "fma", "sse4_1", "sse4_2", "ssse3"]
 
 def test_cpu_features_of_an_amx_xeon():
     assert cpu_features(XEON_AMX) == {"model": "Intel(R) Xeon(R) Platinum 8480+", "vendor": "GenuineIntel",
-                                      "flags": XEON_FLAGS, "cores": 2}
+                                      "flags": XEON_FLAGS, "cores": 2, "family": "6/143"}
 
 
 def test_cpu_features_of_an_avx2_only_epyc():
     assert cpu_features(EPYC_AVX2) == {"model": "AMD EPYC 7763 64-Core Processor", "vendor": "AuthenticAMD",
-                                       "flags": EPYC_FLAGS, "cores": 2}
+                                       "flags": EPYC_FLAGS, "cores": 2, "family": "25/1"}
 
 
 def test_cpu_features_of_an_arm_server():
@@ -120,7 +120,7 @@ def test_cpu_features_of_this_machine():
     import os
 
     f = cpu_features()
-    assert set(f) == {"model", "vendor", "flags", "cores"} and f["cores"] == os.cpu_count()
+    assert set(f) - {"family"} == {"model", "vendor", "flags", "cores"} and f["cores"] == os.cpu_count()
     assert f["flags"] == sorted(f["flags"]) and isinstance(f["model"], str) and f["model"]
     if Path("/proc/cpuinfo").is_file() and platform.machine() in ("x86_64", "AMD64"):
         text = Path("/proc/cpuinfo").read_text()
@@ -148,6 +148,12 @@ def test_cpu_difference():
         "recorded on 'AMD EPYC 7763 64-Core Processor', this machine is 'AMD EPYC 7B13'; same ISA flags")
     # a record without flags (no /proc/cpuinfo there): the models alone
     assert cpu_difference(dict(epyc, flags=[]), epyc) is None
+    # one name and one set of flags, another generation (a VM naming both "AMD EPYC"): the family numbers tell
+    zen4, zen5 = dict(epyc, model="AMD EPYC", family="25/17"), dict(epyc, model="AMD EPYC", family="26/2")
+    assert cpu_difference(zen4, zen5) == ("recorded on 'AMD EPYC (family 25/17)', this machine is "
+                                          "'AMD EPYC (family 26/2)'; same ISA flags")
+    # a record made before the family numbers were kept: not compared
+    assert cpu_difference({k: v for k, v in zen4.items() if k != "family"}, zen5) is None
     assert "not compared" in cpu_difference({"model": "arm"}, epyc)
 
 
