@@ -207,7 +207,8 @@ def info(engine_dir):
         if not isinstance(rec, dict) or not rec:
             return "not recorded"
         diff = cpu_difference(rec, here)
-        return (f"{rec.get('model') or '?'} ({rec.get('vendor') or '?'}, {rec.get('cores', '?')} cores; ISA "
+        fam = f", family {rec['family']}" if rec.get("family") else ""  # x86 family/model: the CPU's generation
+        return (f"{rec.get('model') or '?'} ({rec.get('vendor') or '?'}{fam}, {rec.get('cores', '?')} cores; ISA "
                 f"{' '.join(rec.get('flags') or []) or 'not recorded'}) — "
                 + ("this machine's CPU" if diff is None else f"NOT this machine's CPU: {diff}"))
 
@@ -392,9 +393,8 @@ def serve(engine_dir, host, port, max_batch, max_queue, draft, draft_length, dra
                    prefill_budget=prefill_budget, prefix_cache_mb=float(prefix_cache_mb),
                    max_context=max_context, default_max_tokens=default_max_tokens, model_name=model_name,
                    shutdown_timeout=shutdown_timeout, placement=placement, prompts=prompts, replicas=replicas,
-                   autoscale=autoscale,
-                   target_ongoing_requests=target_ongoing_requests, replica_cpus=replica_cpus,
-                   ray_address=ray_address)
+                   autoscale=autoscale, target_ongoing_requests=target_ongoing_requests,
+                   replica_cpus=replica_cpus, ray_address=ray_address)
         return
     try:
         from dspark_runtime.serving.server import serve as _serve
