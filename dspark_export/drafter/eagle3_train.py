@@ -13,10 +13,12 @@ drafter's full-vocabulary head then learns to put no mass outside V_d).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
+from dspark_runtime.drafting.eagle3 import feature_columns
 from dspark_runtime.errors import DSparkError
 
 from dspark_export.drafter.train import Objective, TrainSettings, _to, _window, optimize
@@ -220,3 +222,38 @@ def train_eagle3(store, model, target_head, out_dir: Path, s: TrainSettings, *, 
     head = target_head.to(torch.device(s.device))
     return optimize(store, model, Eagle3Objective(model, head, s, store, columns), out_dir, s, log=log,
                     resume=resume)
+
+
+def train_eagle3_stage(store, cfg: dict, feature_layers, ttt_length: int, intermediate_size: int | None,
+                       s: TrainSettings, vocab, target_dir: Path, out_dir: Path, resume: Path,
+                       budget: float | None, log=print) -> dict:
+    """``train-draft``'s stage 4 for an EAGLE-3 drafter (``--method eagle3``): a new drafter for the target config
+    ``cfg`` (one layer, MLP width ``intermediate_size``, ``ttt_length`` steps; embedding and LM head frozen copies of
+    the target's in ``target_dir``) fusing the decoder layers of ``feature_layers`` (EAGLE-3 fuses decoder layers
+    only: the embedding output, -1, is left out), trained on ``store`` by :func:`train_eagle3` for at most ``budget``
+    seconds (None: ``s.time_budget_s``), resumable from ``resume``. With the run's draft vocabulary ``vocab`` (int64
+    target ids) its head covers those tokens only and it is written in the SpecForge / vLLM layout (``d2t`` /
+    ``t2d``: a head ~10x smaller to read at every draft step); without one (``--draft-vocab 0``), DeepSpec's layout
+    with the full vocabulary. Returns its report plus "seconds_this_call". Raises DSparkError when the features hold
+    no decoder layer."""
+    import torch
+
+    from dspark_export.drafter.graph import target_frozen_weights
+
+    layers = [x for x in feature_layers if x >= 0]
+    if not layers:
+        raise DSparkError(f"the features hold layers {list(feature_layers)}; an EAGLE-3 drafter fuses decoder "
+                          "layers (>= 0): extract features of some (--reuse-data from a run that has them)")
+    torch.manual_seed(s.seed)
+    model = new_eagle3_drafter(cfg, layers, ttt_length, intermediate_size, vocab)
+    emb, head = target_frozen_weights(target_dir)
+    model.init_from_target(emb, head)
+    del emb
+    log(f"[4/5] training an EAGLE-3 drafter: {sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f}"
+        f" M trainable parameters, target layers {layers}, {ttt_length} steps, "
+        + (f"draft vocabulary {len(vocab)} (SpecForge layout)" if vocab is not None else "full vocabulary"))
+    s.time_budget_s = min(s.time_budget_s, budget) if budget is not None else s.time_budget_s
+    t = time.perf_counter()
+    cols = feature_columns(feature_layers, layers, cfg["hidden_size"])
+    rep = train_eagle3(store, model, head, out_dir, s, columns=cols, log=log, resume=resume)
+    return {**rep, "seconds_this_call": time.perf_counter() - t}

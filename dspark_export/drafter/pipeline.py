@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.engine_dir.integrity import atomic_write_text
-from dspark_runtime.drafting.eagle3 import feature_columns
 from dspark_runtime.errors import DSparkError
 from dspark_runtime.machine.sysinfo import cpu_features
 
@@ -27,7 +26,7 @@ from dspark_export.drafter.features import (FeatureStore, answer_sequences, choo
                                             extract_features_ort, pick_mask_token, sharegpt_sequences,
                                             stdlib_sequences)
 from dspark_export.drafter.train import TRAIN_STATE, TrainSettings, train
-from dspark_export.drafter.eagle3_train import train_eagle3
+from dspark_export.drafter.eagle3_train import train_eagle3_stage
 from dspark_export.drafter.init_checkpoint import (cached_vocab, check_reused_data_fits, checkpoint_vocab,
                                                    settings_from_checkpoint)
 from dspark_export.engine_dir.add_draft import add_dspark_draft
@@ -148,7 +147,7 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     3. features: one teacher-forced target pass per sequence (the engine's own graph: the deployed int4 target's
        features and logits over the draft vocabulary), fp16 shards under ``features/``;
     4. train: :func:`train` to ``s.epochs`` (or ``s.max_steps``), state in ``train_state.pt`` (``p.method``
-       "eagle3": an EAGLE-3 drafter fusing ``p.feature_layers``, :func:`train_eagle3`, on the same data);
+       "eagle3": an EAGLE-3 drafter fusing ``p.feature_layers``, :func:`train_eagle3_stage`, on the same data);
     5. calibrate (``engine_dir`` and ``compile_into_engine``): the checkpoint compiled into ``engine_dir``
        (:func:`dspark_export.engine_dir.add_draft.add_dspark_draft`) and its STS temperatures and router priors fitted on the
        calibration split (:func:`dspark_export.fit.calibrate_drafter.calibrate_engine`, also written to the checkpoint's
@@ -305,7 +304,8 @@ def train_draft_pipeline(target_dir: Path, work_dir: Path, out_dir: Path | None,
     store = FeatureStore(feat_dir)
     st = state.stage("train")
     if not st["done"] and p.method == "eagle3":
-        rep = _train_eagle3(store, cfg, p, s, vocab, target_dir, out_dir, work_dir, left(), log)
+        rep = train_eagle3_stage(store, cfg, p.feature_layers, p.ttt_length, p.intermediate_size, s, vocab,
+                                 target_dir, out_dir, work_dir / TRAIN_STATE, left(), log)
         st["seconds"] += rep["seconds_this_call"]
         st.update(done=rep["finished"], report=rep, tokens=store.num_tokens)
         state.save()
@@ -485,36 +485,3 @@ def _moe_kwargs(p: PipelineSettings) -> dict:
     if not p.moe_experts:
         return {}
     return {"moe_experts": p.moe_experts, "moe_top_k": p.moe_top_k, "moe_intermediate_size": p.moe_intermediate_size}
-
-
-def _train_eagle3(store, cfg: dict, p: PipelineSettings, s: TrainSettings, vocab, target_dir: Path, out_dir: Path,
-                  work_dir: Path, budget: float | None, log) -> dict:
-    """Stage 4 for ``p.method`` "eagle3": an EAGLE-3 drafter for the target config ``cfg`` (one layer, MLP width
-    ``p.intermediate_size``, ``p.ttt_length`` steps; embedding and LM head frozen copies of the target's) fusing the
-    decoder layers of ``p.feature_layers`` (EAGLE-3 fuses decoder layers only: the embedding output, -1, is left
-    out), trained on ``store`` by :func:`train_eagle3`. With the run's draft vocabulary ``vocab`` (int64 target ids)
-    its head covers those tokens only and it is written in the SpecForge / vLLM layout (``d2t`` / ``t2d``: a head
-    ~10x smaller to read at every draft step); without one (``--draft-vocab 0``), DeepSpec's layout with the full
-    vocabulary. Returns its report plus "seconds_this_call"."""
-    import torch
-
-    from dspark_export.drafter.eagle3_train import new_eagle3_drafter
-    from dspark_export.drafter.graph import target_frozen_weights
-
-    layers = [x for x in p.feature_layers if x >= 0]
-    if not layers:
-        raise DSparkError(f"the features hold layers {list(p.feature_layers)}; an EAGLE-3 drafter fuses decoder "
-                          "layers (>= 0): extract features of some (--reuse-data from a run that has them)")
-    torch.manual_seed(s.seed)
-    model = new_eagle3_drafter(cfg, layers, p.ttt_length, p.intermediate_size, vocab)
-    emb, head = target_frozen_weights(target_dir)
-    model.init_from_target(emb, head)
-    del emb
-    log(f"[4/5] training an EAGLE-3 drafter: {sum(q.numel() for q in model.parameters() if q.requires_grad) / 1e6:.1f}"
-        f" M trainable parameters, target layers {layers}, {p.ttt_length} steps, "
-        + (f"draft vocabulary {len(vocab)} (SpecForge layout)" if vocab is not None else "full vocabulary"))
-    s.time_budget_s = min(s.time_budget_s, budget) if budget is not None else s.time_budget_s
-    t = time.perf_counter()
-    cols = feature_columns(p.feature_layers, layers, cfg["hidden_size"])
-    rep = train_eagle3(store, model, head, out_dir, s, columns=cols, log=log, resume=work_dir / TRAIN_STATE)
-    return {**rep, "seconds_this_call": time.perf_counter() - t}
