@@ -1,13 +1,12 @@
 """What a drafter must accept to pay on an engine: the acceptance each drafter graph needs for a given speedup over
 target-only decoding, priced by the engine's profiled round costs and each graph's measured drafting pass.
 
-The model is one request, greedy, the verify length chosen per round as Algorithm 1 does for one request (the
-scheduler's :func:`~dspark_runtime.scheduling.verify_length.expected_throughput` over the engine's
-:func:`~dspark_runtime.scheduling.round_cost.round_cost_table`): a round costs the drafting pass plus the target's
-pass over 1 + l tokens and commits 1 + a_1 + ... + a_l tokens in expectation. Survivals are geometric, a_j = α^j
-(α: the acceptance of each draft given the ones before it); a drafter graph's pass is the engine's profiled
-t_draft with the shipped graph's time replaced by that graph's (``python -m benchmarks.step_profile --role dspark
---against ...`` measures them side by side; the runtime's work around the graph is kept). For each graph and
+The model (:mod:`dspark_runtime.scheduling.breakeven`) is one request, greedy, the verify length chosen per round as
+Algorithm 1 does for one request: a round costs the drafting pass plus the target's pass over 1 + l tokens and
+commits 1 + a_1 + ... + a_l tokens in expectation. Survivals are geometric, a_j = α^j (α: the acceptance of each
+draft given the ones before it); a drafter graph's pass is the engine's profiled t_draft with the shipped graph's
+time replaced by that graph's (``python -m benchmarks.step_profile --role dspark --against ...`` measures them side
+by side; the runtime's work around the graph is kept). For each graph and
 speedup: the least α that reaches it, its best verify length, and the τ at a fixed block of 7 that α gives (the
 drafter issue's "τ at γ=7"). ``--survival`` prices a measured survival profile too (e.g. ``mean true`` of
 ``dspark-export calibrate``).
@@ -25,42 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from dspark_runtime.engine_dir.manifest import load_manifest
+from dspark_runtime.scheduling.breakeven import drafting_seconds, needed_alpha, speedup, tau_fixed
 from dspark_runtime.scheduling.cost_table import cost_table_at
-from dspark_runtime.scheduling.round_cost import round_cost_table, table_draft_seconds
-from dspark_runtime.scheduling.verify_length import expected_throughput
-
-
-def speedup(table: dict, t_draft_s: float, survival, context: float) -> tuple[int, float]:
-    """(best verify length l >= 1, expected tokens/s of speculative rounds at l over target-only tokens/s) for one
-    request with prefix survivals ``survival`` [γ], a drafting pass of ``t_draft_s`` seconds and the cost table
-    ``table`` (a manifest ``cost_table``: t_verify by verify tokens) at ``context`` cached positions."""
-    at = cost_table_at(table, context)
-    base = 1.0 / at["t_verify"][0]  # target-only: one token per pass over one token, no drafting
-    profiled = table_draft_seconds(at, 1)  # what round_cost_table prices one request's drafting pass at
-    cost = round_cost_table(table, rows=1, context=context, draft_scale=t_draft_s / max(profiled, 1e-12))
-    a = np.asarray(survival, dtype=np.float64)
-    rates = [expected_throughput([a], [l], cost) for l in range(1, len(a) + 1)]
-    best = int(np.argmax(rates))
-    return best + 1, rates[best] / base
-
-
-def needed_alpha(table: dict, t_draft_s: float, target: float, context: float, gamma: int = 7) -> float | None:
-    """The least per-position acceptance α (survivals α^j) whose best verify length reaches ``target`` × target-only;
-    None when even α = 1 does not. Bisection to 1e-4."""
-    def gain(alpha):
-        return speedup(table, t_draft_s, alpha ** np.arange(1, gamma + 1), context)[1]
-    if gain(1.0) < target:
-        return None
-    lo, hi = 0.0, 1.0
-    while hi - lo > 1e-4:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gain(mid) < target else (lo, mid)
-    return hi
-
-
-def tau_fixed(alpha: float, gamma: int = 7) -> float:
-    """Expected accepted length τ (bonus token included) of a full block of ``gamma`` drafts at survivals α^j."""
-    return float(1.0 + sum(alpha ** j for j in range(1, gamma + 1)))
 
 
 def main(argv=None) -> int:
@@ -82,7 +47,7 @@ def main(argv=None) -> int:
     if costs.get("role") != "dspark" or row is None:
         sys.exit(f"{a.draft_costs}: no --role dspark row at past {a.context}, q 1 (pasts: "
                  f"{sorted({r['past'] for r in costs.get('rows', [])})})")
-    t_draft = table_draft_seconds(cost_table_at(table, a.context), 1)
+    t_draft = drafting_seconds(table, a.context)
     around = t_draft - row["ms"][0] / 1e3  # the runtime's work around the graph, kept for every graph
     targets = [float(x) for x in a.speedups.split(",")]
     out = {"engine": str(a.engine), "context": a.context, "machine": costs.get("machine"),
@@ -95,13 +60,13 @@ def main(argv=None) -> int:
         td = around + ms / 1e3
         g = {"engine": eng, "graph_ms": ms, "round_draft_ms": round(1e3 * td, 2), "needs": []}
         for s in targets:
-            alpha = needed_alpha(table, td, s, a.context)
+            alpha = needed_alpha(table, s, a.context, td)
             g["needs"].append({"speedup": s, "alpha": None if alpha is None else round(alpha, 4),
                                "verify_length": None if alpha is None else speedup(
-                                   table, td, alpha ** np.arange(1, 8), a.context)[0],
+                                   table, alpha ** np.arange(1, 8), a.context, td)[0],
                                "tau_gamma7": None if alpha is None else round(tau_fixed(alpha), 2)})
         if a.survival:
-            l, x = speedup(table, td, [float(v) for v in a.survival.split(",")], a.context)
+            l, x = speedup(table, [float(v) for v in a.survival.split(",")], a.context, td)
             g["at_survival"] = {"verify_length": l, "speedup": round(x, 3)}
         out["graphs"].append(g)
         need = "; ".join(f"{n['speedup']}x: " + ("unreachable" if n["alpha"] is None else

@@ -20,6 +20,7 @@ import numpy as np
 from dspark_runtime.drafting.learned_acceptance import acceptance_counts, fit_ngram_counts
 from dspark_runtime.drafting.router import NGRAM_MAX_LENGTH
 from dspark_runtime.drafting.sts import fit_sts, survival_ece_report
+from dspark_runtime.scheduling.breakeven import needed_alpha, speedup
 from dspark_runtime.engine import Engine
 from dspark_runtime.engine_dir.integrity import atomic_write_text
 from dspark_runtime.engine_dir.manifest import load_manifest
@@ -75,13 +76,27 @@ def fit_router(sequences: list, dspark_accepted: np.ndarray, gamma: int, fitted_
             "sequences": len(sequences), "gamma": int(gamma)}
 
 
+def drafter_worth(cost_table: dict | None, survival: list) -> dict | None:
+    """What measured prefix survivals (``mean true`` per position) are worth on a profiled engine, for one request
+    (:mod:`dspark_runtime.scheduling.breakeven`): {"speedup" over target-only, "verify_length" (the best), and
+    "breakeven_alpha" (the per-position acceptance at which the drafter pays for itself, or None)}; None without
+    survivals or a cost table with t_verify. Pure function."""
+    if not survival or not cost_table or "t_verify" not in cost_table:
+        return None
+    length, x = speedup(cost_table, survival)
+    alpha = needed_alpha(cost_table, 1.0, gamma=len(survival))
+    return {"speedup": round(x, 4), "verify_length": length,
+            "breakeven_alpha": None if alpha is None else round(alpha, 4)}
+
+
 def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int = 128, log=print,
                      save_to_checkpoint: bool = False) -> dict:
     """Fit STS temperatures for the engine's DSpark drafter and the router's priors, and write them to its manifest.
     A drafter without the confidence head (DeepSpec's DFlash) gets the router's priors only (temperatures None).
 
     Returns {"temperatures", "report" (per position ECE before/after; empty without a confidence head), "rounds",
-    "prompts", "checkpoint_sts" (the ``sts.json`` written, or None)}.
+    "prompts", "worth" (:func:`drafter_worth` of the measured survivals on the engine's cost table, or None),
+    "checkpoint_sts" (the ``sts.json`` written, or None)}.
     The manifest and ``<engine_dir>/calibration.json`` change together or not at all. With ``save_to_checkpoint``
     the fit is also written (atomically, after them) as ``sts.json`` in the drafter's checkpoint folder, which
     ``add-draft`` copies into every engine later compiled from it; otherwise that folder is left untouched (an
@@ -123,6 +138,15 @@ def calibrate_engine(engine_dir: Path, n_prompts: int = 12, max_new_tokens: int 
     log("n-gram lookup acceptance at position 1 by match extent "
         + ", ".join(f"{lo}+: {ng[i, 0]:.2f} ({int(router['ngram']['tries'][i][0])})"
                     for i, lo in enumerate(router["ngram"]["edges"])))
+    res["worth"] = drafter_worth(m.speculation.cost_table, acc.mean(axis=0).tolist())  # prefix survival by position
+    if res["worth"] is not None:
+        w = res["worth"]
+        log(f"on this engine's cost table (one request): these survivals make the DSpark drafter alone "
+            f"{w['speedup']:.2f}x target-only (verify length {w['verify_length']}); it breaks even at "
+            + (f"{w['breakeven_alpha']:.2f} acceptance per position" if w["breakeven_alpha"] is not None
+               else "no acceptance (a verified token costs a whole pass here)"))
+    else:
+        log("no cost table: `dspark-export profile` this engine to see what these survivals are worth on this machine")
     model_id = m.graphs[m.speculation.dspark.graph].model_id
     ck = Path(model_id[len("dspark:"):]) if model_id.startswith("dspark:") else None
     res["checkpoint_sts"] = None

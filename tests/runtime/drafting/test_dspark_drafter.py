@@ -217,6 +217,10 @@ def test_profile_scheduled_and_calibrate(tiny_dspark, tmp_path):
     shipped_sts = (ckpt / "sts.json").read_bytes()
     res = calibrate_engine(eng_dir, n_prompts=3, max_new_tokens=24, log=lambda *a: None)
     assert res["checkpoint_sts"] is None and (ckpt / "sts.json").read_bytes() == shipped_sts
+    # profiled: what the measured survivals are worth here (dspark_runtime/scheduling/breakeven.py)
+    w = res["worth"]
+    assert 1 <= w["verify_length"] <= 4 and w["speedup"] > 0
+    assert w["breakeven_alpha"] is None or 0 < w["breakeven_alpha"] <= 1
     assert len(res["temperatures"]) == 4 and all(t > 0 for t in res["temperatures"])
     assert res["rounds"] > 0 and [r["position"] for r in res["report"]] == [1, 2, 3, 4]
     m = json.loads((eng_dir / "manifest.json").read_text())
