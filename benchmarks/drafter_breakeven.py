@@ -6,9 +6,8 @@ Algorithm 1 does for one request: a round costs the drafting pass plus the targe
 commits 1 + a_1 + ... + a_l tokens in expectation. Survivals are geometric, a_j = α^j (α: the acceptance of each
 draft given the ones before it); a drafter graph's pass is the engine's profiled t_draft with the shipped graph's
 time replaced by that graph's (``python -m benchmarks.step_profile --role dspark --against ...`` measures them side
-by side; the runtime's work around the graph is kept). For each graph and
-speedup: the least α that reaches it, its best verify length, and the τ at a fixed block of 7 that α gives (the
-drafter issue's "τ at γ=7"). ``--survival`` prices a measured survival profile too (e.g. ``mean true`` of
+by side; the runtime's work around the graph is kept). For each graph and speedup: the least α that reaches it,
+its best verify length, and the τ at a fixed block of 7 that α gives (the drafter issue's "τ at γ=7"). ``--survival`` prices a measured survival profile too (e.g. ``mean true`` of
 ``dspark-export calibrate``).
 
     python -m benchmarks.drafter_breakeven --engine engines/qwen2.5-coder-1.5b --draft-costs step_profile.json \\
@@ -50,10 +49,11 @@ def main(argv=None) -> int:
     t_draft = drafting_seconds(table, a.context)
     around = t_draft - row["ms"][0] / 1e3  # the runtime's work around the graph, kept for every graph
     targets = [float(x) for x in a.speedups.split(",")]
+    survival = [float(v) for v in a.survival.split(",")] if a.survival else None
+    at_context = cost_table_at(table, a.context)
     out = {"engine": str(a.engine), "context": a.context, "machine": costs.get("machine"),
-           "t_verify_ms": [round(1e3 * t, 2) for t in cost_table_at(table, a.context)["t_verify"]],
-           "tokens": cost_table_at(table, a.context)["tokens"], "t_draft_profiled_ms": round(1e3 * t_draft, 2),
-           "graphs": []}
+           "t_verify_ms": [round(1e3 * t, 2) for t in at_context["t_verify"]],
+           "tokens": at_context["tokens"], "t_draft_profiled_ms": round(1e3 * t_draft, 2), "graphs": []}
     print(f"{a.engine}: t_verify(1) {out['t_verify_ms'][0]} ms, profiled drafting round {1e3 * t_draft:.2f} ms "
           f"(graph {row['ms'][0]} ms) at {a.context} cached positions")
     for eng, ms in zip(costs["engines"], row["ms"]):
@@ -65,18 +65,18 @@ def main(argv=None) -> int:
                                "verify_length": None if alpha is None else speedup(
                                    table, alpha ** np.arange(1, 8), a.context, td)[0],
                                "tau_gamma7": None if alpha is None else round(tau_fixed(alpha), 2)})
-        if a.survival:
-            l, x = speedup(table, [float(v) for v in a.survival.split(",")], a.context, td)
+        if survival:
+            l, x = speedup(table, survival, a.context, td)
             g["at_survival"] = {"verify_length": l, "speedup": round(x, 3)}
         out["graphs"].append(g)
         need = "; ".join(f"{n['speedup']}x: " + ("unreachable" if n["alpha"] is None else
                          f"alpha {n['alpha']:.3f} (l={n['verify_length']}, tau@7 {n['tau_gamma7']})")
                          for n in g["needs"])
         at = f" | at the given survivals {g['at_survival']['speedup']:.3f}x (l={g['at_survival']['verify_length']})" \
-            if a.survival else ""
+            if survival else ""
         print(f"{eng}: graph {ms} ms, round {g['round_draft_ms']} ms | {need}{at}")
-    if a.survival:
-        out["survival"] = [float(v) for v in a.survival.split(",")]
+    if survival:
+        out["survival"] = survival
     if a.out:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
